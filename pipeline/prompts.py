@@ -1,0 +1,144 @@
+"""The prompt set: rows from jsonl, json, parquet or a `datasets` dataset, mapped to shards.
+
+A row holds either chat `messages` (the prompt is every turn before the last assistant turn,
+which is the dataset's own response) or a `prompt` string (plus an optional response field).
+Rows map to shards by position: shard s of K holds rows [s*N//K, (s+1)*N//K), so a row always
+lands in the same shard whatever ranges or workers run. The row count is part of the dataset
+fingerprint, so a changed dataset cannot silently shift rows between shards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import fingerprint
+from pipeline.errors import PipelineError
+
+
+@dataclass(frozen=True)
+class Fields:
+    messages: str = "messages"
+    prompt: str = "prompt"
+    response: str = "response"
+
+
+@dataclass(frozen=True)
+class Row:
+    index: int
+    messages: tuple  # chat turns for the prompt, each {"role", "content"}
+    response: str | None  # the dataset's own assistant answer, if any
+
+
+class PromptSet:
+    def __init__(self, records: list[dict], source: str, fields: Fields, sha256: str) -> None:
+        self.records = records
+        self.source = source
+        self.fields = fields
+        self.sha256 = sha256
+        if records and fields.messages not in records[0] and fields.prompt not in records[0]:
+            raise PipelineError(
+                f"dataset {source}: row 0 has neither field {fields.messages!r} nor {fields.prompt!r} "
+                f"(fields present: {sorted(records[0])}); set --messages-field or --prompt-field")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def shard_rows(self, shard: int, num_shards: int) -> range:
+        n = len(self.records)
+        return range(shard * n // num_shards, (shard + 1) * n // num_shards)
+
+    def row(self, i: int) -> Row:
+        rec = self.records[i]
+        f = self.fields
+        if f.messages in rec:
+            msgs = rec[f.messages]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+                raise PipelineError(f"dataset {self.source}: row {i} field {f.messages!r} is not a list of "
+                                    "{'role', 'content'} turns")
+            last_assistant = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+            if last_assistant is None:
+                return Row(i, tuple(msgs), None)
+            return Row(i, tuple(msgs[:last_assistant]), msgs[last_assistant]["content"])
+        if f.prompt in rec:
+            prompt = rec[f.prompt]
+            if not isinstance(prompt, str):
+                raise PipelineError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
+            return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response))
+        raise PipelineError(f"dataset {self.source}: row {i} has neither field {f.messages!r} nor {f.prompt!r} "
+                            f"(fields present: {sorted(rec)})")
+
+    def describe(self) -> dict:
+        return {"source": self.source, "rows": len(self), "sha256": self.sha256,
+                "fields": {"messages": self.fields.messages, "prompt": self.fields.prompt,
+                           "response": self.fields.response}}
+
+
+def load(source: str, fields: Fields = Fields(), split: str = "train") -> PromptSet:
+    path = Path(source).expanduser()
+    if path.is_file():
+        suffix = "".join(path.suffixes[-1:]).lower()
+        if suffix == ".jsonl":
+            records = _read_jsonl(path)
+        elif suffix == ".json":
+            records = _read_json(path)
+        elif suffix == ".parquet":
+            records = _read_parquet(path)
+        else:
+            raise PipelineError(f"--dataset {path}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet")
+        return PromptSet(records, str(path), fields, fingerprint.sha256_file(path))
+    if path.is_dir() or source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
+        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+            return _from_datasets(str(path), fields, split, on_disk=True)
+        raise PipelineError(f"--dataset {source}: no such file (or not a saved `datasets` directory)")
+    return _from_datasets(source, fields, split, on_disk=False)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PipelineError(f"--dataset {path}: line {n} is not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise PipelineError(f"--dataset {path}: line {n} is not a JSON object")
+            records.append(rec)
+    return records
+
+
+def _read_json(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"--dataset {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise PipelineError(f"--dataset {path}: expected a JSON list of objects")
+    return data
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:
+        raise PipelineError(f"--dataset {path}: cannot read parquet ({e})") from None
+
+
+def _from_datasets(name: str, fields: Fields, split: str, on_disk: bool) -> PromptSet:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(name) if on_disk else datasets.load_dataset(name, split=split)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split]
+    except Exception as e:
+        raise PipelineError(f"--dataset {name}: cannot load it with `datasets` ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return PromptSet(ds.to_list(), name, fields, fingerprint.sha256_json({"fingerprint": ds._fingerprint, "rows": len(ds)}))

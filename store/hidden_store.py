@@ -1,0 +1,171 @@
+"""The store as a whole: root creation and compatibility, shard status, commit files, locks.
+
+A local path or any fsspec URL zarr accepts. Commit files are written last and atomically (a
+temporary name, then a rename; on object stores a single put), so a reader or a rerun only
+trusts what was finished. Locks need a POSIX file system; on object stores each process must
+be given disjoint shard ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import torch
+import zarr
+from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.errors import PipelineError
+from store import layout
+from store.locks import HOST, LockFile
+
+ROOT_LOCK_TIMEOUT_S = 3600.0
+
+
+class HiddenStore:
+    def __init__(self, location: str) -> None:
+        self.location = str(location)
+        self.fs, self.root = fsspec.core.url_to_fs(self.location)
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    # -- files -----------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return f"{self.root.rstrip('/')}/{key}"
+
+    def read_json(self, key: str) -> dict | None:
+        try:
+            with self.fs.open(self._path(key), "r") as fh:
+                return json.load(fh)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return None  # a torn file from a crash counts as absent
+
+    def write_json(self, key: str, obj: dict) -> None:
+        data = json.dumps(obj, indent=1, sort_keys=True, default=str)
+        path = self._path(key)
+        if self.local:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "w") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        else:
+            with self.fs.open(path, "w") as fh:
+                fh.write(data)
+
+    def lock(self, name: str) -> LockFile | None:
+        return LockFile(Path(self._path(f"_locks/{name}.lock"))) if self.local else None
+
+    def exists(self) -> bool:
+        return self.read_json(layout.commit_key("root")) is not None
+
+    # -- root ------------------------------------------------------------------------------
+    def group(self, mode: str = "r") -> zarr.Group:
+        return zarr.open_group(self.location, mode=mode)
+
+    @property
+    def attrs(self) -> dict:
+        if not hasattr(self, "_attrs"):
+            if not self.exists():
+                raise PipelineError(f"{self.location}: not a hidden-state store (no {layout.commit_key('root')})")
+            self._attrs = dict(self.group("r").attrs)
+        return self._attrs
+
+    def create_or_check(self, attrs: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> str:
+        """Create the root once (under a lock), or check an existing root matches `attrs["compat"]`.
+
+        Returns "created" or "opened". embed, lm_head: [V, H] bf16.
+        """
+        lock = self.lock("root")
+        if lock is not None:
+            try:
+                lock.acquire(ROOT_LOCK_TIMEOUT_S)
+            except TimeoutError as e:
+                raise PipelineError(f"{self.location}: timed out waiting for the root lock ({e})") from None
+        try:
+            if self.exists():
+                self.check_compatible(attrs["compat"])
+                return "opened"
+            self._create(attrs, embed, lm_head)
+            return "created"
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _create(self, attrs: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        if self.fs.exists(self._path("shards")) and self.fs.ls(self._path("shards")):
+            raise PipelineError(f"{self.location}: has shard data but no root commit; not a store this tool made")
+        g = zarr.open_group(self.location, mode="a")
+        for name, w in (("embed_tokens", embed), ("lm_head", lm_head)):
+            bits = layout.to_bits(w.detach().to("cpu", torch.bfloat16))
+            rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
+            g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
+                           compressors=layout.compressor(), fill_value=0, overwrite=True)[:] = bits
+        g.attrs.put(attrs)
+        self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs["fingerprint"]})
+
+    def check_compatible(self, compat: dict) -> None:
+        mine = self.attrs.get("compat", {})
+        diff = sorted(k for k in set(mine) | set(compat) if mine.get(k) != compat.get(k))
+        if diff:
+            detail = "; ".join(f"{k}: store has {_short(mine.get(k))}, this run has {_short(compat.get(k))}" for k in diff)
+            raise PipelineError(f"{self.location} was made with a different target/taps/config, refusing to add shards ({detail})")
+
+    def embedding(self, name: str) -> torch.Tensor:
+        """'embed_tokens' or 'lm_head': [V, H] bf16."""
+        g = self.group("r")
+        key = f"target/{name}"
+        if key not in g:
+            raise PipelineError(f"{self.location}: missing array {key}")
+        return layout.from_bits(g[key][:])
+
+    # -- shards ----------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return int(self.attrs["num_shards"])
+
+    def marker(self, shard: int) -> dict | None:
+        return self.read_json(layout.commit_key(shard))
+
+    def committed(self) -> dict[int, dict]:
+        """Shard id -> its commit record, for every committed shard."""
+        out = {}
+        try:
+            names = self.fs.ls(self._path("_commits"), detail=False)
+        except FileNotFoundError:
+            return out
+        for name in names:
+            base = name.rstrip("/").rsplit("/", 1)[-1]
+            if base.endswith(".json") and base[:-5].isdigit():
+                rec = self.read_json(f"_commits/{base}")
+                if rec is not None:
+                    out[int(base[:-5])] = rec
+        return dict(sorted(out.items()))
+
+    def has_data(self, shard: int) -> bool:
+        return self.fs.exists(self._path(layout.shard_group(shard)))
+
+    def clear_shard(self, shard: int) -> None:
+        """Remove a shard's arrays and commit file (a rerun redoes it from scratch)."""
+        for key in (layout.commit_key(shard), layout.shard_group(shard)):
+            if self.fs.exists(self._path(key)):
+                self.fs.rm(self._path(key), recursive=True)
+
+    def shard_arrays(self, shard: int) -> zarr.Group:
+        return zarr.open_group(self.location, mode="r", path=layout.shard_group(shard))
+
+    def bytes_on_disk(self, key: str = "") -> int:
+        path = self._path(key) if key else self.root
+        return int(self.fs.du(path)) if self.fs.exists(path) else 0
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,59 @@
+"""Names, codecs and dtypes of the hidden-state store (documented in docs/store.md).
+
+    STORE/
+      zarr.json                    root group; attributes = provenance (SCHEMA below)
+      target/embed_tokens          [V, H] uint16 (bf16 bits), the target's input embedding
+      target/lm_head               [V, H] uint16 (bf16 bits), the target's output projection
+      shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens
+      shards/00003/tokens          [T] int32     prompt + completion ids of every sample
+      shards/00003/loss_mask       [T] uint8     1 exactly on completion tokens
+      shards/00003/offsets         [N+1] int64   sample i is tokens offsets[i]:offsets[i+1]
+      shards/00003/prompt_lens     [N] int32     prompt tokens at the start of each sample
+      shards/00003/row_ids         [N] int64     dataset row of each sample
+      _commits/root.json           written last when the root is complete
+      _commits/00003.json          written last when shard 3 is complete: stats + checksums
+      _locks/00003.lock            held while a process writes shard 3
+
+A shard without its commit file is not part of the store, whatever its arrays hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from zarr.codecs import BloscCodec, BloscShuffle
+
+SCHEMA_VERSION = 1
+HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
+SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
+ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
+                "prompt_lens": np.int32, "row_ids": np.int64}
+SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response")
+
+
+def shard_name(shard: int) -> str:
+    return f"{shard:05d}"
+
+
+def shard_group(shard: int) -> str:
+    return f"shards/{shard_name(shard)}"
+
+
+def commit_key(shard: int | str) -> str:
+    return f"_commits/{shard if isinstance(shard, str) else shard_name(shard)}.json"
+
+
+def compressor(level: int = 3) -> BloscCodec:
+    """Lossless: byte-shuffled zstd inside blosc (bf16's sign/exponent byte compresses well)."""
+    return BloscCodec(cname="zstd", clevel=level, shuffle=BloscShuffle.shuffle, typesize=2)
+
+
+def to_bits(x: torch.Tensor) -> np.ndarray:
+    """bf16 tensor -> uint16 numpy array of the same bits (zarr has no bfloat16)."""
+    assert x.dtype == torch.bfloat16, x.dtype
+    return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bits(a: np.ndarray) -> torch.Tensor:
+    """uint16 numpy array -> bf16 tensor of the same bits; exact inverse of to_bits."""
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)

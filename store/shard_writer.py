@@ -1,0 +1,187 @@
+"""Writes one shard: hidden states stream through a background thread, the commit file goes last.
+
+The model thread hands each batch over with `add` and returns to the next forward; the writer
+thread converts to bf16 bits, checksums, and writes whole zarr shards (`shard_tokens` tokens, so
+no write ever rewrites a shard object) while the model runs. `commit` drains the queue, writes
+the tail and the small per-sample arrays, checks the lock is still ours, and only then writes the
+commit file. Anything that stops earlier leaves a shard without a commit file, which no reader
+trusts and a rerun redoes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zarr
+
+from store import layout
+from store.hidden_store import HiddenStore
+
+_DONE = object()
+
+
+@dataclass
+class ShardStats:
+    samples: int = 0
+    tokens: int = 0
+    completion_tokens: int = 0
+    skipped: dict = field(default_factory=lambda: {r: 0 for r in layout.SKIP_REASONS})
+    truncated: int = 0  # completions cut at --max-length / --max-new-tokens without an EOS
+
+
+class ShardWriter:
+    def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
+                 chunk_tokens: int, shard_tokens: int, compression_level: int = 3, queue_depth: int = 3) -> None:
+        assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
+        self.store, self.shard = store, shard
+        self.n_taps, self.hidden_size = n_taps, hidden_size
+        self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
+        self.stats = ShardStats()
+        self.tokens: list[np.ndarray] = []
+        self.loss_mask: list[np.ndarray] = []
+        self.prompt_lens: list[int] = []
+        self.row_ids: list[int] = []
+        self.stall_s = 0.0  # time the model thread waited for the writer
+        self.busy_s = 0.0  # time the writer thread spent converting, compressing, writing
+        self._crc = 0
+        self._written = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_len = 0
+        self._error: BaseException | None = None
+        store.clear_shard(shard)
+        g = zarr.open_group(store.location, mode="a", path=layout.shard_group(shard))
+        g.attrs.put({"shard": shard})
+        self.group = g
+        self.hidden = g.create_array(
+            "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
+            chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
+            compressors=layout.compressor(compression_level), fill_value=0)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
+        self._thread.start()
+
+    # -- model thread ----------------------------------------------------------------------
+    def add(self, row_id: int, prompt: list[int], completion: list[int], truncated: bool) -> None:
+        """Record one sample's ids; its hidden states come in the batch passed to `add_hidden`."""
+        ids = np.asarray(prompt + completion, dtype=np.int32)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        mask[len(prompt):] = 1
+        self.tokens.append(ids)
+        self.loss_mask.append(mask)
+        self.prompt_lens.append(len(prompt))
+        self.row_ids.append(row_id)
+        self.stats.samples += 1
+        self.stats.tokens += len(ids)
+        self.stats.completion_tokens += len(completion)
+        self.stats.truncated += int(truncated)
+
+    def add_hidden(self, hidden: torch.Tensor) -> None:
+        """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order."""
+        self._raise_if_failed()
+        t0 = time.perf_counter()
+        self._queue.put(hidden)
+        self.stall_s += time.perf_counter() - t0
+
+    def skip(self, reason: str) -> None:
+        self.stats.skipped[reason] += 1
+
+    def commit(self, lock, extra: dict) -> dict:
+        """Finish the shard and write its commit file; returns the commit record."""
+        self._queue.put(_DONE)
+        self._thread.join()
+        self._raise_if_failed()
+        assert self._written == self.stats.tokens, (self._written, self.stats.tokens)
+        arrays = {
+            "tokens": _cat(self.tokens, np.int32),
+            "loss_mask": _cat(self.loss_mask, np.uint8),
+            "offsets": np.concatenate([[0], np.cumsum([len(t) for t in self.tokens])]).astype(np.int64),
+            "prompt_lens": np.asarray(self.prompt_lens, dtype=np.int32),
+            "row_ids": np.asarray(self.row_ids, dtype=np.int64),
+        }
+        for name, data in arrays.items():
+            self.group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=(max(1, min(len(data), 1 << 20)),),
+                                    compressors=layout.compressor(), fill_value=0)[:] = data
+        checksums = {name: crc32(data) for name, data in arrays.items()}
+        checksums["hidden"] = self._crc
+        if lock is not None and not lock.still_held():
+            raise RuntimeError(f"lost the lock on shard {self.shard} ({lock.path}); not committing")
+        record = {
+            "shard": self.shard,
+            "samples": self.stats.samples,
+            "tokens": self.stats.tokens,
+            "completion_tokens": self.stats.completion_tokens,
+            "skipped": self.stats.skipped,
+            "truncated": self.stats.truncated,
+            "shapes": {"hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
+                       **{k: list(v.shape) for k, v in arrays.items()}},
+            "checksums": {"algorithm": "crc32 of the C-order array bytes", **checksums},
+            "writer": {"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
+            **extra,
+        }
+        self.store.write_json(layout.commit_key(self.shard), record)
+        return record
+
+    def abort(self) -> None:
+        """Stop the writer thread; the shard stays uncommitted."""
+        if self._thread.is_alive():
+            try:
+                self._queue.put(_DONE, timeout=5)
+            except queue.Full:
+                pass
+            self._thread.join(timeout=30)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writer for shard {self.shard} failed: {self._error!r}") from self._error
+
+    # -- writer thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not _DONE:
+                t0 = time.perf_counter()
+                bits = layout.to_bits(item)
+                self._crc = zlib.crc32(memoryview(bits).cast("B"), self._crc)
+                self._pending.append(bits)
+                self._pending_len += len(bits)
+                if self._pending_len >= self.shard_tokens:
+                    self._flush(final=False)
+                self.busy_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._flush(final=True)
+            self.busy_s += time.perf_counter() - t0
+        except BaseException as e:  # surfaced in the model thread on its next call
+            self._error = e
+            while True:  # unblock a producer waiting on a full queue
+                try:
+                    if self._queue.get_nowait() is _DONE:
+                        break
+                except queue.Empty:
+                    break
+
+    def _flush(self, final: bool) -> None:
+        if not self._pending_len:
+            return
+        data = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        n = len(data) if final else (len(data) // self.shard_tokens) * self.shard_tokens
+        if n:
+            end = self._written + n
+            self.hidden.resize((end, self.n_taps, self.hidden_size))
+            self.hidden[self._written:end] = data[:n]
+            self._written = end
+        rest = data[n:]
+        self._pending = [rest] if len(rest) else []
+        self._pending_len = len(rest)
+
+
+def crc32(a: np.ndarray) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+
+
+def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)

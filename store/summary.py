@@ -1,0 +1,88 @@
+"""What a store holds: shards done and missing, samples, tokens, bytes, ratio, provenance."""
+
+from __future__ import annotations
+
+from pipeline.ranges import format_ranges
+from store.hidden_store import HiddenStore
+
+
+def summarize(store: HiddenStore) -> dict:
+    attrs = store.attrs
+    committed = store.committed()
+    n_taps, hidden = len(attrs["taps"]), int(attrs["hidden_size"])
+    tokens = sum(m["tokens"] for m in committed.values())
+    skipped: dict[str, int] = {}
+    for m in committed.values():
+        for reason, n in m["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    hidden_raw = tokens * n_taps * hidden * 2
+    shard_bytes = sum(store.bytes_on_disk(f"shards/{s:05d}/hidden") for s in committed)
+    return {
+        "store": store.location,
+        "fingerprint": attrs["fingerprint"],
+        "num_shards": store.num_shards,
+        "done": format_ranges(list(committed)),
+        "missing": format_ranges([s for s in range(store.num_shards) if s not in committed]),
+        "shards_done": len(committed),
+        "samples": sum(m["samples"] for m in committed.values()),
+        "tokens": tokens,
+        "completion_tokens": sum(m["completion_tokens"] for m in committed.values()),
+        "skipped": skipped,
+        "truncated": sum(m["truncated"] for m in committed.values()),
+        "bytes_on_disk": store.bytes_on_disk(),
+        "hidden_bytes_on_disk": shard_bytes,
+        "hidden_bytes_raw_bf16": hidden_raw,
+        "compression_ratio": round(hidden_raw / shard_bytes, 3) if shard_bytes else None,
+        "bytes_per_token": round(store.bytes_on_disk() / tokens, 1) if tokens else None,
+        "provenance": {
+            "target": attrs["target"]["path"],
+            "model_class": attrs["target"]["model_class"],
+            "target_fingerprint": attrs["target"]["fingerprint"],
+            "taps": attrs["taps"],
+            "hidden_size": hidden,
+            "vocab_size": attrs["vocab_size"],
+            "mask_token_id": attrs["mask_token_id"],
+            "linear_attention": attrs["backends"]["linear_attention"],
+            "attention": attrs["backends"]["attention"],
+            "device": attrs["device"],
+            "dtype": attrs["dtype"],
+            "dataset": attrs["dataset"]["source"],
+            "responses": attrs["extract"]["responses"],
+            "versions": attrs["versions"],
+        },
+    }
+
+
+def render(s: dict) -> str:
+    p = s["provenance"]
+    ratio = f"{s['compression_ratio']}x" if s["compression_ratio"] else "n/a"
+    lines = [
+        f"store        {s['store']}",
+        f"fingerprint  {s['fingerprint']}",
+        f"shards       {s['shards_done']}/{s['num_shards']} done ({s['done'] or 'none'}); missing: {s['missing'] or 'none'}",
+        f"samples      {s['samples']}  (skipped: {_fmt_skips(s['skipped'])}; truncated at the length limit: {s['truncated']})",
+        f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
+        f"bytes        {_human(s['bytes_on_disk'])} on disk; hidden {_human(s['hidden_bytes_on_disk'])} "
+        f"vs {_human(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
+        f"target       {p['target']} ({p['model_class']})",
+        f"             fingerprint {p['target_fingerprint'][:16]}...",
+        f"taps         {p['taps']} (hidden {p['hidden_size']}, vocab {p['vocab_size']}, mask token {p['mask_token_id']})",
+        f"backend      linear attention: {p['linear_attention']}, attention: {p['attention']}, "
+        f"device {p['device']}, dtype {p['dtype']}",
+        f"data         {p['dataset']} (responses: {p['responses']})",
+        "versions     " + ", ".join(f"{k} {v}" for k, v in p["versions"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def _fmt_skips(skipped: dict) -> str:
+    parts = [f"{k} {v}" for k, v in skipped.items() if v]
+    return ", ".join(parts) if parts else "none"
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)

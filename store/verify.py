@@ -1,0 +1,111 @@
+"""Re-read every committed shard and check shapes, offsets, masks and checksums."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from store import layout
+from store.hidden_store import HiddenStore
+from store.shard_writer import crc32
+
+
+@dataclass
+class Report:
+    checked: list[int] = field(default_factory=list)
+    problems: dict[int, list[str]] = field(default_factory=dict)  # shard -> what is wrong
+    missing: list[int] = field(default_factory=list)  # expected but not committed
+    partial: list[int] = field(default_factory=list)  # data without a commit file (redone on rerun)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.missing
+
+
+def verify(store: HiddenStore, expected: list[int] | None = None, progress=None) -> Report:
+    """Check committed shards; `expected` shards that are not committed count as missing."""
+    attrs = store.attrs
+    n_taps, hidden_size = len(attrs["taps"]), int(attrs["hidden_size"])
+    committed = store.committed()
+    report = Report()
+    for shard, marker in committed.items():
+        problems = check_shard(store, shard, marker, n_taps, hidden_size)
+        report.checked.append(shard)
+        if problems:
+            report.problems[shard] = problems
+        if progress is not None:
+            progress(shard)
+    report.missing = [s for s in (expected or []) if s not in committed]
+    report.partial = [s for s in range(store.num_shards) if s not in committed and store.has_data(s)]
+    for name in ("embed_tokens", "lm_head"):
+        try:
+            w = store.group("r")[f"target/{name}"]
+            if w.shape != (int(attrs["vocab_size"]), hidden_size):
+                report.problems.setdefault(-1, []).append(f"target/{name} shape {w.shape}")
+        except Exception as e:  # noqa: BLE001 - name what broke
+            report.problems.setdefault(-1, []).append(f"target/{name} unreadable: {type(e).__name__}: {e}")
+    return report
+
+
+def check_shard(store: HiddenStore, shard: int, marker: dict, n_taps: int, hidden_size: int) -> list[str]:
+    problems: list[str] = []
+    try:
+        g = store.shard_arrays(shard)
+        arrays = {name: g[name] for name in layout.SHARD_ARRAYS}
+    except Exception as e:  # noqa: BLE001
+        return [f"arrays missing or unreadable ({type(e).__name__}: {e})"]
+    shapes = marker.get("shapes", {})
+    for name, arr in arrays.items():
+        if list(arr.shape) != shapes.get(name):
+            problems.append(f"{name}: shape {list(arr.shape)}, commit file says {shapes.get(name)}")
+        if arr.dtype != layout.ARRAY_DTYPES[name]:
+            problems.append(f"{name}: dtype {arr.dtype}, expected {np.dtype(layout.ARRAY_DTYPES[name])}")
+    if problems:
+        return problems
+    if tuple(arrays["hidden"].shape[1:]) != (n_taps, hidden_size):
+        problems.append(f"hidden: shape {arrays['hidden'].shape}, expected [T, {n_taps}, {hidden_size}]")
+    sums = marker.get("checksums", {})
+    try:
+        small = {name: arrays[name][:] for name in layout.SHARD_ARRAYS if name != "hidden"}
+    except Exception as e:  # noqa: BLE001
+        return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"]
+    for name, data in small.items():
+        if crc32(data) != sums.get(name):
+            problems.append(f"{name}: checksum mismatch")
+    problems += _check_offsets(small, int(arrays["hidden"].shape[0]))
+    try:
+        if _hidden_crc(arrays["hidden"]) != sums.get("hidden"):
+            problems.append("hidden: checksum mismatch (a chunk file is corrupt, missing or replaced)")
+    except Exception as e:  # noqa: BLE001 - a chunk that cannot be decoded
+        problems.append(f"hidden: unreadable chunk ({type(e).__name__}: {e})")
+    return problems
+
+
+def _check_offsets(small: dict, total: int) -> list[str]:
+    off, plen = small["offsets"], small["prompt_lens"]
+    problems = []
+    if len(off) != len(plen) + 1 or len(small["row_ids"]) != len(plen):
+        return [f"offsets/prompt_lens/row_ids lengths disagree: {len(off)}, {len(plen)}, {len(small['row_ids'])}"]
+    if off[0] != 0 or off[-1] != total or len(small["tokens"]) != total or np.any(np.diff(off) <= 0):
+        problems.append(f"offsets do not tile the {total} tokens in increasing order")
+        return problems
+    lengths = np.diff(off)
+    if np.any(plen <= 0) or np.any(plen >= lengths):
+        problems.append("a prompt length is not inside its sample")
+        return problems
+    expected = np.ones(total, dtype=np.uint8)
+    for a, p in zip(off[:-1], plen):
+        expected[a:a + p] = 0
+    if not np.array_equal(expected, small["loss_mask"]):
+        problems.append("loss_mask is not exactly the completion tokens")
+    return problems
+
+
+def _hidden_crc(arr) -> int:
+    crc = 0
+    step = arr.shards[0] if getattr(arr, "shards", None) else arr.chunks[0]
+    for a in range(0, arr.shape[0], step):
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(arr[a:a + step])).cast("B"), crc)
+    return crc

@@ -1,0 +1,97 @@
+"""Shared fixtures: the shipped tiny target in fp32, a small prompt set, and one extracted store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.modules.setdefault("fla", None)  # CPU tests: the PyTorch Gated DeltaNet path, always
+
+from pipeline import DEFAULT_PROMPTS, TINY_TARGET  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# Small and fast, and every row kind the extractor must handle.
+SMALL = dict(max_new_tokens=24, max_length=160, batch_size=3, dtype="fp32", device="cpu",
+             chunk_tokens=32, shard_tokens=64)
+
+
+def small_rows(n: int = 14) -> list[dict]:
+    rows = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines()[:n]]
+    rows.insert(3, {"messages": [{"role": "user", "content": "   "}]})  # empty prompt
+    rows.insert(7, {"messages": [{"role": "user", "content": "def f(x):\n" + "    x = x + 1\n" * 120}]})  # too long
+    return rows
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in small_rows()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def target():
+    from pipeline import target as targets
+
+    return targets.load(str(TINY_TARGET), "cpu", "fp32")
+
+
+@pytest.fixture(scope="session")
+def small_store(tmp_path_factory, small_dataset) -> Path:
+    """Shards 0-3 of 4 over the small prompt set, extracted in-process."""
+    from stages.extract import ExtractConfig, run
+
+    path = tmp_path_factory.mktemp("stores") / "hs.zarr"
+    config = ExtractConfig(store=str(path), dataset=str(small_dataset), num_shards=4, **SMALL)
+    run(config, [0, 1, 2, 3], log=lambda m: None)
+    return path
+
+
+def cli_args(store: Path, dataset: Path, shards: str, num_shards: int = 4, **over) -> list[str]:
+    opts = {**SMALL, **over}
+    args = ["extract", "--store", str(store), "--dataset", str(dataset), "--shards", shards,
+            "--num-shards", str(num_shards)]
+    for k, v in opts.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def pipeline_proc(args: list[str], **kw) -> subprocess.Popen:
+    """`pipeline ...` in a subprocess, one thread so results are identical across processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           **kw.pop("env", {})}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def run_pipeline(args: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    p = pipeline_proc(args, **kw)
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def assert_stores_equal(a: Path, b: Path) -> None:
+    """Same committed shards, same root content, every array equal bit for bit."""
+    import zarr
+
+    from store.hidden_store import HiddenStore
+
+    sa, sb = HiddenStore(str(a)), HiddenStore(str(b))
+    assert sa.attrs["fingerprint"] == sb.attrs["fingerprint"]
+    assert sa.attrs["compat"] == sb.attrs["compat"]
+    ca, cb = sa.committed(), sb.committed()
+    assert list(ca) == list(cb)
+    ga, gb = zarr.open_group(str(a), mode="r"), zarr.open_group(str(b), mode="r")
+    for name in ("target/embed_tokens", "target/lm_head"):
+        assert np.array_equal(ga[name][:], gb[name][:]), name
+    for shard in ca:
+        assert ca[shard]["checksums"] == cb[shard]["checksums"], shard
+        for name in ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids"):
+            x, y = ga[f"shards/{shard:05d}/{name}"][:], gb[f"shards/{shard:05d}/{name}"][:]
+            assert x.shape == y.shape and np.array_equal(x, y), (shard, name)

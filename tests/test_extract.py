@@ -1,0 +1,110 @@
+import json
+
+import torch
+
+from stages.extract import ExtractConfig, run
+from store.hidden_store import HiddenStore
+from store.shard_reader import ShardReader
+from tests.conftest import SMALL, small_rows
+from tests.test_target import bf16_close, reference_states
+
+
+def samples(path):
+    store = HiddenStore(str(path))
+    for shard in store.committed():
+        yield from ShardReader(store, shard)
+
+
+def test_every_row_lands_in_its_shard_or_is_counted(small_store):
+    store = HiddenStore(str(small_store))
+    committed = store.committed()
+    assert list(committed) == [0, 1, 2, 3]
+    rows = small_rows()
+    n = len(rows)
+    seen = []
+    for shard in committed:
+        got = ShardReader(store, shard).row_ids.tolist()
+        assert set(got) <= set(range(shard * n // 4, (shard + 1) * n // 4))
+        seen += got
+    skipped = {k: sum(m["skipped"][k] for m in committed.values()) for k in ("empty_prompt", "prompt_too_long")}
+    assert skipped == {"empty_prompt": 1, "prompt_too_long": 1}
+    assert sorted(seen) == [i for i in range(n) if i not in (3, 7)]
+
+
+def test_loss_mask_is_exactly_the_completion(small_store, target):
+    tok = target.tokenizer
+    rows = small_rows()
+    for s in samples(small_store):
+        text = tok.apply_chat_template(rows[s.row_id]["messages"][:1], add_generation_prompt=True, tokenize=False)
+        prompt = tok(text, add_special_tokens=False).input_ids
+        assert s.tokens[: s.prompt_len].tolist() == prompt
+        assert not s.loss_mask[: s.prompt_len].any() and s.loss_mask[s.prompt_len:].all()
+        assert len(s.tokens) > s.prompt_len
+
+
+def test_stored_completions_are_the_targets_greedy_generate(small_store, target):
+    for s in samples(small_store):
+        prompt = s.tokens[: s.prompt_len]
+        limit = min(SMALL["max_new_tokens"], SMALL["max_length"] - s.prompt_len)
+        with torch.inference_mode():
+            out = target.model.generate(prompt[None], max_new_tokens=limit, do_sample=False)[0, s.prompt_len:].tolist()
+        stored = s.tokens[s.prompt_len:].tolist()
+        eos = target.eos_ids[0]
+        expected = out[: out.index(eos) + 1] if eos in out else out
+        assert stored == expected, s.row_id
+
+
+def test_stored_taps_are_the_unbatched_layer_outputs(small_store, target):
+    taps = HiddenStore(str(small_store)).attrs["taps"]
+    assert taps == [1, 2, 3, 4, 5]  # DFlash formula for 8 layers
+    for s in samples(small_store):
+        hs = reference_states(target, s.tokens.tolist())
+        for j, k in enumerate(taps):
+            assert bf16_close(s.hidden[:, j], hs[k + 1][0]), (s.row_id, k)
+            assert not bf16_close(s.hidden[:, j], hs[k][0]), (s.row_id, k)
+
+
+def test_root_records_provenance_and_frozen_weights(small_store, target):
+    store = HiddenStore(str(small_store))
+    a = store.attrs
+    assert a["backends"]["linear_attention"] == "torch" and a["device"] == "cpu" and a["dtype"] == "fp32"
+    assert a["target"]["model_class"].endswith("Qwen3_5ForCausalLM")
+    assert a["mask_token_id"] == target.tokenizer.mask_token_id
+    assert a["hidden_size"] == 128 and a["vocab_size"] == 4096 and a["num_layers"] == 8
+    assert a["extract"]["max_new_tokens"] == SMALL["max_new_tokens"]
+    embed = target.model.get_input_embeddings().weight.to(torch.bfloat16)
+    head = target.model.get_output_embeddings().weight.to(torch.bfloat16)
+    assert torch.equal(store.embedding("embed_tokens"), embed)
+    assert torch.equal(store.embedding("lm_head"), head)
+
+
+def test_rerun_skips_committed_shards(small_store, small_dataset):
+    before = HiddenStore(str(small_store)).committed()
+    config = ExtractConfig(store=str(small_store), dataset=str(small_dataset), num_shards=4, **SMALL)
+    summary = run(config, [0, 1, 2, 3], log=lambda m: None)
+    assert summary["shards_written"] == [] and summary["shards_skipped"] == [0, 1, 2, 3]
+    assert HiddenStore(str(small_store)).committed() == before
+
+
+def test_dataset_responses_are_stored_verbatim(tmp_path, small_dataset, target):
+    config = ExtractConfig(store=str(tmp_path / "ds.zarr"), dataset=str(small_dataset), num_shards=4,
+                           responses="dataset", **{**SMALL, "max_new_tokens": 400, "max_length": 600})
+    run(config, [0], log=lambda m: None)
+    rows = small_rows()
+    tok = target.tokenizer
+    got = list(samples(tmp_path / "ds.zarr"))
+    assert got
+    for s in got:
+        response = rows[s.row_id]["messages"][1]["content"]
+        assert s.tokens[s.prompt_len:].tolist() == tok(response, add_special_tokens=False).input_ids + [target.eos_ids[0]]
+
+
+def test_plain_prompt_rows_and_missing_responses(tmp_path, target):
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"", "response": "    return a + b"},
+        {"prompt": "def sub(a, b):"},
+    ]))
+    config = ExtractConfig(store=str(tmp_path / "p.zarr"), dataset=str(data), num_shards=1, responses="dataset", **SMALL)
+    summary = run(config, [0], log=lambda m: None)
+    assert summary["samples"] == 1 and summary["skipped"]["missing_response"] == 1
