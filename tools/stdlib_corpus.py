@@ -14,7 +14,11 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip"}
+# Tests, vendored and generated code, and tkinter/turtle, whose hundreds of near-identical
+# `return self.tk.call(self._w, ...)` one-liners teach a small model a greedy loop.
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip",
+             "tkinter"}
+SKIP_FILES = {"turtle.py"}
 HELDOUT_BUCKETS = 8  # 1 in 8 functions is held out
 USER_TEMPLATE = "Complete this Python function.\n{header}"
 
@@ -39,7 +43,8 @@ class Function:
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])]
+    files = [p for p in root.rglob("*.py")
+             if not SKIP_DIRS & set(p.relative_to(root).parts[:-1]) and p.name not in SKIP_FILES]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
