@@ -63,7 +63,7 @@ def cli() -> None:
 @click.option("--chunk-tokens", type=int, default=256, show_default=True, help="Tokens per compressed chunk.")
 @click.option("--shard-tokens", type=int, default=4096, show_default=True,
               help="Tokens per zarr shard file (a multiple of --chunk-tokens).")
-@click.option("--compression-level", type=int, default=3, show_default=True, help="zstd level (lossless).")
+@click.option("--compression-level", type=int, default=3, show_default=True, help="Lossless zstd level, 0-9.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final summary as JSON.")
 def extract(shard_text: str, as_json: bool, **kw) -> None:
     from pipeline import DEFAULT_PROMPTS, TINY_TARGET

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from pipeline import fingerprint
 from pipeline.errors import PipelineError
@@ -75,11 +76,12 @@ class Target:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        # A fresh config: pure argmax, none of the checkpoint's sampling or repetition settings.
+        config = GenerationConfig(max_new_tokens=longest, do_sample=False, num_beams=1, eos_token_id=self.eos_ids,
+                                  pad_token_id=self.pad_id, use_cache=True)
         with self.recorder.recording():
-            out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=longest,
-                do_sample=False, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                num_beams=1, top_k=None, top_p=None, temperature=None)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config)
         new = out[:, width:].tolist()
         return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
@@ -172,9 +174,14 @@ def load(target: str, device: str = "cpu", dtype: str = "bf16", linear_attention
     """Load the text-only causal LM and its tokenizer; pick the kernels BEFORE the model code loads."""
     if dtype not in DTYPES:
         raise PipelineError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise PipelineError(f"--device {device}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise PipelineError(f"--device {device}: CUDA is not available on this machine")
+    if dev.type == "cpu":
+        torch.set_flush_denormal(True)  # before any parallel region: denormals slow CPU forwards ~100x
     requested = select_linear_attention(dev.type, linear_attention)
     path = resolve(target)
     if not (path / "config.json").is_file():
@@ -189,8 +196,6 @@ def load(target: str, device: str = "cpu", dtype: str = "bf16", linear_attention
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     except Exception as e:
         raise PipelineError(f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    if dev.type == "cpu":
-        torch.set_flush_denormal(True)
     model.to(dev).eval()
     t = Target(model, tokenizer, path, dev, DTYPES[dtype], KernelRecorder(model), requested)
     t.info = describe(t)

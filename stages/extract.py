@@ -60,6 +60,8 @@ class ExtractConfig:
                 raise PipelineError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
         if self.num_shards is not None and self.num_shards < 1:
             raise PipelineError(f"--num-shards {self.num_shards}: must be at least 1")
+        if not 0 <= self.compression_level <= 9:
+            raise PipelineError(f"--compression-level {self.compression_level}: blosc levels run 0-9")
         if self.shard_tokens % self.chunk_tokens:
             raise PipelineError(f"--shard-tokens {self.shard_tokens} must be a multiple of --chunk-tokens {self.chunk_tokens}")
 

@@ -45,6 +45,24 @@ def test_sigkill_mid_shard_then_rerun_equals_uninterrupted(tmp_path, small_datas
     assert_stores_equal(path, reference)
 
 
+def test_ctrl_c_mid_shard_leaves_the_store_consistent(tmp_path, small_dataset, reference):
+    path = tmp_path / "hs.zarr"
+    args = cli_args(path, small_dataset, "0-3")
+    proc = pipeline_proc(args, env={"DFLASH_TEST_PAUSE_AFTER_BATCHES": "3"})
+    deadline = time.time() + 240
+    while "DFLASH_TEST_PAUSED" not in proc.stderr.readline():
+        assert proc.poll() is None and time.time() < deadline
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.strip().splitlines()[-1].startswith("error: interrupted: committed shards are kept")
+    assert list(HiddenStore(str(path)).committed()) == [0]
+    assert not list((path / "_locks").glob("*.lock"))  # released on the way out
+    p = run_pipeline(args)
+    assert p.returncode == 0, p.stderr
+    assert_stores_equal(path, reference)
+
+
 def test_two_processes_on_disjoint_ranges_equal_one(tmp_path, small_dataset, reference):
     path = tmp_path / "hs.zarr"
     a = pipeline_proc(cli_args(path, small_dataset, "0,2"))

@@ -80,3 +80,16 @@ def test_reader_rejects_uncommitted_shard(store_copy):
 def test_not_a_store(tmp_path):
     with pytest.raises(PipelineError, match="not a hidden-state store"):
         HiddenStore(str(tmp_path)).attrs
+
+
+def test_fsspec_url_store_and_empty_shards(small_dataset):
+    """An object-store URL (fsspec memory://): no locks, commit files by put; empty shards commit too."""
+    url = "memory://fsspec-test/hs.zarr"
+    config = ExtractConfig(store=url, dataset=str(small_dataset), num_shards=32, **SMALL)
+    summary = run(config, [0, 1, 5], log=lambda m: None)
+    store = HiddenStore(url)
+    assert not store.local and list(store.committed()) == [0, 1, 5]
+    assert store.marker(0)["samples"] == 0 and summary["samples"] == 2  # 16 rows over 32 shards
+    assert verify(store).ok
+    sample = ShardReader(store, 1)[0]
+    assert sample.hidden.shape == (len(sample.tokens), 5, 128)

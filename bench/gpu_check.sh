@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU check (run on a CUDA machine from the repo root; writes bench/gpu/ or $OUT):
+#  1. extract shards 0-3 twice on CUDA in bf16, once with the fla kernels and once with the PyTorch
+#     fallback, over the SAME token sequences (--responses dataset), and compare the stored states
+#     per tap (cosine similarity, max abs difference); each store records the backend that ran;
+#  2. extraction throughput with the fla kernels (regenerate mode, the default job).
+# Wheels the machine lacks: bench/fetch_gpu_wheels.sh puts them in .whl/ first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+out=${OUT:-bench/gpu}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, transformers, fla, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+common=(--shards 0-3 --device cuda --dtype bf16 --responses dataset --max-length 1024 --batch-size 16)
+rm -rf /tmp/fla.zarr /tmp/torch.zarr
+python3 -m pipeline.cli extract --store /tmp/fla.zarr --linear-attention fla "${common[@]}" 2>&1 | tee "$out/extract_fla.txt"
+python3 -m pipeline.cli extract --store /tmp/torch.zarr --linear-attention torch "${common[@]}" 2>&1 | tee "$out/extract_torch.txt"
+python3 -m pipeline.cli info /tmp/fla.zarr | tee "$out/info_fla.txt"
+python3 -m pipeline.cli info /tmp/torch.zarr | tee "$out/info_torch.txt"
+python3 bench/compare_stores.py /tmp/fla.zarr /tmp/torch.zarr --json "$out/compare.json" | tee "$out/compare.md"
+python3 bench/extract_bench.py --device cuda --shards 0-15 --repeat 3 --json "$out/bench.json" | tee "$out/bench.md"
