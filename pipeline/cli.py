@@ -130,9 +130,12 @@ def verify(store: str, shard_text: str | None) -> None:
     from store.hidden_store import HiddenStore
     from store.verify import verify as run_verify
 
+    from tqdm import tqdm
+
     hs = HiddenStore(store)
     expected = parse_ranges(shard_text, hs.num_shards) if shard_text else None
-    report = run_verify(hs, expected)
+    with tqdm(total=len(hs.committed()), unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
+        report = run_verify(hs, expected, progress=lambda _shard: bar.update())
     for shard, problems in sorted(report.problems.items()):
         where = "root" if shard < 0 else f"shard {shard}"
         for p in problems:

@@ -70,12 +70,8 @@ class Target:
         longest = max(max_new_tokens)
         if longest <= 0:
             return [[] for _ in prompts]
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = self._pad(prompts, left=True)
+        width = ids.shape[1]
         # A fresh config: pure argmax, none of the checkpoint's sampling or repetition settings.
         config = GenerationConfig(max_new_tokens=longest, do_sample=False, num_beams=1, eos_token_id=self.eos_ids,
                                   pad_token_id=self.pad_id, use_cache=True)
@@ -92,12 +88,7 @@ class Target:
         Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order.
         Right padding: every real token sees only real tokens before it (causal model).
         """
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
+        ids, mask = self._pad(seqs, left=False)
         grabbed: dict[int, torch.Tensor] = {}
 
         def hook_for(k: int):
@@ -119,6 +110,17 @@ class Target:
         stacked = torch.stack([grabbed[k] for k in taps], dim=2).to(torch.bfloat16)  # [B, W, n_taps, H]
         valid = mask.to(stacked.device).bool()
         return stacked[valid].cpu()  # [T, n_taps, H]; boolean indexing keeps row-major (sequence) order
+
+    def _pad(self, seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, attention mask: [B, W] long, padded on the left (generation) or the right (capture)."""
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            cols = slice(width - len(s), width) if left else slice(0, len(s))
+            ids[i, cols] = torch.tensor(s)
+            mask[i, cols] = 1
+        return ids, mask
 
     def probe(self) -> dict:
         """A short generate + capture so the recorder sees which kernels serve prefill and decode."""

@@ -103,13 +103,16 @@ class HiddenStore:
         if self.fs.exists(self._path("shards")) and self.fs.ls(self._path("shards")):
             raise PipelineError(f"{self.location}: has shard data but no root commit; not a store this tool made")
         g = zarr.open_group(self.location, mode="a")
+        checksums = {}
         for name, w in (("embed_tokens", embed), ("lm_head", lm_head)):
             bits = layout.to_bits(w.detach().to("cpu", torch.bfloat16))
             rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
             g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
                            compressors=layout.compressor(), fill_value=0, overwrite=True)[:] = bits
+            checksums[name] = layout.crc32(bits)
         g.attrs.put(attrs)
-        self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs["fingerprint"]})
+        self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs["fingerprint"],
+                                                    "checksums": checksums})
 
     def check_compatible(self, compat: dict) -> None:
         mine = self.attrs.get("compat", {})

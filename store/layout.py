@@ -19,6 +19,8 @@ A shard without its commit file is not part of the store, whatever its arrays ho
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 from zarr.codecs import BloscCodec, BloscShuffle
@@ -57,3 +59,8 @@ def to_bits(x: torch.Tensor) -> np.ndarray:
 def from_bits(a: np.ndarray) -> torch.Tensor:
     """uint16 numpy array -> bf16 tensor of the same bits; exact inverse of to_bits."""
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+
+def crc32(a: np.ndarray, running: int = 0) -> int:
+    """CRC-32 of an array's C-order bytes (the checksum in commit files), continuing `running`."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), running)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,7 +106,7 @@ class ShardWriter:
         for name, data in arrays.items():
             self.group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=(max(1, min(len(data), 1 << 20)),),
                                     compressors=layout.compressor(), fill_value=0)[:] = data
-        checksums = {name: crc32(data) for name, data in arrays.items()}
+        checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
         if lock is not None and not lock.still_held():
             raise RuntimeError(f"lost the lock on shard {self.shard} ({lock.path}); not committing")
@@ -146,7 +145,7 @@ class ShardWriter:
             while (item := self._queue.get()) is not _DONE:
                 t0 = time.perf_counter()
                 bits = layout.to_bits(item)
-                self._crc = zlib.crc32(memoryview(bits).cast("B"), self._crc)
+                self._crc = layout.crc32(bits, self._crc)
                 self._pending.append(bits)
                 self._pending_len += len(bits)
                 if self._pending_len >= self.shard_tokens:
@@ -177,10 +176,6 @@ class ShardWriter:
         rest = data[n:]
         self._pending = [rest] if len(rest) else []
         self._pending_len = len(rest)
-
-
-def crc32(a: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from store import layout
 from store.hidden_store import HiddenStore
-from store.shard_writer import crc32
 
 
 @dataclass
@@ -25,7 +23,10 @@ class Report:
 
 
 def verify(store: HiddenStore, expected: list[int] | None = None, progress=None) -> Report:
-    """Check committed shards; `expected` shards that are not committed count as missing."""
+    """Check committed shards and the root; `expected` shards that are not committed count as missing.
+
+    progress: called with each shard id once it is checked.
+    """
     attrs = store.attrs
     n_taps, hidden_size = len(attrs["taps"]), int(attrs["hidden_size"])
     committed = store.committed()
@@ -39,14 +40,25 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None)
             progress(shard)
     report.missing = [s for s in (expected or []) if s not in committed]
     report.partial = [s for s in range(store.num_shards) if s not in committed and store.has_data(s)]
+    if root_problems := check_root(store):
+        report.problems[-1] = root_problems
+    return report
+
+
+def check_root(store: HiddenStore) -> list[str]:
+    """The frozen embedding and lm_head: shapes and checksums against the root commit file."""
+    attrs, sums = store.attrs, (store.read_json(layout.commit_key("root")) or {}).get("checksums", {})
+    problems = []
     for name in ("embed_tokens", "lm_head"):
         try:
             w = store.group("r")[f"target/{name}"]
-            if w.shape != (int(attrs["vocab_size"]), hidden_size):
-                report.problems.setdefault(-1, []).append(f"target/{name} shape {w.shape}")
+            if w.shape != (int(attrs["vocab_size"]), int(attrs["hidden_size"])):
+                problems.append(f"target/{name}: shape {w.shape}")
+            elif layout.crc32(w[:]) != sums.get(name):
+                problems.append(f"target/{name}: checksum mismatch")
         except Exception as e:  # noqa: BLE001 - name what broke
-            report.problems.setdefault(-1, []).append(f"target/{name} unreadable: {type(e).__name__}: {e}")
-    return report
+            problems.append(f"target/{name}: unreadable ({type(e).__name__}: {e})")
+    return problems
 
 
 def check_shard(store: HiddenStore, shard: int, marker: dict, n_taps: int, hidden_size: int) -> list[str]:
@@ -72,7 +84,7 @@ def check_shard(store: HiddenStore, shard: int, marker: dict, n_taps: int, hidde
     except Exception as e:  # noqa: BLE001
         return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"]
     for name, data in small.items():
-        if crc32(data) != sums.get(name):
+        if layout.crc32(data) != sums.get(name):
             problems.append(f"{name}: checksum mismatch")
     problems += _check_offsets(small, int(arrays["hidden"].shape[0]))
     try:
@@ -107,5 +119,5 @@ def _hidden_crc(arr) -> int:
     crc = 0
     step = arr.shards[0] if getattr(arr, "shards", None) else arr.chunks[0]
     for a in range(0, arr.shape[0], step):
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(arr[a:a + step])).cast("B"), crc)
+        crc = layout.crc32(arr[a:a + step], crc)
     return crc

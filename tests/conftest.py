@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,12 +63,19 @@ def cli_args(store: Path, dataset: Path, shards: str, num_shards: int = 4, **ove
     return args
 
 
+def _default_sigint() -> None:
+    # A shell that starts a job in the background ignores SIGINT for it, and an ignored SIGINT is
+    # inherited: Python would then never raise KeyboardInterrupt. Give the child the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def pipeline_proc(args: list[str], **kw) -> subprocess.Popen:
     """`pipeline ...` in a subprocess, one thread so results are identical across processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            **kw.pop("env", {})}
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint, **kw)
 
 
 def run_pipeline(args: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:

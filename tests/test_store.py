@@ -52,6 +52,15 @@ def test_verify_catches_a_tampered_token(store_copy):
     assert report.problems == {0: ["tokens: checksum mismatch"]}
 
 
+def test_verify_checks_the_frozen_embedding(store_copy):
+    import zarr
+
+    embed = zarr.open_array(str(store_copy / "target/embed_tokens"), mode="r+")
+    embed[0, 0] = embed[0, 0] ^ 1
+    report = verify(HiddenStore(str(store_copy)))
+    assert report.problems == {-1: ["target/embed_tokens: checksum mismatch"]}
+
+
 def test_info_summarizes(small_store):
     s = summarize(HiddenStore(str(small_store)))
     assert s["shards_done"] == 4 and s["missing"] == "" and s["samples"] > 0
