@@ -63,14 +63,10 @@ def implementation_of(fn) -> object:
 
 
 def family(fn) -> str:
-    """'fla', 'causal_conv1d' or 'torch' from where the implementation lives."""
-    module = getattr(fn, "__module__", "") or ""
-    root = module.split(".")[0]
-    if root == "fla":
-        return "fla"
-    if root == "causal_conv1d":
-        return "causal_conv1d"
-    return "torch"
+    """Where the implementation lives: 'torch' (transformers' PyTorch reference), 'fla',
+    'causal_conv1d', or the top-level package of anything else (a hub kernel, say)."""
+    root = (getattr(fn, "__module__", "") or "?").split(".")[0]
+    return "torch" if root == "transformers" else root
 
 
 class KernelRecorder:

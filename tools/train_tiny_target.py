@@ -4,7 +4,7 @@
 
 Reproducible: fixed seeds, a fixed step count, a fixed thread count and a deterministic data
 order; the corpus is this interpreter's own standard library (the Python version is recorded in
-`provenance.json`). About 11 minutes on 2 CPU cores. The model (8 layers: 3 Gated DeltaNet
+`provenance.json`). 12.5 to 14 minutes on 2 CPU cores. The model (8 layers: 3 Gated DeltaNet
 linear-attention layers then 1 full-attention layer, twice) is saved in bf16.
 """
 
