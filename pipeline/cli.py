@@ -86,7 +86,7 @@ def extract(shard_text: str, as_json: bool, **kw) -> None:
 
 def render_summary(s: dict) -> str:
     from pipeline.ranges import format_ranges
-    from store.summary import _fmt_skips, _human
+    from store.summary import fmt_skips, human_bytes
 
     t = s["timing"]
     ratio = f"{s['compression_ratio']}x" if s["compression_ratio"] else "n/a"
@@ -94,10 +94,10 @@ def render_summary(s: dict) -> str:
         f"wrote {len(s['shards_written'])} shard(s) ({format_ranges(s['shards_written']) or 'none'}), "
         f"skipped {len(s['shards_skipped'])} already committed ({format_ranges(s['shards_skipped']) or 'none'})",
         f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
-        f"skipped rows: {_fmt_skips(s['skipped'])}; completions cut at the limit: {s['truncated']}",
+        f"skipped rows: {fmt_skips(s['skipped'])}; completions cut at the limit: {s['truncated']}",
         f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
-        f"{_human(s['bytes_on_disk'])} on disk; hidden states {_human(s['hidden_bytes_on_disk'])} "
-        f"vs {_human(s['hidden_bytes_raw_bf16'])} raw bf16 ({ratio})",
+        f"{human_bytes(s['bytes_on_disk'])} on disk; hidden states {human_bytes(s['hidden_bytes_on_disk'])} "
+        f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16 ({ratio})",
         f"backend: linear attention {s['backends']['linear_attention']}, attention {s['backends']['attention']}; "
         f"time in generate {t['generate_s']:.1f}s, capture {t['capture_s']:.1f}s, prepare {t['prepare_s']:.1f}s, "
         f"waiting on the writer {t['stall_s']:.2f}s",

@@ -69,12 +69,15 @@ class ExtractConfig:
 def resolve_shards(config: ExtractConfig, text: str) -> list[int]:
     """Shard ids from range text, bounded by the store's (or the configured) shard count."""
     config.validate()
-    store = HiddenStore(config.store)
-    limit = store.num_shards if store.exists() else (config.num_shards or DEFAULT_NUM_SHARDS)
-    ids = parse_ranges(text, limit)
+    ids = parse_ranges(text, shard_count(config, HiddenStore(config.store)))
     if not ids:
         raise PipelineError(f"--shards {text!r}: no shards selected")
     return ids
+
+
+def shard_count(config: ExtractConfig, store: HiddenStore) -> int:
+    """--num-shards if given (an existing store then checks it matches), else the store's, else 64."""
+    return config.num_shards or (store.num_shards if store.exists() else DEFAULT_NUM_SHARDS)
 
 
 def run(config: ExtractConfig, shard_ids: list[int], log=print) -> dict:
@@ -84,7 +87,7 @@ def run(config: ExtractConfig, shard_ids: list[int], log=print) -> dict:
     prompt_set = prompt_sets.load(
         config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field, config.response_field), config.split)
     store = HiddenStore(config.store)
-    num_shards = config.num_shards or (store.num_shards if store.exists() else DEFAULT_NUM_SHARDS)
+    num_shards = shard_count(config, store)
     if shard_ids and max(shard_ids) >= num_shards:
         raise PipelineError(f"--shards: shard {max(shard_ids)} is out of range for {num_shards} shards")
     target = targets.load(config.target, config.device, config.dtype, config.linear_attention)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.ranges import format_ranges
+from store import layout
 from store.hidden_store import HiddenStore
 
 
@@ -16,7 +17,7 @@ def summarize(store: HiddenStore) -> dict:
         for reason, n in m["skipped"].items():
             skipped[reason] = skipped.get(reason, 0) + n
     hidden_raw = tokens * n_taps * hidden * 2
-    shard_bytes = sum(store.bytes_on_disk(f"shards/{s:05d}/hidden") for s in committed)
+    shard_bytes = sum(store.bytes_on_disk(f"{layout.shard_group(s)}/hidden") for s in committed)
     return {
         "store": store.location,
         "fingerprint": attrs["fingerprint"],
@@ -60,10 +61,10 @@ def render(s: dict) -> str:
         f"store        {s['store']}",
         f"fingerprint  {s['fingerprint']}",
         f"shards       {s['shards_done']}/{s['num_shards']} done ({s['done'] or 'none'}); missing: {s['missing'] or 'none'}",
-        f"samples      {s['samples']}  (skipped: {_fmt_skips(s['skipped'])}; truncated at the length limit: {s['truncated']})",
+        f"samples      {s['samples']}  (skipped: {fmt_skips(s['skipped'])}; truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
-        f"bytes        {_human(s['bytes_on_disk'])} on disk; hidden {_human(s['hidden_bytes_on_disk'])} "
-        f"vs {_human(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
+        f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
+        f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
         f"target       {p['target']} ({p['model_class']})",
         f"             fingerprint {p['target_fingerprint'][:16]}...",
         f"taps         {p['taps']} (hidden {p['hidden_size']}, vocab {p['vocab_size']}, mask token {p['mask_token_id']})",
@@ -75,12 +76,12 @@ def render(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _fmt_skips(skipped: dict) -> str:
+def fmt_skips(skipped: dict) -> str:
     parts = [f"{k} {v}" for k, v in skipped.items() if v]
     return ", ".join(parts) if parts else "none"
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
