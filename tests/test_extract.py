@@ -6,7 +6,7 @@ from stages.extract import ExtractConfig, run
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from tests.conftest import SMALL, small_rows
-from tests.test_target import bf16_close, reference_states
+from tests.test_target import bf16_close, chat_prompt, reference_states
 
 
 def samples(path):
@@ -35,8 +35,7 @@ def test_loss_mask_is_exactly_the_completion(small_store, target):
     tok = target.tokenizer
     rows = small_rows()
     for s in samples(small_store):
-        text = tok.apply_chat_template(rows[s.row_id]["messages"][:1], add_generation_prompt=True, tokenize=False)
-        prompt = tok(text, add_special_tokens=False).input_ids
+        prompt = chat_prompt(tok, rows[s.row_id]["messages"][:1])
         assert s.tokens[: s.prompt_len].tolist() == prompt
         assert not s.loss_mask[: s.prompt_len].any() and s.loss_mask[s.prompt_len:].all()
         assert len(s.tokens) > s.prompt_len

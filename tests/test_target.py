@@ -7,11 +7,15 @@ from pipeline import DEFAULT_PROMPTS
 from pipeline.target import _cut
 
 
+def chat_prompt(tok, messages: list[dict]) -> list[int]:
+    """Prompt ids as the target sees them: chat template with the generation prompt, no extra specials."""
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
 def prompt_ids(target, n: int) -> list[list[int]]:
-    tok = target.tokenizer
     rows = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines()[:n]]
-    texts = [tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=False) for r in rows]
-    return [tok(t, add_special_tokens=False).input_ids for t in texts]
+    return [chat_prompt(target.tokenizer, r["messages"][:1]) for r in rows]
 
 
 def reference_states(target, seq: list[int]) -> tuple:
