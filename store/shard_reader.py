@@ -40,9 +40,15 @@ class ShardReader:
         return len(self.row_ids)
 
     def __getitem__(self, i: int) -> Sample:
+        return self.read(i)
+
+    def read(self, i: int, limit: int | None = None) -> Sample:
+        """Sample i, its first `limit` tokens only when given (only those chunks are read)."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if limit is not None:
+            b = min(b, a + limit)
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(self.tokens[a:b].astype(np.int64)),

@@ -1,0 +1,320 @@
+"""Stage two: train the DFlash drafter purely from the store, with Accelerate.
+
+No target model is loaded: tokens, loss masks, tap states, the frozen embedding and lm_head all
+come from the store, and the store's fingerprint goes into every checkpoint. A run writes
+OUT/metrics.jsonl, OUT/step-N/ every --save-every steps (a drafter checkpoint plus the training
+state, published by a rename) and OUT/final/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pipeline import checkpoint, masks
+from pipeline.blocks import make_blocks, sample_anchors
+from pipeline.drafter import Drafter
+from pipeline.drafter_config import default_gamma
+from pipeline.errors import PipelineError
+from pipeline.loss import dflash_loss, summarize
+from stages.train_setup import Setup, prepare
+from store.batches import StoreBatches, epoch_batches
+
+# Fields that fix the data order and the model: a resumed run must keep them.
+RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
+                "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
+                "grad_clip", "mixed_precision")
+_STOP_ENV = "DFLASH_TEST_STOP_AFTER_STEP"  # test hook: stop as if interrupted once this step is done
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    store: str = "hs.zarr"
+    out: str = "runs/drafter"
+    shards: str | None = None  # None: every committed shard not in eval_shards
+    eval_shards: str | None = None
+    max_steps: int | None = None  # overrides epochs
+    epochs: int = 6
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    block_size: int = 16
+    gamma: float | None = None  # None: SPEC's table (7 for 16, 5 for 10, 4 for 8)
+    anchors: int = 512
+    max_length: int = 4096
+    batch_size: int = 1  # sequences per rank per micro-batch
+    grad_accum: int = 1
+    seed: int = 0
+    noise_std: float = 0.0
+    save_every: int = 0  # 0: only OUT/final
+    eval_every: int = 0  # 0: before training and at the end only
+    log_every: int = 10
+    workers: int = 2
+    # drafter (None: defaults that suit the store's hidden size; --init-from/--drafter-config give sizes)
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    layer_types: str | None = None  # None: --drafter-config's, else all full attention
+    sliding_window: int | None = None
+    rope_theta: float | None = None  # None: --drafter-config's, else 1e6
+    mask_token_id: int | None = None  # None: the store's
+    init_from: str | None = None
+    drafter_config: str | None = None
+    resume: str | None = None  # "latest" or a step directory
+    mixed_precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    audit: bool = False  # OUT/audit/rank-N.json: world size, samples read, parameter hash
+
+    def validate(self) -> None:
+        for name in ("epochs", "lr", "block_size", "anchors", "max_length", "batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) <= 0:
+                raise PipelineError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be positive")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise PipelineError(f"--max-steps {self.max_steps}: must be at least 1")
+        if not 0 <= self.warmup_ratio < 1:
+            raise PipelineError(f"--warmup-ratio {self.warmup_ratio}: expected 0 <= ratio < 1")
+        if self.noise_std < 0:
+            raise PipelineError(f"--noise-std {self.noise_std}: must be >= 0")
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise PipelineError(f"--mixed-precision {self.mixed_precision}: expected auto, bf16 or no")
+        if self.gamma is not None and self.gamma <= 0:
+            raise PipelineError(f"--gamma {self.gamma}: must be positive")
+        if self.gamma is None and self.init_from is None:
+            default_gamma(self.block_size)  # a block size without a default needs --gamma
+
+
+def loss_gamma(config: TrainConfig, block_size: int) -> float:
+    """--gamma, else SPEC's value for the drafter's block size (an --init-from checkpoint's own)."""
+    return config.gamma if config.gamma is not None else default_gamma(block_size)
+
+
+def lr_lambda(total: int, warmup_ratio: float):
+    warmup = math.ceil(total * warmup_ratio)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return f
+
+
+def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
+    """Anchors and noise depend only on (seed, step, micro-batch, rank): resume-exact."""
+    g = torch.Generator(device=device)
+    g.manual_seed(((seed * 1_000_003 + step) * 1009 + micro) * 101 + rank)
+    return g
+
+
+def forward_loss(model, raw: Drafter, batch, config: TrainConfig, dc, gen, flex: bool):
+    """One micro-batch -> LossOut. batch tensors are on the model's device."""
+    anchors, valid = sample_anchors(batch.loss_mask.cpu(), config.anchors, generator=_cpu(gen))
+    anchors, valid = anchors.to(batch.tokens.device), valid.to(batch.tokens.device)
+    blocks = make_blocks(batch.tokens, batch.loss_mask, anchors, valid, dc.block_size, dc.mask_token_id)
+    ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
+    hidden = batch.hidden[:, :ctx_len]  # [b, S, n_taps, H] bf16
+    ctx_pos = torch.arange(ctx_len, device=hidden.device)[None].expand(hidden.shape[0], -1)
+    noise = None
+    if config.noise_std > 0 and model.training:
+        noise = torch.randn(hidden.shape, generator=gen, device=hidden.device) * config.noise_std
+    mask = masks.build(raw.rules, anchors, valid, ctx_len, dc.block_size, flex)
+    h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
+    return dflash_loss(h, blocks.labels, raw.lm_head, loss_gamma(config, dc.block_size))
+
+
+def _cpu(gen: torch.Generator) -> torch.Generator:
+    if gen.device.type == "cpu":
+        return gen
+    g = torch.Generator()
+    g.manual_seed(gen.initial_seed())
+    return g
+
+
+def run(config: TrainConfig, log=print) -> dict:
+    s = prepare(config, log)
+    acc, model, raw, opt, sched = s.accelerator, s.model, s.raw, s.optimizer, s.scheduler
+    dc, out, flex = s.drafter_config, Path(config.out), s.flex
+    metrics_file = out / "metrics.jsonl"
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics_file, s.start_step)
+    seen: list[list[int]] = []
+
+    def emit(record: dict) -> None:
+        if acc.is_main_process:
+            with open(metrics_file, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            acc.log({f"{record['split']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))},
+                    step=record["step"])
+
+    if s.eval_refs and s.start_step == 0:
+        emit({"split": "eval", "step": 0, **evaluate(s, config)})
+    from tqdm import tqdm
+
+    bar = tqdm(total=s.total_steps, initial=s.start_step, unit="step", desc="train", dynamic_ncols=True,
+               disable=not acc.is_main_process)
+    window = torch.zeros(4 + 2 * dc.block_size, device=acc.device)
+    tokens_seen, t0 = 0, time.perf_counter()
+    batches = micro_batches(s, config)
+    model.train()
+    try:
+        for step in range(s.start_step, s.total_steps):
+            for micro in range(config.grad_accum):
+                batch = next(batches).to(acc.device)
+                if config.audit:
+                    seen += batch.refs.tolist()
+                tokens_seen += int(batch.lengths.sum())
+                with acc.accumulate(model):
+                    out_ = forward_loss(model, raw, batch, config, dc, step_generator(config.seed, step, micro,
+                                                                                       acc.process_index, acc.device), flex)
+                    acc.backward(out_.loss)
+                    if acc.sync_gradients and config.grad_clip > 0:
+                        acc.clip_grad_norm_(model.parameters(), config.grad_clip)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                window += out_.sums
+            sched.step()
+            done = step + 1
+            bar.update(1)
+            if done % config.log_every == 0 or done == s.total_steps:
+                total = acc.reduce(window, reduction="sum")
+                m = summarize(total)
+                dt = time.perf_counter() - t0
+                rec = {"split": "train", "step": done, "epoch": round(done * config.grad_accum / s.micro_per_epoch, 3),
+                       "lr": sched.get_last_lr()[0], **m,
+                       "tokens_per_s": round(tokens_seen * acc.num_processes / dt, 1), "time": time.time()}
+                emit(rec)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau_streak']:.2f}")
+                window.zero_()
+                tokens_seen, t0 = 0, time.perf_counter()
+            if s.eval_refs and config.eval_every and done % config.eval_every == 0 and done != s.total_steps:
+                emit({"split": "eval", "step": done, **evaluate(s, config)})
+                model.train()
+            if config.save_every and done % config.save_every == 0:
+                save_step(s, config, done)
+            if os.environ.get(_STOP_ENV) == str(done):
+                raise KeyboardInterrupt(f"{_STOP_ENV}={done}")
+    finally:
+        bar.close()
+    final = {"split": "eval", "step": s.total_steps, **evaluate(s, config)} if s.eval_refs else None
+    if final:
+        emit(final)
+    if config.save_every and s.total_steps % config.save_every:
+        save_step(s, config, s.total_steps)
+    export(s, config, out / "final", s.total_steps)
+    if config.audit:
+        write_audit(s, out, seen)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return {"out": str(out), "steps": s.total_steps, "final_eval": final, "world_size": acc.num_processes}
+
+
+def micro_batches(s: Setup, config: TrainConfig):
+    """This rank's micro-batches from the resume point on, through epochs, worker processes reading."""
+    m = s.start_step * config.grad_accum
+    epoch, offset = divmod(m, s.micro_per_epoch)
+    acc = s.accelerator
+    while True:
+        mine = epoch_batches(s.train_refs, config.batch_size, config.seed, epoch, acc.process_index, acc.num_processes)
+        loader = torch.utils.data.DataLoader(
+            StoreBatches(config.store, mine[offset:]), batch_size=None, shuffle=False, num_workers=config.workers,
+            pin_memory=acc.device.type == "cuda", prefetch_factor=4 if config.workers else None)
+        yield from loader
+        epoch, offset = epoch + 1, 0
+
+
+@torch.no_grad()
+def evaluate(s: Setup, config: TrainConfig) -> dict:
+    """Loss, streak tau and per-slot accuracy on the held-out shards, with fixed anchors."""
+    acc = s.accelerator
+    s.model.eval()
+    batches = epoch_batches(s.eval_refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
+    total = torch.zeros(4 + 2 * s.drafter_config.block_size, device=acc.device)
+    data = StoreBatches(config.store, batches)
+    for i in range(len(data)):
+        batch = data[i].to(acc.device)
+        gen = step_generator(config.seed, -1, i, acc.process_index, acc.device)
+        with acc.autocast():
+            total += forward_loss(s.model, s.raw, batch, config, s.drafter_config, gen, s.flex).sums
+    return summarize(acc.reduce(total, reduction="sum"))
+
+
+def extra_info(s: Setup, config: TrainConfig, step: int) -> dict:
+    return {"store_fingerprint": s.store_fingerprint, "store": config.store, "store_taps": list(s.store_taps),
+            "train_shards": s.train_shards_text, "eval_shards": s.eval_shards_text, "step": step,
+            "train_config": asdict(config)}
+
+
+def export(s: Setup, config: TrainConfig, directory: Path, step: int, tmp: Path | None = None) -> None:
+    """The drafter in the released layout (bf16), on the main process."""
+    state = s.accelerator.get_state_dict(s.model)
+    if s.accelerator.is_main_process:
+        extra = extra_info(s, config, step)
+        if tmp is None:
+            checkpoint.save(directory, s.drafter_config, state, extra)
+        else:
+            checkpoint.write(tmp, s.drafter_config, state, extra)
+    s.accelerator.wait_for_everyone()
+
+
+def save_step(s: Setup, config: TrainConfig, step: int) -> None:
+    """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizer, scheduler, RNG),
+    built in a temporary directory and published by a rename."""
+    acc = s.accelerator
+    final = Path(config.out) / f"step-{step}"
+    tmp = final.with_name(f".step-{step}.tmp")
+    if acc.is_main_process:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp / "training"))
+    export(s, config, final, step, tmp=tmp)
+    if acc.is_main_process:
+        state = {"step": step, "total_steps": s.total_steps, "world_size": acc.num_processes,
+                 "micro_per_epoch": s.micro_per_epoch, "train_config": asdict(config),
+                 "store_fingerprint": s.store_fingerprint}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        checkpoint.publish(tmp, final)
+    acc.wait_for_everyone()
+
+
+def write_audit(s: Setup, out: Path, seen: list[list[int]]) -> None:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, p in sorted(s.raw.named_parameters()):
+        digest.update(name.encode())
+        digest.update(p.detach().float().cpu().numpy().tobytes())
+    d = out / "audit"
+    d.mkdir(parents=True, exist_ok=True)
+    rec = {"rank": s.accelerator.process_index, "world_size": s.accelerator.num_processes,
+           "samples": seen, "param_sha256": digest.hexdigest()}
+    (d / f"rank-{s.accelerator.process_index}.json").write_text(json.dumps(rec) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop records past the checkpoint (they are about to be redone)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def resumable(config: TrainConfig, previous: dict) -> None:
+    diff = [f"--{k.replace('_', '-')} was {previous.get(k)!r}, now {getattr(config, k)!r}"
+            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
+    if diff:
+        raise PipelineError("--resume: the run's settings changed (" + "; ".join(diff) + ")")
+
+
+__all__ = ["TrainConfig", "run", "replace"]

@@ -1,0 +1,232 @@
+"""Everything a training run needs before its first step: the accelerator, the store's shards and
+samples, the drafter config (from the store, --drafter-config, --init-from or a resumed step), the
+model, optimizer and schedule, and the resume point."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import checkpoint
+from pipeline.drafter import Drafter
+from pipeline.drafter_config import DrafterConfig, default_sizes, read_config
+from pipeline.errors import PipelineError
+from pipeline.ranges import format_ranges, parse_ranges
+from store.batches import Ref, epoch_batches, index_samples
+from store.hidden_store import HiddenStore
+
+
+@dataclass
+class Setup:
+    accelerator: object
+    model: torch.nn.Module  # as prepared by Accelerate (DDP/FSDP wrapper)
+    raw: Drafter
+    optimizer: object
+    scheduler: object
+    drafter_config: DrafterConfig
+    train_refs: list[Ref]
+    eval_refs: list[Ref]
+    train_shards_text: str
+    eval_shards_text: str
+    store_fingerprint: str
+    store_taps: tuple[int, ...]
+    micro_per_epoch: int
+    total_steps: int
+    start_step: int
+    flex: bool
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def make_accelerator(config):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_flush_denormal(True)  # before any parallel region: denormals make CPU forwards crawl
+    precision = config.mixed_precision if config.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    trackers = []
+    try:
+        import tensorboard  # noqa: F401
+
+        trackers = ["tensorboard"]
+    except ImportError:
+        pass
+    # Frozen embedding/lm_head buffers are identical on every rank: never re-broadcast them per step.
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+    acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
+                      log_with=trackers or None, project_dir=config.out,
+                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    if not cuda and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // acc.num_processes))
+    if trackers:
+        acc.init_trackers("dflash")
+    return acc
+
+
+def select_shards(store: HiddenStore, config) -> tuple[list[int], list[int]]:
+    n = store.num_shards
+    committed = sorted(store.committed())
+    eval_ids = parse_ranges(config.eval_shards, n) if config.eval_shards else []
+    if config.shards:
+        train_ids = parse_ranges(config.shards, n)
+    else:
+        train_ids = [s for s in committed if s not in set(eval_ids)]
+    if not train_ids:
+        raise PipelineError(f"{store.location}: no training shards (committed: {format_ranges(committed) or 'none'}, "
+                            f"--eval-shards {config.eval_shards or 'none'})")
+    return train_ids, eval_ids
+
+
+def drafter_config(config, attrs: dict, resume_dir: Path | None) -> tuple[DrafterConfig, dict | None]:
+    """The drafter config and, for --init-from, its tensors; checked against the store."""
+    tensors = None
+    if resume_dir is not None:
+        dc, _ = read_config(resume_dir)
+    elif config.init_from:
+        dc, tensors, _ = checkpoint.load(config.init_from)
+    else:
+        dc = fresh_config(config, attrs)
+    check_against_store(dc, attrs, config.init_from or resume_dir or "the drafter config")
+    return dc, tensors
+
+
+def fresh_config(config, attrs: dict) -> DrafterConfig:
+    """A new drafter for this store: sizes from --drafter-config (every architecture field of it) or
+    from the store's hidden size, then the flags that were given."""
+    if config.drafter_config:
+        base, _ = read_config(config.drafter_config)
+        arch = {k: getattr(base, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                              "head_dim", "intermediate_size", "layer_types", "sliding_window",
+                                              "is_causal", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                                              "input_embedding_scale")}
+    else:
+        arch = default_sizes(attrs["hidden_size"])
+        arch.update(layer_types=("full_attention",) * arch["num_hidden_layers"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    flags = {"num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+             "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+             "intermediate_size": config.intermediate_size, "sliding_window": config.sliding_window}
+    arch.update({k: v for k, v in flags.items() if v is not None})
+    if config.num_heads is not None and config.num_kv_heads is None:
+        arch["num_key_value_heads"] = max(1, config.num_heads // 4)
+    if config.layer_types is not None or len(arch["layer_types"]) != arch["num_hidden_layers"]:
+        arch["layer_types"] = layer_types(config.layer_types or "full", arch["num_hidden_layers"])
+    if config.rope_theta is not None:
+        arch["rope_parameters"] = {**arch["rope_parameters"], "rope_theta": config.rope_theta}
+    return DrafterConfig(
+        hidden_size=attrs["hidden_size"], vocab_size=attrs["vocab_size"], block_size=config.block_size,
+        mask_token_id=config.mask_token_id if config.mask_token_id is not None else attrs["mask_token_id"],
+        target_layer_ids=tuple(attrs["taps"]), num_target_layers=attrs["num_layers"], **arch)
+
+
+def layer_types(text: str, n: int) -> tuple[str, ...]:
+    names = {"full": "full_attention", "sliding": "sliding_attention"}
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1:
+        parts = parts * n
+    if len(parts) != n or any(p not in names for p in parts):
+        raise PipelineError(f"--layer-types {text!r}: expected 'full', 'sliding' or {n} comma-separated of those")
+    return tuple(names[p] for p in parts)
+
+
+def check_against_store(dc: DrafterConfig, attrs: dict, where) -> None:
+    checks = [("target_layer_ids (taps)", list(dc.target_layer_ids), list(attrs["taps"])),
+              ("hidden_size", dc.hidden_size, attrs["hidden_size"]), ("vocab_size", dc.vocab_size, attrs["vocab_size"])]
+    bad = [f"{name}: drafter has {mine}, store has {theirs}" for name, mine, theirs in checks if mine != theirs]
+    if bad:
+        raise PipelineError(f"{where} does not fit the store: " + "; ".join(bad))
+
+
+def latest_step(out: Path) -> Path | None:
+    steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*")
+                   if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").exists())
+    return steps[-1][1] if steps else None
+
+
+def resume_dir(config) -> Path | None:
+    if not config.resume:
+        return None
+    d = latest_step(Path(config.out)) if config.resume == "latest" else Path(config.resume)
+    if d is None:
+        raise PipelineError(f"--resume: no finished step-N checkpoint in {config.out}")
+    if not (d / "trainer_state.json").exists():
+        raise PipelineError(f"--resume {d}: not a training checkpoint (no trainer_state.json)")
+    return d
+
+
+def prepare(config, log) -> Setup:
+    from stages.train import lr_lambda, resumable
+
+    config.validate()
+    store = HiddenStore(config.store)
+    attrs = store.attrs
+    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16
+    rdir = resume_dir(config)
+    if rdir is None:
+        used = [p.name for p in Path(config.out).glob("*") if p.name == "metrics.jsonl" or p.name == "final"
+                or p.name.startswith("step-")]
+        if used:
+            raise PipelineError(f"--out {config.out} already holds a run ({', '.join(sorted(used)[:3])}); "
+                                "pass --resume to continue it, or choose another --out")
+    previous = json.loads((rdir / "trainer_state.json").read_text()) if rdir else None
+    if previous:
+        resumable(config, previous["train_config"])
+        if previous["store_fingerprint"] != attrs["fingerprint"]:
+            raise PipelineError(f"--resume {rdir}: trained on store {previous['store_fingerprint'][:12]}, "
+                                f"{config.store} is {attrs['fingerprint'][:12]}")
+    dc, init = drafter_config(config, attrs, rdir)
+    train_ids, eval_ids = select_shards(store, config)
+    overlap = sorted(set(train_ids) & set(eval_ids))
+    if overlap:
+        log(f"warning: shards {format_ranges(overlap)} are in both --shards and --eval-shards")
+    train_refs = index_samples(store, train_ids, config.max_length)
+    eval_refs = index_samples(store, eval_ids, config.max_length) if eval_ids else []
+    if not train_refs:
+        raise PipelineError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
+
+    acc = make_accelerator(config)
+    micro = len(epoch_batches(train_refs, config.batch_size, config.seed, 0, acc.process_index, acc.num_processes))
+    if micro < config.grad_accum:
+        raise PipelineError(f"{len(train_refs)} training samples make {micro} batch(es) per rank, fewer than "
+                            f"--grad-accum {config.grad_accum} (batch size {config.batch_size}, {acc.num_processes} ranks)")
+    steps_per_epoch = micro // config.grad_accum
+    total = config.max_steps or config.epochs * steps_per_epoch
+    if previous and previous["world_size"] != acc.num_processes:
+        raise PipelineError(f"--resume {rdir}: saved with {previous['world_size']} processes, now {acc.num_processes}")
+
+    cuda = acc.device.type == "cuda"
+    frozen = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(config.seed)
+    raw = Drafter(dc, embed.to(frozen), lm_head.to(frozen))
+    raw.init_weights(torch.Generator().manual_seed(config.seed))
+    if init is not None:
+        checkpoint.load_into(raw, init)
+    raw.to(acc.device)
+    opt = torch.optim.AdamW(raw.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, config.warmup_ratio))
+    model, opt = acc.prepare(raw, opt)
+    acc.register_for_checkpointing(sched)  # stepped by us once per optimizer step, saved with the state
+    start = 0
+    if rdir is not None:
+        acc.load_state(str(rdir / "training"))
+        start = previous["step"]
+        if acc.is_main_process:
+            log(f"resumed from {rdir} at step {start}")
+    if start >= total:
+        raise PipelineError(f"--resume {rdir}: already at step {start} of {total}")
+    n_params = sum(p.numel() for p in raw.parameters())
+    (log if acc.is_main_process else _quiet)(f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable parameters; "
+        f"taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards {format_ranges(train_ids)}"
+        + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
+        + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
+    return Setup(acc, model, raw, opt, sched, dc, train_refs, eval_refs, format_ranges(train_ids),
+                 format_ranges(eval_ids), attrs["fingerprint"], tuple(attrs["taps"]), micro, total, start, cuda)

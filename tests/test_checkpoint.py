@@ -1,0 +1,94 @@
+"""Checkpoints in the public DFlash layout: round trip, strict loading, released configs."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import checkpoint
+from pipeline.drafter_config import DrafterConfig, read_config
+from pipeline.errors import PipelineError
+from tests.test_drafter import config, drafter
+
+# The released Qwen3.6-27B drafter's config, as SPEC §2 describes it (v4-style rope_theta, block_size at
+# the top level, no is_causal key).
+RELEASED_27B = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17408,
+    "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048, "rope_theta": 1e7,
+    "vocab_size": 248320, "block_size": 16, "num_target_layers": 64, "rms_norm_eps": 1e-6,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+}
+
+
+def test_round_trip(tmp_path):
+    m = drafter()
+    checkpoint.save(tmp_path / "ck", m.config, m.state_dict(), extra={"store_fingerprint": "abc"})
+    c, tensors, extra = checkpoint.load(tmp_path / "ck")
+    assert c == m.config and extra == {"store_fingerprint": "abc"}
+    for k, v in m.state_dict().items():
+        assert torch.equal(tensors[k], v.to(torch.bfloat16)), k
+    d = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert d["architectures"] == ["DFlashDraftModel"] and d["model_type"] == "qwen3"
+    assert d["dflash_config"]["mask_token_id"] == m.config.mask_token_id
+    assert d["dflash_config"]["target_layer_ids"] == list(m.config.target_layer_ids) and d["block_size"] == 4
+    assert not list(tmp_path.glob(".ck*"))  # no temporary left behind
+
+
+def tamper(tmp_path, edit) -> str:
+    m = drafter()
+    checkpoint.save(tmp_path / "ck", m.config, m.state_dict())
+    path = tmp_path / "ck" / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    with pytest.raises(PipelineError) as e:
+        checkpoint.load(tmp_path / "ck")
+    return str(e.value)
+
+
+def test_strict_loading_names_missing_tensors(tmp_path):
+    msg = tamper(tmp_path, lambda t: (t.pop("fc.weight"), t.pop("layers.1.mlp.up_proj.weight")))
+    assert "missing: fc.weight, layers.1.mlp.up_proj.weight" in msg
+
+
+def test_strict_loading_names_unexpected_and_misshaped(tmp_path):
+    def edit(t):
+        t["lm_head.weight"] = torch.zeros(2, 2)
+        t["fc.weight"] = torch.zeros(32, 4 * 32)  # 4 taps' worth, the config says 2
+
+    msg = tamper(tmp_path, edit)
+    assert "unexpected: lm_head.weight" in msg and "fc.weight (32, 128) (config needs (32, 64))" in msg
+
+
+def test_a_drafter_cannot_load_into_another_shape():
+    m, other = drafter(), drafter(config(target_layer_ids=(1, 2, 3)))
+    with pytest.raises(PipelineError, match="fc.weight"):
+        checkpoint.check_tensors(other.config, m.state_dict(), "x")
+
+
+def test_released_config_reads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED_27B))
+    c, extra = read_config(tmp_path)
+    assert extra == {} and c.block_size == 16 and c.mask_token_id == 248070
+    assert c.target_layer_ids == (1, 16, 31, 46, 61) and c.rope_parameters["rope_theta"] == 1e7
+    assert [c.layer_rule(i) for i in range(5)] == [(True, 2048)] * 4 + [(False, None)]
+    shapes = checkpoint.expected_shapes(c)
+    assert sum(torch.Size(s).numel() for s in shapes.values()) == pytest.approx(1.73e9, rel=0.01)
+    again = DrafterConfig.from_hf(c.to_hf())
+    assert again == c
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d["dflash_config"].pop("mask_token_id"), "missing field 'mask_token_id'"),
+    (lambda d: d.update(architectures=["DFlash2DraftModel"]), "only DFlashDraftModel"),
+    (lambda d: d["dflash_config"].update(mask_token_id=10**6), "outside the vocabulary"),
+    (lambda d: d.update(layer_types=["full_attention"]), "layer_types has 1 entries for 5 layers"),
+])
+def test_bad_configs_are_named(tmp_path, edit, needle):
+    d = json.loads(json.dumps(RELEASED_27B))
+    edit(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(PipelineError, match=needle):
+        read_config(tmp_path)

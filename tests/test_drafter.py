@@ -1,0 +1,109 @@
+"""The drafter: released tensor names, strict context, training = one-block inference, RoPE, noise."""
+
+import pytest
+import torch
+
+from pipeline import masks
+from pipeline.blocks import make_blocks
+from pipeline.checkpoint import expected_shapes
+from pipeline.drafter import Drafter
+from pipeline.drafter_config import DrafterConfig
+
+H, V, TAPS, B = 32, 50, (1, 3), 4
+
+
+def config(**over) -> DrafterConfig:
+    base = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=TAPS,
+                num_target_layers=6, layer_types=("full_attention", "full_attention"))
+    return DrafterConfig(**{**base, **over})
+
+
+def drafter(c: DrafterConfig | None = None, seed: int = 0) -> Drafter:
+    g = torch.Generator().manual_seed(seed)
+    m = Drafter(c or config(), torch.randn(V, H, generator=g), torch.randn(V, H, generator=g))
+    m.init_weights(torch.Generator().manual_seed(seed + 1), std=0.2)
+    return m.eval()
+
+
+def run_blocks(m: Drafter, hidden, tokens, anchors, ctx_len=None, shift=0):
+    """Drafter output [N, B, H] for anchors over one sequence (the training computation)."""
+    anchors = torch.tensor([anchors])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    blk = make_blocks(tokens[None], torch.ones(1, len(tokens), dtype=torch.bool), anchors, valid, B, V - 1)
+    S = ctx_len if ctx_len is not None else int(anchors.max())
+    mk = masks.build(m.rules, anchors, valid, S, B, flex=False)
+    pos = torch.arange(S)[None] + shift
+    with torch.no_grad():
+        return m(hidden[None, :S], blk.block_ids, pos, blk.positions + shift, mk)[0].view(-1, B, H)
+
+
+def sequence(T=20, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, len(TAPS), H, generator=g).to(torch.bfloat16), torch.randint(0, V - 1, (T,), generator=g)
+
+
+def test_parameter_names_are_the_released_ones():
+    m = drafter()
+    state = m.state_dict()
+    want = expected_shapes(m.config)
+    assert {k: tuple(v.shape) for k, v in state.items()} == want
+    assert "embed_tokens" not in state and "lm_head" not in state  # the target's, frozen, never saved
+    assert want["fc.weight"] == (H, len(TAPS) * H)
+
+
+@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
+                                                (("sliding_attention", "full_attention"), 3)])
+def test_training_blocks_equal_one_block_inference(layer_types, window):
+    """Many overlapping blocks in one pass give what inference computes for each block alone, with
+    the context cut right before its anchor (what a live round sees)."""
+    m = drafter(config(layer_types=layer_types, sliding_window=window))
+    hidden, tokens = sequence()
+    anchors = [4, 6, 11, 12]
+    together = run_blocks(m, hidden, tokens, anchors)
+    for i, a in enumerate(anchors):
+        alone = run_blocks(m, hidden, tokens, [a], ctx_len=a)
+        assert torch.allclose(together[i], alone[0], atol=1e-5), a
+
+
+def test_context_is_strictly_before_the_anchor():
+    m = drafter()
+    hidden, tokens = sequence()
+    base = run_blocks(m, hidden, tokens, [8], ctx_len=20)
+    later = hidden.clone()
+    later[8:] = 5.0  # the anchor's own state and everything after it
+    assert torch.equal(run_blocks(m, later, tokens, [8], ctx_len=20), base)
+    earlier = hidden.clone()
+    earlier[7] = 5.0
+    assert not torch.allclose(run_blocks(m, earlier, tokens, [8], ctx_len=20), base)
+
+
+def test_rope_is_relative_over_context_and_block():
+    """One position tensor over [context ; block]: shifting every position changes nothing."""
+    m = drafter()
+    hidden, tokens = sequence()
+    assert torch.allclose(run_blocks(m, hidden, tokens, [5, 9]), run_blocks(m, hidden, tokens, [5, 9], shift=37),
+                          atol=1e-4)
+
+
+def test_sliding_layer_is_causal_inside_the_block():
+    c = config(layer_types=("sliding_attention", "sliding_attention"), sliding_window=100)
+    m = drafter(c)
+    hidden, tokens = sequence()
+    out = run_blocks(m, hidden, tokens, [6])
+    tokens2 = tokens.clone()
+    tokens2[6] = (tokens[6] + 1) % (V - 1)  # slot 0 changes: every slot sees it
+    assert not torch.allclose(run_blocks(m, hidden, tokens2, [6])[0, 3], out[0, 3])
+    bidir = drafter(config(layer_types=("sliding_attention",) * 2, sliding_window=100, is_causal=False))
+    causal_first = run_blocks(m, hidden, tokens, [6])[0, 0]
+    assert causal_first.shape == (H,) and not torch.allclose(run_blocks(bidir, hidden, tokens, [6])[0, 0], causal_first)
+
+
+def test_partial_and_scaled_rope_build():
+    for rope in ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                 {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}):
+        m = drafter(config(rope_parameters=rope))
+        hidden, tokens = sequence()
+        assert torch.isfinite(run_blocks(m, hidden, tokens, [5])).all()
+    assert drafter(config(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                           "partial_rotary_factor": 0.5})).rotary.inv_freq.numel() == 2

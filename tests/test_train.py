@@ -1,0 +1,168 @@
+"""Stage two end to end: resume equals straight, real 2-process DDP, checkpoints, one-line errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline import checkpoint
+from pipeline.errors import PipelineError
+from tests.conftest import REPO
+
+TINY = ["--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2", "--log-every", "1"]
+
+
+def train(args, env=None, launcher=(), timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([*launcher, *(() if launcher else (sys.executable,)), "train.py", *map(str, args)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(out) -> list[float]:
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if r["split"] == "train"]
+
+
+def test_resume_equals_uninterrupted(small_store, tmp_path):
+    common = ["--store", small_store, "--max-steps", 20, "--save-every", 10, "--noise-std", 0.05, *TINY]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = train([*common, "--out", straight])
+    assert r.returncode == 0, r.stderr
+    r = train([*common, "--out", resumed], env={"DFLASH_TEST_STOP_AFTER_STEP": "10"})
+    assert r.returncode == 130 and "interrupted" in r.stderr.splitlines()[-1]
+    assert (resumed / "step-10").is_dir() and not (resumed / "final").exists() and len(losses(resumed)) == 10
+    r = train([*common, "--out", resumed, "--resume"])
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stderr
+    assert losses(resumed) == losses(straight) and len(losses(straight)) == 20
+    a, b = checkpoint.load(straight / "final")[1], checkpoint.load(resumed / "final")[1]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(straight)[-1] < losses(straight)[0] - 1.0  # it learns
+
+
+def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
+    from store.hidden_store import HiddenStore
+
+    r = train(["--store", small_store, "--out", tmp_path / "run", "--max-steps", 4, "--save-every", 2,
+               "--shards", "0-2", "--eval-shards", "3", *TINY])
+    assert r.returncode == 0, r.stderr
+    for d in ("step-2", "step-4", "final"):
+        config, tensors, extra = checkpoint.load(tmp_path / "run" / d)
+        assert extra["store_fingerprint"] == HiddenStore(str(small_store)).attrs["fingerprint"]
+        assert extra["train_shards"] == "0-2" and extra["eval_shards"] == "3"
+    assert (tmp_path / "run" / "step-2" / "training").is_dir() and not list((tmp_path / "run").glob(".*"))
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals if e["split"] == "eval"] == [0, 4]
+    assert "held-out loss" in r.stdout
+
+
+def test_two_process_ddp_on_cpu(small_store, tmp_path):
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29571"]
+    r = train(["--store", small_store, "--out", tmp_path / "ddp", "--max-steps", 3, "--audit", *TINY],
+              launcher=launcher)
+    assert r.returncode == 0, r.stderr
+    ranks = [json.loads((tmp_path / "ddp" / "audit" / f"rank-{i}.json").read_text()) for i in (0, 1)]
+    assert [x["world_size"] for x in ranks] == [2, 2]
+    assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]  # gradients were all-reduced
+    seen = [{tuple(s) for s in x["samples"]} for x in ranks]
+    assert seen[0] and seen[1] and not seen[0] & seen[1]  # each rank read its own part
+
+
+def setup_error(small_store, tmp_path, **over) -> str:
+    from stages.train import TrainConfig
+    from stages.train_setup import prepare
+
+    with pytest.raises(PipelineError) as e:
+        prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), **over), log=lambda m: None)
+    return str(e.value)
+
+
+def test_store_without_lm_head(small_store, tmp_path):
+    broken = tmp_path / "broken.zarr"
+    shutil.copytree(small_store, broken)
+    shutil.rmtree(broken / "target" / "lm_head")
+    assert "missing array target/lm_head" in setup_error(broken, tmp_path)
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"shards": "0-9"}, "reaches shard 9, but the store has 4 shards"),
+    ({"eval_shards": "0-3"}, "no training shards"),
+    ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
+    ({"block_size": 12}, "no default loss decay"),
+    ({"layer_types": "full,sliding"}, "--layer-types"),
+])
+def test_bad_input_is_named(small_store, tmp_path, over, needle):
+    assert needle in setup_error(small_store, tmp_path, **over)
+
+
+def test_init_from_must_fit_the_store(small_store, tmp_path):
+    from tests.test_drafter import config, drafter
+
+    m = drafter(config(hidden_size=32))
+    checkpoint.save(tmp_path / "other", m.config, m.state_dict())
+    msg = setup_error(small_store, tmp_path, init_from=str(tmp_path / "other"))
+    assert "target_layer_ids (taps): drafter has [1, 3], store has [1, 2, 3, 4, 5]" in msg
+    assert "hidden_size: drafter has 32, store has 128" in msg
+
+
+def test_cli_error_is_one_line(tmp_path):
+    r = train(["--store", tmp_path / "nope.zarr", "--out", tmp_path / "o"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: ")
+    assert "not a hidden-state store" in r.stderr
+
+
+def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
+    import stages.train as st
+    from pipeline.drafter import Drafter
+    from stages.train import TrainConfig, forward_loss, step_generator
+    from stages.train_setup import drafter_config
+    from store.batches import StoreBatches, index_samples
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(str(small_store))
+    dc, _ = drafter_config(TrainConfig(num_layers=1), store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float())
+    model.init_weights(torch.Generator().manual_seed(0))
+    batch = StoreBatches(str(small_store), [index_samples(store, [0, 1], 200)[:2]])[0]
+    hidden_before = batch.hidden.clone()
+    seen = {}
+    monkeypatch.setattr(st, "dflash_loss", lambda h, labels, *a, **k: seen.setdefault("labels", []).append(labels)
+                        or st.__dict__["_real_loss"](h, labels, *a, **k), raising=True)
+    monkeypatch.setitem(st.__dict__, "_real_loss", __import__("pipeline.loss", fromlist=["x"]).dflash_loss)
+    model.fc.register_forward_pre_hook(lambda m, a: seen.setdefault("fc_in", []).append(a[0].clone()))
+    model.layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("x", []).append(a[0].clone()))
+    losses_ = [forward_loss(model, model, batch, TrainConfig(noise_std=std, anchors=8), dc,
+                            step_generator(0, 3, 0, 0, torch.device("cpu")), False).loss for std in (0.0, 0.5)]
+    assert torch.equal(seen["labels"][0], seen["labels"][1])  # labels: from tokens, untouched
+    assert torch.equal(seen["x"][0], seen["x"][1])  # block inputs (target embeddings of tokens): untouched
+    assert torch.equal(batch.hidden, hidden_before)  # no in-place change of the stored states
+    diff = seen["fc_in"][1] - seen["fc_in"][0]
+    assert 0.4 < float(diff.std()) < 0.6 and losses_[0] != losses_[1]
+
+
+def test_out_holding_a_run_needs_resume(small_store, tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "metrics.jsonl").write_text("")
+    assert "already holds a run (metrics.jsonl); pass --resume" in setup_error(small_store, tmp_path)
+
+
+def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
+    from stages.train import TrainConfig
+    from stages.train_setup import fresh_config
+    from store.hidden_store import HiddenStore
+    from tests.test_checkpoint import RELEASED_27B
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED_27B))
+    attrs = HiddenStore(str(small_store)).attrs
+    c = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json")), attrs)
+    assert c.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and c.sliding_window == 2048
+    assert c.rope_parameters["rope_theta"] == 1e7 and (c.num_attention_heads, c.num_key_value_heads) == (32, 8)
+    assert c.hidden_size == 128 and c.target_layer_ids == tuple(attrs["taps"]) and c.mask_token_id == attrs["mask_token_id"]
+    c2 = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json"), num_layers=2, num_heads=4,
+                                  head_dim=32, intermediate_size=256, layer_types="sliding,full", rope_theta=1e4), attrs)
+    assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
