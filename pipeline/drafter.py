@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.drafter_config import DrafterConfig
-from pipeline.masks import LayerRule
+from pipeline.masks import LayerRule, LocalMask
 
 
 class RMSNorm(nn.Module):
@@ -68,13 +68,37 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rot, keep), dim=-1) if keep.shape[-1] else rot
 
 
-def attend(q, k, v, mask, scale: float) -> torch.Tensor:
-    """mask: a bool tensor (SDPA) or a flex BlockMask. q: [b, hq, Q, d]; k, v: [b, hkv, K, d]."""
-    if isinstance(mask, torch.Tensor) or mask is None:
+def attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, scale: float) -> torch.Tensor:
+    """q: [b, hq, Q, d]; k/v_ctx: [b, hkv, S, d]; k/v_blk: [b, hkv, Q, d] -> [b, hq, Q, d].
+
+    mask: a flex BlockMask, a dense bool tensor [b, 1, Q, S+Q], or a LocalMask (SDPA per block)."""
+    if isinstance(mask, LocalMask):
+        return _attend_local(q, k_ctx, v_ctx, k_blk, v_blk, mask, scale)
+    k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
+    if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     from pipeline.flex import flex_attention
 
     return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _attend_local(q, k_ctx, v_ctx, k_blk, v_blk, mask: LocalMask, scale: float) -> torch.Tensor:
+    """Scores against the context [Q, S] and against the own block [N, B, B], one softmax over both:
+    what SDPA computes on the dense layout, without the [Q, Q] block-to-block part."""
+    b, hq, Q, d = q.shape
+    B, hkv = mask.block_size, k_ctx.shape[1]
+    n, g = Q // B, hq // hkv
+    qg = q.view(b, hkv, g, Q, d).float() * scale
+    s_ctx = qg @ k_ctx[:, :, None].float().transpose(-1, -2)  # [b, hkv, g, Q, S]
+    qb = qg.view(b, hkv, g, n, B, d)
+    kb, vb = (t.float().view(b, hkv, 1, n, B, d) for t in (k_blk, v_blk))
+    s_blk = qb @ kb.transpose(-1, -2)  # [b, hkv, g, N, B, B]
+    S = s_ctx.shape[-1]
+    scores = torch.cat((s_ctx.view(b, hkv, g, n, B, S), s_blk), dim=-1)
+    scores = scores.masked_fill(~mask.mask[:, None, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = p[..., :S].reshape(b, hkv, g, Q, S) @ v_ctx[:, :, None].float() + (p[..., S:] @ vb).view(b, hkv, g, Q, d)
+    return out.view(b, hq, Q, d).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -102,8 +126,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, *rope_blk)
         k_ctx, v_ctx = self.project_kv(ctx, *rope_ctx)
         k_blk, v_blk = self.project_kv(x, *rope_blk)
-        k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
-        out = attend(q, k, v, mask, self.head_dim ** -0.5)  # [b, heads, Q, head_dim]
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, self.head_dim ** -0.5)  # [b, heads, Q, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 

@@ -49,7 +49,7 @@ def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, ga
     ce, pred = [], []
     for lo in range(0, len(y), chunk):
         hs, ys = h_sel[lo:lo + chunk], y[lo:lo + chunk]
-        if hs.requires_grad:
+        if hs.requires_grad and len(y) > chunk:  # recompute only when the logits are really cut up
             c, p = checkpoint(_ce_pred, hs, lm_head, ys, use_reentrant=False)
         else:
             c, p = _ce_pred(hs, lm_head, ys)

@@ -1,5 +1,6 @@
 """The training attention mask: ONE predicate, rendered for SDPA (CPU) or flex_attention (CUDA).
 
+
 Keys are laid out [context 0..S-1 | block 0 | block 1 | ...], queries are the block slots.
 Query slot j of block b (anchor a_b, position a_b + j) may see
   - context key kv iff kv < a_b (strict: the anchor's own target state does not exist yet), and
@@ -54,6 +55,31 @@ def bool_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_si
     return allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)[:, None]
 
 
+@dataclass
+class LocalMask:
+    """The same predicate at block-local keys: block b's queries against [context | its own block].
+
+    Every key outside those is masked for block b anyway (blocks never see each other), so SDPA
+    over [b*N, heads, B, S+B] computes exactly the dense result at a fraction of the cost.
+    """
+
+    mask: torch.Tensor  # [batch, N, B, S + B] bool
+    ctx_len: int
+    block_size: int
+
+
+def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule) -> LocalMask:
+    batch, n = anchors.shape
+    dev = anchors.device
+    blk = torch.arange(n, device=dev)[None, :, None, None]
+    q = blk * block_size + torch.arange(block_size, device=dev)[None, None, :, None]
+    kv = torch.arange(ctx_len + block_size, device=dev)[None, None, None, :]
+    kv = torch.where(kv < ctx_len, kv, kv + blk * block_size)  # local key -> its index in the dense layout
+    b = torch.arange(batch, device=dev)[:, None, None, None]
+    m = allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)
+    return LocalMask(m, ctx_len, block_size)
+
+
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule):
     """For flex_attention (CUDA): a BlockMask from the same predicate."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -67,7 +93,8 @@ def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
                              device=anchors.device)
 
 
-def build(rules, anchors, valid, ctx_len: int, block_size: int, flex: bool) -> dict:
-    """One mask per distinct layer rule: {LayerRule: mask}."""
-    make = block_mask if flex else bool_mask
+def build(rules, anchors, valid, ctx_len: int, block_size: int, kind: str) -> dict:
+    """One mask per distinct layer rule: {LayerRule: mask}. kind: "flex" (CUDA), "local" (SDPA per
+    block, the CPU default) or "dense" (SDPA over the whole key layout, the reference)."""
+    make = {"flex": block_mask, "local": local_mask, "dense": bool_mask}[kind]
     return {rule: make(anchors, valid, ctx_len, block_size, rule) for rule in set(rules)}

@@ -8,21 +8,24 @@ state, published by a rename) and OUT/final/.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint, masks
+from tqdm import tqdm
+
+from pipeline import masks
 from pipeline.blocks import make_blocks, sample_anchors
 from pipeline.drafter import Drafter
 from pipeline.drafter_config import default_gamma
 from pipeline.errors import PipelineError
 from pipeline.loss import dflash_loss, summarize
+from pipeline.plots import learning_curve
+from stages.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train_setup import Setup, prepare
 from store.batches import StoreBatches, epoch_batches
 
@@ -57,6 +60,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: before training and at the end only
     log_every: int = 10
     workers: int = 2
+    threads: int | None = None  # CPU intra-op threads per process; None: $OMP_NUM_THREADS, else 1
     # drafter (None: defaults that suit the store's hidden size; --init-from/--drafter-config give sizes)
     num_layers: int | None = None
     num_heads: int | None = None
@@ -125,7 +129,7 @@ def forward_loss(model, raw: Drafter, batch, config: TrainConfig, dc, gen, flex:
     noise = None
     if config.noise_std > 0 and model.training:
         noise = torch.randn(hidden.shape, generator=gen, device=hidden.device) * config.noise_std
-    mask = masks.build(raw.rules, anchors, valid, ctx_len, dc.block_size, flex)
+    mask = masks.build(raw.rules, anchors, valid, ctx_len, dc.block_size, "flex" if flex else "local")
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
     return dflash_loss(h, blocks.labels, raw.lm_head, loss_gamma(config, dc.block_size))
 
@@ -140,76 +144,93 @@ def _cpu(gen: torch.Generator) -> torch.Generator:
 
 def run(config: TrainConfig, log=print) -> dict:
     s = prepare(config, log)
-    acc, model, raw, opt, sched = s.accelerator, s.model, s.raw, s.optimizer, s.scheduler
-    dc, out, flex = s.drafter_config, Path(config.out), s.flex
-    metrics_file = out / "metrics.jsonl"
-    if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(metrics_file, s.start_step)
-    seen: list[list[int]] = []
-
-    def emit(record: dict) -> None:
-        if acc.is_main_process:
-            with open(metrics_file, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-            acc.log({f"{record['split']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))},
-                    step=record["step"])
-
+    acc, out = s.accelerator, Path(config.out)
+    metrics = MetricsLog(acc, out, s.start_step)
     if s.eval_refs and s.start_step == 0:
-        emit({"split": "eval", "step": 0, **evaluate(s, config)})
-    from tqdm import tqdm
-
+        metrics.write({"split": "eval", "step": 0, **evaluate(s, config)})
     bar = tqdm(total=s.total_steps, initial=s.start_step, unit="step", desc="train", dynamic_ncols=True,
                disable=not acc.is_main_process)
-    window = torch.zeros(4 + 2 * dc.block_size, device=acc.device)
-    tokens_seen, t0 = 0, time.perf_counter()
+    window, seen = Window(s), []
     batches = micro_batches(s, config)
-    model.train()
     try:
         for step in range(s.start_step, s.total_steps):
-            for micro in range(config.grad_accum):
-                batch = next(batches).to(acc.device)
-                if config.audit:
-                    seen += batch.refs.tolist()
-                tokens_seen += int(batch.lengths.sum())
-                with acc.accumulate(model):
-                    out_ = forward_loss(model, raw, batch, config, dc, step_generator(config.seed, step, micro,
-                                                                                       acc.process_index, acc.device), flex)
-                    acc.backward(out_.loss)
-                    if acc.sync_gradients and config.grad_clip > 0:
-                        acc.clip_grad_norm_(model.parameters(), config.grad_clip)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                window += out_.sums
-            sched.step()
+            window.add(*train_step(s, config, batches, step, seen if config.audit else None))
             done = step + 1
             bar.update(1)
             if done % config.log_every == 0 or done == s.total_steps:
-                total = acc.reduce(window, reduction="sum")
-                m = summarize(total)
-                dt = time.perf_counter() - t0
-                rec = {"split": "train", "step": done, "epoch": round(done * config.grad_accum / s.micro_per_epoch, 3),
-                       "lr": sched.get_last_lr()[0], **m,
-                       "tokens_per_s": round(tokens_seen * acc.num_processes / dt, 1), "time": time.time()}
-                emit(rec)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau_streak']:.2f}")
-                window.zero_()
-                tokens_seen, t0 = 0, time.perf_counter()
+                record = window.flush(done)
+                metrics.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_streak']:.2f}")
             if s.eval_refs and config.eval_every and done % config.eval_every == 0 and done != s.total_steps:
-                emit({"split": "eval", "step": done, **evaluate(s, config)})
-                model.train()
+                metrics.write({"split": "eval", "step": done, **evaluate(s, config)})
             if config.save_every and done % config.save_every == 0:
                 save_step(s, config, done)
             if os.environ.get(_STOP_ENV) == str(done):
                 raise KeyboardInterrupt(f"{_STOP_ENV}={done}")
     finally:
         bar.close()
+    return finish(s, config, metrics, seen)
+
+
+def train_step(s: Setup, config: TrainConfig, batches, step: int, seen: list | None):
+    """One optimizer step over --grad-accum micro-batches -> (summed loss stats, tokens read)."""
+    acc = s.accelerator
+    s.model.train()
+    sums, tokens = 0, 0
+    for micro in range(config.grad_accum):
+        batch = next(batches).to(acc.device)
+        if seen is not None:
+            seen += batch.refs.tolist()
+        tokens += int(batch.lengths.sum())
+        with acc.accumulate(s.model):
+            gen = step_generator(config.seed, step, micro, acc.process_index, acc.device)
+            out = forward_loss(s.model, s.raw, batch, config, s.drafter_config, gen, s.flex)
+            acc.backward(out.loss)
+            if acc.sync_gradients and config.grad_clip > 0:
+                acc.clip_grad_norm_(s.model.parameters(), config.grad_clip)
+            s.optimizer.step()
+            s.optimizer.zero_grad(set_to_none=True)
+        sums = sums + out.sums
+    s.scheduler.step()
+    return sums, tokens
+
+
+class Window:
+    """Loss statistics since the last record, summed over ranks when flushed."""
+
+    def __init__(self, s: Setup) -> None:
+        self.s = s
+        self.sums = torch.zeros(4 + 2 * s.drafter_config.block_size, device=s.accelerator.device)
+        self.tokens, self.t0 = 0, time.perf_counter()
+
+    def add(self, sums: torch.Tensor, tokens: int) -> None:
+        self.sums += sums
+        self.tokens += tokens
+
+    def flush(self, step: int) -> dict:
+        acc, s = self.s.accelerator, self.s
+        m = summarize(acc.reduce(self.sums, reduction="sum"))
+        tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
+        record = {"split": "train", "step": step, "epoch": round(step * s.accelerator.gradient_accumulation_steps / s.micro_per_epoch, 3),
+                  "lr": s.scheduler.get_last_lr()[0], **m,
+                  "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time()}
+        self.sums.zero_()
+        self.tokens, self.t0 = 0, time.perf_counter()
+        return record
+
+
+
+def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
+    """Final validation, the last step checkpoint, OUT/final, the curve, audit files."""
+    acc, out = s.accelerator, Path(config.out)
     final = {"split": "eval", "step": s.total_steps, **evaluate(s, config)} if s.eval_refs else None
     if final:
-        emit(final)
+        metrics.write(final)
     if config.save_every and s.total_steps % config.save_every:
         save_step(s, config, s.total_steps)
     export(s, config, out / "final", s.total_steps)
+    if acc.is_main_process:
+        learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {s.train_shards_text}")
     if config.audit:
         write_audit(s, out, seen)
     acc.wait_for_everyone()
@@ -231,6 +252,13 @@ def micro_batches(s: Setup, config: TrainConfig):
         epoch, offset = epoch + 1, 0
 
 
+def resumable(config: TrainConfig, previous: dict) -> None:
+    diff = [f"--{k.replace('_', '-')} was {previous.get(k)!r}, now {getattr(config, k)!r}"
+            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
+    if diff:
+        raise PipelineError("--resume: the run's settings changed (" + "; ".join(diff) + ")")
+
+
 @torch.no_grad()
 def evaluate(s: Setup, config: TrainConfig) -> dict:
     """Loss, streak tau and per-slot accuracy on the held-out shards, with fixed anchors."""
@@ -245,76 +273,3 @@ def evaluate(s: Setup, config: TrainConfig) -> dict:
         with acc.autocast():
             total += forward_loss(s.model, s.raw, batch, config, s.drafter_config, gen, s.flex).sums
     return summarize(acc.reduce(total, reduction="sum"))
-
-
-def extra_info(s: Setup, config: TrainConfig, step: int) -> dict:
-    return {"store_fingerprint": s.store_fingerprint, "store": config.store, "store_taps": list(s.store_taps),
-            "train_shards": s.train_shards_text, "eval_shards": s.eval_shards_text, "step": step,
-            "train_config": asdict(config)}
-
-
-def export(s: Setup, config: TrainConfig, directory: Path, step: int, tmp: Path | None = None) -> None:
-    """The drafter in the released layout (bf16), on the main process."""
-    state = s.accelerator.get_state_dict(s.model)
-    if s.accelerator.is_main_process:
-        extra = extra_info(s, config, step)
-        if tmp is None:
-            checkpoint.save(directory, s.drafter_config, state, extra)
-        else:
-            checkpoint.write(tmp, s.drafter_config, state, extra)
-    s.accelerator.wait_for_everyone()
-
-
-def save_step(s: Setup, config: TrainConfig, step: int) -> None:
-    """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizer, scheduler, RNG),
-    built in a temporary directory and published by a rename."""
-    acc = s.accelerator
-    final = Path(config.out) / f"step-{step}"
-    tmp = final.with_name(f".step-{step}.tmp")
-    if acc.is_main_process:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    acc.save_state(str(tmp / "training"))
-    export(s, config, final, step, tmp=tmp)
-    if acc.is_main_process:
-        state = {"step": step, "total_steps": s.total_steps, "world_size": acc.num_processes,
-                 "micro_per_epoch": s.micro_per_epoch, "train_config": asdict(config),
-                 "store_fingerprint": s.store_fingerprint}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
-        checkpoint.publish(tmp, final)
-    acc.wait_for_everyone()
-
-
-def write_audit(s: Setup, out: Path, seen: list[list[int]]) -> None:
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, p in sorted(s.raw.named_parameters()):
-        digest.update(name.encode())
-        digest.update(p.detach().float().cpu().numpy().tobytes())
-    d = out / "audit"
-    d.mkdir(parents=True, exist_ok=True)
-    rec = {"rank": s.accelerator.process_index, "world_size": s.accelerator.num_processes,
-           "samples": seen, "param_sha256": digest.hexdigest()}
-    (d / f"rank-{s.accelerator.process_index}.json").write_text(json.dumps(rec) + "\n")
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop records past the checkpoint (they are about to be redone)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
-
-
-def resumable(config: TrainConfig, previous: dict) -> None:
-    diff = [f"--{k.replace('_', '-')} was {previous.get(k)!r}, now {getattr(config, k)!r}"
-            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
-    if diff:
-        raise PipelineError("--resume: the run's settings changed (" + "; ".join(diff) + ")")
-
-
-__all__ = ["TrainConfig", "run", "replace"]

@@ -65,8 +65,8 @@ def make_accelerator(config):
     acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
                       log_with=trackers or None, project_dir=config.out,
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    if not cuda and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // acc.num_processes))
+    if not cuda:
+        torch.set_num_threads(config.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
     if trackers:
         acc.init_trackers("dflash")
     return acc
@@ -146,24 +146,8 @@ def check_against_store(dc: DrafterConfig, attrs: dict, where) -> None:
         raise PipelineError(f"{where} does not fit the store: " + "; ".join(bad))
 
 
-def latest_step(out: Path) -> Path | None:
-    steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*")
-                   if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").exists())
-    return steps[-1][1] if steps else None
-
-
-def resume_dir(config) -> Path | None:
-    if not config.resume:
-        return None
-    d = latest_step(Path(config.out)) if config.resume == "latest" else Path(config.resume)
-    if d is None:
-        raise PipelineError(f"--resume: no finished step-N checkpoint in {config.out}")
-    if not (d / "trainer_state.json").exists():
-        raise PipelineError(f"--resume {d}: not a training checkpoint (no trainer_state.json)")
-    return d
-
-
 def prepare(config, log) -> Setup:
+    from stages.run_dir import resume_dir
     from stages.train import lr_lambda, resumable
 
     config.validate()

@@ -26,13 +26,13 @@ def drafter(c: DrafterConfig | None = None, seed: int = 0) -> Drafter:
     return m.eval()
 
 
-def run_blocks(m: Drafter, hidden, tokens, anchors, ctx_len=None, shift=0):
+def run_blocks(m: Drafter, hidden, tokens, anchors, ctx_len=None, shift=0, kind="local"):
     """Drafter output [N, B, H] for anchors over one sequence (the training computation)."""
     anchors = torch.tensor([anchors])
     valid = torch.ones_like(anchors, dtype=torch.bool)
     blk = make_blocks(tokens[None], torch.ones(1, len(tokens), dtype=torch.bool), anchors, valid, B, V - 1)
     S = ctx_len if ctx_len is not None else int(anchors.max())
-    mk = masks.build(m.rules, anchors, valid, S, B, flex=False)
+    mk = masks.build(m.rules, anchors, valid, S, B, kind)
     pos = torch.arange(S)[None] + shift
     with torch.no_grad():
         return m(hidden[None, :S], blk.block_ids, pos, blk.positions + shift, mk)[0].view(-1, B, H)
@@ -107,3 +107,21 @@ def test_partial_and_scaled_rope_build():
         assert torch.isfinite(run_blocks(m, hidden, tokens, [5])).all()
     assert drafter(config(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                            "partial_rotary_factor": 0.5})).rotary.inv_freq.numel() == 2
+
+
+@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
+                                                (("sliding_attention", "full_attention"), 2)])
+def test_local_and_dense_sdpa_agree_forward_and_backward(layer_types, window):
+    m = drafter(config(layer_types=layer_types, sliding_window=window))
+    hidden, tokens = sequence()
+    outs = []
+    for kind in ("dense", "local"):
+        m.zero_grad()
+        anchors, valid = torch.tensor([[3, 3, 9, 0]]), torch.tensor([[True, True, True, False]])
+        blk = make_blocks(tokens[None], torch.ones(1, len(tokens), dtype=torch.bool), anchors, valid, B, V - 1)
+        mk = masks.build(m.rules, anchors, valid, 9, B, kind)
+        h = m(hidden[None, :9], blk.block_ids, torch.arange(9)[None], blk.positions, mk)
+        h.square().sum().backward()
+        outs.append((h.detach(), m.fc.weight.grad.clone(), m.layers[0].self_attn.k_proj.weight.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

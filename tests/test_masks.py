@@ -70,3 +70,21 @@ def test_predicate_is_the_flex_mask_mod():
         one = allowed(torch.tensor(0), torch.tensor(q), torch.tensor(kv), anchors=anchors, valid=valid, ctx_len=8,
                       block_size=4, rule=rule)
         assert bool(one) == bool(full[q, kv]), (q, kv)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=str)
+def test_local_mask_is_the_dense_mask_at_block_local_keys(rule):
+    from pipeline.masks import local_mask
+
+    g = torch.Generator().manual_seed(7)
+    S, B, n = 11, 3, 4
+    anchors = torch.randint(0, S, (2, n), generator=g).sort(-1).values
+    valid = torch.tensor([[True] * n, [True, True, False, False]])
+    dense = bool_mask(anchors, valid, S, B, rule)[:, 0]  # [2, n*B, S + n*B]
+    local = local_mask(anchors, valid, S, B, rule).mask  # [2, n, B, S + B]
+    for blk in range(n):
+        rows = dense[:, blk * B:(blk + 1) * B]
+        own = list(range(S)) + list(range(S + blk * B, S + (blk + 1) * B))
+        assert torch.equal(local[:, blk], rows[..., own])
+        others = [k for k in range(S + n * B) if k not in own]
+        assert not rows[..., others].any()  # nothing the local rendering leaves out was visible
