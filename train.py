@@ -49,8 +49,8 @@ exactly (same flags, same number of processes).
 @click.option("--log-every", type=int, default=10, show_default=True, help="Write a metrics record every N steps.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Data loader worker processes per training process.")
 @click.option("--threads", type=int, default=None,
-              help="CPU only: intra-op threads per process. [default: $OMP_NUM_THREADS, else 1; on a 2-core machine "
-                   "one thread ran a step 7x faster than two]")
+              help="CPU only: intra-op threads per process. [default: $OMP_NUM_THREADS, else cores / processes] "
+                   "On a busy machine 1 can be much faster: OpenMP threads that wait on each other crawl.")
 @click.option("--num-layers", type=int, default=None, help="Drafter layers. [default: 5]")
 @click.option("--num-heads", type=int, default=None, help="Query heads. [default: from the store's hidden size]")
 @click.option("--num-kv-heads", type=int, default=None, help="Key/value heads. [default: heads / 4]")

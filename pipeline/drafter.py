@@ -83,22 +83,20 @@ def attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, scale: float) -> torch.Tensor:
 
 
 def _attend_local(q, k_ctx, v_ctx, k_blk, v_blk, mask: LocalMask, scale: float) -> torch.Tensor:
-    """Scores against the context [Q, S] and against the own block [N, B, B], one softmax over both:
-    what SDPA computes on the dense layout, without the [Q, Q] block-to-block part."""
+    """SDPA with each block as its own batch item: its B queries against [context | its block]."""
     b, hq, Q, d = q.shape
-    B, hkv = mask.block_size, k_ctx.shape[1]
-    n, g = Q // B, hq // hkv
-    qg = q.view(b, hkv, g, Q, d).float() * scale
-    s_ctx = qg @ k_ctx[:, :, None].float().transpose(-1, -2)  # [b, hkv, g, Q, S]
-    qb = qg.view(b, hkv, g, n, B, d)
-    kb, vb = (t.float().view(b, hkv, 1, n, B, d) for t in (k_blk, v_blk))
-    s_blk = qb @ kb.transpose(-1, -2)  # [b, hkv, g, N, B, B]
-    S = s_ctx.shape[-1]
-    scores = torch.cat((s_ctx.view(b, hkv, g, n, B, S), s_blk), dim=-1)
-    scores = scores.masked_fill(~mask.mask[:, None, None], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    out = p[..., :S].reshape(b, hkv, g, Q, S) @ v_ctx[:, :, None].float() + (p[..., S:] @ vb).view(b, hkv, g, Q, d)
-    return out.view(b, hq, Q, d).to(q.dtype)
+    B = mask.block_size
+    n = Q // B
+
+    def per_block(x):  # [b, h, N*B, d] -> [b, N, h, B, d]
+        return x.view(b, x.shape[1], n, B, d).transpose(1, 2)
+
+    def with_ctx(ctx, blk):  # -> [b*N, hkv, S+B, d]
+        return torch.cat((ctx[:, None].expand(b, n, *ctx.shape[1:]), per_block(blk)), dim=3).flatten(0, 1)
+
+    out = F.scaled_dot_product_attention(per_block(q).flatten(0, 1), with_ctx(k_ctx, k_blk), with_ctx(v_ctx, v_blk),
+                                         attn_mask=mask.mask.flatten(0, 1)[:, None], scale=scale, enable_gqa=True)
+    return out.view(b, n, hq, B, d).transpose(1, 2).reshape(b, hq, Q, d)
 
 
 class Attention(nn.Module):

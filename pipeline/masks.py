@@ -60,7 +60,7 @@ class LocalMask:
     """The same predicate at block-local keys: block b's queries against [context | its own block].
 
     Every key outside those is masked for block b anyway (blocks never see each other), so SDPA
-    over [b*N, heads, B, S+B] computes exactly the dense result at a fraction of the cost.
+    over [b*N, heads, B, S+B] computes exactly the dense result without its [N*B, N*B] part.
     """
 
     mask: torch.Tensor  # [batch, N, B, S + B] bool

@@ -16,6 +16,11 @@ from pathlib import Path
 from pipeline import checkpoint
 from pipeline.errors import PipelineError
 
+# Fields that fix the data order and the model: a resumed run must keep them.
+RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
+                "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
+                "grad_clip", "mixed_precision")
+
 
 class MetricsLog:
     """OUT/metrics.jsonl plus Accelerate trackers; written by the main process only."""
@@ -103,3 +108,29 @@ def resume_dir(config) -> Path | None:
     if not (d / "trainer_state.json").exists():
         raise PipelineError(f"--resume {d}: not a training checkpoint (no trainer_state.json)")
     return d
+
+
+def resume_point(config, fingerprint: str) -> tuple[Path | None, dict | None]:
+    """(step directory, its trainer_state) for --resume, after checking the run may continue from
+    it; (None, None) for a fresh run, which refuses an OUT that already holds one."""
+    rdir = resume_dir(config)
+    if rdir is None:
+        used = sorted(p.name for p in Path(config.out).glob("*")
+                      if p.name in ("metrics.jsonl", "final") or p.name.startswith("step-"))
+        if used:
+            raise PipelineError(f"--out {config.out} already holds a run ({', '.join(used[:3])}); "
+                                "pass --resume to continue it, or choose another --out")
+        return None, None
+    previous = json.loads((rdir / "trainer_state.json").read_text())
+    resumable(config, previous["train_config"])
+    if previous["store_fingerprint"] != fingerprint:
+        raise PipelineError(f"--resume {rdir}: trained on store {previous['store_fingerprint'][:12]}, "
+                            f"{config.store} is {fingerprint[:12]}")
+    return rdir, previous
+
+
+def resumable(config, previous: dict) -> None:
+    diff = [f"--{k.replace('_', '-')} was {previous.get(k)!r}, now {getattr(config, k)!r}"
+            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
+    if diff:
+        raise PipelineError("--resume: the run's settings changed (" + "; ".join(diff) + ")")

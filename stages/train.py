@@ -8,7 +8,6 @@ state, published by a rename) and OUT/final/.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -29,10 +28,6 @@ from stages.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train_setup import Setup, prepare
 from store.batches import StoreBatches, epoch_batches
 
-# Fields that fix the data order and the model: a resumed run must keep them.
-RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
-                "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
-                "grad_clip", "mixed_precision")
 _STOP_ENV = "DFLASH_TEST_STOP_AFTER_STEP"  # test hook: stop as if interrupted once this step is done
 
 
@@ -60,7 +55,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: before training and at the end only
     log_every: int = 10
     workers: int = 2
-    threads: int | None = None  # CPU intra-op threads per process; None: $OMP_NUM_THREADS, else 1
+    threads: int | None = None  # CPU intra-op threads per process; None: $OMP_NUM_THREADS, else cores / processes
     # drafter (None: defaults that suit the store's hidden size; --init-from/--drafter-config give sizes)
     num_layers: int | None = None
     num_heads: int | None = None
@@ -98,17 +93,6 @@ class TrainConfig:
 def loss_gamma(config: TrainConfig, block_size: int) -> float:
     """--gamma, else SPEC's value for the drafter's block size (an --init-from checkpoint's own)."""
     return config.gamma if config.gamma is not None else default_gamma(block_size)
-
-
-def lr_lambda(total: int, warmup_ratio: float):
-    warmup = math.ceil(total * warmup_ratio)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    return f
 
 
 def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
@@ -250,13 +234,6 @@ def micro_batches(s: Setup, config: TrainConfig):
             pin_memory=acc.device.type == "cuda", prefetch_factor=4 if config.workers else None)
         yield from loader
         epoch, offset = epoch + 1, 0
-
-
-def resumable(config: TrainConfig, previous: dict) -> None:
-    diff = [f"--{k.replace('_', '-')} was {previous.get(k)!r}, now {getattr(config, k)!r}"
-            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
-    if diff:
-        raise PipelineError("--resume: the run's settings changed (" + "; ".join(diff) + ")")
 
 
 @torch.no_grad()

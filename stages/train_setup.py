@@ -4,7 +4,8 @@ model, optimizer and schedule, and the resume point."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pipeline.drafter_config import DrafterConfig, default_sizes, read_config
 from pipeline.errors import PipelineError
 from pipeline.ranges import format_ranges, parse_ranges
 from store.batches import Ref, epoch_batches, index_samples
+from stages.run_dir import resume_point
 from store.hidden_store import HiddenStore
 
 
@@ -41,10 +43,6 @@ class Setup:
     flex: bool
 
 
-def _quiet(_msg: str) -> None:
-    pass
-
-
 def make_accelerator(config):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -53,20 +51,15 @@ def make_accelerator(config):
     if not cuda:
         torch.set_flush_denormal(True)  # before any parallel region: denormals make CPU forwards crawl
     precision = config.mixed_precision if config.mixed_precision != "auto" else ("bf16" if cuda else "no")
-    trackers = []
-    try:
-        import tensorboard  # noqa: F401
-
-        trackers = ["tensorboard"]
-    except ImportError:
-        pass
+    trackers = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
     # Frozen embedding/lm_head buffers are identical on every rank: never re-broadcast them per step.
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
     acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
                       log_with=trackers or None, project_dir=config.out,
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     if not cuda:
-        torch.set_num_threads(config.threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+        default = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // acc.num_processes)
+        torch.set_num_threads(config.threads or default)
     if trackers:
         acc.init_trackers("dflash")
     return acc
@@ -147,26 +140,11 @@ def check_against_store(dc: DrafterConfig, attrs: dict, where) -> None:
 
 
 def prepare(config, log) -> Setup:
-    from stages.run_dir import resume_dir
-    from stages.train import lr_lambda, resumable
-
     config.validate()
     store = HiddenStore(config.store)
     attrs = store.attrs
     embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16
-    rdir = resume_dir(config)
-    if rdir is None:
-        used = [p.name for p in Path(config.out).glob("*") if p.name == "metrics.jsonl" or p.name == "final"
-                or p.name.startswith("step-")]
-        if used:
-            raise PipelineError(f"--out {config.out} already holds a run ({', '.join(sorted(used)[:3])}); "
-                                "pass --resume to continue it, or choose another --out")
-    previous = json.loads((rdir / "trainer_state.json").read_text()) if rdir else None
-    if previous:
-        resumable(config, previous["train_config"])
-        if previous["store_fingerprint"] != attrs["fingerprint"]:
-            raise PipelineError(f"--resume {rdir}: trained on store {previous['store_fingerprint'][:12]}, "
-                                f"{config.store} is {attrs['fingerprint'][:12]}")
+    rdir, previous = resume_point(config, attrs["fingerprint"])
     dc, init = drafter_config(config, attrs, rdir)
     train_ids, eval_ids = select_shards(store, config)
     overlap = sorted(set(train_ids) & set(eval_ids))
@@ -178,17 +156,37 @@ def prepare(config, log) -> Setup:
         raise PipelineError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
 
     acc = make_accelerator(config)
+    if previous and previous["world_size"] != acc.num_processes:
+        raise PipelineError(f"--resume {rdir}: saved with {previous['world_size']} processes, now {acc.num_processes}")
     micro = len(epoch_batches(train_refs, config.batch_size, config.seed, 0, acc.process_index, acc.num_processes))
     if micro < config.grad_accum:
         raise PipelineError(f"{len(train_refs)} training samples make {micro} batch(es) per rank, fewer than "
                             f"--grad-accum {config.grad_accum} (batch size {config.batch_size}, {acc.num_processes} ranks)")
-    steps_per_epoch = micro // config.grad_accum
-    total = config.max_steps or config.epochs * steps_per_epoch
-    if previous and previous["world_size"] != acc.num_processes:
-        raise PipelineError(f"--resume {rdir}: saved with {previous['world_size']} processes, now {acc.num_processes}")
+    total = config.max_steps or config.epochs * (micro // config.grad_accum)
+    raw, model, opt, sched = build_model(config, acc, dc, embed, lm_head, init, total)
+    start = 0
+    if rdir is not None:
+        acc.load_state(str(rdir / "training"))
+        start = previous["step"]
+        if start >= total:
+            raise PipelineError(f"--resume {rdir}: already at step {start} of {total}")
+    if acc.is_main_process:
+        n_params = sum(p.numel() for p in raw.parameters())
+        log((f"resumed from {rdir} at step {start}\n" if rdir else "")
+            + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
+            f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
+            f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
+            + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
+    return Setup(acc, model, raw, opt, sched, dc, train_refs, eval_refs, format_ranges(train_ids),
+                 format_ranges(eval_ids), attrs["fingerprint"], tuple(attrs["taps"]), micro, total, start,
+                 acc.device.type == "cuda")
 
-    cuda = acc.device.type == "cuda"
-    frozen = torch.bfloat16 if cuda else torch.float32
+
+def build_model(config, acc, dc: DrafterConfig, embed, lm_head, init: dict | None, total: int):
+    """The drafter (fp32 master weights; the frozen target tensors bf16 on GPU, fp32 on CPU), AdamW
+    and the schedule, prepared by Accelerate. The scheduler is stepped by us once per optimizer
+    step (Accelerate would step it once per process) and saved with the training state."""
+    frozen = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
     torch.manual_seed(config.seed)
     raw = Drafter(dc, embed.to(frozen), lm_head.to(frozen))
     raw.init_weights(torch.Generator().manual_seed(config.seed))
@@ -198,19 +196,16 @@ def prepare(config, log) -> Setup:
     opt = torch.optim.AdamW(raw.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, config.warmup_ratio))
     model, opt = acc.prepare(raw, opt)
-    acc.register_for_checkpointing(sched)  # stepped by us once per optimizer step, saved with the state
-    start = 0
-    if rdir is not None:
-        acc.load_state(str(rdir / "training"))
-        start = previous["step"]
-        if acc.is_main_process:
-            log(f"resumed from {rdir} at step {start}")
-    if start >= total:
-        raise PipelineError(f"--resume {rdir}: already at step {start} of {total}")
-    n_params = sum(p.numel() for p in raw.parameters())
-    (log if acc.is_main_process else _quiet)(f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable parameters; "
-        f"taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards {format_ranges(train_ids)}"
-        + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
-        + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
-    return Setup(acc, model, raw, opt, sched, dc, train_refs, eval_refs, format_ranges(train_ids),
-                 format_ranges(eval_ids), attrs["fingerprint"], tuple(attrs["taps"]), micro, total, start, cuda)
+    acc.register_for_checkpointing(sched)
+    return raw, model, opt, sched
+
+
+def lr_lambda(total: int, warmup_ratio: float):
+    warmup = math.ceil(total * warmup_ratio)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return f

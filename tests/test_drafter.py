@@ -125,3 +125,22 @@ def test_local_and_dense_sdpa_agree_forward_and_backward(layer_types, window):
         outs.append((h.detach(), m.fc.weight.grad.clone(), m.layers[0].self_attn.k_proj.weight.grad.clone()))
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_block_mask_gives_the_sdpa_result(monkeypatch):
+    """The CUDA rendering of the predicate (a flex BlockMask) computes what the CPU paths compute.
+    flex has no CPU backward, so this checks the forward pass, eagerly."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import pipeline.flex
+
+    monkeypatch.setattr(pipeline.flex, "flex_attention", flex_attention)
+    m = drafter(config(layer_types=("sliding_attention", "full_attention"), sliding_window=3))
+    hidden, tokens = sequence()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = {kind: run_blocks(m, hidden, tokens, [4, 7, 7, 13], kind=kind) for kind in ("flex", "dense", "local")}
+    assert torch.allclose(outs["flex"], outs["dense"], atol=1e-5)
+    assert torch.allclose(outs["local"], outs["dense"], atol=1e-5)
