@@ -44,7 +44,8 @@ exactly (same flags, same number of processes).
 @click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per optimizer step.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the initialization, data order and anchors.")
 @click.option("--noise-std", type=float, default=0.0, show_default=True, help="Gaussian noise on fc's input only (never the labels).")
-@click.option("--save-every", type=int, default=0, show_default=True, help="Write OUT/step-N every N steps (0: only OUT/final).")
+@click.option("--save-every", type=int, default=1000, show_default=True,
+              help="Write OUT/step-N (what --resume continues from) every N steps, and at the end (0: only OUT/final).")
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Validate every N steps (always before the first step and at the end).")
 @click.option("--log-every", type=int, default=10, show_default=True, help="Write a metrics record every N steps.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Data loader worker processes per training process.")

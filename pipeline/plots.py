@@ -5,20 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import matplotlib
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 def learning_curve(metrics: str | Path, png: str | Path, title: str = "") -> Path:
     """Training loss and streak tau per step, with the held-out (eval) points, from metrics.jsonl."""
     recs = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
-    plt = _pyplot()
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 3.8))
     for split, style in (("train", "-"), ("eval", "o-")):
         rs = [r for r in recs if r["split"] == split]

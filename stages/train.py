@@ -23,11 +23,11 @@ from pipeline.drafter import Drafter
 from pipeline.drafter_config import default_gamma
 from pipeline.errors import PipelineError
 from pipeline.loss import dflash_loss, summarize
-from pipeline.plots import learning_curve
 from stages.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train_setup import Setup, prepare
 from store.batches import StoreBatches, epoch_batches
 
+CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
 _STOP_ENV = "DFLASH_TEST_STOP_AFTER_STEP"  # test hook: stop as if interrupted once this step is done
 
 
@@ -51,7 +51,7 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     noise_std: float = 0.0
-    save_every: int = 0  # 0: only OUT/final
+    save_every: int = 1000  # 0: only OUT/final
     eval_every: int = 0  # 0: before training and at the end only
     log_every: int = 10
     workers: int = 2
@@ -105,10 +105,14 @@ def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.de
 def forward_loss(model, raw: Drafter, batch, config: TrainConfig, dc, gen, flex: bool):
     """One micro-batch -> LossOut. batch tensors are on the model's device."""
     anchors, valid = sample_anchors(batch.loss_mask.cpu(), config.anchors, generator=_cpu(gen))
+    ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
+    if flex:  # few distinct shapes, so the compiled kernel is not rebuilt for every batch
+        anchors, valid, ctx_len = pad_for_compile(anchors, valid, ctx_len, config.anchors)
     anchors, valid = anchors.to(batch.tokens.device), valid.to(batch.tokens.device)
     blocks = make_blocks(batch.tokens, batch.loss_mask, anchors, valid, dc.block_size, dc.mask_token_id)
-    ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
     hidden = batch.hidden[:, :ctx_len]  # [b, S, n_taps, H] bf16
+    if hidden.shape[1] < ctx_len:  # padded keys: zeros, never visible (kv < anchor <= length)
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 0, 0, ctx_len - hidden.shape[1]))
     ctx_pos = torch.arange(ctx_len, device=hidden.device)[None].expand(hidden.shape[0], -1)
     noise = None
     if config.noise_std > 0 and model.training:
@@ -116,6 +120,15 @@ def forward_loss(model, raw: Drafter, batch, config: TrainConfig, dc, gen, flex:
     mask = masks.build(raw.rules, anchors, valid, ctx_len, dc.block_size, "flex" if flex else "local")
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
     return dflash_loss(h, blocks.labels, raw.lm_head, loss_gamma(config, dc.block_size))
+
+
+def pad_for_compile(anchors, valid, ctx_len: int, n: int, multiple: int = CTX_BUCKET):
+    """Anchors padded to n (invalid), the context length rounded up to a multiple."""
+    pad = n - anchors.shape[1]
+    if pad > 0:
+        anchors = torch.nn.functional.pad(anchors, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+    return anchors, valid, -(-max(ctx_len, 1) // multiple) * multiple
 
 
 def _cpu(gen: torch.Generator) -> torch.Generator:
@@ -145,10 +158,12 @@ def run(config: TrainConfig, log=print) -> dict:
                 record = window.flush(done)
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_streak']:.2f}")
+            t_side = time.perf_counter()
             if s.eval_refs and config.eval_every and done % config.eval_every == 0 and done != s.total_steps:
                 metrics.write({"split": "eval", "step": done, **evaluate(s, config)})
             if config.save_every and done % config.save_every == 0:
                 save_step(s, config, done)
+            window.t0 += time.perf_counter() - t_side  # tokens/s counts training time only
             if os.environ.get(_STOP_ENV) == str(done):
                 raise KeyboardInterrupt(f"{_STOP_ENV}={done}")
     finally:
@@ -214,7 +229,12 @@ def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> di
         save_step(s, config, s.total_steps)
     export(s, config, out / "final", s.total_steps)
     if acc.is_main_process:
-        learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {s.train_shards_text}")
+        try:
+            from pipeline.plots import learning_curve
+        except ImportError:  # matplotlib is a dependency, but a bare GPU image may lack it
+            learning_curve = None
+        if learning_curve is not None:
+            learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {s.train_shards_text}")
     if config.audit:
         write_audit(s, out, seen)
     acc.wait_for_everyone()

@@ -68,6 +68,9 @@ def make_accelerator(config):
 def select_shards(store: HiddenStore, config) -> tuple[list[int], list[int]]:
     n = store.num_shards
     committed = sorted(store.committed())
+    for flag, text in (("--shards", config.shards), ("--eval-shards", config.eval_shards)):
+        if text is not None and not text.strip():
+            raise PipelineError(f"{flag} is empty: give a range such as '0-55', or leave the flag out")
     eval_ids = parse_ranges(config.eval_shards, n) if config.eval_shards else []
     if config.shards:
         train_ids = parse_ranges(config.shards, n)

@@ -92,6 +92,7 @@ def test_store_without_lm_head(small_store, tmp_path):
 @pytest.mark.parametrize("over,needle", [
     ({"shards": "0-9"}, "reaches shard 9, but the store has 4 shards"),
     ({"eval_shards": "0-3"}, "no training shards"),
+    ({"shards": " "}, "--shards is empty"),
     ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
     ({"block_size": 12}, "no default loss decay"),
     ({"layer_types": "full,sliding"}, "--layer-types"),
@@ -166,3 +167,34 @@ def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
     c2 = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json"), num_layers=2, num_heads=4,
                                   head_dim=32, intermediate_size=256, layer_types="sliding,full", rope_theta=1e4), attrs)
     assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
+
+
+def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch):
+    """The CUDA path pads anchors and buckets the context for the compiled kernel, then runs flex;
+    run eagerly on CPU (forward only) it gives the CPU path's loss and statistics."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import pipeline.flex
+    from pipeline.drafter import Drafter
+    from stages.train import TrainConfig, forward_loss, step_generator
+    from stages.train_setup import drafter_config
+    from store.batches import StoreBatches, index_samples
+    from store.hidden_store import HiddenStore
+
+    monkeypatch.setattr(pipeline.flex, "flex_attention", flex_attention)
+    store = HiddenStore(str(small_store))
+    config = TrainConfig(num_layers=2, anchors=64, layer_types="sliding,full", sliding_window=5)
+    dc, _ = drafter_config(config, store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
+    model.init_weights(torch.Generator().manual_seed(0), std=0.1)
+    batch = StoreBatches(str(small_store), [index_samples(store, [0, 1], 200)[:3]])[0]
+    outs = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for flex in (False, True):
+            outs.append(forward_loss(model, model, batch, config, dc, step_generator(0, 1, 0, 0, torch.device("cpu")),
+                                     flex))
+    assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
+    assert torch.equal(outs[0].sums[2:], outs[1].sums[2:])  # same blocks, labels, streaks, per-slot counts
