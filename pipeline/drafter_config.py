@@ -32,7 +32,7 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    num_target_layers: int | None  # None when a released config does not say
     layer_types: tuple[str, ...]
     sliding_window: int | None = None
     is_causal: bool | None = None  # None: sliding layers causal, full layers bidirectional
@@ -85,7 +85,7 @@ class DrafterConfig:
             "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu",
             "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
             "use_cache": True, "use_sliding_window": "sliding_attention" in self.layer_types,
-            **{k: v for k, v in d.items() if k not in ("is_causal", "input_embedding_scale")},
+            **{k: v for k, v in d.items() if k not in ("is_causal", "input_embedding_scale") and v is not None},
             "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids),
                               "input_embedding_scale": self.input_embedding_scale},
@@ -125,7 +125,7 @@ class DrafterConfig:
             vocab_size=int(get("vocab_size")), block_size=int(get("block_size", 16, inner=True)),
             mask_token_id=int(get("mask_token_id", inner=True)),
             target_layer_ids=tuple(get("target_layer_ids", inner=True)),
-            num_target_layers=int(get("num_target_layers", -1)),
+            num_target_layers=get("num_target_layers", None),
             layer_types=tuple(get("layer_types", ["full_attention"] * layers)),
             sliding_window=get("sliding_window", None), is_causal=get("is_causal", None),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_parameters=_rope(d),
