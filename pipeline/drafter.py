@@ -117,12 +117,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x, ctx, rope_ctx, rope_blk, mask) -> torch.Tensor:
-        # x: [b, Q, H] block stream; ctx: [b, S, H] the same context in every layer
+    def forward(self, x, kv_ctx, rope_blk, mask) -> torch.Tensor:
+        # x: [b, Q, H] block stream; kv_ctx: this layer's (k, v) of the context, [b, kv_heads, S, head_dim]
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, *rope_blk)
-        k_ctx, v_ctx = self.project_kv(ctx, *rope_ctx)
+        k_ctx, v_ctx = kv_ctx
         k_blk, v_blk = self.project_kv(x, *rope_blk)
         out = attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, self.head_dim ** -0.5)  # [b, heads, Q, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
@@ -148,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, ctx, rope_ctx, rope_blk, masks: dict) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_blk, masks[self.rule])
+    def forward(self, x, kv_ctx, rope_blk, masks: dict) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_ctx, rope_blk, masks[self.rule])
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,11 +197,21 @@ class Drafter(nn.Module):
     def forward(self, hidden, block_ids, ctx_positions, block_positions, masks: dict, noise=None) -> torch.Tensor:
         """hidden: [b, S, n_taps, H]; block_ids, block_positions: [b, Q]; ctx_positions: [b, S].
         Returns the normed block stream [b, Q, H] (logits: `self.logits`)."""
-        ctx = self.context(hidden, noise)
+        return self.run_block(self.context_kv(self.context(hidden, noise), ctx_positions), block_ids, block_positions,
+                              masks)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ctx: [b, S, H] -> per layer (k, v): [b, kv_heads, S, head_dim], k normed and rotated. The
+        same ctx enters every layer; inference caches these and appends as the context grows."""
+        rope = self.rotary(positions)
+        return [layer.self_attn.project_kv(ctx, *rope) for layer in self.layers]
+
+    def run_block(self, kv_ctx: list, block_ids, block_positions, masks: dict) -> torch.Tensor:
+        """The block stream through every layer, attending to the given context K/V -> [b, Q, H] normed."""
         x = self.embed(block_ids)
-        rope_ctx, rope_blk = self.rotary(ctx_positions), self.rotary(block_positions)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_ctx, rope_blk, masks)
+        rope_blk = self.rotary(block_positions)
+        for layer, kv in zip(self.layers, kv_ctx):
+            x = layer(x, kv, rope_blk, masks)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
