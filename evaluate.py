@@ -46,6 +46,11 @@ def _budgets(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--max-prompts", type=int, default=None, help="Replay only the first N prompts of the shards.")
 @click.option("--allow-mismatch", is_flag=True,
               help="Evaluate a checkpoint whose store fingerprint, taps or mask token differ (the report says so at the top).")
+@click.option("--live", is_flag=True,
+              help="Also run real greedy speculative decoding with the target (verify each block in one pass, roll "
+                   "back the hybrid state on rejection); reports tau, tokens/s vs target-only greedy, and agreement "
+                   "with replay.")
+@click.option("--target", default=None, help="The store's target model directory, for --live.")
 @click.option("--device", default=None, help="torch device. [default: cuda if available, else cpu]")
 @click.option("--threads", type=int, default=1, show_default=True,
               help="CPU intra-op threads (replay is many small ops: one thread measured ~40x faster than two here).")

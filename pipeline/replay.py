@@ -44,6 +44,7 @@ class PromptRounds:
     prompt_len: int
     completion_len: int
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (accepted drafts, tokens committed)
+    drafts: list[list[int]] = field(default_factory=list)  # each round's argmax drafts (what a chain proposes)
 
     @property
     def tau(self) -> float:
@@ -59,6 +60,7 @@ def replay(drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds:
     start = P
     while start < T - 1 and (max_rounds is None or len(out.rounds) < max_rounds):
         logits = session.draft(int(tokens[start]))  # [D, V]
+        out.drafts.append(logits.argmax(-1).tolist())
         acc = policy(logits, tokens[start + 1:start + 1 + D])
         n = round_tokens(acc, T - 1 - start)
         out.rounds.append((acc, n))

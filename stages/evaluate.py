@@ -36,12 +36,16 @@ class EvalConfig:
     allow_mismatch: bool = False
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     threads: int = 1  # CPU intra-op threads: replay runs many tiny ops, where more threads only add overhead
+    live: bool = False  # also run real speculative decoding with the target
+    target: str | None = None  # the store's target, for --live
 
     def validate(self) -> None:
         if not self.checkpoints:
             raise PipelineError("--checkpoint: give at least one drafter checkpoint directory")
         if any(b < 1 for b in self.ddtree):
             raise PipelineError(f"--ddtree {','.join(map(str, self.ddtree))}: budgets must be at least 1")
+        if self.live and not self.target:
+            raise PipelineError("--live needs --target DIR (the store's target model)")
         for name in ("max_rounds", "max_prompts"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise PipelineError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
@@ -116,8 +120,8 @@ def build(loaded: Loaded, embed, lm_head, device: str) -> Drafter:
     return m.to(device).eval()
 
 
-def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> dict:
-    """Chain replay and one DDTree replay per budget over all samples."""
+def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> tuple[dict, list]:
+    """Chain replay and one DDTree replay per budget over all samples -> (results, chain rounds)."""
     policies = {"chain": replay.chain, **{f"ddtree-{b}": replay.tree(b) for b in config.ddtree}}
     per_policy = {name: [] for name in policies}
     for s in tqdm(samples, desc=f"replay {label}", unit="prompt", disable=None):
@@ -133,7 +137,7 @@ def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> dict:
                           "completion_len": p.completion_len, "rounds": len(p.rounds), "tau": p.tau,
                           "ddtree": {str(b): per_policy[f"ddtree-{b}"][i].tau for b in config.ddtree}}
                          for i, p in enumerate(chain)]
-    return out
+    return out, chain
 
 
 def load_samples(store: HiddenStore, shards: list[int], limit: int | None) -> list:
@@ -165,9 +169,18 @@ def run(config: EvalConfig, log=print) -> dict:
     samples = load_samples(store, shards, config.max_prompts)
     if not samples:
         raise PipelineError(f"{config.store}: shards {format_ranges(shards)} hold no prompt with a completion")
+    bench = None
+    if config.live:
+        from stages.live_eval import LiveBench, open_target
+
+        bench = LiveBench(open_target(config.target, attrs, config.device, config.allow_mismatch, warnings), samples,
+                          attrs)
     results = []
     for i, x in enumerate(loaded):
-        res = evaluate_one(build(x, embed, lm_head, config.device), samples, config, Path(x.path).name or x.path)
+        m = build(x, embed, lm_head, config.device)
+        res, chain = evaluate_one(m, samples, config, Path(x.path).name or x.path)
+        if bench is not None:
+            res["live"] = bench.run(m, chain, _name(x.path, i))
         results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
                         "train_shards": x.extra.get("train_shards"), "step": x.extra.get("step"), **res})
     rep = report.build(config, attrs, format_ranges(shards), warnings, results)
