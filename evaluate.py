@@ -53,7 +53,8 @@ def _budgets(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--target", default=None, help="The store's target model directory, for --live.")
 @click.option("--device", default=None, help="torch device. [default: cuda if available, else cpu]")
 @click.option("--threads", type=int, default=1, show_default=True,
-              help="CPU intra-op threads (replay is many small ops: one thread measured ~40x faster than two here).")
+              help="CPU intra-op threads. Replay is many small ops: on an idle 2-core machine two threads were ~10% "
+                   "faster than one, but 40x slower while another program was busy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON instead of the table.")
 def main(as_json: bool, device: str | None, **kw) -> None:
     import json

@@ -35,7 +35,7 @@ class EvalConfig:
     max_prompts: int | None = None
     allow_mismatch: bool = False
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    threads: int = 1  # CPU intra-op threads: replay runs many tiny ops, where more threads only add overhead
+    threads: int = 1  # CPU intra-op threads: replay is many tiny ops; more threads help little and crawl under load
     live: bool = False  # also run real speculative decoding with the target
     target: str | None = None  # the store's target, for --live
 

@@ -1,0 +1,86 @@
+"""Replay against live speculative decoding: rounds/s and tokens/s (a measurement, not a test).
+
+    python bench/eval_bench.py --store hs.zarr --checkpoint runs/curve/final --shards 56-63 --prompts 20 --repeat 3
+
+Replays the chain drafter over the first --prompts prompts of --shards from the store, then runs the
+same prompts live with the store's target (verify in one pass, roll back on rejection), and the
+target alone (greedy, same cache code). Reports medians over --repeat runs, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from pipeline import live, replay  # noqa: E402
+from pipeline.live_target import LiveTarget  # noqa: E402
+from pipeline.ranges import parse_ranges  # noqa: E402
+from stages.evaluate import build, load_checked, load_samples  # noqa: E402
+from store.hidden_store import HiddenStore  # noqa: E402
+
+
+def timed(fn, items) -> tuple[float, list]:
+    t = time.perf_counter()
+    out = [fn(x) for x in items]
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--store", default="hs.zarr")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--target", default=None, help="[default: the target recorded in the store]")
+    p.add_argument("--shards", default="0-63")
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    from pipeline import target as targets
+
+    store = HiddenStore(args.store)
+    attrs = dict(store.attrs)
+    ck = load_checked(args.checkpoint, attrs, False, [])
+    m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device)
+    samples = load_samples(store, parse_ranges(args.shards, store.num_shards), args.prompts)
+    t = targets.load(args.target or attrs["target"]["path"], args.device, attrs["dtype"])
+    lt = LiveTarget(t, list(attrs["taps"]))
+    eos = set(attrs["eos_token_ids"])
+    c = attrs["compat"]
+
+    def limit(s):
+        return min(c["max_new_tokens"], c["max_length"] - s.prompt_len)
+
+    runs = {"replay": [], "live": [], "target_only": []}
+    for _ in range(args.repeat):
+        dt, reps = timed(lambda s: replay.replay(m, s), samples)
+        runs["replay"].append((dt, sum(len(r.rounds) for r in reps), sum(sum(t for _, t in r.rounds) for r in reps)))
+        dt, lives = timed(lambda s: live.speculative(m, lt, s.tokens[:s.prompt_len], limit(s), eos), samples)
+        runs["live"].append((dt, sum(len(r.rounds) for r in lives), sum(len(r.tokens) - 1 for r in lives)))
+        dt, base = timed(lambda s: live.greedy(lt, s.tokens[:s.prompt_len], limit(s), eos), samples)
+        runs["target_only"].append((dt, sum(len(r.tokens) - 1 for r in base), sum(len(r.tokens) - 1 for r in base)))
+    res = {"prompts": len(samples), "threads": args.threads, "device": args.device, "repeat": args.repeat}
+    for name, rs in runs.items():
+        res[name] = {"rounds_per_s": statistics.median(r / d for d, r, _ in rs),
+                     "tokens_per_s": statistics.median(k / d for d, _, k in rs),
+                     "seconds": statistics.median(d for d, _, _ in rs), "rounds": rs[0][1], "tokens": rs[0][2]}
+    res["replay_over_live_rounds_per_s"] = res["replay"]["rounds_per_s"] / res["live"]["rounds_per_s"]
+    res["live_speedup_over_target_only"] = res["live"]["tokens_per_s"] / res["target_only"]["tokens_per_s"]
+    print(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
