@@ -7,7 +7,6 @@ Parses flags into an EvalConfig and calls stages.evaluate.run; errors are one li
 
 from __future__ import annotations
 
-import sys
 
 import click
 
@@ -70,16 +69,6 @@ def main(as_json: bool, device: str | None, **kw) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.errors import PipelineError
+    from pipeline.errors import run_command
 
-    try:
-        main.main(standalone_mode=False)
-    except PipelineError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("error: interrupted", err=True)
-        sys.exit(130)
+    run_command(main)

@@ -8,7 +8,6 @@ Parses flags into a TrainConfig and calls stages.train.run; errors are one line.
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
@@ -84,19 +83,6 @@ def main(**kw) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.errors import PipelineError
+    from pipeline.errors import run_command
 
-    try:
-        main.main(standalone_mode=False)
-    except PipelineError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("error: interrupted; rerun with --resume to continue from the last step-N", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("error: interrupted; rerun with --resume to continue from the last step-N", err=True)
-        sys.exit(130)
+    run_command(main, "interrupted; rerun with --resume to continue from the last step-N")

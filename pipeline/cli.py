@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, run_command
 
 EXTRACT_HELP = """Run the target over a prompt set and write tap-layer hidden states to a Zarr store.
 
@@ -151,19 +151,7 @@ def verify(store: str, shard_text: str | None) -> None:
 
 
 def main() -> None:
-    try:
-        cli.main(standalone_mode=False)
-    except PipelineError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except SystemExit:
-        raise
+    run_command(cli, "aborted")
 
 
 if __name__ == "__main__":

@@ -301,3 +301,21 @@ def test_full_vocab_budget_64_is_fast():
     took = time.perf_counter() - start
     assert len(tree) == 64 and took < 5.0
     assert tree.tokens[0].item() == lp[0].argmax().item()
+
+
+def test_a_large_enough_budget_is_never_below_chain():
+    """Once the budget covers every node scoring at least the full argmax chain, the chain is in the
+    tree and the tree accepts at least what the chain accepts, on every round."""
+    g = torch.Generator().manual_seed(11)
+    for _ in range(30):
+        lp = torch.log_softmax(torch.randn(4, 6, generator=g) * 2, -1)  # [D=4, V=6]
+        chain_score = float(lp.max(-1).values.sum())
+        vals = lp.sort(-1, descending=True).values
+        # nodes at least as good as the chain: count prefixes by brute force over all rank tuples
+        budget = sum(1 for d in range(1, 5) for r in itertools.product(range(6), repeat=d)
+                     if float(sum(vals[i, r[i]] for i in range(d))) >= chain_score)
+        tree = build_tree(lp, budget)
+        drafts = lp.argmax(-1)
+        for _ in range(10):
+            target = torch.where(torch.rand(4, generator=g) < 0.7, drafts, torch.randint(0, 6, (4,), generator=g))
+            assert accept(tree, target) >= chain_accept(drafts, target)
