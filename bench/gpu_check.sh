@@ -5,7 +5,8 @@
 #     per tap (cosine similarity, max abs difference); each store records the backend that ran;
 #  2. extraction throughput with the fla kernels (regenerate mode, the default job);
 #  3. stage two: flex_attention vs the block-local SDPA path (outputs, gradients; fp32 and bf16) and
-#     a short bf16 training run (steps/s, tokens/s, peak memory) on the fla store.
+#     a short bf16 training run (steps/s, tokens/s, peak memory) on the fla store;
+#  4. evaluate that drafter by replay and live on CUDA (fla kernels, state rollback), replay == live count.
 # Wheels the machine lacks: bench/fetch_gpu_wheels.sh puts them in .whl/ first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,7 @@ python3 -m pipeline.cli info /tmp/fla.zarr | tee "$out/info_fla.txt"
 python3 -m pipeline.cli info /tmp/torch.zarr | tee "$out/info_torch.txt"
 python3 bench/compare_stores.py /tmp/fla.zarr /tmp/torch.zarr --json "$out/compare.json" | tee "$out/compare.md"
 python3 bench/extract_bench.py --device cuda --shards 0-15 --repeat 3 --json "$out/bench.json" | tee "$out/bench.md"
-python3 bench/gpu_train_check.py --store /tmp/fla.zarr --json "$out/train.json" 2>&1 | tee "$out/train.txt"
+rm -rf /tmp/gpu_run
+python3 bench/gpu_train_check.py --store /tmp/fla.zarr --run-dir /tmp/gpu_run --json "$out/train.json" 2>&1 | tee "$out/train.txt"
+python3 evaluate.py --store /tmp/fla.zarr --checkpoint /tmp/gpu_run/final --shards 0-3 --live \
+  --target pipeline/assets/tiny_target --device cuda --out "$out/eval" 2>&1 | tee "$out/eval.txt"

@@ -5,7 +5,8 @@
 1. flex_attention (compiled, with the BlockMask) against the block-local SDPA path on one batch of
    real stored states: drafter output and parameter gradients, in fp32 and under bf16 autocast.
 2. A short bf16 training run through stages.train.run (flex, fp32 master weights): steps/s,
-   tokens/s, peak GPU memory, and that the loss went down.
+   tokens/s, peak GPU memory, and that the loss went down. gpu_check.sh then evaluates the result
+   with --live on CUDA (fla kernels in the target, rollback of their states).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def kernel_agreement(store_path: str, anchors: int, dtype: str) -> dict:
             "seconds_local_first": t0, "seconds_flex_first": t1}
 
 
-def training(store_path: str, steps: int, batch_size: int, anchors: int) -> dict:
-    out = Path(tempfile.mkdtemp()) / "run"
+def training(store_path: str, steps: int, batch_size: int, anchors: int, run_dir: str | None) -> dict:
+    out = Path(run_dir) if run_dir else Path(tempfile.mkdtemp()) / "run"
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     summary = run(TrainConfig(store=store_path, out=str(out), max_steps=steps, batch_size=batch_size, anchors=anchors,
@@ -91,11 +92,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--json", default=None)
+    p.add_argument("--run-dir", default=None, help="where the training run goes (must not hold a run) [default: a temp dir]")
     args = p.parse_args()
     assert torch.cuda.is_available(), "this check needs CUDA"
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "kernels": [kernel_agreement(args.store, args.anchors, d) for d in ("fp32", "bf16")],
-           "training": training(args.store, args.steps, args.batch_size, args.anchors)}
+           "training": training(args.store, args.steps, args.batch_size, args.anchors, args.run_dir)}
     text = json.dumps(res, indent=1)
     print(text)
     if args.json:

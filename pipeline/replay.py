@@ -44,14 +44,15 @@ class PromptRounds:
     prompt_len: int
     completion_len: int
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (accepted drafts, tokens committed)
-    drafts: list[list[int]] = field(default_factory=list)  # each round's argmax drafts (what a chain proposes)
+    drafts: list[list[int]] = field(default_factory=list)  # each round's argmax drafts, with keep_drafts
 
     @property
     def tau(self) -> float:
         return sum(t for _, t in self.rounds) / len(self.rounds) if self.rounds else float("nan")
 
 
-def replay(drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds: int | None = None) -> PromptRounds:
+def replay(drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds: int | None = None,
+           keep_drafts: bool = False) -> PromptRounds:
     tokens, T, P = sample.tokens, len(sample.tokens), sample.prompt_len
     D = drafter.config.block_size - 1
     out = PromptRounds(sample.shard, sample.index, sample.row_id, P, T - P)
@@ -60,7 +61,8 @@ def replay(drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds:
     start = P
     while start < T - 1 and (max_rounds is None or len(out.rounds) < max_rounds):
         logits = session.draft(int(tokens[start]))  # [D, V]
-        out.drafts.append(logits.argmax(-1).tolist())
+        if keep_drafts:
+            out.drafts.append(logits.argmax(-1).tolist())
         acc = policy(logits, tokens[start + 1:start + 1 + D])
         n = round_tokens(acc, T - 1 - start)
         out.rounds.append((acc, n))

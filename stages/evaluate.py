@@ -124,7 +124,7 @@ def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> tuple[d
     """Chain replay and one DDTree replay per budget over all samples -> (results, chain rounds)."""
     policies = {"chain": replay.chain, **{f"ddtree-{b}": replay.tree(b) for b in config.ddtree}}
     per_policy = {name: [] for name in policies}
-    for s in tqdm(samples, desc=f"replay {label}", unit="prompt", disable=None):
+    for s in tqdm(samples, total=len(samples), desc=f"replay {label}", unit="prompt", disable=None):
         for name, policy in policies.items():
             per_policy[name].append(replay.replay(m, s, policy, config.max_rounds))
     B = m.config.block_size
@@ -140,15 +140,30 @@ def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> tuple[d
     return out, chain
 
 
-def load_samples(store: HiddenStore, shards: list[int], limit: int | None) -> list:
-    samples = []
-    for shard in shards:
-        for s in ShardReader(store, shard):
-            if s.loss_mask.any():
-                samples.append(s)
-            if limit is not None and len(samples) >= limit:
-                return samples
-    return samples
+class Prompts:
+    """The stored prompts to replay, read one at a time (a store's held-out shards may not fit in
+    memory): every sample with a completion, in shard order, the first `limit` when given."""
+
+    def __init__(self, store: HiddenStore, shards: list[int], limit: int | None) -> None:
+        self.store, self.refs, self._readers = store, [], {}
+        for shard in shards:
+            g = store.shard_arrays(shard)
+            offsets, mask = g["offsets"][:], g["loss_mask"][:]
+            self.refs += [(shard, i) for i in range(len(offsets) - 1) if mask[offsets[i]:offsets[i + 1]].any()]
+        self.refs = self.refs[:limit]
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __iter__(self):
+        for shard, i in self.refs:
+            if shard not in self._readers:
+                self._readers = {shard: ShardReader(self.store, shard)}  # one shard's tokens at a time
+            yield self._readers[shard][i]
+
+
+def load_samples(store: HiddenStore, shards: list[int], limit: int | None) -> Prompts:
+    return Prompts(store, shards, limit)
 
 
 def run(config: EvalConfig, log=print) -> dict:

@@ -38,7 +38,7 @@ class LiveBench:
         self.max_new, self.max_length = int(attrs["compat"]["max_new_tokens"]), int(attrs["compat"]["max_length"])
         self.eos = set(attrs["eos_token_ids"] or [])
         runs = [live.greedy(self.lt, s.tokens[:s.prompt_len], self.limit(s), self.eos)
-                for s in tqdm(samples, desc="target-only greedy", unit="prompt", disable=None)]
+                for s in tqdm(samples, total=len(samples), desc="target-only greedy", unit="prompt", disable=None)]
         self.base_tokens = sum(len(r.tokens) for r in runs)
         self.base_seconds = sum(r.seconds for r in runs)
 
@@ -49,7 +49,8 @@ class LiveBench:
     def run(self, drafter, replayed: list, label: str) -> dict:
         """replayed: the chain replay of the same samples (PromptRounds), to compare with."""
         runs, same, stored = [], 0, 0
-        for s, rep in tqdm(list(zip(self.samples, replayed)), desc=f"live {label}", unit="prompt", disable=None):
+        for s, rep in tqdm(zip(self.samples, replayed), total=len(replayed), desc=f"live {label}", unit="prompt",
+                           disable=None):
             r = live.speculative(drafter, self.lt, s.tokens[:s.prompt_len], self.limit(s), self.eos)
             runs.append(r)
             same += r.rounds == rep.rounds

@@ -53,7 +53,7 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     for s in load_samples(store, [0, 1], None):
         limit = min(attrs["compat"]["max_new_tokens"], attrs["compat"]["max_length"] - s.prompt_len)
         lv = live.speculative(m, lt, s.tokens[:s.prompt_len], limit, set(attrs["eos_token_ids"]))
-        rp = replay.replay(m, s)
+        rp = replay.replay(m, s, keep_drafts=True)
         assert lv.rounds == rp.rounds and len(lv.drafts) == len(rp.drafts)
         for a, b in zip(lv.drafts, rp.drafts):
             assert a == b[:len(a)]
