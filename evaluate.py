@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-HELP = """Replay greedy speculative decoding from STORE's stored states and greedy completions and report
+HELP = """Replay greedy speculative decoding from the --store's states and greedy completions and report
 the acceptance length tau of each --checkpoint (ours or a released DFlash drafter).
 
 \b

@@ -11,7 +11,7 @@ import os
 
 import click
 
-HELP = """Train a DFlash drafter from STORE (written by `pipeline extract`); no target model is loaded.
+HELP = """Train a DFlash drafter from the --store (written by `pipeline extract`); no target model is loaded.
 
 \b
 Single process:   python train.py --store hs.zarr --out runs/a --eval-shards 60-63
