@@ -49,36 +49,34 @@ def console(rep: dict) -> str:
                              "per round (bonus counted); DDTree-N = node budget N", *lines])
 
 
+def md_table(header: list, rows: list[list]) -> list[str]:
+    """A markdown table: the header row, the separator, one line per row."""
+    return ["| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * len(header), *rows]]
+
+
 def markdown(rep: dict) -> str:
     out = ["# Drafter evaluation (replay)", ""]
     out += [f"> **WARNING:** {w}" for w in rep["warnings"]] + ([""] if rep["warnings"] else [])
     out += [f"Store `{rep['store']}` (fingerprint `{rep['store_fingerprint'][:16]}`), target `{rep['target']}`, "
             f"taps {rep['taps']}, shards {rep['shards']}.", ""]
     rows = table(rep)
-    out += ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])]
-    out += ["| " + " | ".join(r) + " |" for r in rows[1:]] + ["", "## Conventions", ""]
+    out += md_table(rows[0], rows[1:]) + ["", "## Conventions", ""]
     out += [f"- **{k}**: {v}" for k, v in rep["conventions"].items()] + [""]
     for r in rep["checkpoints"]:
         out += [f"## {r['name']}", "", f"- path: `{r['path']}`", f"- conditioning: {r['check']}",
-                f"- trained on shards: {r['train_shards'] or 'not recorded'}; step {r['step']}", "",
-                "accepted drafts | " + " | ".join(str(i) for i in range(len(r["histogram"]))),
-                "--- |" + " --- |" * len(r["histogram"]),
-                "rounds | " + " | ".join(str(h) for h in r["histogram"]), "",
-                "slot | " + " | ".join(str(k) for k in range(1, len(r["per_slot"]) + 1)),
-                "--- |" + " --- |" * len(r["per_slot"]),
-                "accepted | " + " | ".join(f"{p:.3f}" for p in r["per_slot"]), "",
-                "| shard | index | row | prompt tokens | completion tokens | rounds | tau |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
-        out += [f"| {p['shard']} | {p['index']} | {p['row_id']} | {p['prompt_len']} | {p['completion_len']} | "
-                f"{p['rounds']} | {p['tau']:.3f} |" for p in r["per_prompt"]]
-        out += [""]
+                f"- trained on shards: {r['train_shards'] or 'not recorded'}; step {r['step']}", ""]
+        out += md_table(["accepted drafts", *range(len(r["histogram"]))], [["rounds", *r["histogram"]]]) + [""]
+        out += md_table(["slot", *range(1, len(r["per_slot"]) + 1)],
+                        [["accepted", *(f"{p:.3f}" for p in r["per_slot"])]]) + [""]
+        out += md_table(["shard", "index", "row", "prompt tokens", "completion tokens", "rounds", "tau"],
+                        [[p["shard"], p["index"], p["row_id"], p["prompt_len"], p["completion_len"], p["rounds"],
+                          f"{p['tau']:.3f}"] for p in r["per_prompt"]]) + [""]
     return "\n".join(out)
 
 
 def plots(rep: dict, out: Path) -> list[Path]:
     from pipeline.plots import plt
 
-    paths = []
     fig, ax = plt.subplots(figsize=(7, 3.6))
     n = len(rep["checkpoints"])
     for i, r in enumerate(rep["checkpoints"]):
@@ -86,22 +84,21 @@ def plots(rep: dict, out: Path) -> list[Path]:
         xs = [k + (i - (n - 1) / 2) * 0.8 / n for k in range(len(r["histogram"]))]
         ax.bar(xs, [h / total for h in r["histogram"]], width=0.8 / n, label=f"{r['name']} (tau {r['tau']:.2f})")
     ax.set(xlabel="accepted drafts in a round", ylabel="share of rounds", title="acceptance histogram (chain)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "histogram.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths = [_save(plt, fig, ax, out / "histogram.png")]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for r in rep["checkpoints"]:
         ax.plot(range(1, len(r["per_slot"]) + 1), r["per_slot"], "o-", markersize=4, label=r["name"])
     ax.set(xlabel="draft slot k", ylabel="share of rounds with draft k accepted", title="per-slot acceptance", ylim=(0, 1))
     ax.grid(alpha=0.3)
+    return paths + [_save(plt, fig, ax, out / "per_slot.png")]
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out / "per_slot.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return paths
+    return path
 
 
 def write(rep: dict, out: Path) -> None:
