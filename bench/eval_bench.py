@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from pipeline import live, replay  # noqa: E402
 from pipeline.live_target import LiveTarget  # noqa: E402
 from pipeline.ranges import parse_ranges  # noqa: E402
-from stages.evaluate import build, load_checked, load_samples  # noqa: E402
+from stages.evaluate import Prompts, build, load_checked  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 
 
@@ -53,14 +53,13 @@ def main() -> None:
     attrs = dict(store.attrs)
     ck = load_checked(args.checkpoint, attrs, False, [])
     m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device)
-    samples = load_samples(store, parse_ranges(args.shards, store.num_shards), args.prompts)
+    samples = Prompts(store, parse_ranges(args.shards, store.num_shards), args.prompts)
     t = targets.load(args.target or attrs["target"]["path"], args.device, attrs["dtype"])
     lt = LiveTarget(t, list(attrs["taps"]))
     eos = set(attrs["eos_token_ids"])
-    c = attrs["compat"]
 
     def limit(s):
-        return min(c["max_new_tokens"], c["max_length"] - s.prompt_len)
+        return live.completion_limit(attrs["compat"], s.prompt_len)
 
     runs = {"replay": [], "live": [], "target_only": []}
     for _ in range(args.repeat):

@@ -148,6 +148,17 @@ def _rope(d: dict) -> dict:
     return rope
 
 
+def store_mismatches(config: DrafterConfig, attrs: dict) -> dict[str, tuple]:
+    """What differs between a drafter and a store's attributes: {field: (drafter's, store's)} for
+    taps, number of taps, hidden size, vocabulary and mask token."""
+    pairs = {"taps": (list(config.target_layer_ids), list(attrs["taps"])),
+             "num_taps": (config.num_taps, len(attrs["taps"])),
+             "hidden_size": (config.hidden_size, attrs["hidden_size"]),
+             "vocab_size": (config.vocab_size, attrs["vocab_size"]),
+             "mask_token_id": (config.mask_token_id, attrs["mask_token_id"])}
+    return {k: v for k, v in pairs.items() if v[0] != v[1]}
+
+
 def read_config(directory: str | Path) -> tuple[DrafterConfig, dict]:
     """(config, our extra block or {}) from DIR/config.json (or a config file itself)."""
     path = Path(directory)

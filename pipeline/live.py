@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.acceptance import accepted
+from pipeline.acceptance import accepted, round_tokens
 from pipeline.drafter import Drafter
 from pipeline.drafting import DraftSession
 from pipeline.live_target import LiveTarget
@@ -27,6 +27,12 @@ class LiveRun:
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (accepted drafts, tokens committed)
     drafts: list[list[int]] = field(default_factory=list)  # each round's drafts (cut to the tokens allowed)
     seconds: float = 0.0
+
+
+def completion_limit(compat: dict, prompt_len: int) -> int:
+    """The completion length extraction allowed this prompt: max_new_tokens, within max_length
+    (compat: the store's `compat` attributes)."""
+    return min(int(compat["max_new_tokens"]), int(compat["max_length"]) - prompt_len)
 
 
 def _stored_like(states: torch.Tensor) -> torch.Tensor:
@@ -50,14 +56,15 @@ def speculative(drafter: Drafter, target: LiveTarget, prompt: torch.Tensor, max_
         posterior, block_states = target.verify(torch.tensor([run.tokens[-1], *drafts]))
         acc = accepted(drafts, posterior.tolist())
         new = posterior[:acc + 1].tolist()  # drafts[:acc] == posterior[:acc], then the bonus
-        end = min(left, next((i + 1 for i, t in enumerate(new) if t in eos), len(new)))
-        acc, n = min(acc, end), min(acc + 1, end)
+        stop = next((i + 1 for i, t in enumerate(new) if t in eos), None)  # tokens up to an EOS, EOS kept
+        end = min(left, stop or len(new))
+        acc, n = min(acc, end), round_tokens(acc, end)
         target.commit(n)
         session.extend(_stored_like(block_states[:n]))
         run.tokens += new[:n]
         run.rounds.append((acc, n))
         start += n
-        if any(t in eos for t in new[:n]):
+        if stop is not None and stop <= n:
             break
     run.seconds = time.perf_counter() - t0
     return run

@@ -64,6 +64,11 @@ def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, ga
     return LossOut(loss, _sums(ce.detach(), w, correct, keep))
 
 
+def zero_sums(block_size: int, device=None) -> torch.Tensor:
+    """An empty `LossOut.sums` accumulator: [4 + 2B] fp32."""
+    return torch.zeros(4 + 2 * block_size, device=device)
+
+
 def streaks(correct: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """[b, N, B] -> [b, N]: leading correct drafts from slot 1, stopping at the first miss or
     missing label (the replay acceptance of that block, bonus not counted)."""

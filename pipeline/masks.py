@@ -64,7 +64,6 @@ class LocalMask:
     """
 
     mask: torch.Tensor  # [batch, N, B, S + B] bool
-    ctx_len: int
     block_size: int
 
 
@@ -77,7 +76,7 @@ def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
     kv = torch.where(kv < ctx_len, kv, kv + blk * block_size)  # local key -> its index in the dense layout
     b = torch.arange(batch, device=dev)[:, None, None, None]
     m = allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)
-    return LocalMask(m, ctx_len, block_size)
+    return LocalMask(m, block_size)
 
 
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule):

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from pipeline import checkpoint, replay
 from pipeline.acceptance import summarize
 from pipeline.drafter import Drafter
-from pipeline.drafter_config import DrafterConfig
+from pipeline.drafter_config import DrafterConfig, store_mismatches
 from pipeline.errors import PipelineError
 from pipeline.ranges import format_ranges, parse_ranges
 from store.hidden_store import HiddenStore
@@ -62,16 +62,13 @@ class Loaded:
 
 def load_checked(path: str, attrs: dict, allow_mismatch: bool, warnings: list[str]) -> Loaded:
     config, tensors, extra = checkpoint.load(path)
-    shape = [f"{name}: checkpoint has {mine}, store has {theirs}" for name, mine, theirs in (
-        ("hidden_size", config.hidden_size, attrs["hidden_size"]), ("vocab_size", config.vocab_size, attrs["vocab_size"]),
-        ("number of taps", config.num_taps, len(attrs["taps"]))) if mine != theirs]
+    diff = store_mismatches(config, attrs)
+    shape = [f"{label}: checkpoint has {diff[k][0]}, store has {diff[k][1]}" for k, label in
+             (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"), ("num_taps", "number of taps")) if k in diff]
     if shape:
         raise PipelineError(f"{path} cannot run on {attrs.get('_location', 'the store')}: " + "; ".join(shape))
-    problems = []
-    if list(config.target_layer_ids) != list(attrs["taps"]):
-        problems.append(f"taps: checkpoint {list(config.target_layer_ids)}, store {list(attrs['taps'])}")
-    if config.mask_token_id != attrs["mask_token_id"]:
-        problems.append(f"mask token: checkpoint {config.mask_token_id}, store {attrs['mask_token_id']}")
+    problems = [f"{label}: checkpoint {diff[k][0]}, store {diff[k][1]}" for k, label in
+                (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
     fp = extra.get("store_fingerprint")
     if fp is not None and fp != attrs["fingerprint"]:
         problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs['fingerprint'][:12]} "
@@ -130,9 +127,9 @@ def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> tuple[d
     B = m.config.block_size
     chain = per_policy["chain"]
     out = {**summarize([p.rounds for p in chain], B), "block_size": B}
-    out["ddtree"] = {str(b): summarize([p.rounds for p in per_policy[f"ddtree-{b}"]], B)["tau"] for b in config.ddtree}
-    out["ddtree_pooled"] = {str(b): summarize([p.rounds for p in per_policy[f"ddtree-{b}"]], B)["tau_pooled"]
-                            for b in config.ddtree}
+    trees = {str(b): summarize([p.rounds for p in per_policy[f"ddtree-{b}"]], B) for b in config.ddtree}
+    out["ddtree"] = {b: t["tau"] for b, t in trees.items()}
+    out["ddtree_pooled"] = {b: t["tau_pooled"] for b, t in trees.items()}
     out["per_prompt"] = [{"shard": p.shard, "index": p.index, "row_id": p.row_id, "prompt_len": p.prompt_len,
                           "completion_len": p.completion_len, "rounds": len(p.rounds), "tau": p.tau,
                           "ddtree": {str(b): per_policy[f"ddtree-{b}"][i].tau for b in config.ddtree}}
@@ -162,10 +159,6 @@ class Prompts:
             yield self._readers[shard][i]
 
 
-def load_samples(store: HiddenStore, shards: list[int], limit: int | None) -> Prompts:
-    return Prompts(store, shards, limit)
-
-
 def run(config: EvalConfig, log=print) -> dict:
     from pipeline import report
 
@@ -181,7 +174,7 @@ def run(config: EvalConfig, log=print) -> dict:
     for w in warnings:
         log(f"warning: {w}")
     embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")
-    samples = load_samples(store, shards, config.max_prompts)
+    samples = Prompts(store, shards, config.max_prompts)
     if not samples:
         raise PipelineError(f"{config.store}: shards {format_ranges(shards)} hold no prompt with a completion")
     bench = None

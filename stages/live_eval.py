@@ -35,7 +35,7 @@ class LiveBench:
     def __init__(self, target, samples, attrs: dict) -> None:
         self.lt = LiveTarget(target, list(attrs["taps"]))
         self.samples = samples
-        self.max_new, self.max_length = int(attrs["compat"]["max_new_tokens"]), int(attrs["compat"]["max_length"])
+        self.compat = attrs["compat"]
         self.eos = set(attrs["eos_token_ids"] or [])
         runs = [live.greedy(self.lt, s.tokens[:s.prompt_len], self.limit(s), self.eos)
                 for s in tqdm(samples, total=len(samples), desc="target-only greedy", unit="prompt", disable=None)]
@@ -43,8 +43,7 @@ class LiveBench:
         self.base_seconds = sum(r.seconds for r in runs)
 
     def limit(self, sample) -> int:
-        """The completion limit extraction used: max_new_tokens, within max_length."""
-        return min(self.max_new, self.max_length - sample.prompt_len)
+        return live.completion_limit(self.compat, sample.prompt_len)
 
     def run(self, drafter, replayed: list, label: str) -> dict:
         """replayed: the chain replay of the same samples (PromptRounds), to compare with."""

@@ -47,15 +47,13 @@ def extra_info(s, config, step: int) -> dict:
             "train_config": asdict(config)}
 
 
-def export(s, config, directory: Path, step: int, tmp: Path | None = None) -> None:
-    """The drafter in the released layout (bf16), on the main process."""
+def export(s, config, directory: Path, step: int, atomic: bool = True) -> None:
+    """The drafter in the released layout (bf16), written by the main process: atomically into
+    DIRECTORY, or into an existing directory the caller publishes itself."""
     state = s.accelerator.get_state_dict(s.model)
     if s.accelerator.is_main_process:
-        extra = extra_info(s, config, step)
-        if tmp is None:
-            checkpoint.save(directory, s.drafter_config, state, extra)
-        else:
-            checkpoint.write(tmp, s.drafter_config, state, extra)
+        write = checkpoint.save if atomic else checkpoint.write
+        write(directory, s.drafter_config, state, extra_info(s, config, step))
     s.accelerator.wait_for_everyone()
 
 
@@ -70,7 +68,7 @@ def save_step(s, config, step: int) -> None:
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     acc.save_state(str(tmp / "training"))
-    export(s, config, final, step, tmp=tmp)
+    export(s, config, tmp, step, atomic=False)
     if acc.is_main_process:
         state = {"step": step, "total_steps": s.total_steps, "world_size": acc.num_processes,
                  "micro_per_epoch": s.micro_per_epoch, "train_config": asdict(config),

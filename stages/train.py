@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from tqdm import tqdm
 
 from pipeline import masks
@@ -22,7 +21,7 @@ from pipeline.blocks import make_blocks, sample_anchors
 from pipeline.drafter import Drafter
 from pipeline.drafter_config import default_gamma
 from pipeline.errors import PipelineError
-from pipeline.loss import dflash_loss, summarize
+from pipeline.loss import dflash_loss, summarize, zero_sums
 from stages.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train_setup import Setup, prepare
 from store.batches import StoreBatches, epoch_batches
@@ -199,7 +198,7 @@ class Window:
 
     def __init__(self, s: Setup) -> None:
         self.s = s
-        self.sums = torch.zeros(4 + 2 * s.drafter_config.block_size, device=s.accelerator.device)
+        self.sums = zero_sums(s.drafter_config.block_size, s.accelerator.device)
         self.tokens, self.t0 = 0, time.perf_counter()
 
     def add(self, sums: torch.Tensor, tokens: int) -> None:
@@ -207,16 +206,15 @@ class Window:
         self.tokens += tokens
 
     def flush(self, step: int) -> dict:
-        acc, s = self.s.accelerator, self.s
+        s, acc = self.s, self.s.accelerator
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
-        record = {"split": "train", "step": step, "epoch": round(step * s.accelerator.gradient_accumulation_steps / s.micro_per_epoch, 3),
-                  "lr": s.scheduler.get_last_lr()[0], **m,
+        epoch = step * acc.gradient_accumulation_steps / s.micro_per_epoch
+        record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": s.scheduler.get_last_lr()[0], **m,
                   "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time()}
         self.sums.zero_()
         self.tokens, self.t0 = 0, time.perf_counter()
         return record
-
 
 
 def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
@@ -262,7 +260,7 @@ def evaluate(s: Setup, config: TrainConfig) -> dict:
     acc = s.accelerator
     s.model.eval()
     batches = epoch_batches(s.eval_refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
-    total = torch.zeros(4 + 2 * s.drafter_config.block_size, device=acc.device)
+    total = zero_sums(s.drafter_config.block_size, acc.device)
     data = StoreBatches(config.store, batches)
     for i in range(len(data)):
         batch = data[i].to(acc.device)

@@ -15,7 +15,7 @@ import torch
 
 from pipeline import checkpoint
 from pipeline.drafter import Drafter
-from pipeline.drafter_config import DrafterConfig, default_sizes, read_config
+from pipeline.drafter_config import DrafterConfig, default_sizes, read_config, store_mismatches
 from pipeline.errors import PipelineError
 from pipeline.ranges import format_ranges, parse_ranges
 from store.batches import Ref, epoch_batches, index_samples
@@ -135,9 +135,10 @@ def layer_types(text: str, n: int) -> tuple[str, ...]:
 
 
 def check_against_store(dc: DrafterConfig, attrs: dict, where) -> None:
-    checks = [("target_layer_ids (taps)", list(dc.target_layer_ids), list(attrs["taps"])),
-              ("hidden_size", dc.hidden_size, attrs["hidden_size"]), ("vocab_size", dc.vocab_size, attrs["vocab_size"])]
-    bad = [f"{name}: drafter has {mine}, store has {theirs}" for name, mine, theirs in checks if mine != theirs]
+    """Taps, hidden size and vocabulary must be the store's (the mask token may be --mask-token-id)."""
+    diff = store_mismatches(dc, attrs)
+    labels = {"taps": "target_layer_ids (taps)", "hidden_size": "hidden_size", "vocab_size": "vocab_size"}
+    bad = [f"{label}: drafter has {diff[k][0]}, store has {diff[k][1]}" for k, label in labels.items() if k in diff]
     if bad:
         raise PipelineError(f"{where} does not fit the store: " + "; ".join(bad))
 

@@ -9,7 +9,7 @@ tensors; it is what DataLoader worker processes run, each with its own store han
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -73,12 +73,14 @@ class Batch:
     lengths: torch.Tensor  # [b] long
     refs: torch.Tensor  # [b, 2] long: (shard, index)
 
+    def _map(self, fn) -> "Batch":
+        return Batch(*(fn(getattr(self, f.name)) for f in fields(self)))
+
     def pin_memory(self) -> "Batch":
-        return Batch(*(t.pin_memory() for t in (self.tokens, self.loss_mask, self.hidden, self.lengths, self.refs)))
+        return self._map(torch.Tensor.pin_memory)
 
     def to(self, device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.tokens, self.loss_mask, self.hidden, self.lengths, self.refs)))
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
 
 class StoreBatches(torch.utils.data.Dataset):

@@ -38,7 +38,7 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     from pipeline import target as targets
     from pipeline.drafter import Drafter
     from pipeline.live_target import LiveTarget
-    from stages.evaluate import load_samples
+    from stages.evaluate import Prompts
     from stages.train import TrainConfig
     from stages.train_setup import drafter_config
     from store.hidden_store import HiddenStore
@@ -50,8 +50,8 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     m.init_weights(torch.Generator().manual_seed(3), std=0.3)
     lt = LiveTarget(targets.load(str(TINY_TARGET), "cpu", attrs["dtype"]), list(attrs["taps"]))
     compared = 0
-    for s in load_samples(store, [0, 1], None):
-        limit = min(attrs["compat"]["max_new_tokens"], attrs["compat"]["max_length"] - s.prompt_len)
+    for s in Prompts(store, [0, 1], None):
+        limit = live.completion_limit(attrs["compat"], s.prompt_len)
         lv = live.speculative(m, lt, s.tokens[:s.prompt_len], limit, set(attrs["eos_token_ids"]))
         rp = replay.replay(m, s, keep_drafts=True)
         assert lv.rounds == rp.rounds and len(lv.drafts) == len(rp.drafts)
