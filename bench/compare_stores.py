@@ -23,9 +23,9 @@ from store.shard_reader import ShardReader  # noqa: E402
 
 
 def compare(a: HiddenStore, b: HiddenStore) -> dict:
-    taps = a.attrs["taps"]
-    if b.attrs["taps"] != taps:
-        raise SystemExit(f"taps differ: {taps} vs {b.attrs['taps']}")
+    taps = a.attrs.taps
+    if b.attrs.taps != taps:
+        raise SystemExit(f"taps differ: {taps} vs {b.attrs.taps}")
     shards = sorted(set(a.committed()) & set(b.committed()))
     cos, maxabs, sumabs, same, count = [[] for _ in taps], [0.0] * len(taps), [0.0] * len(taps), [0] * len(taps), 0
     for shard in shards:
@@ -40,14 +40,14 @@ def compare(a: HiddenStore, b: HiddenStore) -> dict:
                 maxabs[j] = max(maxabs[j], d.max().item())
                 sumabs[j] += d.sum().item()
                 same[j] += (sa.hidden[:, j].view(torch.int16) == sb.hidden[:, j].view(torch.int16)).sum().item()
-    hidden = a.attrs["hidden_size"]
+    hidden = a.attrs.hidden_size
     rows = []
     for j, k in enumerate(taps):
         c = torch.cat(cos[j])
         rows.append({"tap": k, "cos_mean": c.mean().item(), "cos_min": c.min().item(), "max_abs": maxabs[j],
                      "mean_abs": sumabs[j] / (count * hidden), "bit_identical": same[j] / (count * hidden)})
-    return {"a": a.location, "b": b.location, "a_backend": a.attrs["backends"]["linear_attention"],
-            "b_backend": b.attrs["backends"]["linear_attention"], "shards": shards, "tokens": count, "taps": rows}
+    return {"a": a.location, "b": b.location, "a_backend": a.attrs.backends.linear_attention,
+            "b_backend": b.attrs.backends.linear_attention, "shards": shards, "tokens": count, "taps": list(rows)}
 
 
 def main() -> None:

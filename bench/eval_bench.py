@@ -20,11 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pipeline import live, replay  # noqa: E402
-from pipeline.live_target import LiveTarget  # noqa: E402
-from pipeline.ranges import parse_ranges  # noqa: E402
-from stages.evaluate import Prompts, build, load_checked  # noqa: E402
+from pipeline import device as devices  # noqa: E402
+from pipeline.decode import live, replay  # noqa: E402
+from pipeline.target import loading  # noqa: E402
+from pipeline.target.verifier import LiveTarget  # noqa: E402
+from stages.evaluate.checks import build, load_checked  # noqa: E402
+from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
+from store.ranges import parse_ranges  # noqa: E402
 
 
 def timed(fn, items) -> tuple[float, list]:
@@ -45,21 +48,18 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    from pipeline import target as targets
-
+    devices.prepare_cpu(args.threads)
     store = HiddenStore(args.store)
-    attrs = dict(store.attrs)
-    ck = load_checked(args.checkpoint, attrs, False, [])
+    attrs = store.attrs
+    ck = load_checked(args.checkpoint, store, False, [])
     m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device)
     samples = Prompts(store, parse_ranges(args.shards, store.num_shards), args.prompts)
-    t = targets.load(args.target or attrs["target"]["path"], args.device, attrs["dtype"])
-    lt = LiveTarget(t, list(attrs["taps"]))
-    eos = set(attrs["eos_token_ids"])
+    t = loading.load(args.target or attrs.target.path, args.device, attrs.dtype)
+    lt = LiveTarget(t, list(attrs.taps))
+    eos = set(attrs.eos_token_ids)
 
     def limit(s):
-        return live.completion_limit(attrs["compat"], s.prompt_len)
+        return attrs.compat.completion_limit(s.prompt_len)
 
     runs = {"replay": [], "live": [], "target_only": []}
     for _ in range(args.repeat):

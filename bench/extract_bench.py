@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline.ranges import parse_ranges  # noqa: E402
-from stages.extract import ExtractConfig, run  # noqa: E402
+from stages.extract.config import ExtractConfig  # noqa: E402
+from stages.extract.run import run  # noqa: E402
 
 
 def one_run(args, store: Path) -> dict:
-    config = ExtractConfig(store=str(store), dtype=args.dtype, device=args.device, batch_size=args.batch_size,
-                           max_new_tokens=args.max_new_tokens, max_length=args.max_length)
-    s = run(config, parse_ranges(args.shards), log=lambda m: None)
+    config = ExtractConfig(store=str(store), shards=args.shards, dtype=args.dtype, device=args.device,
+                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_length=args.max_length)
+    s = run(config, log=lambda m: None)
     t = s["timing"]
     model_s = t["generate_s"] + t["capture_s"]
     raw = s["hidden_bytes_raw_bf16"]

@@ -22,13 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pipeline import masks  # noqa: E402
-from pipeline.blocks import make_blocks, sample_anchors  # noqa: E402
-from pipeline.drafter import Drafter  # noqa: E402
-from pipeline.loss import dflash_loss  # noqa: E402
-from stages.train import TrainConfig, pad_for_compile, run  # noqa: E402
-from stages.train_setup import drafter_config  # noqa: E402
-from store.batches import StoreBatches, index_samples  # noqa: E402
+from pipeline.drafter import masks  # noqa: E402
+from pipeline.drafter.blocks import make_blocks, sample_anchors  # noqa: E402
+from pipeline.drafter.loss import dflash_loss  # noqa: E402
+from pipeline.drafter.model import Drafter  # noqa: E402
+from stages.train.config import TrainConfig  # noqa: E402
+from stages.train.data import StoreBatches, index_samples  # noqa: E402
+from stages.train.run import run  # noqa: E402
+from stages.train.setup import drafter_config  # noqa: E402
+from stages.train.step import pad_for_compile  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 
 

@@ -44,11 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import stages.train as T  # noqa: E402
-from pipeline import masks  # noqa: E402
-from pipeline.ranges import parse_ranges  # noqa: E402
-from stages.train_setup import prepare  # noqa: E402
-from store.batches import StoreBatches, epoch_batches  # noqa: E402
+import stages.train.run as T  # noqa: E402
+import stages.train.step as step_module  # noqa: E402
+from pipeline.drafter import masks  # noqa: E402
+from stages.train.config import TrainConfig  # noqa: E402
+from stages.train.data import StoreBatches, epoch_batches  # noqa: E402
+from stages.train.setup import prepare  # noqa: E402
+from store.ranges import parse_ranges  # noqa: E402
 
 STEP_PARTS = ("data_wait", "fwd_prep", "fwd_model", "fwd_loss", "backward", "optimizer")
 
@@ -94,8 +96,8 @@ class Clock:
 @contextlib.contextmanager
 def timed_calls(clock: Clock, s):
     """Timing wrappers on what train_step and forward_loss call, restored on exit."""
-    targets = [(T, "sample_anchors", "fwd_prep"), (T, "make_blocks", "fwd_prep"), (masks, "build", "fwd_prep"),
-               (T, "dflash_loss", "fwd_loss"), (s.accelerator, "backward", "backward"),
+    targets = [(step_module, "sample_anchors", "fwd_prep"), (step_module, "make_blocks", "fwd_prep"),
+               (masks, "build", "fwd_prep"), (step_module, "dflash_loss", "fwd_loss"), (s.accelerator, "backward", "backward"),
                (s.accelerator, "clip_grad_norm_", "optimizer"), (s.optimizer, "step", "optimizer"),
                (s.optimizer, "zero_grad", "optimizer")]
     saved = []
@@ -194,7 +196,7 @@ def build_in_process(s, config, n: int) -> dict:
 
 def one_repeat(args) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        config = T.TrainConfig(store=args.store, out=str(Path(tmp) / "run"), shards=args.shards,
+        config = TrainConfig(store=args.store, out=str(Path(tmp) / "run"), shards=args.shards,
                                max_steps=args.warmup + args.steps, batch_size=args.batch_size,
                                grad_accum=args.grad_accum, anchors=args.anchors, max_length=args.max_length,
                                num_layers=args.num_layers, workers=args.workers, threads=args.threads,

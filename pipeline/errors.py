@@ -1,26 +1,17 @@
-"""User-facing errors: one clear line, no traceback, at the command line."""
+"""The domain's user-facing errors, under the project's root `store.errors.UserError`."""
 
 from __future__ import annotations
 
-import sys
+from store.errors import UserError
 
 
-class PipelineError(Exception):
-    """A mistake in the user's input or environment. The message names what and where."""
+class TargetError(UserError):
+    """A target model that cannot be loaded or run as asked (path, files, device, kernels)."""
 
 
-def run_command(command, interrupted: str = "interrupted") -> None:
-    """Run a click command; a PipelineError or an interrupt becomes one `error:` line (exit 2 / 130)."""
-    import click
+class DatasetError(UserError):
+    """A prompt set that cannot be read, or a row that is not what its fields say."""
 
-    try:
-        command.main(standalone_mode=False)
-    except PipelineError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo(f"error: {interrupted}", err=True)
-        sys.exit(130)
+
+class DrafterError(UserError):
+    """A drafter config or checkpoint that is invalid, does not load strictly, or does not fit the store."""

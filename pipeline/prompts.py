@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import fingerprint
-from pipeline.errors import PipelineError
+from pipeline.errors import DatasetError
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PromptSet:
         self.fields = fields
         self.sha256 = sha256
         if records and fields.messages not in records[0] and fields.prompt not in records[0]:
-            raise PipelineError(
+            raise DatasetError(
                 f"dataset {source}: row 0 has neither field {fields.messages!r} nor {fields.prompt!r} "
                 f"(fields present: {sorted(records[0])}); set --messages-field or --prompt-field")
 
@@ -55,7 +55,7 @@ class PromptSet:
         if f.messages in rec:
             msgs = rec[f.messages]
             if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-                raise PipelineError(f"dataset {self.source}: row {i} field {f.messages!r} is not a list of "
+                raise DatasetError(f"dataset {self.source}: row {i} field {f.messages!r} is not a list of "
                                     "{'role', 'content'} turns")
             last_assistant = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
             if last_assistant is None:
@@ -64,9 +64,9 @@ class PromptSet:
         if f.prompt in rec:
             prompt = rec[f.prompt]
             if not isinstance(prompt, str):
-                raise PipelineError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
+                raise DatasetError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
             return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response))
-        raise PipelineError(f"dataset {self.source}: row {i} has neither field {f.messages!r} nor {f.prompt!r} "
+        raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} nor {f.prompt!r} "
                             f"(fields present: {sorted(rec)})")
 
     def describe(self) -> dict:
@@ -86,12 +86,12 @@ def load(source: str, fields: Fields = Fields(), split: str = "train") -> Prompt
         elif suffix == ".parquet":
             records = _read_parquet(path)
         else:
-            raise PipelineError(f"--dataset {path}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet")
+            raise DatasetError(f"--dataset {path}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet")
         return PromptSet(records, str(path), fields, fingerprint.sha256_file(path))
     if path.is_dir() or source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
         if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
             return _from_datasets(str(path), fields, split, on_disk=True)
-        raise PipelineError(f"--dataset {source}: no such file (or not a saved `datasets` directory)")
+        raise DatasetError(f"--dataset {source}: no such file (or not a saved `datasets` directory)")
     return _from_datasets(source, fields, split, on_disk=False)
 
 
@@ -104,9 +104,9 @@ def _read_jsonl(path: Path) -> list[dict]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise PipelineError(f"--dataset {path}: line {n} is not valid JSON ({e.msg})") from None
+                raise DatasetError(f"--dataset {path}: line {n} is not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
-                raise PipelineError(f"--dataset {path}: line {n} is not a JSON object")
+                raise DatasetError(f"--dataset {path}: line {n} is not a JSON object")
             records.append(rec)
     return records
 
@@ -115,11 +115,11 @@ def _read_json(path: Path) -> list[dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise PipelineError(f"--dataset {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        raise DatasetError(f"--dataset {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise PipelineError(f"--dataset {path}: expected a JSON list of objects")
+        raise DatasetError(f"--dataset {path}: expected a JSON list of objects")
     return data
 
 
@@ -129,7 +129,7 @@ def _read_parquet(path: Path) -> list[dict]:
     try:
         return pq.read_table(path).to_pylist()
     except Exception as e:
-        raise PipelineError(f"--dataset {path}: cannot read parquet ({e})") from None
+        raise DatasetError(f"--dataset {path}: cannot read parquet ({e})") from None
 
 
 def _from_datasets(name: str, fields: Fields, split: str, on_disk: bool) -> PromptSet:
@@ -140,5 +140,5 @@ def _from_datasets(name: str, fields: Fields, split: str, on_disk: bool) -> Prom
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split]
     except Exception as e:
-        raise PipelineError(f"--dataset {name}: cannot load it with `datasets` ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DatasetError(f"--dataset {name}: cannot load it with `datasets` ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return PromptSet(ds.to_list(), name, fields, fingerprint.sha256_json({"fingerprint": ds._fingerprint, "rows": len(ds)}))

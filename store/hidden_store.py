@@ -19,9 +19,11 @@ import torch
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import PipelineError
 from store import layout
+from store.errors import NotAStore, NotCommitted, StoreCorrupt, StoreError, StoreMismatch
 from store.locks import HOST, LockFile
+from store.ranges import format_ranges
+from store.schema import ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
 
@@ -71,15 +73,16 @@ class HiddenStore:
         return zarr.open_group(self.location, mode=mode)
 
     @property
-    def attrs(self) -> dict:
+    def attrs(self) -> StoreAttrs:
+        """The root attributes (read once, checked on the way in)."""
         if not hasattr(self, "_attrs"):
             if not self.exists():
-                raise PipelineError(f"{self.location}: not a hidden-state store (no {layout.commit_key('root')})")
-            self._attrs = dict(self.group("r").attrs)
+                raise NotAStore(f"{self.location}: not a hidden-state store (no {layout.commit_key('root')})")
+            self._attrs = StoreAttrs.from_json(dict(self.group("r").attrs), self.location)
         return self._attrs
 
-    def create_or_check(self, attrs: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> str:
-        """Create the root once (under a lock), or check an existing root matches `attrs["compat"]`.
+    def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor) -> str:
+        """Create the root once (under a lock), or check an existing root matches `attrs.compat`.
 
         Returns "created" or "opened". embed, lm_head: [V, H] bf16.
         """
@@ -88,10 +91,10 @@ class HiddenStore:
             try:
                 lock.acquire(ROOT_LOCK_TIMEOUT_S)
             except TimeoutError as e:
-                raise PipelineError(f"{self.location}: timed out waiting for the root lock ({e})") from None
+                raise StoreError(f"{self.location}: timed out waiting for the root lock ({e})") from None
         try:
             if self.exists():
-                self.check_compatible(attrs["compat"])
+                self.check_compatible(attrs.compat)
                 return "opened"
             self._create(attrs, embed, lm_head)
             return "created"
@@ -99,9 +102,9 @@ class HiddenStore:
             if lock is not None:
                 lock.release()
 
-    def _create(self, attrs: dict, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         if self.fs.exists(self._path("shards")) and self.fs.ls(self._path("shards")):
-            raise PipelineError(f"{self.location}: has shard data but no root commit; not a store this tool made")
+            raise NotAStore(f"{self.location}: has shard data but no root commit; not a store this tool made")
         g = zarr.open_group(self.location, mode="a")
         checksums = {}
         for name, w in (("embed_tokens", embed), ("lm_head", lm_head)):
@@ -110,34 +113,48 @@ class HiddenStore:
             g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
                            compressors=layout.compressor(), fill_value=0, overwrite=True)[:] = bits
             checksums[name] = layout.crc32(bits)
-        g.attrs.put(attrs)
-        self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs["fingerprint"],
+        g.attrs.put(to_json(attrs))
+        self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs.fingerprint,
                                                     "checksums": checksums})
 
-    def check_compatible(self, compat: dict) -> None:
-        mine = self.attrs.get("compat", {})
-        diff = sorted(k for k in set(mine) | set(compat) if mine.get(k) != compat.get(k))
+    def check_compatible(self, compat) -> None:
+        diff = self.attrs.compat.differences(compat)
         if diff:
-            detail = "; ".join(f"{k}: store has {_short(mine.get(k))}, this run has {_short(compat.get(k))}" for k in diff)
-            raise PipelineError(f"{self.location} was made with a different target/taps/config, refusing to add shards ({detail})")
+            detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))
+            raise StoreMismatch(f"{self.location} was made with a different target/taps/config, refusing to add shards "
+                                f"({detail})")
 
     def embedding(self, name: str) -> torch.Tensor:
         """'embed_tokens' or 'lm_head': [V, H] bf16."""
         g = self.group("r")
         key = f"target/{name}"
         if key not in g:
-            raise PipelineError(f"{self.location}: missing array {key}")
+            raise StoreCorrupt(f"{self.location}: missing array {key}")
         return layout.from_bits(g[key][:])
 
     # -- shards ----------------------------------------------------------------------------
     @property
     def num_shards(self) -> int:
-        return int(self.attrs["num_shards"])
+        return self.attrs.num_shards
 
-    def marker(self, shard: int) -> dict | None:
-        return self.read_json(layout.commit_key(shard))
+    def commit_record(self, shard: int) -> ShardCommit | None:
+        """Shard's commit record, or None while it is not committed."""
+        d = self.read_json(layout.commit_key(shard))
+        return None if d is None else ShardCommit.from_json(d, f"{self.location}: {layout.commit_key(shard)}")
 
-    def committed(self) -> dict[int, dict]:
+    def write_commit(self, record: ShardCommit) -> None:
+        """Commit a shard: its record, written last and atomically."""
+        self.write_json(layout.commit_key(record.shard), record.to_json())
+
+    def require_committed(self, shards: list[int]) -> None:
+        """Every shard in `shards` must be committed; the error names the missing ones and the fix."""
+        missing = [s for s in shards if self.commit_record(s) is None]
+        if missing:
+            text = format_ranges(missing)
+            what = f"shard {text} is" if len(missing) == 1 else f"shards {text} are"
+            raise NotCommitted(f"{self.location}: {what} not committed (run `pipeline extract --shards {text}` first)")
+
+    def committed(self) -> dict[int, ShardCommit]:
         """Shard id -> its commit record, for every committed shard."""
         out = {}
         try:
@@ -147,7 +164,7 @@ class HiddenStore:
         for name in names:
             base = name.rstrip("/").rsplit("/", 1)[-1]
             if base.endswith(".json") and base[:-5].isdigit():
-                rec = self.read_json(f"_commits/{base}")
+                rec = self.commit_record(int(base[:-5]))
                 if rec is not None:
                     out[int(base[:-5])] = rec
         return dict(sorted(out.items()))

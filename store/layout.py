@@ -1,7 +1,7 @@
 """Names, codecs and dtypes of the hidden-state store (documented in docs/store.md).
 
     STORE/
-      zarr.json                    root group; attributes = provenance (SCHEMA below)
+      zarr.json                    root group; attributes = provenance (store/schema.py)
       target/embed_tokens          [V, H] uint16 (bf16 bits), the target's input embedding
       target/lm_head               [V, H] uint16 (bf16 bits), the target's output projection
       shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens
@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from zarr.codecs import BloscCodec, BloscShuffle
 
-SCHEMA_VERSION = 1
 HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
 SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
 ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
                 "prompt_lens": np.int32, "row_ids": np.int64}
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response")
+COMPRESSION_LEVEL = 3  # zstd level of every array unless extraction is told otherwise
 
 
 def shard_name(shard: int) -> str:
@@ -45,7 +45,7 @@ def commit_key(shard: int | str) -> str:
     return f"_commits/{shard if isinstance(shard, str) else shard_name(shard)}.json"
 
 
-def compressor(level: int = 3) -> BloscCodec:
+def compressor(level: int = COMPRESSION_LEVEL) -> BloscCodec:
     """Lossless: byte-shuffled zstd inside blosc (bf16's sign/exponent byte compresses well)."""
     return BloscCodec(cname="zstd", clevel=level, shuffle=BloscShuffle.shuffle, typesize=2)
 

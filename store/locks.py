@@ -100,9 +100,3 @@ class LockFile:
             except FileNotFoundError:
                 pass
             self.held = False
-
-    def __enter__(self) -> "LockFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pipeline.errors import PipelineError
 from store import layout
 from store.hidden_store import HiddenStore
 
@@ -24,20 +24,26 @@ class Sample:
 
 
 class ShardReader:
+    """One committed shard. The per-token and per-sample arrays are read whole, each on first use;
+    hidden states are read per sample, only the chunks a sample covers."""
+
     def __init__(self, store: HiddenStore, shard: int) -> None:
-        if store.marker(shard) is None:
-            raise PipelineError(f"{store.location}: shard {shard} is not committed")
+        store.require_committed([shard])
         self.store, self.shard = store, shard
-        g = store.shard_arrays(shard)
-        self.hidden = g["hidden"]
-        self.tokens = g["tokens"][:]
-        self.loss_mask = g["loss_mask"][:]
-        self.offsets = g["offsets"][:]
-        self.prompt_lens = g["prompt_lens"][:]
-        self.row_ids = g["row_ids"][:]
+        self._group = store.shard_arrays(shard)
+        self.hidden = self._group["hidden"]
+
+    def _array(self, name: str) -> np.ndarray:
+        return self._group[name][:]
+
+    tokens = functools.cached_property(lambda self: self._array("tokens"))  # [T] int32
+    loss_mask = functools.cached_property(lambda self: self._array("loss_mask"))  # [T] uint8
+    offsets = functools.cached_property(lambda self: self._array("offsets"))  # [N+1] int64
+    prompt_lens = functools.cached_property(lambda self: self._array("prompt_lens"))  # [N] int32
+    row_ids = functools.cached_property(lambda self: self._array("row_ids"))  # [N] int64
 
     def __len__(self) -> int:
-        return len(self.row_ids)
+        return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> Sample:
         return self.read(i)

@@ -20,7 +20,9 @@ import torch
 import zarr
 
 from store import layout
+from store.errors import StoreError
 from store.hidden_store import HiddenStore
+from store.schema import ShardCommit
 
 _DONE = object()
 
@@ -36,7 +38,8 @@ class ShardStats:
 
 class ShardWriter:
     def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
-                 chunk_tokens: int, shard_tokens: int, compression_level: int = 3, queue_depth: int = 3) -> None:
+                 chunk_tokens: int, shard_tokens: int, compression_level: int = layout.COMPRESSION_LEVEL,
+                 queue_depth: int = 3) -> None:
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
@@ -90,8 +93,9 @@ class ShardWriter:
     def skip(self, reason: str) -> None:
         self.stats.skipped[reason] += 1
 
-    def commit(self, lock, extra: dict) -> dict:
-        """Finish the shard and write its commit file; returns the commit record."""
+    def commit(self, lock, run: dict) -> ShardCommit:
+        """Finish the shard and write its commit file; returns the commit record. lock: the shard's
+        lock (None on object stores); run: the extractor's notes for the record."""
         self._queue.put(_DONE)
         self._thread.join()
         self._raise_if_failed()
@@ -109,21 +113,16 @@ class ShardWriter:
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
         if lock is not None and not lock.still_held():
-            raise RuntimeError(f"lost the lock on shard {self.shard} ({lock.path}); not committing")
-        record = {
-            "shard": self.shard,
-            "samples": self.stats.samples,
-            "tokens": self.stats.tokens,
-            "completion_tokens": self.stats.completion_tokens,
-            "skipped": self.stats.skipped,
-            "truncated": self.stats.truncated,
-            "shapes": {"hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
-                       **{k: list(v.shape) for k, v in arrays.items()}},
-            "checksums": {"algorithm": "crc32 of the C-order array bytes", **checksums},
-            "writer": {"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
-            **extra,
-        }
-        self.store.write_json(layout.commit_key(self.shard), record)
+            raise StoreError(f"{self.store.location}: lost the lock on shard {self.shard} ({lock.path}); "
+                             "not committing")
+        record = ShardCommit(
+            shard=self.shard, samples=self.stats.samples, tokens=self.stats.tokens,
+            completion_tokens=self.stats.completion_tokens, skipped=self.stats.skipped, truncated=self.stats.truncated,
+            shapes={"hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
+                    **{k: list(v.shape) for k, v in arrays.items()}},
+            checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
+            writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)}, run=run)
+        self.store.write_commit(record)
         return record
 
     def abort(self) -> None:

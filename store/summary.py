@@ -2,54 +2,54 @@
 
 from __future__ import annotations
 
-from pipeline.ranges import format_ranges
 from store import layout
 from store.hidden_store import HiddenStore
+from store.ranges import format_ranges
 
 
 def summarize(store: HiddenStore) -> dict:
     attrs = store.attrs
     committed = store.committed()
-    n_taps, hidden = len(attrs["taps"]), int(attrs["hidden_size"])
-    tokens = sum(m["tokens"] for m in committed.values())
+    n_taps, hidden = len(attrs.taps), attrs.hidden_size
+    tokens = sum(m.tokens for m in committed.values())
     skipped: dict[str, int] = {}
     for m in committed.values():
-        for reason, n in m["skipped"].items():
+        for reason, n in m.skipped.items():
             skipped[reason] = skipped.get(reason, 0) + n
     hidden_raw = tokens * n_taps * hidden * 2
     shard_bytes = sum(store.bytes_on_disk(f"{layout.shard_group(s)}/hidden") for s in committed)
     return {
         "store": store.location,
-        "fingerprint": attrs["fingerprint"],
+        "fingerprint": attrs.fingerprint,
         "num_shards": store.num_shards,
         "done": format_ranges(list(committed)),
         "missing": format_ranges([s for s in range(store.num_shards) if s not in committed]),
         "shards_done": len(committed),
-        "samples": sum(m["samples"] for m in committed.values()),
+        "samples": sum(m.samples for m in committed.values()),
         "tokens": tokens,
-        "completion_tokens": sum(m["completion_tokens"] for m in committed.values()),
+        "completion_tokens": sum(m.completion_tokens for m in committed.values()),
         "skipped": skipped,
-        "truncated": sum(m["truncated"] for m in committed.values()),
+        "truncated": sum(m.truncated for m in committed.values()),
         "bytes_on_disk": store.bytes_on_disk(),
         "hidden_bytes_on_disk": shard_bytes,
         "hidden_bytes_raw_bf16": hidden_raw,
         "compression_ratio": round(hidden_raw / shard_bytes, 3) if shard_bytes else None,
         "bytes_per_token": round(store.bytes_on_disk() / tokens, 1) if tokens else None,
         "provenance": {
-            "target": attrs["target"]["path"],
-            "model_class": attrs["target"]["model_class"],
-            "target_fingerprint": attrs["target"]["fingerprint"],
-            "taps": attrs["taps"],
+            "target": attrs.target.path,
+            "model_class": attrs.target.model_class,
+            "target_fingerprint": attrs.target.fingerprint,
+            "taps": list(attrs.taps),
             "hidden_size": hidden,
-            "vocab_size": attrs["vocab_size"],
-            "mask_token_id": attrs["mask_token_id"],
-            "linear_attention": attrs["backends"]["linear_attention"],
-            "attention": attrs["backends"]["attention"],
-            "device": attrs["device"],
-            "dtype": attrs["dtype"],
-            "dataset": attrs["dataset"]["source"],
-            "responses": attrs["extract"]["responses"],
-            "versions": attrs["versions"],
+            "vocab_size": attrs.vocab_size,
+            "mask_token_id": attrs.mask_token_id,
+            "linear_attention": attrs.backends.linear_attention,
+            "attention": attrs.backends.attention,
+            "device": attrs.device,
+            "dtype": attrs.dtype,
+            "dataset": attrs.dataset.source,
+            "responses": attrs.compat.responses,
+            "versions": attrs.versions,
         },
     }
 

@@ -8,6 +8,8 @@ import numpy as np
 
 from store import layout
 from store.hidden_store import HiddenStore
+from store.ranges import format_ranges
+from store.schema import ShardCommit
 
 
 @dataclass
@@ -21,18 +23,31 @@ class Report:
     def ok(self) -> bool:
         return not self.problems and not self.missing
 
+    def lines(self) -> list[str]:
+        """What is wrong (CORRUPT, MISSING) and what a rerun redoes, one line each."""
+        out = [f"CORRUPT {'root' if shard < 0 else f'shard {shard}'}: {p}"
+               for shard, problems in sorted(self.problems.items()) for p in problems]
+        if self.missing:
+            out.append(f"MISSING shards {format_ranges(self.missing)}: not committed")
+        if self.partial:
+            out.append(f"note: shards {format_ranges(self.partial)} hold uncommitted data (a rerun redoes them)")
+        return out
+
+    def verdict(self) -> str:
+        return f"checked {len(self.checked)} committed shard(s): " + (
+            "all good" if self.ok else f"{len(self.problems)} corrupt, {len(self.missing)} missing")
+
 
 def verify(store: HiddenStore, expected: list[int] | None = None, progress=None) -> Report:
     """Check committed shards and the root; `expected` shards that are not committed count as missing.
 
     progress: called with each shard id once it is checked.
     """
-    attrs = store.attrs
-    n_taps, hidden_size = len(attrs["taps"]), int(attrs["hidden_size"])
+    n_taps, hidden_size = len(store.attrs.taps), store.attrs.hidden_size
     committed = store.committed()
     report = Report()
-    for shard, marker in committed.items():
-        problems = check_shard(store, shard, marker, n_taps, hidden_size)
+    for shard, record in committed.items():
+        problems = check_shard(store, shard, record, n_taps, hidden_size)
         report.checked.append(shard)
         if problems:
             report.problems[shard] = problems
@@ -52,7 +67,7 @@ def check_root(store: HiddenStore) -> list[str]:
     for name in ("embed_tokens", "lm_head"):
         try:
             w = store.group("r")[f"target/{name}"]
-            if w.shape != (int(attrs["vocab_size"]), int(attrs["hidden_size"])):
+            if w.shape != (attrs.vocab_size, attrs.hidden_size):
                 problems.append(f"target/{name}: shape {w.shape}")
             elif layout.crc32(w[:]) != sums.get(name):
                 problems.append(f"target/{name}: checksum mismatch")
@@ -61,14 +76,14 @@ def check_root(store: HiddenStore) -> list[str]:
     return problems
 
 
-def check_shard(store: HiddenStore, shard: int, marker: dict, n_taps: int, hidden_size: int) -> list[str]:
+def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int, hidden_size: int) -> list[str]:
     problems: list[str] = []
     try:
         g = store.shard_arrays(shard)
         arrays = {name: g[name] for name in layout.SHARD_ARRAYS}
     except Exception as e:  # noqa: BLE001
         return [f"arrays missing or unreadable ({type(e).__name__}: {e})"]
-    shapes = marker.get("shapes", {})
+    shapes = record.shapes
     for name, arr in arrays.items():
         if list(arr.shape) != shapes.get(name):
             problems.append(f"{name}: shape {list(arr.shape)}, commit file says {shapes.get(name)}")
@@ -78,7 +93,7 @@ def check_shard(store: HiddenStore, shard: int, marker: dict, n_taps: int, hidde
         return problems
     if tuple(arrays["hidden"].shape[1:]) != (n_taps, hidden_size):
         problems.append(f"hidden: shape {arrays['hidden'].shape}, expected [T, {n_taps}, {hidden_size}]")
-    sums = marker.get("checksums", {})
+    sums = record.checksums
     try:
         small = {name: arrays[name][:] for name in layout.SHARD_ARRAYS if name != "hidden"}
     except Exception as e:  # noqa: BLE001

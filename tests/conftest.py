@@ -38,19 +38,19 @@ def small_dataset(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def target():
-    from pipeline import target as targets
+    from pipeline.target import loading
 
-    return targets.load(str(TINY_TARGET), "cpu", "fp32")
+    return loading.load(str(TINY_TARGET), "cpu", "fp32")
 
 
 @pytest.fixture(scope="session")
 def small_store(tmp_path_factory, small_dataset) -> Path:
     """Shards 0-3 of 4 over the small prompt set, extracted in-process."""
-    from stages.extract import ExtractConfig, run
+    from stages.extract.config import ExtractConfig
+    from stages.extract.run import run
 
     path = tmp_path_factory.mktemp("stores") / "hs.zarr"
-    config = ExtractConfig(store=str(path), dataset=str(small_dataset), num_shards=4, **SMALL)
-    run(config, [0, 1, 2, 3], log=lambda m: None)
+    run(ExtractConfig(store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL), log=lambda m: None)
     return path
 
 
@@ -69,11 +69,13 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def pipeline_proc(args: list[str], **kw) -> subprocess.Popen:
-    """`pipeline ...` in a subprocess, one thread so results are identical across processes."""
+def pipeline_proc(args: list[str], pause_after: int | None = None, **kw) -> subprocess.Popen:
+    """`pipeline ...` in a subprocess, one thread so results are identical across processes. With
+    pause_after=N it prints PAUSED and waits to be killed after N batches (tests/paused_cli.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            **kw.pop("env", {})}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env,
+    program = ["pipeline"] if pause_after is None else ["tests.paused_cli", str(pause_after)]
+    return subprocess.Popen([sys.executable, "-m", *program, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_default_sigint, **kw)
 
@@ -91,15 +93,15 @@ def assert_stores_equal(a: Path, b: Path) -> None:
     from store.hidden_store import HiddenStore
 
     sa, sb = HiddenStore(str(a)), HiddenStore(str(b))
-    assert sa.attrs["fingerprint"] == sb.attrs["fingerprint"]
-    assert sa.attrs["compat"] == sb.attrs["compat"]
+    assert sa.attrs.fingerprint == sb.attrs.fingerprint
+    assert sa.attrs.compat == sb.attrs.compat
     ca, cb = sa.committed(), sb.committed()
     assert list(ca) == list(cb)
     ga, gb = zarr.open_group(str(a), mode="r"), zarr.open_group(str(b), mode="r")
     for name in ("target/embed_tokens", "target/lm_head"):
         assert np.array_equal(ga[name][:], gb[name][:]), name
     for shard in ca:
-        assert ca[shard]["checksums"] == cb[shard]["checksums"], shard
+        assert ca[shard].checksums == cb[shard].checksums, shard
         for name in ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids"):
             x, y = ga[f"shards/{shard:05d}/{name}"][:], gb[f"shards/{shard:05d}/{name}"][:]
             assert x.shape == y.shape and np.array_equal(x, y), (shard, name)

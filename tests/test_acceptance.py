@@ -2,7 +2,7 @@
 
 import math
 
-from pipeline.acceptance import accepted, round_tokens, summarize
+from pipeline.decode.acceptance import accepted, round_tokens, summarize
 
 B = 5
 

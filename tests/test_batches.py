@@ -2,7 +2,7 @@
 
 import torch
 
-from store.batches import Ref, StoreBatches, epoch_batches, index_samples
+from stages.train.data import Ref, StoreBatches, epoch_batches, index_samples
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline import checkpoint
-from pipeline.drafter_config import DrafterConfig, read_config
-from pipeline.errors import PipelineError
+from pipeline.drafter import checkpoint
+from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
+from pipeline.errors import DrafterError
 from tests.test_drafter import config, drafter
 
 # The released Qwen3.6-27B drafter's config, as SPEC §2 describes it (v4-style rope_theta, block_size at
@@ -24,9 +24,10 @@ RELEASED_27B = {
 
 def test_round_trip(tmp_path):
     m = drafter()
-    checkpoint.save(tmp_path / "ck", m.config, m.state_dict(), extra={"store_fingerprint": "abc"})
-    c, tensors, extra = checkpoint.load(tmp_path / "ck")
-    assert c == m.config and extra == {"store_fingerprint": "abc"}
+    record = TrainingRecord(store_fingerprint="abc", train_shards="0-2", eval_shards="3", step=5, store_taps=(1, 3))
+    checkpoint.save(tmp_path / "ck", m.config, m.state_dict(), record)
+    c, tensors, loaded = checkpoint.load(tmp_path / "ck")
+    assert c == m.config and loaded == record
     for k, v in m.state_dict().items():
         assert torch.equal(tensors[k], v.to(torch.bfloat16)), k
     d = json.loads((tmp_path / "ck" / "config.json").read_text())
@@ -43,7 +44,7 @@ def tamper(tmp_path, edit) -> str:
     tensors = load_file(str(path))
     edit(tensors)
     save_file(tensors, str(path))
-    with pytest.raises(PipelineError) as e:
+    with pytest.raises(DrafterError) as e:
         checkpoint.load(tmp_path / "ck")
     return str(e.value)
 
@@ -64,14 +65,14 @@ def test_strict_loading_names_unexpected_and_misshaped(tmp_path):
 
 def test_a_drafter_cannot_load_into_another_shape():
     m, other = drafter(), drafter(config(target_layer_ids=(1, 2, 3)))
-    with pytest.raises(PipelineError, match="fc.weight"):
+    with pytest.raises(DrafterError, match="fc.weight"):
         checkpoint.check_tensors(other.config, m.state_dict(), "x")
 
 
 def test_released_config_reads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(RELEASED_27B))
-    c, extra = read_config(tmp_path)
-    assert extra == {} and c.block_size == 16 and c.mask_token_id == 248070
+    c, record = read_config(tmp_path)
+    assert record is None and c.block_size == 16 and c.mask_token_id == 248070
     assert c.target_layer_ids == (1, 16, 31, 46, 61) and c.rope_parameters["rope_theta"] == 1e7
     assert [c.layer_rule(i) for i in range(5)] == [(True, 2048)] * 4 + [(False, None)]
     shapes = checkpoint.expected_shapes(c)
@@ -90,5 +91,5 @@ def test_bad_configs_are_named(tmp_path, edit, needle):
     d = json.loads(json.dumps(RELEASED_27B))
     edit(d)
     (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(PipelineError, match=needle):
+    with pytest.raises(DrafterError, match=needle):
         read_config(tmp_path)

@@ -39,7 +39,7 @@ def bad_field_dataset(tmp_path):
     ("missing_file", "--dataset /nonexistent/prompts.jsonl: no such file"),
     ("missing_field", "has neither field 'messages' nor 'prompt' (fields present: ['question'])"),
     ("tap_too_high", "--taps: layer id(s) [8] out of range: the target has 8 decoder layers (ids 0-7)"),
-    ("bad_shards", "invalid shard range '0-x'"),
+    ("bad_shards", "--shards '0-x': invalid shard range"),
     ("shards_out_of_range", "reaches shard 9, but the store has 4 shards"),
     ("bad_target", "--target /nonexistent/model: not a model directory"),
     ("target_without_config", "no config.json"),
@@ -90,7 +90,7 @@ def test_verify_fails_on_missing_shards(monkeypatch, capsys, tmp_path, small_sto
 def test_error_is_one_line_in_a_real_process(tmp_path, small_dataset):
     p = run_pipeline(cli_args(tmp_path / "hs.zarr", small_dataset, "3-1"))
     assert p.returncode == 2
-    assert p.stderr.strip() == "error: invalid shard range '3-1': 3-1 runs backwards"
+    assert p.stderr.strip() == "error: --shards '3-1': invalid shard range: 3-1 runs backwards"
 
 
 def test_help_explains_every_flag(monkeypatch, capsys):

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from pipeline.ddtree import accept, ancestor_mask, build_tree, chain_accept, slot_logprobs, top_k
+from pipeline.decode.acceptance import accepted
+from pipeline.decode.ddtree import accept, build_tree, slot_logprobs, top_k
 
 # D = 3, V = 5; probabilities by token id. Rank order per depth:
 #   depth 1: 3 (.6), 1 (.3), 0 (.05), 4 (.03), 2 (.02)
@@ -174,10 +175,10 @@ def test_accept_never_exceeds_budget_or_depth():
                 assert accept(tree, target) <= min(budget, 4)
 
 
-def test_chain_accept():
-    assert chain_accept([5, 6, 7], [5, 6, 8]) == 2
-    assert chain_accept(torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7])) == 3
-    assert chain_accept([1, 6, 7], [5, 6, 7]) == 0
+def test_chain_acceptance_takes_lists_and_tensors():
+    assert accepted([5, 6, 7], [5, 6, 8]) == 2
+    assert accepted(torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7])) == 3
+    assert accepted([1, 6, 7], [5, 6, 7]) == 0
 
 
 def test_larger_budget_is_a_superset_and_accepts_no_less():
@@ -224,7 +225,7 @@ def test_tree_accepts_at_least_the_argmax_chain():
                 assert zero_chain_depth(tree) == d
             for _ in range(20):
                 target, m = argmax_target(lp, rng)
-                chain = chain_accept(drafts, target)
+                chain = accepted(drafts, target)
                 assert chain == m
                 got = accept(tree, target)
                 assert got >= min(chain, zero_chain_depth(tree))
@@ -241,35 +242,7 @@ def test_budget_d_can_fall_below_chain_when_slot1_is_flat():
     lp = torch.tensor(probs).log()
     tree = build_tree(lp, 3)
     assert tree.ranks == ((0,), (1,), (2,))
-    assert chain_accept([0, 0, 0], [0, 0, 0]) == 3 and accept(tree, [0, 0, 0]) == 1
-
-
-def test_ancestor_mask_on_hand_tree():
-    tree = build_tree(hand_logprobs(), 6)  # parents [-1, 0, -1, 1, 0, 4]
-    want = [
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [0, 0, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [1, 0, 0, 0, 1, 0],
-        [1, 0, 0, 0, 1, 1],
-    ]
-    mask = ancestor_mask(tree)
-    assert mask.dtype == torch.bool and mask.tolist() == [[bool(x) for x in row] for row in want]
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_ancestor_mask_matches_parent_walk(seed):
-    tree = build_tree(random_logprobs(seed, 7, 30, scale=3.0), 48)
-    mask = ancestor_mask(tree)
-    parents = tree.parents.tolist()
-    for i in range(len(tree)):
-        chain, at = set(), i
-        while at >= 0:
-            chain.add(at)
-            at = parents[at]
-        assert {j for j in range(len(tree)) if mask[i, j]} == chain
-    assert torch.equal(mask.sum(dim=1), tree.depths)
+    assert accepted([0, 0, 0], [0, 0, 0]) == 3 and accept(tree, [0, 0, 0]) == 1
 
 
 @pytest.mark.parametrize("budget", [0, -3, 2.5, True, "8"])
@@ -318,4 +291,4 @@ def test_a_large_enough_budget_is_never_below_chain():
         drafts = lp.argmax(-1)
         for _ in range(10):
             target = torch.where(torch.rand(4, generator=g) < 0.7, drafts, torch.randint(0, 6, (4,), generator=g))
-            assert accept(tree, target) >= chain_accept(drafts, target)
+            assert accept(tree, target) >= accepted(drafts, target)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from pipeline import masks
-from pipeline.blocks import make_blocks
-from pipeline.checkpoint import expected_shapes
-from pipeline.drafter import Drafter
-from pipeline.drafter_config import DrafterConfig
+from pipeline.drafter import masks
+from pipeline.drafter.blocks import make_blocks
+from pipeline.drafter.checkpoint import expected_shapes
+from pipeline.drafter.model import Drafter
+from pipeline.drafter.config import DrafterConfig
 
 H, V, TAPS, B = 32, 50, (1, 3), 4
 
@@ -134,9 +134,9 @@ def test_flex_block_mask_gives_the_sdpa_result(monkeypatch):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    import pipeline.flex
+    from pipeline.drafter import attention
 
-    monkeypatch.setattr(pipeline.flex, "flex_attention", flex_attention)
+    monkeypatch.setattr(attention, "compiled_flex", lambda: flex_attention)
     m = drafter(config(layer_types=("sliding_attention", "full_attention"), sliding_window=3))
     hidden, tokens = sequence()
     with warnings.catch_warnings():

@@ -7,25 +7,27 @@ import sys
 import pytest
 import torch
 
-from pipeline import checkpoint
-from pipeline.errors import PipelineError
-from stages.evaluate import EvalConfig, run
+from pipeline.drafter import checkpoint
+from pipeline.drafter.config import TrainingRecord
+from pipeline.errors import DrafterError
+from stages.evaluate.config import EvalConfig
+from stages.evaluate.run import run
 from store.hidden_store import HiddenStore
 from tests.conftest import REPO
 from tests.released_writer import write_released
 
 
-def our_checkpoint(store_path, directory, **extra):
-    from pipeline.drafter import Drafter
-    from stages.train import TrainConfig
-    from stages.train_setup import drafter_config
+def our_checkpoint(store_path, directory, **record):
+    from pipeline.drafter.model import Drafter
+    from stages.train.config import TrainConfig
+    from stages.train.setup import drafter_config
 
     store = HiddenStore(str(store_path))
     dc, _ = drafter_config(TrainConfig(num_layers=2), store.attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens"), store.embedding("lm_head"))
     m.init_weights(torch.Generator().manual_seed(0))
-    info = {"store_fingerprint": store.attrs["fingerprint"], "train_shards": "0-2", "eval_shards": "3", "step": 7}
-    checkpoint.save(directory, dc, m.state_dict(), {**info, **extra})
+    info = {"store_fingerprint": store.attrs.fingerprint, "train_shards": "0-2", "eval_shards": "3", "step": 7}
+    checkpoint.save(directory, dc, m.state_dict(), TrainingRecord(**{**info, **record}))
     return directory
 
 
@@ -53,7 +55,7 @@ def test_report_schema_and_files(small_store, tmp_path):
 
 def test_other_store_is_refused_unless_allowed(small_store, tmp_path):
     ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64)
-    with pytest.raises(PipelineError, match="not trained on this store's conditioning.*store fingerprint"):
+    with pytest.raises(DrafterError, match="not trained on this store's conditioning.*store fingerprint"):
         evaluate(small_store, tmp_path, ck)
     rep = evaluate(small_store, tmp_path, ck, allow_mismatch=True)
     assert rep["warnings"][0].startswith("MISMATCH allowed")
@@ -68,10 +70,9 @@ def test_overlap_with_training_shards_warns(small_store, tmp_path):
 
 def test_released_checkpoint_loads_strictly_and_evaluates(small_store, tmp_path):
     attrs = HiddenStore(str(small_store)).attrs
-    written = write_released(tmp_path / "released", attrs["hidden_size"], attrs["vocab_size"], attrs["taps"],
-                             attrs["mask_token_id"])
-    config, tensors, extra = checkpoint.load(tmp_path / "released")
-    assert extra == {} and all(torch.equal(tensors[k], v) for k, v in written.items())
+    written = write_released(tmp_path / "released", attrs.hidden_size, attrs.vocab_size, attrs.taps, attrs.mask_token_id)
+    config, tensors, record = checkpoint.load(tmp_path / "released")
+    assert record is None and all(torch.equal(tensors[k], v) for k, v in written.items())
     assert config.layer_rule(0) == (True, 64) and config.layer_rule(1) == (False, None)
     rep = evaluate(small_store, tmp_path, tmp_path / "released", our_checkpoint(small_store, tmp_path / "ours"))
     assert rep["shards"] == "3"  # from our checkpoint's record
@@ -82,8 +83,8 @@ def test_released_checkpoint_loads_strictly_and_evaluates(small_store, tmp_path)
 
 def test_released_checkpoint_with_other_taps_is_refused(small_store, tmp_path):
     attrs = HiddenStore(str(small_store)).attrs
-    write_released(tmp_path / "r", attrs["hidden_size"], attrs["vocab_size"], [0, 2, 4, 6, 7], attrs["mask_token_id"])
-    with pytest.raises(PipelineError, match=r"taps: checkpoint \[0, 2, 4, 6, 7\], store \[1, 2, 3, 4, 5\]"):
+    write_released(tmp_path / "r", attrs.hidden_size, attrs.vocab_size, [0, 2, 4, 6, 7], attrs.mask_token_id)
+    with pytest.raises(DrafterError, match=r"taps: checkpoint \[0, 2, 4, 6, 7\], store \[1, 2, 3, 4, 5\]"):
         evaluate(small_store, tmp_path, tmp_path / "r")
 
 

@@ -2,7 +2,8 @@ import json
 
 import torch
 
-from stages.extract import ExtractConfig, run
+from stages.extract.config import ExtractConfig
+from stages.extract.run import run
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from tests.conftest import SMALL, small_rows
@@ -26,7 +27,7 @@ def test_every_row_lands_in_its_shard_or_is_counted(small_store):
         got = ShardReader(store, shard).row_ids.tolist()
         assert set(got) <= set(range(shard * n // 4, (shard + 1) * n // 4))
         seen += got
-    skipped = {k: sum(m["skipped"][k] for m in committed.values()) for k in ("empty_prompt", "prompt_too_long")}
+    skipped = {k: sum(m.skipped[k] for m in committed.values()) for k in ("empty_prompt", "prompt_too_long")}
     assert skipped == {"empty_prompt": 1, "prompt_too_long": 1}
     assert sorted(seen) == [i for i in range(n) if i not in (3, 7)]
 
@@ -54,8 +55,8 @@ def test_stored_completions_are_the_targets_greedy_generate(small_store, target)
 
 
 def test_stored_taps_are_the_unbatched_layer_outputs(small_store, target):
-    taps = HiddenStore(str(small_store)).attrs["taps"]
-    assert taps == [1, 2, 3, 4, 5]  # DFlash formula for 8 layers
+    taps = HiddenStore(str(small_store)).attrs.taps
+    assert taps == (1, 2, 3, 4, 5)  # DFlash formula for 8 layers
     for s in samples(small_store):
         hs = reference_states(target, s.tokens.tolist())
         for j, k in enumerate(taps):
@@ -66,11 +67,11 @@ def test_stored_taps_are_the_unbatched_layer_outputs(small_store, target):
 def test_root_records_provenance_and_frozen_weights(small_store, target):
     store = HiddenStore(str(small_store))
     a = store.attrs
-    assert a["backends"]["linear_attention"] == "torch" and a["device"] == "cpu" and a["dtype"] == "fp32"
-    assert a["target"]["model_class"].endswith("Qwen3_5ForCausalLM")
-    assert a["mask_token_id"] == target.tokenizer.mask_token_id
-    assert a["hidden_size"] == 128 and a["vocab_size"] == 4096 and a["num_layers"] == 8
-    assert a["extract"]["max_new_tokens"] == SMALL["max_new_tokens"]
+    assert a.backends.linear_attention == "torch" and a.device == "cpu" and a.dtype == "fp32"
+    assert a.target.model_class.endswith("Qwen3_5ForCausalLM")
+    assert a.mask_token_id == target.tokenizer.mask_token_id
+    assert a.hidden_size == 128 and a.vocab_size == 4096 and a.num_layers == 8
+    assert a.compat.max_new_tokens == a.extract["max_new_tokens"] == SMALL["max_new_tokens"]
     embed = target.model.get_input_embeddings().weight.to(torch.bfloat16)
     head = target.model.get_output_embeddings().weight.to(torch.bfloat16)
     assert torch.equal(store.embedding("embed_tokens"), embed)
@@ -79,16 +80,16 @@ def test_root_records_provenance_and_frozen_weights(small_store, target):
 
 def test_rerun_skips_committed_shards(small_store, small_dataset):
     before = HiddenStore(str(small_store)).committed()
-    config = ExtractConfig(store=str(small_store), dataset=str(small_dataset), num_shards=4, **SMALL)
-    summary = run(config, [0, 1, 2, 3], log=lambda m: None)
+    config = ExtractConfig(store=str(small_store), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL)
+    summary = run(config, log=lambda m: None)
     assert summary["shards_written"] == [] and summary["shards_skipped"] == [0, 1, 2, 3]
     assert HiddenStore(str(small_store)).committed() == before
 
 
 def test_dataset_responses_are_stored_verbatim(tmp_path, small_dataset, target):
-    config = ExtractConfig(store=str(tmp_path / "ds.zarr"), dataset=str(small_dataset), num_shards=4,
+    config = ExtractConfig(store=str(tmp_path / "ds.zarr"), dataset=str(small_dataset), shards="0", num_shards=4,
                            responses="dataset", **{**SMALL, "max_new_tokens": 400, "max_length": 600})
-    run(config, [0], log=lambda m: None)
+    run(config, log=lambda m: None)
     rows = small_rows()
     tok = target.tokenizer
     got = list(samples(tmp_path / "ds.zarr"))
@@ -104,6 +105,7 @@ def test_plain_prompt_rows_and_missing_responses(tmp_path, target):
         {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"", "response": "    return a + b"},
         {"prompt": "def sub(a, b):"},
     ]))
-    config = ExtractConfig(store=str(tmp_path / "p.zarr"), dataset=str(data), num_shards=1, responses="dataset", **SMALL)
-    summary = run(config, [0], log=lambda m: None)
+    config = ExtractConfig(store=str(tmp_path / "p.zarr"), dataset=str(data), shards="0", num_shards=1,
+                           responses="dataset", **SMALL)
+    summary = run(config, log=lambda m: None)
     assert summary["samples"] == 1 and summary["skipped"]["missing_response"] == 1

@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from pipeline.errors import PipelineError
-from pipeline.kernels import KernelRecorder, family, implementation_of, select_linear_attention
+from store.errors import ConfigError
+from pipeline.target.kernels import KernelRecorder, family, implementation_of, select_linear_attention
 
 
 def _module(name: str, **functions) -> types.ModuleType:
@@ -53,7 +53,7 @@ def test_recorder_counts_what_served_each_call(impl_module, expect):
 def test_fla_is_blocked_without_cuda():
     assert select_linear_attention("cpu", "auto") == "torch"
     assert sys.modules["fla"] is None
-    with pytest.raises(PipelineError, match="needs CUDA"):
+    with pytest.raises(ConfigError, match="needs CUDA"):
         select_linear_attention("cpu", "fla")
-    with pytest.raises(PipelineError, match="expected auto, fla or torch"):
+    with pytest.raises(ConfigError, match="expected auto, fla or torch"):
         select_linear_attention("cpu", "triton")

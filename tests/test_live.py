@@ -2,7 +2,8 @@
 
 import pytest
 
-from stages.evaluate import EvalConfig, run
+from stages.evaluate.config import EvalConfig
+from stages.evaluate.run import run
 from tests.test_train import TINY, train
 
 
@@ -34,13 +35,14 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     every round mean live fed the drafter exactly the states replay read from the store."""
     import torch
 
-    from pipeline import TINY_TARGET, live, replay
-    from pipeline import target as targets
-    from pipeline.drafter import Drafter
-    from pipeline.live_target import LiveTarget
-    from stages.evaluate import Prompts
-    from stages.train import TrainConfig
-    from stages.train_setup import drafter_config
+    from pipeline import TINY_TARGET
+    from pipeline.decode import live, replay
+    from pipeline.target import loading
+    from pipeline.drafter.model import Drafter
+    from pipeline.target.verifier import LiveTarget
+    from stages.evaluate.prompts import Prompts
+    from stages.train.config import TrainConfig
+    from stages.train.setup import drafter_config
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(str(small_store))
@@ -48,11 +50,11 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     dc, _ = drafter_config(TrainConfig(num_layers=2, block_size=8), attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float())
     m.init_weights(torch.Generator().manual_seed(3), std=0.3)
-    lt = LiveTarget(targets.load(str(TINY_TARGET), "cpu", attrs["dtype"]), list(attrs["taps"]))
+    lt = LiveTarget(loading.load(str(TINY_TARGET), "cpu", attrs.dtype), list(attrs.taps))
     compared = 0
     for s in Prompts(store, [0, 1], None):
-        limit = live.completion_limit(attrs["compat"], s.prompt_len)
-        lv = live.speculative(m, lt, s.tokens[:s.prompt_len], limit, set(attrs["eos_token_ids"]))
+        limit = attrs.compat.completion_limit(s.prompt_len)
+        lv = live.speculative(m, lt, s.tokens[:s.prompt_len], limit, set(attrs.eos_token_ids))
         rp = replay.replay(m, s, keep_drafts=True)
         assert lv.rounds == rp.rounds and len(lv.drafts) == len(rp.drafts)
         for a, b in zip(lv.drafts, rp.drafts):

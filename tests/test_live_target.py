@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.errors import PipelineError
-from pipeline.live_target import LiveTarget
+from store.errors import ConfigError
+from pipeline.target.verifier import LiveTarget
 from tests.test_target import bf16_close, prompt_ids, reference_states
 
 TAPS = [0, 3, 4, 7]  # linear, attention, linear, the last layer (attention) of the tiny target
@@ -219,23 +219,23 @@ def test_the_greedy_check_catches_a_broken_rollback(target, cases, mutant):
 
 def test_length_and_misuse(target):
     live = LiveTarget(target, TAPS)
-    with pytest.raises(PipelineError, match="before prefill"):
+    with pytest.raises(RuntimeError, match="before prefill"):
         live.verify(torch.tensor([1, 2]))
     prompt = prompt_ids(target, 1)[0]
     token, states = live.prefill(torch.tensor(prompt))
     assert live.length == len(prompt) == states.shape[0]
-    with pytest.raises(PipelineError, match="without a verified block"):
+    with pytest.raises(RuntimeError, match="without a verified block"):
         live.commit(1)
     posterior, states = live.verify(torch.tensor([token, 5, 6]))
     assert posterior.shape == (3,) and posterior.dtype == torch.long and states.shape == (3, len(TAPS), 128)
-    with pytest.raises(PipelineError, match="verify twice"):
+    with pytest.raises(RuntimeError, match="verify twice"):
         live.verify(torch.tensor([1]))
     for bad in (0, 4):
-        with pytest.raises(PipelineError, match=f"commit\\({bad}\\)"):
+        with pytest.raises(ValueError, match=f"commit\\({bad}\\)"):
             live.commit(bad)
     live.commit(2)
     assert live.length == len(prompt) + 2 == live.cache.get_seq_length()
-    with pytest.raises(PipelineError, match="1-D"):
+    with pytest.raises(ValueError, match="1-D"):
         live.verify(torch.tensor([[1, 2]]))
-    with pytest.raises(PipelineError, match="taps"):
+    with pytest.raises(ConfigError, match="taps"):
         LiveTarget(target, [target.num_layers])

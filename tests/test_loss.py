@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from pipeline.blocks import IGNORE
-from pipeline.loss import dflash_loss, slot_weights, streaks, summarize
+from pipeline.drafter.blocks import IGNORE
+from pipeline.drafter.loss import dflash_loss, slot_weights, streaks, summarize
 
 V = 5
 HEAD = torch.eye(V)  # lm_head = identity: the drafter output IS the logits

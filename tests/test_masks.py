@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from pipeline.masks import LayerRule, allowed, bool_mask
+from pipeline.drafter.masks import LayerRule, allowed, bool_mask
 
 
 def brute(anchors, valid, S, B, rule):
@@ -74,7 +74,7 @@ def test_predicate_is_the_flex_mask_mod():
 
 @pytest.mark.parametrize("rule", RULES, ids=str)
 def test_local_mask_is_the_dense_mask_at_block_local_keys(rule):
-    from pipeline.masks import local_mask
+    from pipeline.drafter.masks import local_mask
 
     g = torch.Generator().manual_seed(7)
     S, B, n = 11, 3, 4

@@ -22,10 +22,10 @@ def test_sigkill_mid_shard_then_rerun_equals_uninterrupted(tmp_path, small_datas
     path = tmp_path / "hs.zarr"
     args = cli_args(path, small_dataset, "0-3")
     # Shard 0 (2 batches) commits; the process stops after the first batch of shard 1.
-    proc = pipeline_proc(args, env={"DFLASH_TEST_PAUSE_AFTER_BATCHES": "3"})
+    proc = pipeline_proc(args, pause_after=3)
     line = ""
     deadline = time.time() + 240
-    while "DFLASH_TEST_PAUSED" not in line and time.time() < deadline:
+    while "PAUSED" not in line and time.time() < deadline:
         line = proc.stderr.readline()
         assert line or proc.poll() is None, "extract exited before pausing"
     assert "shard=1" in line
@@ -48,9 +48,9 @@ def test_sigkill_mid_shard_then_rerun_equals_uninterrupted(tmp_path, small_datas
 def test_ctrl_c_mid_shard_leaves_the_store_consistent(tmp_path, small_dataset, reference):
     path = tmp_path / "hs.zarr"
     args = cli_args(path, small_dataset, "0-3")
-    proc = pipeline_proc(args, env={"DFLASH_TEST_PAUSE_AFTER_BATCHES": "3"})
+    proc = pipeline_proc(args, pause_after=3)
     deadline = time.time() + 240
-    while "DFLASH_TEST_PAUSED" not in proc.stderr.readline():
+    while "PAUSED" not in proc.stderr.readline():
         assert proc.poll() is None and time.time() < deadline
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -75,10 +75,10 @@ def test_two_processes_on_disjoint_ranges_equal_one(tmp_path, small_dataset, ref
 
 def test_overlapping_range_is_refused_while_a_writer_runs(tmp_path, small_dataset):
     path = tmp_path / "hs.zarr"
-    holder = pipeline_proc(cli_args(path, small_dataset, "0-1"), env={"DFLASH_TEST_PAUSE_AFTER_BATCHES": "1"})
+    holder = pipeline_proc(cli_args(path, small_dataset, "0-1"), pause_after=1)
     try:
         deadline = time.time() + 240
-        while "DFLASH_TEST_PAUSED" not in holder.stderr.readline():
+        while "PAUSED" not in holder.stderr.readline():
             assert holder.poll() is None and time.time() < deadline
         p = run_pipeline(cli_args(path, small_dataset, "1-2"))
         assert p.returncode == 2

@@ -1,7 +1,7 @@
 import pytest
 
-from pipeline.errors import PipelineError
-from pipeline.ranges import format_ranges, parse_ranges
+from store.errors import ConfigError
+from store.ranges import format_ranges, parse_ranges
 
 
 def test_parse_ranges():
@@ -12,13 +12,13 @@ def test_parse_ranges():
 
 @pytest.mark.parametrize("text", ["", "a", "3-1", "1-", "-2", "1,,2", "1-2-3", "0x3"])
 def test_invalid_range_text(text):
-    with pytest.raises(PipelineError, match="shard range"):
+    with pytest.raises(ConfigError, match="shard range"):
         parse_ranges(text)
 
 
 def test_range_limit():
     assert parse_ranges("0-3", limit=4) == [0, 1, 2, 3]
-    with pytest.raises(PipelineError, match="reaches shard 4, but the store has 4 shards"):
+    with pytest.raises(ConfigError, match="reaches shard 4, but the store has 4 shards"):
         parse_ranges("0-4", limit=4)
 
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from pipeline import masks
-from pipeline.drafting import DraftSession
-from pipeline.replay import chain, replay
+from pipeline.drafter import masks
+from pipeline.decode.session import DraftSession
+from pipeline.decode.replay import chain, replay
 from store.shard_reader import Sample
 from tests.test_drafter import B, H, TAPS, V, config, drafter
 

@@ -1,7 +1,7 @@
 import pytest
 
-from pipeline.errors import PipelineError
-from pipeline.taps import default_taps, parse_taps
+from store.errors import ConfigError
+from pipeline.target.taps import default_taps, parse_taps
 
 
 def test_dflash_formula_matches_spec():
@@ -29,5 +29,5 @@ def test_parse_taps():
     ("n=0", "at least one tap"),
 ])
 def test_bad_taps(text, match):
-    with pytest.raises(PipelineError, match=match):
+    with pytest.raises(ConfigError, match=match):
         parse_taps(text, 8)

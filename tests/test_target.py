@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline import DEFAULT_PROMPTS
-from pipeline.target import _cut
+from pipeline.target.model import _cut
 
 
 def chat_prompt(tok, messages: list[dict]) -> list[int]:
@@ -78,8 +78,8 @@ def test_generate_is_the_targets_greedy_generate(target):
 def test_linear_attention_path_is_recorded_from_the_calls(target):
     target.probe()
     b = target.check_backends()
-    assert b["linear_attention"] == "torch" and b["attention"] == "sdpa"
-    calls = b["kernel_calls"]
+    assert b.linear_attention == "torch" and b.attention == "sdpa"
+    calls = b.kernel_calls
     assert calls.get("torch_chunk_gated_delta_rule:torch", 0) > 0  # prefill
     assert calls.get("torch_recurrent_gated_delta_rule:torch", 0) > 0  # decode
 
@@ -92,8 +92,8 @@ def test_cut_keeps_the_eos():
 
 @pytest.mark.parametrize("bad", ["/nonexistent/model", "."])
 def test_unreadable_target(bad):
-    from pipeline.errors import PipelineError
-    from pipeline.target import load
+    from pipeline.errors import TargetError
+    from pipeline.target.loading import load
 
-    with pytest.raises(PipelineError, match="--target"):
+    with pytest.raises(TargetError, match="--target"):
         load(bad, "cpu", "fp32")

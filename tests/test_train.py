@@ -9,16 +9,18 @@ import sys
 import pytest
 import torch
 
-from pipeline import checkpoint
-from pipeline.errors import PipelineError
+from pipeline.drafter import checkpoint
+from store.errors import UserError
 from tests.conftest import REPO
 
 TINY = ["--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2", "--log-every", "1"]
 
 
-def train(args, env=None, launcher=(), timeout=300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([*launcher, *(() if launcher else (sys.executable,)), "train.py", *map(str, args)], cwd=REPO,
+def train(args, launcher=(), stop_after=None, timeout=300) -> subprocess.CompletedProcess:
+    """train.py in a subprocess; with stop_after=N, interrupted right after step-N (tests/stopped_train.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    program = ["train.py"] if stop_after is None else ["-m", "tests.stopped_train", str(stop_after)]
+    return subprocess.run([*launcher, *(() if launcher else (sys.executable,)), *program, *map(str, args)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -32,7 +34,7 @@ def test_resume_equals_uninterrupted(small_store, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = train([*common, "--out", straight])
     assert r.returncode == 0, r.stderr
-    r = train([*common, "--out", resumed], env={"DFLASH_TEST_STOP_AFTER_STEP": "10"})
+    r = train([*common, "--out", resumed], stop_after=10)
     assert r.returncode == 130 and "interrupted" in r.stderr.splitlines()[-1]
     assert (resumed / "step-10").is_dir() and not (resumed / "final").exists() and len(losses(resumed)) == 10
     r = train([*common, "--out", resumed, "--resume"])
@@ -51,9 +53,9 @@ def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
                "--shards", "0-2", "--eval-shards", "3", *TINY])
     assert r.returncode == 0, r.stderr
     for d in ("step-2", "step-4", "final"):
-        config, tensors, extra = checkpoint.load(tmp_path / "run" / d)
-        assert extra["store_fingerprint"] == HiddenStore(str(small_store)).attrs["fingerprint"]
-        assert extra["train_shards"] == "0-2" and extra["eval_shards"] == "3"
+        config, tensors, record = checkpoint.load(tmp_path / "run" / d)
+        assert record.store_fingerprint == HiddenStore(str(small_store)).attrs.fingerprint
+        assert record.train_shards == "0-2" and record.eval_shards == "3"
     assert (tmp_path / "run" / "step-2" / "training").is_dir() and not list((tmp_path / "run").glob(".*"))
     evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals if e["split"] == "eval"] == [0, 4]
@@ -74,10 +76,10 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
 
 
 def setup_error(small_store, tmp_path, **over) -> str:
-    from stages.train import TrainConfig
-    from stages.train_setup import prepare
+    from stages.train.config import TrainConfig
+    from stages.train.setup import prepare
 
-    with pytest.raises(PipelineError) as e:
+    with pytest.raises(UserError) as e:
         prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), **over), log=lambda m: None)
     return str(e.value)
 
@@ -92,7 +94,7 @@ def test_store_without_lm_head(small_store, tmp_path):
 @pytest.mark.parametrize("over,needle", [
     ({"shards": "0-9"}, "reaches shard 9, but the store has 4 shards"),
     ({"eval_shards": "0-3"}, "no training shards"),
-    ({"shards": " "}, "--shards is empty"),
+    ({"shards": " "}, "--shards ' ': is empty"),
     ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
     ({"block_size": 12}, "no default loss decay"),
     ({"layer_types": "full,sliding"}, "--layer-types"),
@@ -118,11 +120,12 @@ def test_cli_error_is_one_line(tmp_path):
 
 
 def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
-    import stages.train as st
-    from pipeline.drafter import Drafter
-    from stages.train import TrainConfig, forward_loss, step_generator
-    from stages.train_setup import drafter_config
-    from store.batches import StoreBatches, index_samples
+    import stages.train.step as st
+    from pipeline.drafter.model import Drafter
+    from stages.train.config import TrainConfig
+    from stages.train.data import StoreBatches, index_samples
+    from stages.train.setup import drafter_config
+    from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(str(small_store))
@@ -132,13 +135,13 @@ def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
     batch = StoreBatches(str(small_store), [index_samples(store, [0, 1], 200)[:2]])[0]
     hidden_before = batch.hidden.clone()
     seen = {}
+    real_loss = st.dflash_loss
     monkeypatch.setattr(st, "dflash_loss", lambda h, labels, *a, **k: seen.setdefault("labels", []).append(labels)
-                        or st.__dict__["_real_loss"](h, labels, *a, **k), raising=True)
-    monkeypatch.setitem(st.__dict__, "_real_loss", __import__("pipeline.loss", fromlist=["x"]).dflash_loss)
+                        or real_loss(h, labels, *a, **k), raising=True)
     model.fc.register_forward_pre_hook(lambda m, a: seen.setdefault("fc_in", []).append(a[0].clone()))
     model.layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("x", []).append(a[0].clone()))
-    losses_ = [forward_loss(model, model, batch, TrainConfig(noise_std=std, anchors=8), dc,
-                            step_generator(0, 3, 0, 0, torch.device("cpu")), False).loss for std in (0.0, 0.5)]
+    losses_ = [forward_loss(model, model, batch, LossPlan.of(TrainConfig(noise_std=std, anchors=8), dc, flex=False),
+                            step_generator(0, 3, 0, 0, torch.device("cpu"))).loss for std in (0.0, 0.5)]
     assert torch.equal(seen["labels"][0], seen["labels"][1])  # labels: from tokens, untouched
     assert torch.equal(seen["x"][0], seen["x"][1])  # block inputs (target embeddings of tokens): untouched
     assert torch.equal(batch.hidden, hidden_before)  # no in-place change of the stored states
@@ -153,8 +156,8 @@ def test_out_holding_a_run_needs_resume(small_store, tmp_path):
 
 
 def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
-    from stages.train import TrainConfig
-    from stages.train_setup import fresh_config
+    from stages.train.config import TrainConfig
+    from stages.train.setup import fresh_config
     from store.hidden_store import HiddenStore
     from tests.test_checkpoint import RELEASED_27B
 
@@ -163,7 +166,7 @@ def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
     c = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json")), attrs)
     assert c.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and c.sliding_window == 2048
     assert c.rope_parameters["rope_theta"] == 1e7 and (c.num_attention_heads, c.num_key_value_heads) == (32, 8)
-    assert c.hidden_size == 128 and c.target_layer_ids == tuple(attrs["taps"]) and c.mask_token_id == attrs["mask_token_id"]
+    assert c.hidden_size == 128 and c.target_layer_ids == attrs.taps and c.mask_token_id == attrs.mask_token_id
     c2 = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json"), num_layers=2, num_heads=4,
                                   head_dim=32, intermediate_size=256, layer_types="sliding,full", rope_theta=1e4), attrs)
     assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
@@ -176,14 +179,15 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    import pipeline.flex
-    from pipeline.drafter import Drafter
-    from stages.train import TrainConfig, forward_loss, step_generator
-    from stages.train_setup import drafter_config
-    from store.batches import StoreBatches, index_samples
+    from pipeline.drafter import attention
+    from pipeline.drafter.model import Drafter
+    from stages.train.config import TrainConfig
+    from stages.train.data import StoreBatches, index_samples
+    from stages.train.setup import drafter_config
+    from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
 
-    monkeypatch.setattr(pipeline.flex, "flex_attention", flex_attention)
+    monkeypatch.setattr(attention, "compiled_flex", lambda: flex_attention)
     store = HiddenStore(str(small_store))
     config = TrainConfig(num_layers=2, anchors=64, layer_types="sliding,full", sliding_window=5)
     dc, _ = drafter_config(config, store.attrs, None)
@@ -194,7 +198,7 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for flex in (False, True):
-            outs.append(forward_loss(model, model, batch, config, dc, step_generator(0, 1, 0, 0, torch.device("cpu")),
-                                     flex))
+            outs.append(forward_loss(model, model, batch, LossPlan.of(config, dc, flex),
+                                     step_generator(0, 1, 0, 0, torch.device("cpu"))))
     assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
     assert torch.equal(outs[0].sums[2:], outs[1].sums[2:])  # same blocks, labels, streaks, per-slot counts

@@ -1,0 +1,70 @@
+"""Training blocks (SPEC §2): anchors, block inputs, positions and labels.
+
+Block b = [token[a_b], MASK x (B-1)] at positions a_b .. a_b+B-1; slot k (1..B-1) is labelled
+token[a_b + k]; slot 0 never has a label; labels past the end or outside the loss mask are
+dropped (IGNORE). Labels come from the data tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+
+def anchor_mask(loss_mask):
+    """THE anchor rule: position a may anchor a block iff loss_mask[a] and loss_mask[a+1].
+    loss_mask: [T] bool (torch or numpy) -> [T-1] bool, same kind."""
+    return loss_mask[:-1] & loss_mask[1:]
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask: [T] bool -> the positions that may anchor a block: [n] long."""
+    return torch.nonzero(anchor_mask(loss_mask)).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None):
+    """Up to n anchors per row, uniform without replacement, sorted; padded rows get valid=False.
+
+    loss_mask: [b, T] bool -> anchors [b, N] long, valid [b, N] bool (N = the most any row got).
+    """
+    picks = []
+    for row in loss_mask:
+        cand = anchor_candidates(row)
+        if len(cand) > n:
+            cand = cand[torch.randperm(len(cand), generator=generator)[:n]].sort().values
+        picks.append(cand)
+    width = max(1, max(len(p) for p in picks))
+    anchors = torch.zeros(len(picks), width, dtype=torch.long)
+    valid = torch.zeros(len(picks), width, dtype=torch.bool)
+    for i, p in enumerate(picks):
+        anchors[i, :len(p)], valid[i, :len(p)] = p, True
+    return anchors, valid
+
+
+@dataclass
+class Blocks:
+    block_ids: torch.Tensor  # [b, N*B] long: anchor token then MASK
+    positions: torch.Tensor  # [b, N*B] long: a_b + j
+    labels: torch.Tensor  # [b, N, B] long, IGNORE where no loss
+    anchors: torch.Tensor  # [b, N] long
+    valid: torch.Tensor  # [b, N] bool
+
+
+def make_blocks(tokens, loss_mask, anchors, valid, block_size: int, mask_token_id: int) -> Blocks:
+    """tokens: [b, T] long; loss_mask: [b, T] bool; anchors, valid: [b, N]."""
+    b, n = anchors.shape
+    T = tokens.shape[1]
+    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [b, N, B]
+    inside = pos < T
+    idx = pos.clamp(max=T - 1)
+    row = torch.arange(b, device=tokens.device)[:, None, None]
+    target = tokens[row, idx]
+    keep = inside & loss_mask[row, idx] & valid[..., None]
+    keep[..., 0] = False
+    labels = torch.where(keep, target, torch.full_like(target, IGNORE))
+    block_ids = torch.full_like(target, mask_token_id)
+    block_ids[..., 0] = tokens[row[..., 0], anchors]
+    return Blocks(block_ids.view(b, n * block_size), pos.view(b, n * block_size), labels, anchors, valid)

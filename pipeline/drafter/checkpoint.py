@@ -1,0 +1,106 @@
+"""Drafter checkpoints in the public DFlash layout: DIR/config.json + DIR/model.safetensors.
+
+Loading is strict: a missing, unexpected or wrongly shaped tensor is an error that names every
+one of them, so a drafter whose `fc` silently stayed random cannot happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
+from pipeline.errors import DrafterError
+
+WEIGHTS = "model.safetensors"
+
+
+def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config holds, with its shape (the released names)."""
+    c = config
+    H, q, kv, d = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.head_dim
+    out = {"fc.weight": (H, c.num_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, H), p + "mlp.up_proj.weight": (c.intermediate_size, H),
+            p + "mlp.down_proj.weight": (H, c.intermediate_size),
+        })
+    return out
+
+
+def check_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(tensors))
+    unexpected = sorted(set(tensors) - set(want))
+    shapes = sorted(f"{k} {tuple(tensors[k].shape)} (config needs {want[k]})"
+                    for k in set(want) & set(tensors) if tuple(tensors[k].shape) != want[k])
+    problems = [f"{label}: {', '.join(items)}" for label, items in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)) if items]
+    if problems:
+        raise DrafterError(f"{where} does not match its config.json: " + "; ".join(problems))
+
+
+def write(directory: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor],
+          record: TrainingRecord | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """config.json + model.safetensors into an existing directory. state: the drafter's state_dict."""
+    directory = Path(directory)
+    check_tensors(config, state, "state to save")
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    hf = config.to_hf(record)
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def save(directory: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor],
+         record: TrainingRecord | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write DIR atomically: into a temporary sibling, then a rename."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp, config, state, record, dtype)
+    publish(tmp, directory)
+    return directory
+
+
+def publish(tmp: Path, directory: Path) -> None:
+    """Replace DIR by the finished TMP (a reader never sees a half-written checkpoint)."""
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old{os.getpid()}")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, directory)
+
+
+def load(directory: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], TrainingRecord | None]:
+    """(config, tensors, our training record or None) from a checkpoint directory; strict."""
+    directory = Path(directory)
+    config, record = read_config(directory)
+    path = directory / WEIGHTS
+    if not path.exists():
+        raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise DrafterError(f"{path}: unreadable ({e})") from None
+    check_tensors(config, tensors, str(path))
+    return config, tensors, record
+
+
+def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into the model's parameters, strictly, keeping the model's dtype."""
+    model.load_state_dict({k: v.to(next(model.parameters()).dtype) for k, v in tensors.items()}, strict=True)

@@ -1,0 +1,120 @@
+"""Which linear-attention kernels actually run: selected before import, observed at run time.
+
+Transformers resolves the Gated DeltaNet functions when the modeling module is imported: the fla
+kernels if `fla` imports, otherwise its PyTorch reference. On a machine without CUDA the fla path
+must stay off (`fla` imports fine but its triton kernels crash), so `select_linear_attention`
+blocks it before the model code loads. `KernelRecorder` then wraps the functions the model
+module calls and records the implementation behind each call, so the store states what ran, not
+what was intended.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from collections import Counter
+from contextlib import contextmanager
+
+from store.errors import ConfigError
+
+# Functions that transformers' hybrid models (qwen3_5, qwen3_next, ...) call for linear attention.
+LINEAR_ATTENTION_FUNCTIONS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+
+
+def select_linear_attention(device_type: str, choice: str = "auto") -> str:
+    """Pick the Gated DeltaNet path. Must run before the target's model code is imported.
+
+    auto: fla on CUDA when fla and triton are installed, else torch. torch: block fla (always
+    so without CUDA, where fla imports but its kernels crash). fla: require it.
+    Returns the path requested: "fla" or "torch".
+    """
+    if choice not in ("auto", "fla", "torch"):
+        raise ConfigError("--linear-attention", choice, "expected auto, fla or torch")
+    if choice == "fla" and (device_type != "cuda" or not fla_installed()):
+        raise ConfigError("--linear-attention", "fla", "needs CUDA and flash-linear-attention with triton installed")
+    if device_type != "cuda" or choice == "torch":
+        sys.modules["fla"] = None  # an import of fla now fails, so transformers takes its torch path
+        return "torch"
+    return "fla" if fla_installed() else "torch"
+
+
+def fla_installed() -> bool:
+    if sys.modules.get("fla", ...) is None:
+        return False
+    return importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
+
+
+def implementation_of(fn) -> object:
+    """The function a transformers kernel wrapper dispatches to (the wrapper itself if none)."""
+    try:
+        nonlocals = inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return fn
+    impl = nonlocals.get("implementation")
+    return impl if callable(impl) else fn
+
+
+def family(fn) -> str:
+    """Where the implementation lives: 'torch' (transformers' PyTorch reference), 'fla',
+    'causal_conv1d', or the top-level package of anything else (a hub kernel, say)."""
+    root = (getattr(fn, "__module__", "") or "?").split(".")[0]
+    return "torch" if root == "transformers" else root
+
+
+class KernelRecorder:
+    """Counts, per wrapped function, which implementation family served each call."""
+
+    def __init__(self, model) -> None:
+        self.module = sys.modules[type(model).__module__]
+        for base in type(model).__mro__:  # the decoder lives in the class's own modeling module
+            mod = sys.modules.get(base.__module__)
+            if mod is not None and any(hasattr(mod, n) for n in LINEAR_ATTENTION_FUNCTIONS):
+                self.module = mod
+                break
+        self.calls: Counter[str] = Counter()
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n in LINEAR_ATTENTION_FUNCTIONS if callable(getattr(self.module, n, None))]
+
+    @contextmanager
+    def recording(self):
+        originals = {n: getattr(self.module, n) for n in self.names}
+        try:
+            for name, fn in originals.items():
+                setattr(self.module, name, self._wrap(name, fn))
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(self.module, name, fn)
+
+    def _wrap(self, name: str, fn):
+        label = f"{name}:{family(implementation_of(fn))}"
+
+        def recorded(*args, **kwargs):
+            self.calls[label] += 1
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    def summary(self) -> dict:
+        """{'linear_attention': 'fla'|'torch'|'mixed'|'none', 'conv1d': ..., 'calls': {...}}."""
+        def fam(prefixes: tuple[str, ...]) -> str:
+            seen = {k.split(":")[1] for k in self.calls if k.split(":")[0].endswith(prefixes)}
+            if not seen:
+                return "none"
+            return seen.pop() if len(seen) == 1 else "mixed"
+
+        return {
+            "linear_attention": fam(("gated_delta_rule",)),
+            "conv1d": fam(("causal_conv1d_fn", "causal_conv1d_update")),
+            "calls": dict(sorted(self.calls.items())),
+        }

@@ -1,0 +1,80 @@
+"""Loading the target: the text-only causal LM and its tokenizer, kernels chosen BEFORE the model
+code is imported, and the target's identity (class, sizes, hashes of config, weights, tensor set,
+tokenizer) that the store records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline import device as devices
+from pipeline import fingerprint
+from pipeline.errors import TargetError
+from pipeline.target.kernels import KernelRecorder, select_linear_attention
+from pipeline.target.model import Target
+from store.errors import ConfigError
+from store.schema import TargetRecord
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def resolve(target: str) -> Path:
+    """A local directory for a target path or hub id (the hub cache must already hold it offline)."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or target.startswith((".", "/", "~")):
+        raise TargetError(f"--target {target}: not a model directory")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(target))
+    except Exception as e:  # network, auth, unknown id: one line for the user
+        raise TargetError(f"--target {target}: cannot resolve it as a directory or hub id ({type(e).__name__}: {e})".splitlines()[0]) from None
+
+
+def load(target: str, device: str | None = None, dtype: str = "bf16", linear_attention: str = "auto") -> Target:
+    """Load the text-only causal LM and its tokenizer; pick the kernels BEFORE the model code loads."""
+    if dtype not in devices.DTYPES:
+        raise ConfigError("--dtype", dtype, f"expected one of {sorted(devices.DTYPES)}")
+    dev = devices.resolve(device)
+    if dev.type == "cpu":
+        devices.prepare_cpu()
+    requested = select_linear_attention(dev.type, linear_attention)
+    path = resolve(target)
+    if not (path / "config.json").is_file():
+        raise TargetError(f"--target {path}: no config.json, so not a Hugging Face model directory")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its "falling back to torch" notice is replaced by what the store records
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=devices.DTYPES[dtype])
+    except Exception as e:
+        raise TargetError(f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    model.to(dev).eval()
+    return Target(model, tokenizer, path, dev, devices.DTYPES[dtype], KernelRecorder(model), requested,
+                  describe(model, tokenizer, path))
+
+
+def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:
+    """Identity of the target: class, and hashes of config, weights, tensor set, tokenizer."""
+    config = model.config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    weights = {p.name: fingerprint.sha256_file(p) for p in sorted(path.iterdir()) if p.name.endswith(WEIGHT_SUFFIXES)}
+    if not weights:
+        raise TargetError(f"--target {path}: no *.safetensors or *.bin weight files")
+    tensor_set = {k: list(v.shape) for k, v in model.state_dict().items()}
+    model_class = f"{type(model).__module__}.{type(model).__qualname__}"
+    tok_json = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else json.dumps(tok.get_vocab(), sort_keys=True)
+    return TargetRecord(
+        path=str(path), model_class=model_class, model_type=model.config.model_type,
+        fingerprint=fingerprint.sha256_json({"config": config, "weights": weights, "class": model_class,
+                                             "tensors": tensor_set}),
+        config_sha256=fingerprint.sha256_json(config), weights_sha256=weights,
+        tokenizer_sha256=fingerprint.sha256_json({"tokenizer": tok_json, "special": tok.special_tokens_map}),
+        chat_template_sha256=fingerprint.sha256_text(tok.chat_template or ""))

@@ -1,0 +1,142 @@
+"""The loaded target: greedy generation, tap capture, and which kernels served them.
+
+`capture` runs ONE forward over prompt+completion and keeps the OUTPUT of decoder layer k for
+every tap k (Hugging Face `hidden_states[k+1]`, see taps.py); the forward stops after the last
+tap, so later layers, the final norm and lm_head never run. Loading is in loading.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from pipeline.errors import TargetError
+from pipeline.target.kernels import KernelRecorder
+from pipeline.target.taps import StopForward, tapping
+from store.schema import Backends, TargetRecord
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    recorder: KernelRecorder
+    requested_linear_attention: str
+    record: TargetRecord  # its identity, as the store records it
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.model.get_decoder().layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.eos_ids[0]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
+        """Greedy completions, batched with left padding; each cut at its first EOS (kept) and limit."""
+        if not prompts:
+            return []
+        longest = max(max_new_tokens)
+        if longest <= 0:
+            return [[] for _ in prompts]
+        ids, mask = self._pad(prompts, left=True)
+        width = ids.shape[1]
+        # A fresh config: pure argmax, none of the checkpoint's sampling or repetition settings.
+        config = GenerationConfig(max_new_tokens=longest, do_sample=False, num_beams=1, eos_token_id=self.eos_ids,
+                                  pad_token_id=self.pad_id, use_cache=True)
+        with self.recorder.recording():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=config)
+        new = out[:, width:].tolist()
+        return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
+
+    @torch.inference_mode()
+    def capture(self, seqs: list[list[int]], taps: list[int]) -> torch.Tensor:
+        """Tap outputs for each sequence, concatenated along tokens.
+
+        Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order.
+        Right padding: every real token sees only real tokens before it (causal model).
+        """
+        ids, mask = self._pad(seqs, left=False)
+        grabbed: dict[int, torch.Tensor] = {}
+        try:
+            with tapping(self.layers, taps, grabbed, stop_after_last=True), self.recorder.recording():
+                self.model.get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        except StopForward:
+            pass
+        stacked = torch.stack([grabbed[k] for k in taps], dim=2).to(torch.bfloat16)  # [B, W, n_taps, H]
+        valid = mask.to(stacked.device).bool()
+        return stacked[valid].cpu()  # [T, n_taps, H]; boolean indexing keeps row-major (sequence) order
+
+    def _pad(self, seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, attention mask: [B, W] long, padded on the left (generation) or the right (capture)."""
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            cols = slice(width - len(s), width) if left else slice(0, len(s))
+            ids[i, cols] = torch.tensor(s)
+            mask[i, cols] = 1
+        return ids, mask
+
+    def probe(self) -> Backends:
+        """A short generate + capture so the recorder sees which kernels serve prefill and decode."""
+        ids = self.tokenizer("def probe(x):\n    return", add_special_tokens=False).input_ids
+        self.generate([ids], [2])
+        self.capture([ids], [0])
+        return self.backends()
+
+    def backends(self) -> Backends:
+        """The kernels the recorder saw serve every call so far."""
+        kernels = self.recorder.summary()
+        return Backends(linear_attention=kernels["linear_attention"], conv1d=kernels["conv1d"],
+                        linear_attention_requested=self.requested_linear_attention,
+                        attention=getattr(self.model.config, "_attn_implementation", None),
+                        kernel_calls=kernels["calls"])
+
+    def check_backends(self) -> Backends:
+        """What ran must be what was chosen: fla on CUDA when installed, the PyTorch path otherwise."""
+        b = self.backends()
+        ran, wanted = b.linear_attention, self.requested_linear_attention
+        if ran not in (wanted, "none"):
+            raise TargetError(
+                f"linear attention ran on '{ran}' but '{wanted}' was chosen for {self.device.type} "
+                f"(calls: {b.kernel_calls}); was the model code imported before the kernels were chosen?")
+        return b
+
+
+def _cut(seq: list[int], eos_ids: list[int], limit: int) -> list[int]:
+    seq = seq[:limit]
+    for i, t in enumerate(seq):
+        if t in eos_ids:
+            return seq[: i + 1]
+    return seq
+
+

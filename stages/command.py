@@ -1,0 +1,98 @@
+"""A stage as a command line: click options generated from its config dataclass, and errors as one
+line. Entry points are then a few lines: `@options(Config)`, run the stage, print its summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+import typing
+
+import click
+
+from stages.settings import flag_of
+from store.errors import UserError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def log(message: str) -> None:
+    """Progress and warnings go to stderr; results go to stdout."""
+    click.echo(message, err=True)
+
+
+def options(config_cls):
+    """Decorator: one click option per field of config_cls (flag, type, default and help from the
+    field); the command is called with config=config_cls(**values) plus its own other options."""
+    fields = dataclasses.fields(config_cls)
+    hints = typing.get_type_hints(config_cls)
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def command(**kw):
+            return fn(config=config_cls(**{f.name: kw.pop(f.name) for f in fields}), **kw)
+
+        for f in reversed(fields):
+            command = click.option(flag_of(config_cls, f.name), f.name, **_option(f, hints[f.name]))(command)
+        return command
+
+    return decorate
+
+
+def _option(f: dataclasses.Field, hint) -> dict:
+    meta = f.metadata
+    kind = _base(hint)
+    required = f.default is dataclasses.MISSING
+    default = None if required else f.default
+    kw = {"help": meta.get("help", ""), "default": default, "required": required}
+    if meta.get("parse"):
+        kw.update(type=str, default=None, callback=_parser(meta["parse"], default))
+    elif kind is bool:
+        kw.update(is_flag=True)
+    elif typing.get_origin(kind) is tuple:
+        kw.update(type=typing.get_args(kind)[0], multiple=True, default=default or ())
+    elif meta.get("choices"):
+        kw.update(type=click.Choice(meta["choices"]))
+    else:
+        kw.update(type=kind)
+    if meta.get("default_text"):  # click would put it in parentheses
+        kw.update(help=f"{kw['help']} [default: {meta['default_text']}]", show_default=False)
+    else:
+        kw["show_default"] = kind is not bool and default not in (None, ())
+    return {**kw, **meta.get("click", {})}
+
+
+def _base(hint):
+    """X from `X | None`."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else hint
+    return hint
+
+
+def _parser(parse, default):
+    def callback(_ctx, param, value):
+        if value is None:
+            return default
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise click.BadParameter(f"{value!r}: {e}", param=param) from None
+
+    return callback
+
+
+def run_command(command, interrupted: str = "interrupted") -> None:
+    """Run a click command; a UserError or an interrupt becomes one `error:` line (exit 2 / 130)."""
+    try:
+        command.main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo(f"error: {interrupted}", err=True)
+        sys.exit(130)

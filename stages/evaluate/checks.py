@@ -1,0 +1,81 @@
+"""What evaluation checks before it replays: each checkpoint against the store's conditioning (our
+checkpoints carry the store fingerprint; a released one is checked on what it carries: taps,
+hidden size, vocabulary, mask token), and which shards to replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.drafter import checkpoint
+from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatches
+from pipeline.drafter.model import Drafter
+from pipeline.errors import DrafterError
+from stages.evaluate.config import EvalConfig
+from store.errors import StoreError
+from store.hidden_store import HiddenStore
+from store.ranges import format_ranges, parse_ranges
+
+
+@dataclass
+class Loaded:
+    path: str
+    config: DrafterConfig
+    tensors: dict
+    record: TrainingRecord | None  # None for a released checkpoint
+    check: str  # how the conditioning was checked, for the report
+
+
+def load_checked(path: str, store: HiddenStore, allow_mismatch: bool, warnings: list[str]) -> Loaded:
+    config, tensors, record = checkpoint.load(path)
+    attrs = store.attrs
+    diff = store_mismatches(config, attrs)
+    shape = [f"{label}: checkpoint has {diff[k][0]}, store has {diff[k][1]}" for k, label in
+             (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"), ("num_taps", "number of taps")) if k in diff]
+    if shape:
+        raise DrafterError(f"{path} cannot run on {store.location}: " + "; ".join(shape))
+    problems = [f"{label}: checkpoint {diff[k][0]}, store {diff[k][1]}" for k, label in
+                (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
+    fp = record.store_fingerprint if record else None
+    if fp is not None and fp != attrs.fingerprint:
+        problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
+                        "(different target, taps, backend, tokenizer or data)")
+    if problems and not allow_mismatch:
+        raise DrafterError(f"{path} was not trained on this store's conditioning ({'; '.join(problems)}); "
+                           "pass --allow-mismatch to evaluate anyway")
+    if problems:
+        warnings.append(f"MISMATCH allowed for {path}: " + "; ".join(problems))
+        check = "mismatch (allowed): " + "; ".join(problems)
+    elif fp is None:
+        check = "released checkpoint: taps, hidden size, vocabulary and mask token match; store fingerprint not checked"
+        warnings.append(f"{path} carries no store fingerprint (a released checkpoint): only taps, hidden size, "
+                        "vocabulary and mask token were checked")
+    else:
+        check = "store fingerprint matches"
+    return Loaded(path, config, tensors, record, check)
+
+
+def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Loaded], warnings: list[str]) -> list[int]:
+    """--shards, else the held-out shards a checkpoint recorded, else every committed shard."""
+    n = store.num_shards
+    if config.shards:
+        ids = parse_ranges(config.shards, n)
+    else:
+        recorded = [x.record.eval_shards for x in loaded if x.record and x.record.eval_shards]
+        ids = parse_ranges(recorded[0], n) if recorded else sorted(store.committed())
+        if len(set(recorded)) > 1:
+            warnings.append(f"checkpoints recorded different held-out shards {sorted(set(recorded))}; using {recorded[0]}")
+    store.require_committed(ids)
+    if not ids:
+        raise StoreError(f"{store.location}: no committed shards to evaluate")
+    for x in loaded:
+        trained = x.record.train_shards if x.record else None
+        overlap = sorted(set(ids) & set(parse_ranges(trained, n))) if trained else []
+        if overlap:
+            warnings.append(f"{x.path} was trained on shards {format_ranges(overlap)}, which are evaluated here")
+    return ids
+
+
+def build(loaded: Loaded, embed, lm_head, device: str) -> Drafter:
+    m = Drafter(loaded.config, embed.float(), lm_head.float())
+    checkpoint.load_into(m, loaded.tensors)
+    return m.to(device).eval()

@@ -1,0 +1,52 @@
+"""Evaluation's settings: every evaluate.py flag, its default and its help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline import device as devices
+from stages.settings import at_least, fill, require, setting
+
+DDTREE_BUDGETS = (8, 16, 32, 64)
+
+
+def parse_budgets(text: str) -> tuple[int, ...]:
+    """'8,16,32,64' -> (8, 16, 32, 64); 'none' or '' -> () (chain drafting only)."""
+    if text in ("", "none"):
+        return ()
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError("expected budgets such as '8,16,32,64' or 'none'") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    store: str = setting("hs.zarr", "Hidden-state store (path or fsspec URL).")
+    checkpoints: tuple[str, ...] = setting(
+        help="Drafter checkpoint directory (config.json + model.safetensors); repeat to compare several.",
+        flag="--checkpoint")
+    shards: str | None = setting(None, "Shards to replay, e.g. '56-63'.",
+                                 default_text="the checkpoint's held-out shards if recorded, else all")
+    ddtree: tuple[int, ...] = setting(DDTREE_BUDGETS, "DDTree node budgets to report ('none' for chain drafting only).",
+                                      default_text=",".join(map(str, DDTREE_BUDGETS)), parse=parse_budgets)
+    out: str = setting("report", "Report directory.")
+    max_rounds: int | None = setting(None, "Stop each prompt after this many rounds.")
+    max_prompts: int | None = setting(None, "Replay only the first N prompts of the shards.")
+    allow_mismatch: bool = setting(False, "Evaluate a checkpoint whose store fingerprint, taps or mask token differ "
+                                          "(the report says so at the top).")
+    live: bool = setting(False, "Also run real greedy speculative decoding with the target (verify each block in one "
+                                "pass, roll back the hybrid state on rejection); reports tau, tokens/s vs target-only "
+                                "greedy, and agreement with replay.")
+    target: str | None = setting(None, "The store's target model directory, for --live.")
+    device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
+    threads: int = setting(1, "CPU intra-op threads. Replay is many small ops: on an idle 2-core machine two threads "
+                              "were ~10% faster than one, but 40x slower while another program was busy.")
+
+    def __post_init__(self) -> None:
+        fill(self, "device", self.device or devices.default_device())
+        fill(self, "checkpoints", tuple(self.checkpoints))
+        require(self, "checkpoints", bool(self.checkpoints), "give at least one drafter checkpoint directory")
+        require(self, "ddtree", all(b >= 1 for b in self.ddtree), "budgets must be at least 1")
+        require(self, "target", self.target or not self.live, "--live needs --target DIR (the store's target model)")
+        at_least(self, 1, "max_rounds", "max_prompts", "threads")

@@ -1,0 +1,110 @@
+"""The evaluation report: OUT/report.json (schema in docs/evaluation.md), OUT/report.md, PNG plots,
+and the console table. Every number says which tau convention it uses."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from store.schema import StoreAttrs
+
+CONVENTIONS = {
+    "tau": "mean over prompts of each prompt's mean tokens per round; tokens per round = accepted drafts + 1 "
+           "(the bonus token counted), cut to what is left at the end (the DFlash convention)",
+    "tau_pooled": "all committed tokens / all rounds, over every prompt",
+    "histogram": "rounds by accepted drafts, 0..B-1",
+    "per_slot": "share of rounds whose k-th draft was accepted (accepted >= k), k = 1..B-1",
+    "ddtree": "DDTree-N: tree drafting with a node budget of N nodes (not N tokens); tau as above, "
+              "tokens per round = accepted nodes + 1 <= min(N, B-1) + 1",
+    "replay": "greedy speculative decoding replayed from the stored states and the stored greedy completion; "
+              "rounds start at the first completion token (produced by the prefill)",
+}
+
+
+def build(config, attrs: StoreAttrs, shards: str, warnings: list[str], results: list[dict]) -> dict:
+    return {
+        "kind": "dflash-eval-report", "time": time.strftime("%Y-%m-%d %H:%M:%S"), "store": config.store,
+        "store_fingerprint": attrs.fingerprint, "target": attrs.target.path,
+        "taps": list(attrs.taps), "shards": shards, "max_rounds": config.max_rounds, "ddtree_budgets": list(config.ddtree),
+        "warnings": warnings, "conventions": CONVENTIONS, "checkpoints": results,
+    }
+
+
+def table(rep: dict) -> list[list[str]]:
+    budgets = rep["ddtree_budgets"]
+    rows = [["checkpoint", "tau", "tau pooled", *[f"DDTree-{b} tau" for b in budgets], "rounds", "prompts"]]
+    for r in rep["checkpoints"]:
+        rows.append([r["name"], f"{r['tau']:.3f}", f"{r['tau_pooled']:.3f}",
+                     *[f"{r['ddtree'][str(b)]:.3f}" for b in budgets], str(r["rounds"]), str(r["prompts"])])
+    return rows
+
+
+def console(rep: dict) -> str:
+    rows = table(rep)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    head = [f"WARNING: {w}" for w in rep["warnings"]]
+    return "\n".join(head + [f"replay of {rep['store']} shards {rep['shards']}; tau = mean over prompts of tokens "
+                             "per round (bonus counted); DDTree-N = node budget N", *lines])
+
+
+def md_table(header: list, rows: list[list]) -> list[str]:
+    """A markdown table: the header row, the separator, one line per row."""
+    return ["| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * len(header), *rows]]
+
+
+def markdown(rep: dict) -> str:
+    out = ["# Drafter evaluation (replay)", ""]
+    out += [f"> **WARNING:** {w}" for w in rep["warnings"]] + ([""] if rep["warnings"] else [])
+    out += [f"Store `{rep['store']}` (fingerprint `{rep['store_fingerprint'][:16]}`), target `{rep['target']}`, "
+            f"taps {rep['taps']}, shards {rep['shards']}.", ""]
+    rows = table(rep)
+    out += md_table(rows[0], rows[1:]) + ["", "## Conventions", ""]
+    out += [f"- **{k}**: {v}" for k, v in rep["conventions"].items()] + [""]
+    for r in rep["checkpoints"]:
+        out += [f"## {r['name']}", "", f"- path: `{r['path']}`", f"- conditioning: {r['check']}",
+                f"- trained on shards: {r['train_shards'] or 'not recorded'}; step {r['step']}", ""]
+        out += md_table(["accepted drafts", *range(len(r["histogram"]))], [["rounds", *r["histogram"]]]) + [""]
+        out += md_table(["slot", *range(1, len(r["per_slot"]) + 1)],
+                        [["accepted", *(f"{p:.3f}" for p in r["per_slot"])]]) + [""]
+        out += md_table(["shard", "index", "row", "prompt tokens", "completion tokens", "rounds", "tau"],
+                        [[p["shard"], p["index"], p["row_id"], p["prompt_len"], p["completion_len"], p["rounds"],
+                          f"{p['tau']:.3f}"] for p in r["per_prompt"]]) + [""]
+    return "\n".join(out)
+
+
+def plots(rep: dict, out: Path) -> list[Path]:
+    from stages.plots import plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    n = len(rep["checkpoints"])
+    for i, r in enumerate(rep["checkpoints"]):
+        total = max(1, sum(r["histogram"]))
+        xs = [k + (i - (n - 1) / 2) * 0.8 / n for k in range(len(r["histogram"]))]
+        ax.bar(xs, [h / total for h in r["histogram"]], width=0.8 / n, label=f"{r['name']} (tau {r['tau']:.2f})")
+    ax.set(xlabel="accepted drafts in a round", ylabel="share of rounds", title="acceptance histogram (chain)")
+    paths = [_save(plt, fig, ax, out / "histogram.png")]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for r in rep["checkpoints"]:
+        ax.plot(range(1, len(r["per_slot"]) + 1), r["per_slot"], "o-", markersize=4, label=r["name"])
+    ax.set(xlabel="draft slot k", ylabel="share of rounds with draft k accepted", title="per-slot acceptance", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    return paths + [_save(plt, fig, ax, out / "per_slot.png")]
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(rep: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(rep))
+    plots(rep, out)

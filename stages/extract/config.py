@@ -1,0 +1,55 @@
+"""Stage one's settings: every `pipeline extract` flag, its default and its help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline import DEFAULT_PROMPTS, TINY_TARGET
+from pipeline import device as devices
+from pipeline.target.taps import DEFAULT_NUM_TAPS
+from stages.settings import at_least, check_choices, fill, require, setting
+from store import layout
+
+NUM_SHARDS = 64  # shards of a new store unless --num-shards says otherwise
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig:
+    store: str = setting("hs.zarr", "Store path or fsspec URL (created if absent).")
+    shards: str = setting("0-63", "Shards this process writes, e.g. '0-63' or '0-3,8,10-12'.")
+    num_shards: int | None = setting(None, "Shards the dataset is split into; fixed when the store is created.",
+                                     default_text=f"the store's, or {NUM_SHARDS}")
+    target: str | None = setting(None, "Target model directory or hub id.", default_text="the shipped tiny target")
+    dataset: str | None = setting(None, "Prompts: .jsonl, .json, .parquet, a saved `datasets` directory or a hub "
+                                        "dataset name.", default_text="the shipped prompt set")
+    split: str = setting("train", "Split, for `datasets` sources.")
+    messages_field: str = setting("messages", "Field holding chat turns.")
+    prompt_field: str = setting("prompt", "Field holding a plain prompt (if no messages).")
+    response_field: str = setting("response", "Field holding the response for plain prompts (--responses dataset).")
+    responses: str = setting("regenerate", "regenerate: the target's greedy completion; dataset: the dataset's own "
+                                           "assistant turn.", choices=("regenerate", "dataset"))
+    max_new_tokens: int = setting(256, "Completion length limit.")
+    max_length: int = setting(1024, "Prompt + completion limit; longer prompts are skipped and counted.")
+    batch_size: int = setting(16, "Prompts per generate/capture batch.")
+    device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
+    dtype: str = setting("bf16", "Dtype the target runs in (states are stored as bf16 either way).",
+                         choices=tuple(devices.DTYPES))
+    linear_attention: str = setting(
+        "auto", "Gated DeltaNet kernels: auto = fla on CUDA when installed, else the PyTorch fallback (always the "
+                "fallback without CUDA). What actually ran is recorded in the store.", choices=("auto", "fla", "torch"))
+    taps: str | None = setting(None, "Tap layers: '1,16,31' (layer ids, 0-based; tap k = output of layer k) or 'n=5'.",
+                               default_text=f"the DFlash formula with {DEFAULT_NUM_TAPS} taps")
+    mask_token_id: int | None = setting(None, "Drafter mask token.", default_text="the tokenizer's mask token")
+    chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
+    shard_tokens: int = setting(4096, "Tokens per zarr shard file (a multiple of --chunk-tokens).")
+    compression_level: int = setting(layout.COMPRESSION_LEVEL, "Lossless zstd level, 0-9.")
+
+    def __post_init__(self) -> None:
+        fill(self, "target", self.target or str(TINY_TARGET))
+        fill(self, "dataset", self.dataset or str(DEFAULT_PROMPTS))
+        fill(self, "device", self.device or devices.default_device())
+        check_choices(self)
+        at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards")
+        require(self, "compression_level", 0 <= self.compression_level <= 9, "blosc levels run 0-9")
+        require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,
+                f"must be a multiple of --chunk-tokens {self.chunk_tokens}")

@@ -1,0 +1,203 @@
+"""Stage one: run the target over the prompt set and write tap-layer hidden states to the store.
+
+`run(config)` writes only the shards of `config.shards`. Each shard is claimed with a lock,
+written, and committed by a commit file written last; committed shards are skipped, so a rerun
+resumes, and two processes on disjoint ranges fill one store together.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+from pipeline import prompts as prompt_sets
+from pipeline.target import loading
+from pipeline.target.model import Target
+from pipeline.target.taps import parse_taps
+from stages.extract.config import NUM_SHARDS, ExtractConfig
+from stages.extract.provenance import store_attrs
+from stages.extract.summary import finish_summary
+from store import layout
+from store.errors import ConfigError, StoreError
+from store.hidden_store import HiddenStore
+from store.locks import LockFile
+from store.ranges import format_ranges, parse_ranges
+from store.schema import ShardCommit, completion_limit
+from store.shard_writer import ShardWriter
+
+INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
+               "rerun the same command to resume")
+
+
+def resolve_shards(config: ExtractConfig, store: HiddenStore) -> tuple[list[int], int]:
+    """(shard ids of --shards, the store's shard count): --num-shards if given (an existing store
+    then checks it matches), else the store's, else NUM_SHARDS."""
+    num_shards = config.num_shards or (store.num_shards if store.exists() else NUM_SHARDS)
+    ids = parse_ranges(config.shards, num_shards)
+    if not ids:
+        raise ConfigError("--shards", repr(config.shards), "no shards selected")
+    return ids, num_shards
+
+
+def run(config: ExtractConfig, log=print) -> dict:
+    """Extract config.shards into config.store; returns the run summary."""
+    t_start = time.perf_counter()
+    store = HiddenStore(config.store)
+    shard_ids, num_shards = resolve_shards(config, store)
+    prompt_set = prompt_sets.load(
+        config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field, config.response_field), config.split)
+    target = loading.load(config.target, config.device, config.dtype, config.linear_attention)
+    taps = parse_taps(config.taps, target.num_layers)
+    mask_id = config.mask_token_id if config.mask_token_id is not None else target.tokenizer.mask_token_id
+    if mask_id is None:
+        raise ConfigError("--mask-token-id", None, f"the tokenizer of {target.path} has no mask token; pass one")
+    if not 0 <= mask_id < target.vocab_size:
+        raise ConfigError("--mask-token-id", mask_id, f"outside the vocabulary (0-{target.vocab_size - 1})")
+    target.probe()
+    backends = target.check_backends()
+    attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends)
+    state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
+                                  target.model.get_output_embeddings().weight)
+    log(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} ({config.dtype}), "
+        f"linear attention: {backends.linear_attention}, attention: {backends.attention}, taps {taps}")
+
+    done = store.committed()
+    todo = [s for s in shard_ids if s not in done]
+    locks = claim(store, todo)
+    job = Extractor(config, store, target, taps, prompt_set, num_shards)
+    job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=backends)
+    t_loop = time.perf_counter()
+    bar = tqdm(total=sum(len(prompt_set.shard_rows(s, num_shards)) for s in todo), unit="sample", desc="extract",
+               disable=None, dynamic_ncols=True, file=sys.stderr)
+    try:
+        for shard in todo:
+            record = job.shard(shard, locks[shard], bar)
+            release(locks.pop(shard))
+            log(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
+                f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
+    finally:
+        bar.close()
+        for lock in locks.values():
+            release(lock)
+    job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
+    job.summary["wall_s"] = time.perf_counter() - t_start
+    return finish_summary(store, job.summary)
+
+
+def claim(store: HiddenStore, shards: list[int]) -> dict[int, LockFile | None]:
+    """Lock every shard to write, or none: overlapping ranges with a live process are refused.
+    On object stores there are no locks (None): ranges must be disjoint."""
+    locks, busy = {}, {}
+    for s in shards:
+        lock = store.lock(layout.shard_name(s))
+        owner = lock.try_acquire() if lock is not None else None
+        if owner is None:
+            locks[s] = lock
+        else:
+            busy[s] = owner
+    if busy:
+        for lock in locks.values():
+            release(lock)
+        who = ", ".join(sorted({f"{o.get('host')}:{o.get('pid')}" for o in busy.values()}))
+        raise StoreError(f"{store.location}: shards {format_ranges(list(busy))} are being written by {who}; "
+                         "overlapping ranges are refused (give each process its own --shards)")
+    return locks
+
+
+def release(lock: LockFile | None) -> None:
+    if lock is not None:
+        lock.release()
+
+
+class Extractor:
+    """Writes shards: per batch, prepare prompts, complete them, capture the taps, hand to the writer."""
+
+    def __init__(self, config: ExtractConfig, store: HiddenStore, target: Target, taps: list[int],
+                 prompt_set: prompt_sets.PromptSet, num_shards: int) -> None:
+        self.config, self.store, self.target, self.taps = config, store, target, taps
+        self.prompt_set, self.num_shards = prompt_set, num_shards
+        self.summary = {
+            "store": config.store, "shards_written": [], "shards_skipped": [], "samples": 0, "tokens": 0,
+            "batches": 0, "skipped": {r: 0 for r in layout.SKIP_REASONS}, "truncated": 0,
+            "timing": {"prepare_s": 0.0, "generate_s": 0.0, "capture_s": 0.0, "stall_s": 0.0, "writer_busy_s": 0.0},
+        }
+
+    def shard(self, shard: int, lock: LockFile | None, bar) -> ShardCommit:
+        t0 = time.perf_counter()
+        c = self.config
+        writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
+                             c.shard_tokens, c.compression_level)
+        try:
+            rows = list(self.prompt_set.shard_rows(shard, self.num_shards))
+            for start in range(0, len(rows), c.batch_size):
+                batch = rows[start:start + c.batch_size]
+                self.batch(batch, writer)
+                bar.update(len(batch))
+                elapsed = bar.format_dict["elapsed"] or 1e-9
+                bar.set_postfix_str(f"{self.summary['tokens'] / elapsed:.0f} tokens/s, shard {shard}", refresh=False)
+                self.summary["batches"] += 1
+            record = writer.commit(lock, run={
+                "wall_s": time.perf_counter() - t0, "host": os.uname().nodename, "pid": os.getpid(),
+                "batch_size": c.batch_size, "device": str(self.target.device),
+                "backends": self.target.check_backends(), "committed_at": time.time()})
+        except BaseException:
+            writer.abort()
+            raise
+        s, timing = self.summary, self.summary["timing"]
+        timing["stall_s"] += writer.stall_s
+        timing["writer_busy_s"] += writer.busy_s
+        s["shards_written"].append(shard)
+        s["samples"] += record.samples
+        s["truncated"] += record.truncated
+        for reason, n in record.skipped.items():
+            s["skipped"][reason] += n
+        return record
+
+    def batch(self, rows: list[int], writer: ShardWriter) -> None:
+        timing = self.summary["timing"]
+        t = time.perf_counter()
+        ready = self.prepare(rows, writer)
+        timing["prepare_s"] += time.perf_counter() - t
+        if not ready:
+            return
+        t = time.perf_counter()
+        completions = self.complete(ready)
+        timing["generate_s"] += time.perf_counter() - t
+        for (row_id, prompt, _, _), completion in zip(ready, completions):
+            ended = bool(completion) and completion[-1] in self.target.eos_ids
+            writer.add(row_id, prompt, completion, truncated=not ended)
+        t = time.perf_counter()
+        hidden = self.target.capture([r[1] + c for r, c in zip(ready, completions)], self.taps)  # [T, n_taps, H] bf16
+        timing["capture_s"] += time.perf_counter() - t
+        writer.add_hidden(hidden)
+        self.summary["tokens"] += len(hidden)
+
+    def prepare(self, rows: list[int], writer: ShardWriter) -> list[tuple[int, list[int], int, str | None]]:
+        """(row_id, prompt ids, completion limit, dataset response) for each usable row; skips are counted."""
+        c, tok = self.config, self.target.tokenizer
+        ready = []
+        for i in rows:
+            row = self.prompt_set.row(i)
+            if not row.messages or not any(str(m["content"]).strip() for m in row.messages):
+                writer.skip("empty_prompt")
+                continue
+            if c.responses == "dataset" and row.response is None:
+                writer.skip("missing_response")
+                continue
+            text = tok.apply_chat_template(list(row.messages), add_generation_prompt=True, tokenize=False)
+            prompt = tok(text, add_special_tokens=False).input_ids
+            if len(prompt) >= c.max_length:
+                writer.skip("prompt_too_long")
+                continue
+            ready.append((i, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row.response))
+        return ready
+
+    def complete(self, ready) -> list[list[int]]:
+        """Greedy completions from the target, or the dataset's own responses (+ EOS), cut to each limit."""
+        if self.config.responses == "regenerate":
+            return self.target.generate([r[1] for r in ready], [r[2] for r in ready])
+        tok, eos = self.target.tokenizer, self.target.eos_ids[0]
+        return [(tok(r[3], add_special_tokens=False).input_ids + [eos])[: r[2]] for r in ready]

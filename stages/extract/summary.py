@@ -1,0 +1,36 @@
+"""The summary of an extraction run: what was written and skipped, throughput, the store's state."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from store.hidden_store import HiddenStore
+from store.ranges import format_ranges
+from store.summary import fmt_skips, human_bytes, summarize
+
+
+def finish_summary(store: HiddenStore, summary: dict) -> dict:
+    """The run's own counts plus the store's totals, bytes and compression."""
+    s = summarize(store)
+    summary.update({k: s[k] for k in ("bytes_on_disk", "hidden_bytes_on_disk", "hidden_bytes_raw_bf16",
+                                      "compression_ratio", "shards_done", "num_shards", "missing")})
+    summary["backends"] = asdict(summary["backends"])
+    summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] else 0.0
+    return summary
+
+
+def render(s: dict) -> str:
+    t = s["timing"]
+    ratio = f"{s['compression_ratio']}x" if s["compression_ratio"] else "n/a"
+    return "\n".join([
+        f"wrote {len(s['shards_written'])} shard(s) ({format_ranges(s['shards_written']) or 'none'}), "
+        f"skipped {len(s['shards_skipped'])} already committed ({format_ranges(s['shards_skipped']) or 'none'})",
+        f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
+        f"skipped rows: {fmt_skips(s['skipped'])}; completions cut at the limit: {s['truncated']}",
+        f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
+        f"{human_bytes(s['bytes_on_disk'])} on disk; hidden states {human_bytes(s['hidden_bytes_on_disk'])} "
+        f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16 ({ratio})",
+        f"backend: linear attention {s['backends']['linear_attention']}, attention {s['backends']['attention']}; "
+        f"time in generate {t['generate_s']:.1f}s, capture {t['capture_s']:.1f}s, prepare {t['prepare_s']:.1f}s, "
+        f"waiting on the writer {t['stall_s']:.2f}s",
+    ])

@@ -1,0 +1,56 @@
+"""Stage settings: config fields that carry their own help, and checks that name the flag.
+
+Each stage's config is a frozen, keyword-only dataclass whose fields are made by `setting`: the
+default and the help text live there and nowhere else. The command line is generated from those
+fields (stages/command.py), and `__post_init__` validates with the helpers below, so a bad value
+is refused the same way from the command line, from Python, and from a resumed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from store.errors import ConfigError
+
+
+def setting(default=dataclasses.MISSING, help: str = "", *, flag: str | None = None, default_text: str | None = None,
+            choices: tuple | None = None, parse=None, click: dict | None = None) -> dataclasses.Field:
+    """A config field. flag: the option's name when it is not `--field-name`; default_text: how the
+    default reads in --help when the value itself says little (None meaning "auto"); choices: the
+    allowed values; parse: text -> value, for fields a single option string cannot hold as is;
+    click: any further click.option arguments."""
+    meta = {"help": help, "flag": flag, "default_text": default_text, "choices": choices, "parse": parse,
+            "click": click or {}}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(config, name: str) -> str:
+    """The command-line flag of field `name` of a config (class or instance)."""
+    f = {f.name: f for f in dataclasses.fields(config)}[name]
+    return f.metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def require(config, name: str, ok: bool, problem: str) -> None:
+    """Refuse the value of field `name` unless ok; the error names its flag and value."""
+    if not ok:
+        raise ConfigError(flag_of(config, name), getattr(config, name), problem)
+
+
+def at_least(config, low, *names: str) -> None:
+    """Each named field, when set, must be >= low."""
+    for name in names:
+        value = getattr(config, name)
+        require(config, name, value is None or value >= low, f"must be at least {low}")
+
+
+def check_choices(config) -> None:
+    """Every field declared with choices holds one of them."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        if choices:
+            require(config, f.name, getattr(config, f.name) in choices, f"expected one of {', '.join(choices)}")
+
+
+def fill(config, name: str, value) -> None:
+    """Resolve an "auto" field of a frozen config in __post_init__ (None -> its concrete value)."""
+    object.__setattr__(config, name, value)

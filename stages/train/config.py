@@ -1,0 +1,76 @@
+"""Stage two's settings: every train.py flag, its default and its help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
+from stages.settings import at_least, check_choices, require, setting
+
+_GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    store: str = setting("hs.zarr", "Hidden-state store (path or fsspec URL).")
+    out: str = setting("runs/drafter", "Run directory.")
+    shards: str | None = setting(None, "Training shards, e.g. '0-55'.",
+                                 default_text="every committed shard not in --eval-shards")
+    eval_shards: str | None = setting(None, "Held-out shards for validation, e.g. '56-63'.", default_text="none")
+    max_steps: int | None = setting(None, "Optimizer steps; overrides --epochs.")
+    epochs: int = setting(6, "Passes over the training samples.")
+    lr: float = setting(6e-4, "Peak AdamW learning rate.")
+    warmup_ratio: float = setting(0.04, "Linear warmup share of the steps; cosine decay after.")
+    grad_clip: float = setting(1.0, "Gradient norm clip (0: off).")
+    weight_decay: float = setting(0.0, "AdamW weight decay.")
+    block_size: int = setting(BLOCK_SIZE, "Block size B: anchor token + B-1 drafts.")
+    gamma: float | None = setting(None, "Loss decay w_k = exp(-(k-1)/gamma).", default_text=_GAMMAS)
+    anchors: int = setting(512, "Blocks per sequence, resampled every step.")
+    max_length: int = setting(4096, "Tokens per sample used (longer ones are cut).")
+    batch_size: int = setting(1, "Sequences per process per micro-batch.")
+    grad_accum: int = setting(1, "Micro-batches per optimizer step.")
+    seed: int = setting(0, "Seeds the initialization, data order and anchors.")
+    noise_std: float = setting(0.0, "Gaussian noise on fc's input only (never the labels).")
+    save_every: int = setting(1000, "Write OUT/step-N (what --resume continues from) every N steps, and at the end "
+                                    "(0: only OUT/final).")
+    eval_every: int = setting(0, "Validate every N steps (always before the first step and at the end).")
+    log_every: int = setting(10, "Write a metrics record every N steps.")
+    workers: int = setting(2, "Data loader worker processes per training process.")
+    threads: int | None = setting(None, "CPU only: intra-op threads per process. On a busy machine 1 can be much "
+                                        "faster: OpenMP threads that wait on each other crawl.",
+                                  default_text="$OMP_NUM_THREADS, else cores / processes")
+    num_layers: int | None = setting(None, "Drafter layers.", default_text=str(NUM_LAYERS))
+    num_heads: int | None = setting(None, "Query heads.", default_text="from the store's hidden size")
+    num_kv_heads: int | None = setting(None, "Key/value heads.", default_text="heads / 4")
+    head_dim: int | None = setting(None, "Head dimension.", default_text="128, or hidden/4 below 1024")
+    intermediate_size: int | None = setting(None, "MLP width.", default_text="3.4 x hidden, rounded to 64")
+    layer_types: str | None = setting(None, "'full', 'sliding', or one per layer, e.g. "
+                                            "'sliding,sliding,sliding,sliding,full'.",
+                                      default_text="--drafter-config's, else full")
+    sliding_window: int | None = setting(None, "Window of sliding layers (positions).")
+    rope_theta: float | None = setting(None, "RoPE base.", default_text=f"--drafter-config's, else {ROPE_THETA:g}")
+    mask_token_id: int | None = setting(None, "Mask token for the draft slots.", default_text="the store's")
+    drafter_config: str | None = setting(None, "Take the architecture (sizes, layer types, window, RoPE) from this "
+                                               "config.json, e.g. a released drafter's; taps, vocab and mask come from "
+                                               "the store; size flags override it.")
+    init_from: str | None = setting(None, "Start from this drafter checkpoint (loaded strictly; must fit the store). "
+                                          "Its architecture and block size are used; size flags are ignored.")
+    resume: str | None = setting(None, "Continue from OUT's latest step-N (bare flag) or from the given step "
+                                       "directory.", click={"is_flag": False, "flag_value": "latest"})
+    mixed_precision: str = setting("auto", "auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.",
+                                   choices=("auto", "bf16", "no"))
+    audit: bool = setting(False, "Write OUT/audit/rank-N.json: world size, samples read, parameter hash.")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        at_least(self, 1, "epochs", "block_size", "anchors", "max_length", "batch_size", "grad_accum", "log_every",
+                 "max_steps")
+        at_least(self, 0, "noise_std", "save_every", "eval_every", "workers", "grad_clip", "weight_decay")
+        require(self, "lr", self.lr > 0, "must be positive")
+        require(self, "warmup_ratio", 0 <= self.warmup_ratio < 1, "expected 0 <= ratio < 1")
+        require(self, "gamma", self.gamma is None or self.gamma > 0, "must be positive")
+        for name in ("shards", "eval_shards"):
+            require(self, name, getattr(self, name) is None or bool(getattr(self, name).strip()),
+                    "is empty: give a range such as '0-55', or leave the flag out")
+        if self.gamma is None and self.init_from is None:
+            default_gamma(self.block_size)  # a block size without a default needs --gamma

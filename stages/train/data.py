@@ -1,0 +1,106 @@
+"""Training data order and batches, straight from the store.
+
+`index_samples` lists the trainable samples of the chosen shards (lengths only, no hidden
+states). `epoch_batches` orders them for one epoch: shuffled by sample with a (seed, epoch)
+generator, bucketed by length so padding stays small, cut into batches, and dealt to ranks so
+each rank reads only its own part. `StoreBatches` turns a batch of sample refs into padded
+tensors; it is what DataLoader worker processes run, each with its own store handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from pipeline.drafter.blocks import anchor_mask
+from store.hidden_store import HiddenStore
+from store.shard_reader import ShardReader
+
+BUCKET = 64  # batches of similar length are formed within windows of this many batches
+
+
+@dataclass(frozen=True)
+class Ref:
+    shard: int
+    index: int
+    length: int  # tokens used (after --max-length)
+
+
+def index_samples(store: HiddenStore, shards: list[int], max_length: int) -> list[Ref]:
+    """Samples with at least one anchor (pipeline/drafter/blocks.py) within max_length."""
+    store.require_committed(shards)
+    refs = []
+    for shard in shards:
+        reader = ShardReader(store, shard)
+        offsets, mask = reader.offsets, reader.loss_mask.astype(bool)
+        for i in range(len(offsets) - 1):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            n = min(b - a, max_length)
+            if n >= 2 and bool(anchor_mask(mask[a:a + n]).any()):
+                refs.append(Ref(shard, i, n))
+    return refs
+
+
+def epoch_batches(refs: list[Ref], batch_size: int, seed: int, epoch: int, rank: int = 0,
+                  world: int = 1) -> list[list[Ref]]:
+    """This rank's batches for one epoch; every rank gets the same number (the tail is dropped)."""
+    g = np.random.default_rng([seed, epoch])
+    order = g.permutation(len(refs))
+    window = batch_size * BUCKET
+    batches = []
+    for lo in range(0, len(order), window):
+        part = sorted(order[lo:lo + window], key=lambda i: refs[i].length)
+        batches += [[refs[i] for i in part[j:j + batch_size]] for j in range(0, len(part), batch_size)]
+    batches = [batches[i] for i in g.permutation(len(batches))]
+    per_rank = len(batches) // world
+    return batches[rank * per_rank:(rank + 1) * per_rank]
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [b, T] long, 0 past each length
+    loss_mask: torch.Tensor  # [b, T] bool, False past each length
+    hidden: torch.Tensor  # [b, T, n_taps, H] bf16, 0 past each length
+    lengths: torch.Tensor  # [b] long
+    refs: torch.Tensor  # [b, 2] long: (shard, index)
+
+    def _map(self, fn) -> "Batch":
+        return Batch(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+    def pin_memory(self) -> "Batch":
+        return self._map(torch.Tensor.pin_memory)
+
+    def to(self, device) -> "Batch":
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+
+class StoreBatches(torch.utils.data.Dataset):
+    """batches[i] -> a padded Batch. Store handles open lazily, once per worker process."""
+
+    def __init__(self, location: str, batches: list[list[Ref]]) -> None:
+        self.location, self.batches = location, batches
+        self._readers: dict[int, ShardReader] = {}
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def reader(self, shard: int) -> ShardReader:
+        if shard not in self._readers:
+            self._readers[shard] = ShardReader(HiddenStore(self.location), shard)
+        return self._readers[shard]
+
+    def __getitem__(self, i: int) -> Batch:
+        samples = [(r, self.reader(r.shard).read(r.index, r.length)) for r in self.batches[i]]
+        T = max(r.length for r, _ in samples)
+        _, s0 = samples[0]
+        b = len(samples)
+        out = Batch(tokens=torch.zeros(b, T, dtype=torch.long), loss_mask=torch.zeros(b, T, dtype=torch.bool),
+                    hidden=torch.zeros(b, T, *s0.hidden.shape[1:], dtype=torch.bfloat16),
+                    lengths=torch.tensor([r.length for r, _ in samples]),
+                    refs=torch.tensor([[r.shard, r.index] for r, _ in samples]))
+        for j, (r, s) in enumerate(samples):
+            n = r.length
+            out.tokens[j, :n], out.loss_mask[j, :n], out.hidden[j, :n] = s.tokens, s.loss_mask, s.hidden
+        return out

@@ -1,0 +1,161 @@
+"""Stage two: train the DFlash drafter purely from the store, with Accelerate.
+
+No target model is loaded: tokens, loss masks, tap states, the frozen embedding and lm_head all
+come from the store, and the store's fingerprint goes into every checkpoint. A run writes
+OUT/metrics.jsonl, OUT/step-N/ every --save-every steps (a drafter checkpoint plus the training
+state, published by a rename) and OUT/final/.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pipeline.drafter.loss import summarize, zero_sums
+from stages.train.config import TrainConfig
+from stages.train.data import StoreBatches, epoch_batches
+from stages.train.run_dir import MetricsLog, export, save_step, write_audit
+from stages.train.setup import Setup, prepare
+from stages.train.step import forward_loss, step_generator
+
+INTERRUPTED = "interrupted; rerun with --resume to continue from the last step-N"
+
+def run(config: TrainConfig, log=print) -> dict:
+    s = prepare(config, log)
+    acc, out = s.accelerator, Path(config.out)
+    metrics = MetricsLog(acc, out, s.start_step)
+    if s.eval_refs and s.start_step == 0:
+        metrics.write({"split": "eval", "step": 0, **evaluate(s, config)})
+    bar = tqdm(total=s.total_steps, initial=s.start_step, unit="step", desc="train", dynamic_ncols=True,
+               disable=not acc.is_main_process)
+    window, seen = Window(s), []
+    batches = micro_batches(s, config)
+    try:
+        for step in range(s.start_step, s.total_steps):
+            window.add(*train_step(s, config, batches, step, seen if config.audit else None))
+            done = step + 1
+            bar.update(1)
+            if done % config.log_every == 0 or done == s.total_steps:
+                record = window.flush(done)
+                metrics.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_streak']:.2f}")
+            t_side = time.perf_counter()
+            if s.eval_refs and config.eval_every and done % config.eval_every == 0 and done != s.total_steps:
+                metrics.write({"split": "eval", "step": done, **evaluate(s, config)})
+            if config.save_every and done % config.save_every == 0:
+                save_step(s, config, done)
+            window.t0 += time.perf_counter() - t_side  # tokens/s counts training time only
+    finally:
+        bar.close()
+    return finish(s, config, metrics, seen)
+
+
+def train_step(s: Setup, config: TrainConfig, batches, step: int, seen: list | None):
+    """One optimizer step over --grad-accum micro-batches -> (summed loss stats, tokens read)."""
+    acc = s.accelerator
+    s.model.train()
+    sums, tokens = 0, 0
+    for micro in range(config.grad_accum):
+        batch = next(batches).to(acc.device)
+        if seen is not None:
+            seen += batch.refs.tolist()
+        tokens += int(batch.lengths.sum())
+        with acc.accumulate(s.model):
+            gen = step_generator(config.seed, step, micro, acc.process_index, acc.device)
+            out = forward_loss(s.model, s.raw, batch, s.plan, gen)
+            acc.backward(out.loss)
+            if acc.sync_gradients and config.grad_clip > 0:
+                acc.clip_grad_norm_(s.model.parameters(), config.grad_clip)
+            s.optimizer.step()
+            s.optimizer.zero_grad(set_to_none=True)
+        sums = sums + out.sums
+    s.scheduler.step()
+    return sums, tokens
+
+
+class Window:
+    """Loss statistics since the last record, summed over ranks when flushed."""
+
+    def __init__(self, s: Setup) -> None:
+        self.s = s
+        self.sums = zero_sums(s.drafter_config.block_size, s.accelerator.device)
+        self.tokens, self.t0 = 0, time.perf_counter()
+
+    def add(self, sums: torch.Tensor, tokens: int) -> None:
+        self.sums += sums
+        self.tokens += tokens
+
+    def flush(self, step: int) -> dict:
+        s, acc = self.s, self.s.accelerator
+        m = summarize(acc.reduce(self.sums, reduction="sum"))
+        tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
+        epoch = step * acc.gradient_accumulation_steps / s.micro_per_epoch
+        record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": s.scheduler.get_last_lr()[0], **m,
+                  "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time()}
+        self.sums.zero_()
+        self.tokens, self.t0 = 0, time.perf_counter()
+        return record
+
+
+def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
+    """Final validation, the last step checkpoint, OUT/final, the curve, audit files."""
+    acc, out = s.accelerator, Path(config.out)
+    final = {"split": "eval", "step": s.total_steps, **evaluate(s, config)} if s.eval_refs else None
+    if final:
+        metrics.write(final)
+    if config.save_every and s.total_steps % config.save_every:
+        save_step(s, config, s.total_steps)
+    export(s, config, out / "final", s.total_steps)
+    if acc.is_main_process:
+        try:
+            from stages.plots import learning_curve
+        except ImportError:  # matplotlib is a dependency, but a bare GPU image may lack it
+            learning_curve = None
+        if learning_curve is not None:
+            learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {s.train_shards_text}")
+    if config.audit:
+        write_audit(s, out, seen)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return {"out": str(out), "steps": s.total_steps, "final_eval": final, "world_size": acc.num_processes,
+            "main_process": acc.is_main_process}
+
+
+def done_line(summary: dict) -> str:
+    """The last line a run prints: steps, where the drafter is, the held-out figures."""
+    ev = summary["final_eval"]
+    return (f"done: {summary['steps']} steps, checkpoint {summary['out']}/final"
+            + (f"; held-out loss {ev['loss']:.4f}, streak tau {ev['tau_streak']:.3f}" if ev else ""))
+
+
+def micro_batches(s: Setup, config: TrainConfig):
+    """This rank's micro-batches from the resume point on, through epochs, worker processes reading."""
+    m = s.start_step * config.grad_accum
+    epoch, offset = divmod(m, s.micro_per_epoch)
+    acc = s.accelerator
+    while True:
+        mine = epoch_batches(s.train_refs, config.batch_size, config.seed, epoch, acc.process_index, acc.num_processes)
+        loader = torch.utils.data.DataLoader(
+            StoreBatches(config.store, mine[offset:]), batch_size=None, shuffle=False, num_workers=config.workers,
+            pin_memory=acc.device.type == "cuda", prefetch_factor=4 if config.workers else None)
+        yield from loader
+        epoch, offset = epoch + 1, 0
+
+
+@torch.no_grad()
+def evaluate(s: Setup, config: TrainConfig) -> dict:
+    """Loss, streak tau and per-slot accuracy on the held-out shards, with fixed anchors."""
+    acc = s.accelerator
+    s.model.eval()
+    batches = epoch_batches(s.eval_refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
+    total = zero_sums(s.drafter_config.block_size, acc.device)
+    data = StoreBatches(config.store, batches)
+    for i in range(len(data)):
+        batch = data[i].to(acc.device)
+        gen = step_generator(config.seed, -1, i, acc.process_index, acc.device)
+        with acc.autocast():
+            total += forward_loss(s.model, s.raw, batch, s.plan, gen).sums
+    return summarize(acc.reduce(total, reduction="sum"))

@@ -1,0 +1,136 @@
+"""The run directory OUT: metrics.jsonl (and trackers), step-N checkpoints, final/, audit files.
+
+A step checkpoint is a drafter in the public layout plus `training/` (Accelerate's state: model,
+optimizer, scheduler, RNG of every rank) and `trainer_state.json`, built in a hidden temporary
+directory and published by a rename, so a crash never leaves a half checkpoint that --resume trusts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.drafter import checkpoint
+from pipeline.drafter.config import TrainingRecord
+from stages.settings import flag_of
+from store.errors import ConfigError
+
+# Fields that fix the data order and the model: a resumed run must keep them.
+RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
+                "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
+                "grad_clip", "mixed_precision")
+
+
+class MetricsLog:
+    """OUT/metrics.jsonl plus Accelerate trackers; written by the main process only."""
+
+    def __init__(self, accelerator, out: Path, start_step: int) -> None:
+        self.acc, self.path = accelerator, out / "metrics.jsonl"
+        if self.acc.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():  # on resume, drop records past the checkpoint: they are redone
+                keep = [x for x in self.path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
+                self.path.write_text("".join(x + "\n" for x in keep))
+
+    def write(self, record: dict) -> None:
+        if self.acc.is_main_process:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            self.acc.log({f"{record['split']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))},
+                         step=record["step"])
+
+
+def training_record(s, config, step: int) -> TrainingRecord:
+    return TrainingRecord(store_fingerprint=s.store_fingerprint, store=config.store, store_taps=s.store_taps,
+                          train_shards=s.train_shards_text, eval_shards=s.eval_shards_text, step=step,
+                          train_config=asdict(config))
+
+
+def export(s, config, directory: Path, step: int, atomic: bool = True) -> None:
+    """The drafter in the released layout (bf16), written by the main process: atomically into
+    DIRECTORY, or into an existing directory the caller publishes itself."""
+    state = s.accelerator.get_state_dict(s.model)
+    if s.accelerator.is_main_process:
+        write = checkpoint.save if atomic else checkpoint.write
+        write(directory, s.drafter_config, state, training_record(s, config, step))
+    s.accelerator.wait_for_everyone()
+
+
+def save_step(s, config, step: int) -> None:
+    """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizer, scheduler, RNG),
+    built in a temporary directory and published by a rename."""
+    acc = s.accelerator
+    final = Path(config.out) / f"step-{step}"
+    tmp = final.with_name(f".step-{step}.tmp")
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp / "training"))
+    export(s, config, tmp, step, atomic=False)
+    if acc.is_main_process:
+        state = {"step": step, "total_steps": s.total_steps, "world_size": acc.num_processes,
+                 "micro_per_epoch": s.micro_per_epoch, "train_config": asdict(config),
+                 "store_fingerprint": s.store_fingerprint}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+        checkpoint.publish(tmp, final)
+    acc.wait_for_everyone()
+
+
+def write_audit(s, out: Path, seen: list[list[int]]) -> None:
+    """OUT/audit/rank-N.json: what this rank read and a hash of its parameters (checks a DDP run)."""
+    digest = hashlib.sha256()
+    for name, p in sorted(s.raw.named_parameters()):
+        digest.update(name.encode())
+        digest.update(p.detach().float().cpu().numpy().tobytes())
+    d = out / "audit"
+    d.mkdir(parents=True, exist_ok=True)
+    rec = {"rank": s.accelerator.process_index, "world_size": s.accelerator.num_processes,
+           "samples": seen, "param_sha256": digest.hexdigest()}
+    (d / f"rank-{s.accelerator.process_index}.json").write_text(json.dumps(rec) + "\n")
+
+
+def latest_step(out: Path) -> Path | None:
+    steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*")
+                   if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").exists())
+    return steps[-1][1] if steps else None
+
+
+def resume_dir(config) -> Path | None:
+    if not config.resume:
+        return None
+    d = latest_step(Path(config.out)) if config.resume == "latest" else Path(config.resume)
+    if d is None:
+        raise ConfigError("--resume", None, f"no finished step-N checkpoint in {config.out}")
+    if not (d / "trainer_state.json").exists():
+        raise ConfigError("--resume", d, "not a training checkpoint (no trainer_state.json)")
+    return d
+
+
+def resume_point(config, fingerprint: str) -> tuple[Path | None, dict | None]:
+    """(step directory, its trainer_state) for --resume, after checking the run may continue from
+    it; (None, None) for a fresh run, which refuses an OUT that already holds one."""
+    rdir = resume_dir(config)
+    if rdir is None:
+        used = sorted(p.name for p in Path(config.out).glob("*")
+                      if p.name in ("metrics.jsonl", "final") or p.name.startswith("step-"))
+        if used:
+            raise ConfigError("--out", config.out, f"already holds a run ({', '.join(used[:3])}); "
+                                                   "pass --resume to continue it, or choose another --out")
+        return None, None
+    previous = json.loads((rdir / "trainer_state.json").read_text())
+    resumable(config, previous["train_config"])
+    if previous["store_fingerprint"] != fingerprint:
+        raise ConfigError("--resume", rdir, f"trained on store {previous['store_fingerprint'][:12]}, "
+                                            f"{config.store} is {fingerprint[:12]}")
+    return rdir, previous
+
+
+def resumable(config, previous: dict) -> None:
+    diff = [f"{flag_of(config, k)} was {previous.get(k)!r}, now {getattr(config, k)!r}"
+            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
+    if diff:
+        raise ConfigError("--resume", None, "the run's settings changed (" + "; ".join(diff) + ")")

@@ -1,0 +1,218 @@
+"""Everything a training run needs before its first step: the accelerator, the store's shards and
+samples, the drafter config (from the store, --drafter-config, --init-from or a resumed step), the
+model, optimizer and schedule, and the resume point."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import device as devices
+from pipeline.drafter import checkpoint
+from pipeline.drafter.config import DrafterConfig, default_sizes, read_config, store_mismatches
+from pipeline.drafter.model import Drafter
+from pipeline.errors import DrafterError
+from stages.settings import flag_of
+from stages.train.config import TrainConfig
+from stages.train.data import Ref, epoch_batches, index_samples
+from stages.train.run_dir import resume_point
+from stages.train.step import LossPlan
+from store.errors import ConfigError, StoreError
+from store.hidden_store import HiddenStore
+from store.ranges import format_ranges, parse_ranges
+from store.schema import StoreAttrs
+
+
+@dataclass
+class Setup:
+    accelerator: object
+    model: torch.nn.Module  # as prepared by Accelerate (DDP/FSDP wrapper)
+    raw: Drafter
+    optimizer: object
+    scheduler: object
+    drafter_config: DrafterConfig
+    train_refs: list[Ref]
+    eval_refs: list[Ref]
+    train_shards_text: str
+    eval_shards_text: str
+    store_fingerprint: str
+    store_taps: tuple[int, ...]
+    micro_per_epoch: int
+    total_steps: int
+    start_step: int
+    plan: LossPlan
+
+
+def make_accelerator(config: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        devices.prepare_cpu()
+    precision = config.mixed_precision if config.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    trackers = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    # Frozen embedding/lm_head buffers are identical on every rank: never re-broadcast them per step.
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+    acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
+                      log_with=trackers or None, project_dir=config.out,
+                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    if not cuda:
+        default = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // acc.num_processes)
+        devices.prepare_cpu(config.threads or default)
+    if trackers:
+        acc.init_trackers("dflash")
+    return acc
+
+
+def select_shards(store: HiddenStore, config: TrainConfig) -> tuple[list[int], list[int]]:
+    n = store.num_shards
+    committed = sorted(store.committed())
+    eval_ids = parse_ranges(config.eval_shards, n, "--eval-shards") if config.eval_shards else []
+    if config.shards:
+        train_ids = parse_ranges(config.shards, n)
+    else:
+        train_ids = [s for s in committed if s not in set(eval_ids)]
+    if not train_ids:
+        raise StoreError(f"{store.location}: no training shards (committed: {format_ranges(committed) or 'none'}, "
+                         f"--eval-shards {config.eval_shards or 'none'})")
+    return train_ids, eval_ids
+
+
+def drafter_config(config: TrainConfig, attrs: StoreAttrs, resume_dir: Path | None) -> tuple[DrafterConfig, dict | None]:
+    """The drafter config and, for --init-from, its tensors; checked against the store."""
+    tensors = None
+    if resume_dir is not None:
+        dc, _ = read_config(resume_dir)
+    elif config.init_from:
+        dc, tensors, _ = checkpoint.load(config.init_from)
+    else:
+        dc = fresh_config(config, attrs)
+    check_against_store(dc, attrs, config.init_from or resume_dir or "the drafter config")
+    return dc, tensors
+
+
+def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
+    """A new drafter for this store: sizes from --drafter-config (every architecture field of it) or
+    from the store's hidden size, then the flags that were given."""
+    if config.drafter_config:
+        base, _ = read_config(config.drafter_config)
+        arch = {k: getattr(base, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                              "head_dim", "intermediate_size", "layer_types", "sliding_window",
+                                              "is_causal", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                                              "input_embedding_scale")}
+    else:
+        arch = default_sizes(attrs.hidden_size)
+        arch.update(layer_types=("full_attention",) * arch["num_hidden_layers"])
+    flags = {"num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+             "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+             "intermediate_size": config.intermediate_size, "sliding_window": config.sliding_window}
+    arch.update({k: v for k, v in flags.items() if v is not None})
+    if config.num_heads is not None and config.num_kv_heads is None:
+        arch["num_key_value_heads"] = max(1, config.num_heads // 4)
+    if config.layer_types is not None or len(arch["layer_types"]) != arch["num_hidden_layers"]:
+        arch["layer_types"] = layer_types(config.layer_types or "full", arch["num_hidden_layers"])
+    if config.rope_theta is not None:
+        arch["rope_parameters"] = {**arch.get("rope_parameters", DrafterConfig.default_rope()),
+                                   "rope_theta": config.rope_theta}
+    return DrafterConfig(
+        hidden_size=attrs.hidden_size, vocab_size=attrs.vocab_size, block_size=config.block_size,
+        mask_token_id=config.mask_token_id if config.mask_token_id is not None else attrs.mask_token_id,
+        target_layer_ids=attrs.taps, num_target_layers=attrs.num_layers, **arch)
+
+
+def layer_types(text: str, n: int) -> tuple[str, ...]:
+    names = {"full": "full_attention", "sliding": "sliding_attention"}
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1:
+        parts = parts * n
+    if len(parts) != n or any(p not in names for p in parts):
+        raise ConfigError("--layer-types", repr(text), f"expected 'full', 'sliding' or {n} comma-separated of those")
+    return tuple(names[p] for p in parts)
+
+
+def check_against_store(dc: DrafterConfig, attrs: StoreAttrs, where) -> None:
+    """Taps, hidden size and vocabulary must be the store's (the mask token may be --mask-token-id)."""
+    diff = store_mismatches(dc, attrs)
+    labels = {"taps": "target_layer_ids (taps)", "hidden_size": "hidden_size", "vocab_size": "vocab_size"}
+    bad = [f"{label}: drafter has {diff[k][0]}, store has {diff[k][1]}" for k, label in labels.items() if k in diff]
+    if bad:
+        raise DrafterError(f"{where} does not fit the store: " + "; ".join(bad))
+
+
+def prepare(config: TrainConfig, log) -> Setup:
+    store = HiddenStore(config.store)
+    attrs = store.attrs
+    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16
+    rdir, previous = resume_point(config, attrs.fingerprint)
+    dc, init = drafter_config(config, attrs, rdir)
+    train_ids, eval_ids = select_shards(store, config)
+    overlap = sorted(set(train_ids) & set(eval_ids))
+    if overlap:
+        log(f"warning: shards {format_ranges(overlap)} are in both --shards and --eval-shards")
+    train_refs = index_samples(store, train_ids, config.max_length)
+    eval_refs = index_samples(store, eval_ids, config.max_length) if eval_ids else []
+    if not train_refs:
+        raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
+
+    acc = make_accelerator(config)
+    if previous and previous["world_size"] != acc.num_processes:
+        raise ConfigError("--resume", rdir, f"saved with {previous['world_size']} processes, now {acc.num_processes}")
+    micro = len(epoch_batches(train_refs, config.batch_size, config.seed, 0, acc.process_index, acc.num_processes))
+    if micro < config.grad_accum:
+        raise ConfigError(flag_of(config, "grad_accum"), config.grad_accum,
+                          f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
+                          f"{config.batch_size}, {acc.num_processes} ranks)")
+    total = config.max_steps or config.epochs * (micro // config.grad_accum)
+    raw, model, opt, sched = build_model(config, acc, dc, embed, lm_head, init, total)
+    start = 0
+    if rdir is not None:
+        acc.load_state(str(rdir / "training"))
+        start = previous["step"]
+        if start >= total:
+            raise ConfigError("--resume", rdir, f"already at step {start} of {total}")
+    if acc.is_main_process:
+        n_params = sum(p.numel() for p in raw.parameters())
+        log((f"resumed from {rdir} at step {start}\n" if rdir else "")
+            + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
+            f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
+            f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
+            + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
+    return Setup(acc, model, raw, opt, sched, dc, train_refs, eval_refs, format_ranges(train_ids),
+                 format_ranges(eval_ids), attrs.fingerprint, attrs.taps, micro, total, start,
+                 LossPlan.of(config, dc, flex=acc.device.type == "cuda"))
+
+
+def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, init: dict | None, total: int):
+    """The drafter (fp32 master weights; the frozen target tensors bf16 on GPU, fp32 on CPU), AdamW
+    and the schedule, prepared by Accelerate. The scheduler is stepped by us once per optimizer
+    step (Accelerate would step it once per process) and saved with the training state."""
+    frozen = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
+    torch.manual_seed(config.seed)
+    raw = Drafter(dc, embed.to(frozen), lm_head.to(frozen))
+    raw.init_weights(torch.Generator().manual_seed(config.seed))
+    if init is not None:
+        checkpoint.load_into(raw, init)
+    raw.to(acc.device)
+    opt = torch.optim.AdamW(raw.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, config.warmup_ratio))
+    model, opt = acc.prepare(raw, opt)
+    acc.register_for_checkpointing(sched)
+    return raw, model, opt, sched
+
+
+def lr_lambda(total: int, warmup_ratio: float):
+    warmup = math.ceil(total * warmup_ratio)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return f

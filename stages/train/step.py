@@ -1,0 +1,79 @@
+"""One micro-batch's loss: anchors, blocks, the attention masks, the drafter forward and the DFlash
+loss. What it needs besides the batch is resolved once at setup into a `LossPlan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.drafter import masks
+from pipeline.drafter.blocks import make_blocks, sample_anchors
+from pipeline.drafter.config import DrafterConfig, default_gamma
+from pipeline.drafter.loss import LossOut, dflash_loss
+from pipeline.drafter.model import Drafter
+
+CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """The per-step constants of a run."""
+
+    anchors: int  # blocks per sequence
+    block_size: int
+    mask_token_id: int
+    gamma: float  # loss decay
+    noise_std: float  # on fc's input only
+    flex: bool  # flex_attention (CUDA) or block-local SDPA (CPU)
+
+    @classmethod
+    def of(cls, config, drafter: DrafterConfig, flex: bool) -> LossPlan:
+        """From the TrainConfig and the drafter's config (an --init-from checkpoint's block size)."""
+        gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
+        return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex)
+
+
+def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
+    """Anchors and noise depend only on (seed, step, micro-batch, rank): resume-exact."""
+    g = torch.Generator(device=device)
+    g.manual_seed(((seed * 1_000_003 + step) * 1009 + micro) * 101 + rank)
+    return g
+
+
+def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator) -> LossOut:
+    """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
+    batch tensors are on the model's device."""
+    anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen))
+    ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
+    if plan.flex:  # few distinct shapes, so the compiled kernel is not rebuilt for every batch
+        anchors, valid, ctx_len = pad_for_compile(anchors, valid, ctx_len, plan.anchors)
+    anchors, valid = anchors.to(batch.tokens.device), valid.to(batch.tokens.device)
+    blocks = make_blocks(batch.tokens, batch.loss_mask, anchors, valid, plan.block_size, plan.mask_token_id)
+    hidden = batch.hidden[:, :ctx_len]  # [b, S, n_taps, H] bf16
+    if hidden.shape[1] < ctx_len:  # padded keys: zeros, never visible (kv < anchor <= length)
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 0, 0, ctx_len - hidden.shape[1]))
+    ctx_pos = torch.arange(ctx_len, device=hidden.device)[None].expand(hidden.shape[0], -1)
+    noise = None
+    if plan.noise_std > 0 and model.training:
+        noise = torch.randn(hidden.shape, generator=gen, device=hidden.device) * plan.noise_std
+    mask = masks.build(raw.rules, anchors, valid, ctx_len, plan.block_size, "flex" if plan.flex else "local")
+    h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
+    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma)
+
+
+def pad_for_compile(anchors, valid, ctx_len: int, n: int, multiple: int = CTX_BUCKET):
+    """Anchors padded to n (invalid), the context length rounded up to a multiple."""
+    pad = n - anchors.shape[1]
+    if pad > 0:
+        anchors = torch.nn.functional.pad(anchors, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+    return anchors, valid, -(-max(ctx_len, 1) // multiple) * multiple
+
+
+def _cpu(gen: torch.Generator) -> torch.Generator:
+    if gen.device.type == "cpu":
+        return gen
+    g = torch.Generator()
+    g.manual_seed(gen.initial_seed())
+    return g

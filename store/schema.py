@@ -1,0 +1,206 @@
+"""The store's records, typed: the root attributes (`StoreAttrs`) and each shard's commit file
+(`ShardCommit`). Extraction builds them, every reader gets them from `HiddenStore`; nothing else
+reads these JSON keys. The JSON is documented in docs/store.md and is unchanged since schema 1,
+so stores written before these classes existed load as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from store.errors import NotAStore, StoreCorrupt
+
+KIND = "dflash-hidden-states"
+SCHEMA_VERSION = 1
+TAP_MEANING = "tap k = output of decoder layer k (0-based) = Hugging Face hidden_states[k+1]"
+
+
+def completion_limit(max_new_tokens: int, max_length: int, prompt_len: int) -> int:
+    """THE completion length rule: max_new_tokens, within max_length tokens in all."""
+    return min(max_new_tokens, max_length - prompt_len)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compat:
+    """Every setting a shard's content depends on. Runs that differ in any of them may not add
+    shards to the same store; the store's fingerprint is the hash of this record."""
+
+    schema_version: int
+    target_fingerprint: str
+    model_class: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    taps: tuple[int, ...]
+    mask_token_id: int
+    dataset_sha256: str
+    dataset_rows: int
+    dataset_fields: dict
+    responses: str
+    max_new_tokens: int
+    max_length: int
+    dtype: str
+    device_type: str
+    linear_attention: str
+    attention: str | None
+    num_shards: int
+    chunk_tokens: int
+    shard_tokens: int
+    compression_level: int
+
+    def completion_limit(self, prompt_len: int) -> int:
+        """The completion length these settings allow after a prompt of prompt_len tokens."""
+        return completion_limit(self.max_new_tokens, self.max_length, prompt_len)
+
+    def differences(self, other: Compat) -> dict[str, tuple]:
+        """{field: (mine, theirs)} for every field that differs."""
+        a, b = to_json(self), to_json(other)
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetRecord:
+    """Which target made the states: where it was, its class, and hashes of what it is."""
+
+    path: str
+    model_class: str
+    model_type: str
+    fingerprint: str
+    config_sha256: str
+    weights_sha256: dict  # file name -> SHA-256
+    tokenizer_sha256: str
+    chat_template_sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backends:
+    """The kernels that actually ran (observed, not requested)."""
+
+    linear_attention: str  # "fla", "torch", "mixed" or "none"
+    conv1d: str
+    linear_attention_requested: str
+    attention: str | None
+    kernel_calls: dict  # "function:family" -> calls
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetRecord:
+    source: str
+    rows: int
+    sha256: str
+    fields: dict  # which dataset fields hold messages, prompt, response
+    split: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutRecord:
+    chunk_tokens: int
+    shard_tokens: int
+    compressor: dict  # the zarr codec, as zarr writes it
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreAttrs:
+    """The root attributes: what the store holds and exactly how it was made."""
+
+    kind: str = KIND
+    schema_version: int = SCHEMA_VERSION
+    fingerprint: str  # SHA-256 of `compat`
+    compat: Compat
+    extract: dict  # the extraction settings as run (a record, not read back)
+    taps: tuple[int, ...]
+    tap_meaning: str = TAP_MEANING
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    mask_token_id: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    num_shards: int
+    hidden_dtype: str  # what the uint16 bits of `hidden` mean
+    target: TargetRecord
+    dataset: DatasetRecord
+    backends: Backends
+    device: str
+    dtype: str
+    layout: LayoutRecord
+    versions: dict  # package -> version
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> StoreAttrs:
+        if d.get("kind") != KIND:
+            raise NotAStore(f"{where}: not a hidden-state store (root kind {d.get('kind')!r}, expected {KIND!r})")
+        if d.get("schema_version", 0) > SCHEMA_VERSION:
+            raise NotAStore(f"{where}: store schema {d['schema_version']} is newer than this tool's "
+                            f"({SCHEMA_VERSION}); upgrade dflash-pipeline")
+        return from_json(cls, d, f"{where}: root attributes", NotAStore)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCommit:
+    """A shard's commit file, written last: its counts, array shapes and checksums, plus `run`,
+    the extractor's notes (host, pid, device, backends, timing), which sit at the top level of
+    the JSON beside the fields above."""
+
+    shard: int
+    samples: int
+    tokens: int
+    completion_tokens: int
+    skipped: dict  # reason -> rows
+    truncated: int  # completions cut at the length limit without an EOS
+    shapes: dict  # array name -> shape
+    checksums: dict  # array name -> CRC-32 of its C-order bytes; "algorithm" says so
+    writer: dict  # the writer thread's timing
+    run: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = to_json(self)
+        return {**d.pop("run"), **d}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> ShardCommit:
+        names = {f.name for f in dataclasses.fields(cls)} - {"run"}
+        return from_json(cls, {**{k: v for k, v in d.items() if k in names},
+                               "run": {k: v for k, v in d.items() if k not in names}}, where, StoreCorrupt)
+
+
+def to_json(record) -> dict:
+    """A record as plain JSON types (tuples become lists)."""
+    return _plain(dataclasses.asdict(record))
+
+
+def _plain(v):
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def from_json(cls, d: dict, where: str, error: type[Exception]):
+    """Build record `cls` from JSON `d`: every field without a default must be there; nested
+    records and tuples are rebuilt; keys the record does not know are ignored."""
+    if not isinstance(d, dict):
+        raise error(f"{where}: expected an object, found {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise error(f"{where}: missing field {f.name!r}")
+            continue
+        kind, v = _non_none(hints[f.name]), d[f.name]
+        if v is not None and dataclasses.is_dataclass(kind):
+            v = from_json(kind, v, f"{where}.{f.name}", error)
+        elif v is not None and typing.get_origin(kind) is tuple:
+            v = tuple(v)
+        values[f.name] = v
+    return cls(**values)
+
+
+def _non_none(hint):
+    """X from `X | None`; any other hint as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if isinstance(hint, types.UnionType) and len(args) == 1 else hint
