@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
 from pipeline import device as devices  # noqa: E402
 from pipeline.decode import live, replay  # noqa: E402
@@ -54,7 +53,7 @@ def main() -> None:
     ck = load_checked(args.checkpoint, store, False, [])
     m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device)
     samples = Prompts(store, parse_ranges(args.shards, store.num_shards), args.prompts)
-    t = loading.load(args.target or attrs.target.path, args.device, attrs.dtype)
+    t = loading.load(args.target or attrs.target.path, args.device, attrs.dtype, "auto")
     lt = LiveTarget(t, list(attrs.taps))
     eos = set(attrs.eos_token_ids)
 

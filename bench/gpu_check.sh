@@ -21,10 +21,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 python3 -c "import torch, transformers, fla, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 common=(--shards 0-3 --device cuda --dtype bf16 --responses dataset --max-length 1024 --batch-size 16)
 rm -rf /tmp/fla.zarr /tmp/torch.zarr
-python3 -m pipeline.cli extract --store /tmp/fla.zarr --linear-attention fla "${common[@]}" 2>&1 | tee "$out/extract_fla.txt"
-python3 -m pipeline.cli extract --store /tmp/torch.zarr --linear-attention torch "${common[@]}" 2>&1 | tee "$out/extract_torch.txt"
-python3 -m pipeline.cli info /tmp/fla.zarr | tee "$out/info_fla.txt"
-python3 -m pipeline.cli info /tmp/torch.zarr | tee "$out/info_torch.txt"
+python3 -m pipeline extract --store /tmp/fla.zarr --linear-attention fla "${common[@]}" 2>&1 | tee "$out/extract_fla.txt"
+python3 -m pipeline extract --store /tmp/torch.zarr --linear-attention torch "${common[@]}" 2>&1 | tee "$out/extract_torch.txt"
+python3 -m pipeline info /tmp/fla.zarr | tee "$out/info_fla.txt"
+python3 -m pipeline info /tmp/torch.zarr | tee "$out/info_torch.txt"
 python3 bench/compare_stores.py /tmp/fla.zarr /tmp/torch.zarr --json "$out/compare.json" | tee "$out/compare.md"
 python3 bench/extract_bench.py --device cuda --shards 0-15 --repeat 3 --json "$out/bench.json" | tee "$out/bench.md"
 rm -rf /tmp/gpu_run

@@ -66,14 +66,10 @@ def verify(store: str, shard_text: str | None) -> None:
     """
     from tqdm import tqdm
 
-    from store.hidden_store import HiddenStore
-    from store.ranges import parse_ranges
-    from store.verify import verify as check
+    from store.verify import verify_store
 
-    hs = HiddenStore(store)
-    expected = parse_ranges(shard_text, hs.num_shards) if shard_text else None
-    with tqdm(total=len(hs.committed()), unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
-        report = check(hs, expected, progress=lambda _shard: bar.update())
+    with tqdm(unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
+        report = verify_store(store, shard_text, progress=lambda _shard: bar.update())
     for line in report.lines():
         log(line)
     click.echo(report.verdict())

@@ -20,7 +20,13 @@ import zarr
 from fsspec.implementations.local import LocalFileSystem
 
 from store import layout
-from store.errors import NotAStore, NotCommitted, StoreCorrupt, StoreError, StoreMismatch
+from store.errors import (
+    NotAStore,
+    NotCommitted,
+    StoreCorrupt,
+    StoreError,
+    StoreMismatch,
+)
 from store.locks import HOST, LockFile
 from store.ranges import format_ranges
 from store.schema import ShardCommit, StoreAttrs, to_json

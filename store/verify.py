@@ -8,7 +8,7 @@ import numpy as np
 
 from store import layout
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges
+from store.ranges import format_ranges, parse_ranges
 from store.schema import ShardCommit
 
 
@@ -36,6 +36,14 @@ class Report:
     def verdict(self) -> str:
         return f"checked {len(self.checked)} committed shard(s): " + (
             "all good" if self.ok else f"{len(self.problems)} corrupt, {len(self.missing)} missing")
+
+
+def verify_store(location: str, shard_text: str | None = None, progress=None) -> Report:
+    """`pipeline verify`: check the store at location; shard_text (e.g. '0-63') names the shards
+    that must be committed."""
+    store = HiddenStore(location)
+    expected = parse_ranges(shard_text, store.num_shards) if shard_text else None
+    return verify(store, expected, progress)
 
 
 def verify(store: HiddenStore, expected: list[int] | None = None, progress=None) -> Report:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,7 +38,7 @@ def small_dataset(tmp_path_factory) -> Path:
 def target():
     from pipeline.target import loading
 
-    return loading.load(str(TINY_TARGET), "cpu", "fp32")
+    return loading.load(str(TINY_TARGET), "cpu", "fp32", "auto")
 
 
 @pytest.fixture(scope="session")
@@ -54,36 +52,12 @@ def small_store(tmp_path_factory, small_dataset) -> Path:
     return path
 
 
-def cli_args(store: Path, dataset: Path, shards: str, num_shards: int = 4, **over) -> list[str]:
-    opts = {**SMALL, **over}
-    args = ["extract", "--store", str(store), "--dataset", str(dataset), "--shards", shards,
-            "--num-shards", str(num_shards)]
-    for k, v in opts.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    return args
-
-
-def _default_sigint() -> None:
-    # A shell that starts a job in the background ignores SIGINT for it, and an ignored SIGINT is
-    # inherited: Python would then never raise KeyboardInterrupt. Give the child the default.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def pipeline_proc(args: list[str], pause_after: int | None = None, **kw) -> subprocess.Popen:
-    """`pipeline ...` in a subprocess, one thread so results are identical across processes. With
-    pause_after=N it prints PAUSED and waits to be killed after N batches (tests/paused_cli.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           **kw.pop("env", {})}
-    program = ["pipeline"] if pause_after is None else ["tests.paused_cli", str(pause_after)]
-    return subprocess.Popen([sys.executable, "-m", *program, *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint, **kw)
-
-
-def run_pipeline(args: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    p = pipeline_proc(args, **kw)
-    out, err = p.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+@pytest.fixture
+def store_copy(small_store, tmp_path) -> Path:
+    """A copy of the small store to damage."""
+    dst = tmp_path / "copy.zarr"
+    shutil.copytree(small_store, dst)
+    return dst
 
 
 def assert_stores_equal(a: Path, b: Path) -> None:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pipeline.cli import main
-from tests.conftest import cli_args, run_pipeline
+from tests.processes import cli_args, run_pipeline
 
 
 def run_main(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:

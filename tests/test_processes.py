@@ -6,7 +6,8 @@ import time
 import pytest
 
 from store.hidden_store import HiddenStore
-from tests.conftest import assert_stores_equal, cli_args, pipeline_proc, run_pipeline
+from tests.conftest import assert_stores_equal
+from tests.processes import cli_args, pipeline_proc, run_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class Tree:
     tokens: torch.Tensor  # [N] long, token of each node, in the order nodes were added

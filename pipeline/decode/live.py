@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.decode.acceptance import accepted, round_tokens
-from pipeline.drafter.model import Drafter
 from pipeline.decode.session import DraftSession
+from pipeline.drafter.model import Drafter
 from pipeline.target.verifier import LiveTarget
 
 

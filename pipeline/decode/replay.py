@@ -15,8 +15,8 @@ import torch
 
 from pipeline.decode import ddtree
 from pipeline.decode.acceptance import accepted, round_tokens
-from pipeline.drafter.model import Drafter
 from pipeline.decode.session import DraftSession
+from pipeline.drafter.model import Drafter
 from store.shard_reader import Sample
 
 # A policy maps the drafter's logits for slots 1..D [D, V] and the target's tokens for those

@@ -29,7 +29,7 @@ LINEAR_ATTENTION_FUNCTIONS = (
 )
 
 
-def select_linear_attention(device_type: str, choice: str = "auto") -> str:
+def select_linear_attention(device_type: str, choice: str) -> str:
     """Pick the Gated DeltaNet path. Must run before the target's model code is imported.
 
     auto: fla on CUDA when fla and triton are installed, else torch. torch: block fla (always

@@ -34,7 +34,7 @@ def resolve(target: str) -> Path:
         raise TargetError(f"--target {target}: cannot resolve it as a directory or hub id ({type(e).__name__}: {e})".splitlines()[0]) from None
 
 
-def load(target: str, device: str | None = None, dtype: str = "bf16", linear_attention: str = "auto") -> Target:
+def load(target: str, device: str | None, dtype: str, linear_attention: str) -> Target:
     """Load the text-only causal LM and its tokenizer; pick the kernels BEFORE the model code loads."""
     if dtype not in devices.DTYPES:
         raise ConfigError("--dtype", dtype, f"expected one of {sorted(devices.DTYPES)}")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
+from pipeline.drafter.config import (
+    BLOCK_SIZE,
+    GAMMA,
+    NUM_LAYERS,
+    ROPE_THETA,
+    default_gamma,
+)
 from stages.settings import at_least, check_choices, require, setting
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
@@ -48,7 +54,8 @@ class TrainConfig:
                                             "'sliding,sliding,sliding,sliding,full'.",
                                       default_text="--drafter-config's, else full")
     sliding_window: int | None = setting(None, "Window of sliding layers (positions).")
-    rope_theta: float | None = setting(None, "RoPE base.", default_text=f"--drafter-config's, else {ROPE_THETA:g}")
+    rope_theta: float | None = setting(None, "RoPE base.",
+                                       default_text=f"--drafter-config's, else {ROPE_THETA:.0e}".replace("e+0", "e"))
     mask_token_id: int | None = setting(None, "Mask token for the draft slots.", default_text="the store's")
     drafter_config: str | None = setting(None, "Take the architecture (sizes, layer types, window, RoPE) from this "
                                                "config.json, e.g. a released drafter's; taps, vocab and mask come from "

@@ -28,7 +28,7 @@ def run(config: TrainConfig, log=print) -> dict:
     acc, out = s.accelerator, Path(config.out)
     metrics = MetricsLog(acc, out, s.start_step)
     if s.eval_refs and s.start_step == 0:
-        metrics.write({"split": "eval", "step": 0, **evaluate(s, config)})
+        metrics.write({"split": "eval", "step": 0, **validate(s, config)})
     bar = tqdm(total=s.total_steps, initial=s.start_step, unit="step", desc="train", dynamic_ncols=True,
                disable=not acc.is_main_process)
     window, seen = Window(s), []
@@ -44,7 +44,7 @@ def run(config: TrainConfig, log=print) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_streak']:.2f}")
             t_side = time.perf_counter()
             if s.eval_refs and config.eval_every and done % config.eval_every == 0 and done != s.total_steps:
-                metrics.write({"split": "eval", "step": done, **evaluate(s, config)})
+                metrics.write({"split": "eval", "step": done, **validate(s, config)})
             if config.save_every and done % config.save_every == 0:
                 save_step(s, config, done)
             window.t0 += time.perf_counter() - t_side  # tokens/s counts training time only
@@ -103,7 +103,7 @@ class Window:
 def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
     """Final validation, the last step checkpoint, OUT/final, the curve, audit files."""
     acc, out = s.accelerator, Path(config.out)
-    final = {"split": "eval", "step": s.total_steps, **evaluate(s, config)} if s.eval_refs else None
+    final = {"split": "eval", "step": s.total_steps, **validate(s, config)} if s.eval_refs else None
     if final:
         metrics.write(final)
     if config.save_every and s.total_steps % config.save_every:
@@ -146,7 +146,7 @@ def micro_batches(s: Setup, config: TrainConfig):
 
 
 @torch.no_grad()
-def evaluate(s: Setup, config: TrainConfig) -> dict:
+def validate(s: Setup, config: TrainConfig) -> dict:
     """Loss, streak tau and per-slot accuracy on the held-out shards, with fixed anchors."""
     acc = s.accelerator
     s.model.eval()

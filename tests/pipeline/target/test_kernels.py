@@ -5,8 +5,13 @@ import types
 
 import pytest
 
+from pipeline.target.kernels import (
+    KernelRecorder,
+    family,
+    implementation_of,
+    select_linear_attention,
+)
 from store.errors import ConfigError
-from pipeline.target.kernels import KernelRecorder, family, implementation_of, select_linear_attention
 
 
 def _module(name: str, **functions) -> types.ModuleType:

@@ -9,17 +9,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
 from pipeline.errors import DrafterError
-from tests.test_drafter import config, drafter
-
-# The released Qwen3.6-27B drafter's config, as SPEC §2 describes it (v4-style rope_theta, block_size at
-# the top level, no is_causal key).
-RELEASED_27B = {
-    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17408,
-    "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048, "rope_theta": 1e7,
-    "vocab_size": 248320, "block_size": 16, "num_target_layers": 64, "rms_norm_eps": 1e-6,
-    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
-}
+from tests.drafters import RELEASED_27B, config, drafter
 
 
 def test_round_trip(tmp_path):

@@ -1,9 +1,7 @@
 """Stage two end to end: resume equals straight, real 2-process DDP, checkpoints, one-line errors."""
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -11,22 +9,7 @@ import torch
 
 from pipeline.drafter import checkpoint
 from store.errors import UserError
-from tests.conftest import REPO
-
-TINY = ["--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2", "--log-every", "1"]
-
-
-def train(args, launcher=(), stop_after=None, timeout=300) -> subprocess.CompletedProcess:
-    """train.py in a subprocess; with stop_after=N, interrupted right after step-N (tests/stopped_train.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    program = ["train.py"] if stop_after is None else ["-m", "tests.stopped_train", str(stop_after)]
-    return subprocess.run([*launcher, *(() if launcher else (sys.executable,)), *program, *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def losses(out) -> list[float]:
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in recs if r["split"] == "train"]
+from tests.processes import TINY, losses, train
 
 
 def test_resume_equals_uninterrupted(small_store, tmp_path):
@@ -104,7 +87,7 @@ def test_bad_input_is_named(small_store, tmp_path, over, needle):
 
 
 def test_init_from_must_fit_the_store(small_store, tmp_path):
-    from tests.test_drafter import config, drafter
+    from tests.drafters import config, drafter
 
     m = drafter(config(hidden_size=32))
     checkpoint.save(tmp_path / "other", m.config, m.state_dict())
@@ -159,7 +142,7 @@ def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
     from stages.train.config import TrainConfig
     from stages.train.setup import fresh_config
     from store.hidden_store import HiddenStore
-    from tests.test_checkpoint import RELEASED_27B
+    from tests.drafters import RELEASED_27B
 
     (tmp_path / "config.json").write_text(json.dumps(RELEASED_27B))
     attrs = HiddenStore(str(small_store)).attrs

@@ -2,11 +2,11 @@
 
 import torch
 
-from pipeline.drafter import masks
-from pipeline.decode.session import DraftSession
 from pipeline.decode.replay import chain, replay
+from pipeline.decode.session import DraftSession
+from pipeline.drafter import masks
 from store.shard_reader import Sample
-from tests.test_drafter import B, H, TAPS, V, config, drafter
+from tests.drafters import TAPS, B, H, V, config, drafter
 
 
 def sample(T=40, P=9, seed=0) -> Sample:

@@ -14,7 +14,7 @@ from stages.evaluate.config import EvalConfig
 from stages.evaluate.run import run
 from store.hidden_store import HiddenStore
 from tests.conftest import REPO
-from tests.released_writer import write_released
+from tests.drafters import write_released
 
 
 def our_checkpoint(store_path, directory, **record):

@@ -1,7 +1,7 @@
 import pytest
 
-from store.errors import ConfigError
 from pipeline.target.taps import default_taps, parse_taps
+from store.errors import ConfigError
 
 
 def test_dflash_formula_matches_spec():

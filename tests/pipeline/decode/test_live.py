@@ -4,7 +4,7 @@ import pytest
 
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.run import run
-from tests.test_train import TINY, train
+from tests.processes import TINY, train
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
 
     from pipeline import TINY_TARGET
     from pipeline.decode import live, replay
-    from pipeline.target import loading
     from pipeline.drafter.model import Drafter
+    from pipeline.target import loading
     from pipeline.target.verifier import LiveTarget
     from stages.evaluate.prompts import Prompts
     from stages.train.config import TrainConfig
@@ -50,7 +50,7 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     dc, _ = drafter_config(TrainConfig(num_layers=2, block_size=8), attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float())
     m.init_weights(torch.Generator().manual_seed(3), std=0.3)
-    lt = LiveTarget(loading.load(str(TINY_TARGET), "cpu", attrs.dtype), list(attrs.taps))
+    lt = LiveTarget(loading.load(str(TINY_TARGET), "cpu", attrs.dtype, "auto"), list(attrs.taps))
     compared = 0
     for s in Prompts(store, [0, 1], None):
         limit = attrs.compat.completion_limit(s.prompt_len)

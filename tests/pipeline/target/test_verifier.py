@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from store.errors import ConfigError
 from pipeline.target.verifier import LiveTarget
-from tests.test_target import bf16_close, prompt_ids, reference_states
+from store.errors import ConfigError
+from tests.targets import bf16_close, prompt_ids, reference_states
 
 TAPS = [0, 3, 4, 7]  # linear, attention, linear, the last layer (attention) of the tiny target
 LIMIT = 40  # max new tokens

@@ -7,7 +7,7 @@ from stages.extract.run import run
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from tests.conftest import SMALL, small_rows
-from tests.test_target import bf16_close, chat_prompt, reference_states
+from tests.targets import bf16_close, chat_prompt, reference_states
 
 
 def samples(path):

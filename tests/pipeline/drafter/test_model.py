@@ -6,41 +6,7 @@ import torch
 from pipeline.drafter import masks
 from pipeline.drafter.blocks import make_blocks
 from pipeline.drafter.checkpoint import expected_shapes
-from pipeline.drafter.model import Drafter
-from pipeline.drafter.config import DrafterConfig
-
-H, V, TAPS, B = 32, 50, (1, 3), 4
-
-
-def config(**over) -> DrafterConfig:
-    base = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, vocab_size=V, block_size=B, mask_token_id=V - 1, target_layer_ids=TAPS,
-                num_target_layers=6, layer_types=("full_attention", "full_attention"))
-    return DrafterConfig(**{**base, **over})
-
-
-def drafter(c: DrafterConfig | None = None, seed: int = 0) -> Drafter:
-    g = torch.Generator().manual_seed(seed)
-    m = Drafter(c or config(), torch.randn(V, H, generator=g), torch.randn(V, H, generator=g))
-    m.init_weights(torch.Generator().manual_seed(seed + 1), std=0.2)
-    return m.eval()
-
-
-def run_blocks(m: Drafter, hidden, tokens, anchors, ctx_len=None, shift=0, kind="local"):
-    """Drafter output [N, B, H] for anchors over one sequence (the training computation)."""
-    anchors = torch.tensor([anchors])
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    blk = make_blocks(tokens[None], torch.ones(1, len(tokens), dtype=torch.bool), anchors, valid, B, V - 1)
-    S = ctx_len if ctx_len is not None else int(anchors.max())
-    mk = masks.build(m.rules, anchors, valid, S, B, kind)
-    pos = torch.arange(S)[None] + shift
-    with torch.no_grad():
-        return m(hidden[None, :S], blk.block_ids, pos, blk.positions + shift, mk)[0].view(-1, B, H)
-
-
-def sequence(T=20, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(T, len(TAPS), H, generator=g).to(torch.bfloat16), torch.randint(0, V - 1, (T,), generator=g)
+from tests.drafters import TAPS, B, H, V, config, drafter, run_blocks, sequence
 
 
 def test_parameter_names_are_the_released_ones():

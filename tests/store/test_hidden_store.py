@@ -1,0 +1,45 @@
+"""The store as a whole: compatibility of a run with the root, commit status, reads, object stores."""
+
+import pytest
+
+from stages.extract.config import ExtractConfig
+from stages.extract.run import run
+from store.errors import NotAStore, NotCommitted, StoreMismatch
+from store.hidden_store import HiddenStore
+from store.shard_reader import ShardReader
+from store.verify import verify
+from tests.conftest import SMALL
+
+
+def test_store_refuses_shards_from_another_config(store_copy, small_dataset):
+    config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), taps="1,3", shards="0", num_shards=4,
+                           **{**SMALL, "max_new_tokens": 30})
+    with pytest.raises(StoreMismatch) as e:
+        run(config, log=lambda m: None)
+    msg = str(e.value)
+    assert "different target/taps/config" in msg and "taps: store has [1, 2, 3, 4, 5], this run has [1, 3]" in msg
+    assert "max_new_tokens" in msg and "fingerprint" not in msg.split("(")[1].split(":")[0]
+
+
+def test_reader_rejects_uncommitted_shard(store_copy):
+    (store_copy / "_commits/00001.json").unlink()
+    with pytest.raises(NotCommitted, match="shard 1 is not committed"):
+        ShardReader(HiddenStore(str(store_copy)), 1)
+
+
+def test_not_a_store(tmp_path):
+    with pytest.raises(NotAStore, match="not a hidden-state store"):
+        HiddenStore(str(tmp_path)).attrs
+
+
+def test_fsspec_url_store_and_empty_shards(small_dataset):
+    """An object-store URL (fsspec memory://): no locks, commit files by put; empty shards commit too."""
+    url = "memory://fsspec-test/hs.zarr"
+    config = ExtractConfig(store=url, dataset=str(small_dataset), shards="0,1,5", num_shards=32, **SMALL)
+    summary = run(config, log=lambda m: None)
+    store = HiddenStore(url)
+    assert not store.local and list(store.committed()) == [0, 1, 5]
+    assert store.commit_record(0).samples == 0 and summary["samples"] == 2  # 16 rows over 32 shards
+    assert verify(store).ok
+    sample = ShardReader(store, 1)[0]
+    assert sample.hidden.shape == (len(sample.tokens), 5, 128)

@@ -1,0 +1,83 @@
+"""The store's typed records read what earlier versions wrote, and write it back unchanged.
+
+tests/data/schema1/ holds the root attributes and a commit file of a store, and the config.json of
+a drafter checkpoint, all written by the code before these records existed (commit 40a4f21:
+`pipeline extract --shards 0-1 --max-new-tokens 16 --max-length 200 --dtype fp32`, then
+`train.py --max-steps 2 --num-layers 1`)."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeline import fingerprint
+from pipeline.drafter.config import OUR_KEY, read_config
+from store.errors import NotAStore, StoreCorrupt
+from store.schema import ShardCommit, StoreAttrs, to_json
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "schema1"
+
+
+def load(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def test_old_root_attributes_round_trip_exactly():
+    old = load("root_attributes.json")
+    attrs = StoreAttrs.from_json(old, "old store")
+    assert to_json(attrs) == old
+    assert attrs.taps == (1, 2, 3, 4, 5) and attrs.compat.taps == attrs.taps and attrs.hidden_size == 128
+    assert attrs.target.model_class.endswith("Qwen3_5ForCausalLM") and attrs.backends.linear_attention == "torch"
+
+
+def test_the_fingerprint_is_the_hash_of_the_compat_record():
+    old = load("root_attributes.json")
+    attrs = StoreAttrs.from_json(old, "old store")
+    assert fingerprint.sha256_json(to_json(attrs.compat)) == old["fingerprint"]
+    changed = replace(attrs.compat, max_length=attrs.compat.max_length + 1)
+    assert attrs.compat.differences(changed) == {"max_length": (200, 201)}
+    assert fingerprint.sha256_json(to_json(changed)) != old["fingerprint"]
+
+
+def test_old_commit_record_round_trips_with_the_extractors_notes():
+    old = load("commit_00000.json")
+    record = ShardCommit.from_json(old, "commit")
+    assert record.to_json() == old
+    assert record.samples == 10 and set(record.run) == {"backends", "batch_size", "committed_at", "device", "host",
+                                                         "pid", "wall_s"}
+
+
+def test_old_checkpoint_provenance_reads():
+    cfg = load("checkpoint_config.json")
+    config, record = read_config(DATA / "checkpoint_config.json")
+    assert record.store_fingerprint == load("root_attributes.json")["fingerprint"]
+    assert (record.train_shards, record.eval_shards, record.step) == ("0", "1", 2)
+    assert config.to_hf(record)[OUR_KEY] == cfg[OUR_KEY]
+
+
+@pytest.mark.parametrize("edit,error,needle", [
+    (lambda d: d.pop("compat"), NotAStore, "missing field 'compat'"),
+    (lambda d: d["target"].pop("fingerprint"), NotAStore, "root attributes.target: missing field 'fingerprint'"),
+    (lambda d: d.update(kind="something else"), NotAStore, "not a hidden-state store"),
+    (lambda d: d.update(schema_version=99), NotAStore, "newer than this tool's"),
+])
+def test_unreadable_roots_are_named(edit, error, needle):
+    d = load("root_attributes.json")
+    edit(d)
+    with pytest.raises(error, match=needle):
+        StoreAttrs.from_json(d, "old store")
+
+
+def test_a_commit_record_without_its_counts_is_corrupt(tmp_path, small_store):
+    from store.hidden_store import HiddenStore
+
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(small_store, copy)
+    path = copy / "_commits" / "00001.json"
+    d = json.loads(path.read_text())
+    del d["tokens"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(StoreCorrupt, match="_commits/00001.json: missing field 'tokens'"):
+        HiddenStore(str(copy)).committed()

@@ -1,0 +1,107 @@
+"""The house: every module imports only from its own layer or those below, entry points stay thin,
+and production code carries no test hooks.
+
+    store/                                  0  the on-disk format
+    pipeline/ errors, device, fingerprint,  1  the domain: its shared rooms,
+              prompts
+    pipeline/target/, pipeline/drafter/     2    the two models (neither imports the other),
+    pipeline/decode/                        3    decoding with both
+    stages/ settings, command, plots        4  what the runs share,
+    stages/extract/, train/, evaluate/      5    the three runs (none imports another)
+    train.py, evaluate.py, pipeline/cli.py,
+    pipeline/__main__.py                    6  entry points: parse, build the config, run; at most
+                                               40 lines per command they define
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+ENTRY = {"train.py", "evaluate.py", "pipeline/cli.py", "pipeline/__main__.py"}
+SIBLINGS = {"pipeline.target", "pipeline.drafter", "stages.extract", "stages.train", "stages.evaluate"}
+LINES_PER_COMMAND = 40
+
+
+def room(module: str) -> tuple[str, int]:
+    """(room, rank) of a dotted module name: the room is the package rooms are kept apart by."""
+    parts = module.split(".")
+    top, sub = parts[0], ".".join(parts[:2])
+    if module in {"pipeline.cli", "pipeline.__main__", "train", "evaluate"}:
+        return module, 6
+    if top == "store":
+        return "store", 0
+    if top == "pipeline":
+        return (sub, 3 if sub == "pipeline.decode" else 2) if sub in SIBLINGS | {"pipeline.decode"} else ("pipeline", 1)
+    if top == "stages":
+        return (sub, 5) if sub in SIBLINGS else ("stages", 4)
+    return top, -1  # not ours
+
+
+def module_of(path: Path, root: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import, at any depth (function-level imports included)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def production_files(root: Path) -> list[Path]:
+    files = [root / "train.py", root / "evaluate.py"]
+    for top in ("store", "pipeline", "stages"):
+        files += sorted((root / top).rglob("*.py"))
+    return [f for f in files if f.exists()]
+
+
+def violations(root: Path) -> list[str]:
+    bad = []
+    for path in production_files(root):
+        me = module_of(path, root)
+        my_room, my_rank = room(me)
+        rel = path.relative_to(root).as_posix()
+        for line, target in imports(path):
+            their_room, their_rank = room(target)
+            if their_rank < 0 or their_room == my_room:
+                continue
+            if their_rank > my_rank or (their_rank == my_rank and my_rank in (2, 5)):
+                bad.append(f"{rel}:{line} imports {target} ({their_room} is not below {my_room})")
+        text = path.read_text()
+        lines, commands = len(text.splitlines()), max(1, len(re.findall(r"^@[\w.]*command\(", text, re.M)))
+        if rel in ENTRY and lines > LINES_PER_COMMAND * commands:
+            bad.append(f"{rel}: entry point of {lines} lines for {commands} command(s) "
+                       f"(> {LINES_PER_COMMAND} per command)")
+        if "DFLASH_TEST" in text:
+            bad.append(f"{rel}: test hook in production code")
+    return bad
+
+
+def test_the_house_holds():
+    assert violations(REPO) == []
+
+
+@pytest.mark.parametrize("where,code,needle", [
+    ("store/x.py", "from pipeline.errors import DrafterError\n", "store/x.py:1 imports pipeline.errors.DrafterError"),
+    ("pipeline/drafter/x.py", "def f():\n    from pipeline.target import taps\n", "pipeline/drafter/x.py:2"),
+    ("pipeline/target/x.py", "import stages.settings\n", "imports stages.settings"),
+    ("stages/train/x.py", "from stages.evaluate.run import run\n", "stages/train/x.py:1"),
+    ("stages/extract/x.py", "import os\nV = os.environ.get('DFLASH_TEST_STOP')\n", "test hook"),
+    ("train.py", "\n" * 41, "entry point of 41 lines for 1 command(s)"),
+    ("pipeline/cli.py", "@cli.command()\ndef a(): pass\n" * 2 + "\n" * 77, "entry point of 81 lines for 2 command(s)"),
+])
+def test_the_check_catches_what_it_forbids(tmp_path, where, code, needle):
+    path = tmp_path / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(code)
+    assert any(needle in v for v in violations(tmp_path)), violations(tmp_path)
