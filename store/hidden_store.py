@@ -20,16 +20,10 @@ import zarr
 from fsspec.implementations.local import LocalFileSystem
 
 from store import layout
-from store.errors import (
-    NotAStore,
-    NotCommitted,
-    StoreCorrupt,
-    StoreError,
-    StoreMismatch,
-)
+from store.errors import NotAStore, NotCommitted, StoreCorrupt, StoreError, StoreMismatch
 from store.locks import HOST, LockFile
 from store.ranges import format_ranges
-from store.schema import ShardCommit, StoreAttrs, to_json
+from store.schema import Compat, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
 
@@ -123,7 +117,7 @@ class HiddenStore:
         self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs.fingerprint,
                                                     "checksums": checksums})
 
-    def check_compatible(self, compat) -> None:
+    def check_compatible(self, compat: Compat) -> None:
         diff = self.attrs.compat.differences(compat)
         if diff:
             detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))

@@ -11,15 +11,7 @@ from pipeline.prompts import PromptSet
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from store import layout
-from store.schema import (
-    SCHEMA_VERSION,
-    Backends,
-    Compat,
-    DatasetRecord,
-    LayoutRecord,
-    StoreAttrs,
-    to_json,
-)
+from store.schema import SCHEMA_VERSION, Backends, Compat, DatasetRecord, LayoutRecord, StoreAttrs, to_json
 
 PACKAGES = ("torch", "transformers", "flash-linear-attention", "triton", "zarr", "numcodecs", "dflash-pipeline")
 

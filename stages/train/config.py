@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.drafter.config import (
-    BLOCK_SIZE,
-    GAMMA,
-    NUM_LAYERS,
-    ROPE_THETA,
-    default_gamma,
-)
+from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
 from stages.settings import at_least, check_choices, require, setting
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())

@@ -15,12 +15,7 @@ import torch
 
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
-from pipeline.drafter.config import (
-    DrafterConfig,
-    default_sizes,
-    read_config,
-    store_mismatches,
-)
+from pipeline.drafter.config import DrafterConfig, default_sizes, read_config, store_mismatches
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of

@@ -2,12 +2,7 @@
 
 import torch
 
-from pipeline.drafter.blocks import (
-    IGNORE,
-    anchor_candidates,
-    make_blocks,
-    sample_anchors,
-)
+from pipeline.drafter.blocks import IGNORE, anchor_candidates, make_blocks, sample_anchors
 
 MASK = 99
 

@@ -5,12 +5,7 @@ import types
 
 import pytest
 
-from pipeline.target.kernels import (
-    KernelRecorder,
-    family,
-    implementation_of,
-    select_linear_attention,
-)
+from pipeline.target.kernels import KernelRecorder, family, implementation_of, select_linear_attention
 from store.errors import ConfigError
 
 
