@@ -5,9 +5,9 @@
 STORE is a store of the shipped tiny target; `pipeline extract --shards 0-63` makes one (the
 default --store is hs.zarr, as for `pipeline extract`).
 
-Each repeat builds a fresh run with `stages.train_setup.prepare` (the drafter, AdamW, the schedule,
+Each repeat builds a fresh run with `stages.train.setup.prepare` (the drafter, AdamW, the schedule,
 the Accelerator and the intra-op thread count that `python train.py` gets) and calls
-`stages.train.train_step` on micro-batches from `stages.train.micro_batches` (the same DataLoader
+`stages.train.run.train_step` on micro-batches from `stages.train.run.micro_batches` (the same DataLoader
 and worker processes). It skips --warmup steps (worker start-up, first allocations), then times
 --steps steps, split into the wait for the next batch, the forward (anchor/block/mask preparation,
 the drafter, the loss), backward and the optimizer; the split comes from timing wrappers put around

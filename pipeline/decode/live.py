@@ -4,7 +4,7 @@ Each round drafts a block from the target states strictly before its start (the 
 context), the target verifies the block in one forward pass, the leading drafts equal to the
 target's greedy tokens are accepted, the target's next token is the bonus, and the target's cache
 (attention KV, Gated DeltaNet conv and recurrent state) is rolled back to the last accepted token
-(pipeline/live_target.py). The drafter sees the target's states rounded to bf16, as the store holds
+(pipeline/target/verifier.py). The drafter sees the target's states rounded to bf16, as the store holds
 them. Generation stops at an end-of-sequence token or after max_new_tokens, as extraction did.
 """
 

@@ -40,7 +40,7 @@ class TrainingRecord:
     train_config: dict | None = None  # the TrainConfig of the run, as a record
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
     hidden_size: int
     intermediate_size: int

@@ -29,7 +29,7 @@ from store.ranges import format_ranges, parse_ranges
 from store.schema import StoreAttrs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Setup:
     accelerator: object
     model: torch.nn.Module  # as prepared by Accelerate (DDP/FSDP wrapper)
@@ -184,9 +184,11 @@ def prepare(config: TrainConfig, log) -> Setup:
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
-    return Setup(acc, model, raw, opt, sched, dc, train_refs, eval_refs, format_ranges(train_ids),
-                 format_ranges(eval_ids), attrs.fingerprint, attrs.taps, micro, total, start,
-                 LossPlan.of(config, dc, flex=acc.device.type == "cuda"))
+    return Setup(accelerator=acc, model=model, raw=raw, optimizer=opt, scheduler=sched, drafter_config=dc,
+                 train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
+                 eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint, store_taps=attrs.taps,
+                 micro_per_epoch=micro, total_steps=total, start_step=start,
+                 plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"))
 
 
 def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, init: dict | None, total: int):
