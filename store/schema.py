@@ -72,6 +72,12 @@ class TargetRecord:
     weights_sha256: dict  # file name -> SHA-256
     tokenizer_sha256: str
     chat_template_sha256: str
+    # Recorded since strict target loading (absent, so None / {}, in stores written before): the
+    # tokenizer class transformers actually built (for qwen3_5 checkpoints its own, whatever
+    # tokenizer_class says), and the checkpoint tensors the text model knowingly leaves unused
+    # ({pattern: count}: vision tower, MTP heads).
+    tokenizer_class: str | None = None
+    non_text_tensors: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,8 @@ def summarize(store: HiddenStore) -> dict:
         "provenance": {
             "target": attrs.target.path,
             "model_class": attrs.target.model_class,
+            "tokenizer_class": attrs.target.tokenizer_class,
+            "non_text_tensors": attrs.target.non_text_tensors,
             "target_fingerprint": attrs.target.fingerprint,
             "taps": list(attrs.taps),
             "hidden_size": hidden,
@@ -61,11 +63,12 @@ def render(s: dict) -> str:
         f"store        {s['store']}",
         f"fingerprint  {s['fingerprint']}",
         f"shards       {s['shards_done']}/{s['num_shards']} done ({s['done'] or 'none'}); missing: {s['missing'] or 'none'}",
-        f"samples      {s['samples']}  (skipped: {fmt_skips(s['skipped'])}; truncated at the length limit: {s['truncated']})",
+        f"samples      {s['samples']}  (skipped: {fmt_counts(s['skipped'])}; truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
-        f"target       {p['target']} ({p['model_class']})",
+        f"target       {p['target']} ({p['model_class']}; tokenizer {p['tokenizer_class'] or 'not recorded'})",
+        f"             unused non-text tensors: {fmt_counts(p['non_text_tensors'])}",
         f"             fingerprint {p['target_fingerprint'][:16]}...",
         f"taps         {p['taps']} (hidden {p['hidden_size']}, vocab {p['vocab_size']}, mask token {p['mask_token_id']})",
         f"backend      linear attention: {p['linear_attention']}, attention: {p['attention']}, "
@@ -76,8 +79,9 @@ def render(s: dict) -> str:
     return "\n".join(lines)
 
 
-def fmt_skips(skipped: dict) -> str:
-    parts = [f"{k} {v}" for k, v in skipped.items() if v]
+def fmt_counts(counts: dict) -> str:
+    """{'a': 2, 'b': 0} -> 'a 2' (zeros left out; 'none' when nothing is left)."""
+    parts = [f"{k} {v}" for k, v in counts.items() if v]
     return ", ".join(parts) if parts else "none"
 
 

@@ -1,11 +1,13 @@
-"""The tiny target's own answers, for tests: chat-template prompt ids, Hugging Face's hidden states,
-and equality up to bf16 rounding."""
+"""The tiny target for tests: chat-template prompt ids, Hugging Face's own hidden states, equality
+up to bf16 rounding, and checkpoints built from it (a multimodal release, damaged copies)."""
 
 import json
+import shutil
+from pathlib import Path
 
 import torch
 
-from pipeline import DEFAULT_PROMPTS
+from pipeline import DEFAULT_PROMPTS, TINY_TARGET
 
 
 def chat_prompt(tok, messages: list[dict]) -> list[int]:
@@ -30,3 +32,42 @@ def bf16_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     """Equal up to bf16 rounding of an fp32 value (one bf16 ulp)."""
     ref16 = ref.to(torch.bfloat16).float()
     return bool(((got.float() - ref16).abs() <= ref16.abs() * 2 ** -7 + 1e-6).all())
+
+
+def multimodal_checkpoint(directory: Path, mtp_tensors: int = 1) -> Path:
+    """The shipped target as a Qwen3.5/3.6-style release: `Qwen3_5ForConditionalGeneration` with the
+    text weights under `model.language_model.*`, a one-block vision tower under `model.visual.*` and
+    `mtp.*` tensors, written to directory."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+
+    text = AutoConfig.from_pretrained(TINY_TARGET)
+    vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                 out_hidden_size=text.hidden_size, patch_size=4, temporal_patch_size=2,
+                                 spatial_merge_size=2)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict()))
+    state = model.state_dict()
+    for name, w in load_file(TINY_TARGET / "model.safetensors").items():
+        state[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = w
+    for i in range(mtp_tensors):
+        state[f"mtp.layers.{i}.weight"] = torch.zeros(4, 4)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(TINY_TARGET / name, directory / name)
+    return directory
+
+
+def damaged_checkpoint(directory: Path, edit) -> Path:
+    """A copy of the shipped target whose tensors `edit` (a function of the state dict) changed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(TINY_TARGET, directory)
+    state = load_file(directory / "model.safetensors")
+    edit(state)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

@@ -12,12 +12,11 @@ import torch
 from pipeline import device as devices
 from pipeline import fingerprint
 from pipeline.errors import TargetError
+from pipeline.target import weights
 from pipeline.target.kernels import KernelRecorder, select_linear_attention
 from pipeline.target.model import Target
 from store.errors import ConfigError
 from store.schema import TargetRecord
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 def resolve(target: str) -> Path:
@@ -52,29 +51,31 @@ def load(target: str, device: str | None, dtype: str, linear_attention: str) -> 
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=devices.DTYPES[dtype])
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=devices.DTYPES[dtype], output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
     except Exception as e:
         raise TargetError(f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    weights.check_loaded(path, model, info)
     model.to(dev).eval()
     return Target(model, tokenizer, path, dev, devices.DTYPES[dtype], KernelRecorder(model), requested,
                   describe(model, tokenizer, path))
 
 
 def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:
-    """Identity of the target: class, and hashes of config, weights, tensor set, tokenizer."""
+    """Identity of the target: class, hashes of config, weights, tensor set, tokenizer, and the
+    checkpoint tensors it knowingly leaves unused."""
     config = model.config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
         config.pop(volatile, None)
-    weights = {p.name: fingerprint.sha256_file(p) for p in sorted(path.iterdir()) if p.name.endswith(WEIGHT_SUFFIXES)}
-    if not weights:
-        raise TargetError(f"--target {path}: no *.safetensors or *.bin weight files")
+    files = {p.name: fingerprint.sha256_file(p) for p in weights.files(path)}
     tensor_set = {k: list(v.shape) for k, v in model.state_dict().items()}
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     tok_json = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else json.dumps(tok.get_vocab(), sort_keys=True)
     return TargetRecord(
         path=str(path), model_class=model_class, model_type=model.config.model_type,
-        fingerprint=fingerprint.sha256_json({"config": config, "weights": weights, "class": model_class,
+        fingerprint=fingerprint.sha256_json({"config": config, "weights": files, "class": model_class,
                                              "tensors": tensor_set}),
-        config_sha256=fingerprint.sha256_json(config), weights_sha256=weights,
+        config_sha256=fingerprint.sha256_json(config), weights_sha256=files,
         tokenizer_sha256=fingerprint.sha256_json({"tokenizer": tok_json, "special": tok.special_tokens_map}),
-        chat_template_sha256=fingerprint.sha256_text(tok.chat_template or ""))
+        chat_template_sha256=fingerprint.sha256_text(tok.chat_template or ""),
+        tokenizer_class=type(tok).__name__, non_text_tensors=weights.non_text_tensors(path, model))

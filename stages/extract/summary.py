@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
-from store.summary import fmt_skips, human_bytes, summarize
+from store.summary import fmt_counts, human_bytes, summarize
 
 
 def finish_summary(store: HiddenStore, summary: dict) -> dict:
@@ -26,7 +26,7 @@ def render(s: dict) -> str:
         f"wrote {len(s['shards_written'])} shard(s) ({format_ranges(s['shards_written']) or 'none'}), "
         f"skipped {len(s['shards_skipped'])} already committed ({format_ranges(s['shards_skipped']) or 'none'})",
         f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
-        f"skipped rows: {fmt_skips(s['skipped'])}; completions cut at the limit: {s['truncated']}",
+        f"skipped rows: {fmt_counts(s['skipped'])}; completions cut at the limit: {s['truncated']}",
         f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
         f"{human_bytes(s['bytes_on_disk'])} on disk; hidden states {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16 ({ratio})",
