@@ -1,7 +1,9 @@
 """The prompt set: rows from jsonl, json, parquet or a `datasets` dataset, mapped to shards.
 
-A row holds either chat `messages` (the prompt is every turn before the last assistant turn,
-which is the dataset's own response) or a `prompt` string (plus an optional response field).
+A row holds either chat turns (the prompt is every turn before the last assistant turn, which is
+the dataset's own response; system turns stay in the prompt) or a `prompt` string (plus an
+optional response field). Turns come OpenAI/UltraChat style (`messages` of {"role", "content"})
+or ShareGPT style (`conversations` of {"from": "human"|"gpt"|"system", "value"}), as they are.
 Rows map to shards by position: shard s of K holds rows [s*N//K, (s+1)*N//K), so a row always
 lands in the same shard whatever ranges or workers run. The row count is part of the dataset
 fingerprint, so a changed dataset cannot silently shift rows between shards.
@@ -15,6 +17,10 @@ from pathlib import Path
 
 from pipeline import fingerprint
 from pipeline.errors import DatasetError
+
+
+SHAREGPT_FIELD = "conversations"  # where ShareGPT rows keep their turns, when the messages field is absent
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
@@ -37,10 +43,10 @@ class PromptSet:
         self.source = source
         self.fields = fields
         self.sha256 = sha256
-        if records and fields.messages not in records[0] and fields.prompt not in records[0]:
+        if records and not {fields.messages, SHAREGPT_FIELD, fields.prompt} & set(records[0]):
             raise DatasetError(
-                f"dataset {source}: row 0 has neither field {fields.messages!r} nor {fields.prompt!r} "
-                f"(fields present: {sorted(records[0])}); set --messages-field or --prompt-field")
+                f"dataset {source}: row 0 has neither field {fields.messages!r} ({SHAREGPT_FIELD!r}) nor "
+                f"{fields.prompt!r} (fields present: {sorted(records[0])}); set --messages-field or --prompt-field")
 
     def __len__(self) -> int:
         return len(self.records)
@@ -49,14 +55,17 @@ class PromptSet:
         n = len(self.records)
         return range(shard * n // num_shards, (shard + 1) * n // num_shards)
 
+    def check(self, rows) -> None:
+        """Parse every row of `rows` now (before any model loads); the first bad one is named."""
+        for i in rows:
+            self.row(i)
+
     def row(self, i: int) -> Row:
         rec = self.records[i]
         f = self.fields
-        if f.messages in rec:
-            msgs = rec[f.messages]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-                raise DatasetError(f"dataset {self.source}: row {i} field {f.messages!r} is not a list of "
-                                    "{'role', 'content'} turns")
+        turns_field = f.messages if f.messages in rec else SHAREGPT_FIELD if SHAREGPT_FIELD in rec else None
+        if turns_field is not None:
+            msgs = self._turns(i, turns_field, rec[turns_field])
             last_assistant = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
             if last_assistant is None:
                 return Row(i, tuple(msgs), None)
@@ -66,8 +75,27 @@ class PromptSet:
             if not isinstance(prompt, str):
                 raise DatasetError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
             return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response))
-        raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} nor {f.prompt!r} "
-                            f"(fields present: {sorted(rec)})")
+        raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
+                           f"nor {f.prompt!r} (fields present: {sorted(rec)})")
+
+    def _turns(self, i: int, field: str, turns) -> list[dict]:
+        """A row's turns as {"role", "content"}, from either style."""
+        where = f"dataset {self.source}: row {i} field {field!r}"
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise DatasetError(f"{where} is not a list of turns")
+        out = []
+        for j, t in enumerate(turns):
+            if "role" in t and "content" in t:
+                out.append(t)
+            elif "from" in t and "value" in t:
+                if t["from"] not in SHAREGPT_ROLES:
+                    raise DatasetError(f"{where} turn {j}: 'from' is {t['from']!r}, expected one of "
+                                       f"{', '.join(SHAREGPT_ROLES)}")
+                out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+            else:
+                raise DatasetError(f"{where} turn {j}: expected {{'role', 'content'}} or {{'from', 'value'}}, "
+                                   f"found keys {sorted(t)}")
+        return out
 
     def describe(self) -> dict:
         return {"source": self.source, "rows": len(self), "sha256": self.sha256,

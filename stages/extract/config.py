@@ -23,7 +23,8 @@ class ExtractConfig:
     dataset: str | None = setting(None, "Prompts: .jsonl, .json, .parquet, a saved `datasets` directory or a hub "
                                         "dataset name.", default_text="the shipped prompt set")
     split: str = setting("train", "Split, for `datasets` sources.")
-    messages_field: str = setting("messages", "Field holding chat turns.")
+    messages_field: str = setting("messages", "Field holding chat turns: {role, content} or ShareGPT {from, value} "
+                                              "(rows without it are read from 'conversations').")
     prompt_field: str = setting("prompt", "Field holding a plain prompt (if no messages).")
     response_field: str = setting("response", "Field holding the response for plain prompts (--responses dataset).")
     responses: str = setting("regenerate", "regenerate: the target's greedy completion; dataset: the dataset's own "

@@ -49,6 +49,8 @@ def run(config: ExtractConfig, log=print) -> dict:
     shard_ids, num_shards = resolve_shards(config, store)
     prompt_set = prompt_sets.load(
         config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field, config.response_field), config.split)
+    for shard in shard_ids:  # every row of this run parsed now: a bad row in the last shard fails in seconds
+        prompt_set.check(prompt_set.shard_rows(shard, num_shards))
     target = loading.load(config.target, config.device, config.dtype, config.linear_attention)
     taps = parse_taps(config.taps, target.num_layers)
     mask_id = config.mask_token_id if config.mask_token_id is not None else target.tokenizer.mask_token_id

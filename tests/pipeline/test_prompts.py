@@ -1,0 +1,68 @@
+"""The prompt set: chat turns in either style, plain prompts, shard mapping, rows checked early."""
+
+import json
+
+import pytest
+
+from pipeline import prompts
+from pipeline.errors import DatasetError
+
+
+def prompt_set(tmp_path, rows: list[dict]) -> prompts.PromptSet:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return prompts.load(str(path))
+
+
+def test_sharegpt_rows_read_as_the_same_chat_as_messages(tmp_path):
+    share = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Add 1+1"},
+                               {"from": "gpt", "value": "2"}]}
+    openai = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Add 1+1"},
+                           {"role": "assistant", "content": "2"}]}
+    a, b = prompt_set(tmp_path, [share]).row(0), prompt_set(tmp_path, [openai]).row(0)
+    assert a == b
+    assert a.response == "2" and [m["role"] for m in a.messages] == ["system", "user", "assistant", "user"]
+
+
+def test_plain_prompts_and_rows_without_an_answer(tmp_path):
+    ps = prompt_set(tmp_path, [{"prompt": "def f():", "response": "  pass"}, {"messages": [{"role": "user",
+                                                                                            "content": "q"}]}])
+    assert ps.row(0).messages == ({"role": "user", "content": "def f():"},) and ps.row(0).response == "  pass"
+    assert ps.row(1).response is None
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"conversations": [{"from": "bot", "value": "x"}]}, "row 1 field 'conversations' turn 0: 'from' is 'bot'"),
+    ({"conversations": [{"speaker": "human", "text": "x"}]}, "row 1 field 'conversations' turn 0: expected"),
+    ({"messages": "hello"}, "row 1 field 'messages' is not a list of turns"),
+    ({"prompt": 5}, "row 1 field 'prompt' is int, expected text"),
+    ({"question": "x"}, "row 1 has neither field 'messages' ('conversations') nor 'prompt'"),
+])
+def test_a_bad_row_is_named_by_the_early_check(tmp_path, row, needle):
+    ps = prompt_set(tmp_path, [{"prompt": "fine"}, row, {"prompt": "fine"}])
+    with pytest.raises(DatasetError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        ps.check(range(3))
+    ps.check([0, 2])  # the other rows are fine
+
+
+def test_rows_map_to_shards_by_position(tmp_path):
+    ps = prompt_set(tmp_path, [{"prompt": str(i)} for i in range(10)])
+    parts = [list(ps.shard_rows(s, 4)) for s in range(4)]
+    assert sum(parts, []) == list(range(10)) and [len(p) for p in parts] == [2, 3, 2, 3]
+
+
+def test_extract_reports_a_bad_row_in_the_last_shard_before_loading_the_target(tmp_path, small_dataset):
+    """The bad row sits in shard 3 of 0-3, and the named target does not even exist: the row is
+    reported first, so nothing was loaded or written."""
+    from tests.processes import cli_args, run_pipeline
+
+    rows = [json.loads(x) for x in small_dataset.read_text().splitlines()]
+    rows[-1] = {"conversations": [{"from": "robot", "value": "x"}]}
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = run_pipeline(cli_args(tmp_path / "hs.zarr", data, "0-3") + ["--target", str(tmp_path / "no-such-target")])
+    assert p.returncode == 2, p.stderr
+    assert f"row {len(rows) - 1} field 'conversations' turn 0: 'from' is 'robot'" in p.stderr.splitlines()[-1]
+    assert not (tmp_path / "hs.zarr").exists()
