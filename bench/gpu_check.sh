@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (run on a CUDA machine from the repo root; writes bench/gpu/ or $OUT):
-#  1. extract shards 0-3 twice on CUDA in bf16, once with the fla kernels and once with the PyTorch
+#  1. extract shards 0-3 twice on CUDA in bf16, once with the fla kernels (under torchrun, one rank
+#     per visible GPU) and once with the PyTorch
 #     fallback, over the SAME token sequences (--responses dataset), and compare the stored states
 #     per tap (cosine similarity, max abs difference); each store records the backend that ran;
 #  2. extraction throughput with the fla kernels (regenerate mode, the default job);
@@ -21,7 +22,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 python3 -c "import torch, transformers, fla, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 common=(--shards 0-3 --device cuda --dtype bf16 --responses dataset --max-length 1024 --batch-size 16)
 rm -rf /tmp/fla.zarr /tmp/torch.zarr
-python3 -m pipeline extract --store /tmp/fla.zarr --linear-attention fla "${common[@]}" 2>&1 | tee "$out/extract_fla.txt"
+gpus=$(nvidia-smi -L | wc -l)  # the launcher path: one rank per visible GPU, shards claimed as they go
+python3 -m torch.distributed.run --standalone --nproc_per_node "$gpus" -m pipeline extract --store /tmp/fla.zarr \
+  --linear-attention fla "${common[@]}" 2>&1 | tee "$out/extract_fla.txt"
 python3 -m pipeline extract --store /tmp/torch.zarr --linear-attention torch "${common[@]}" 2>&1 | tee "$out/extract_torch.txt"
 python3 -m pipeline info /tmp/fla.zarr | tee "$out/info_fla.txt"
 python3 -m pipeline info /tmp/torch.zarr | tee "$out/info_torch.txt"

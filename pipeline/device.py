@@ -3,6 +3,9 @@ dtypes by name, and the CPU settings every stage applies once at start-up."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
 from store.errors import ConfigError
@@ -32,3 +35,30 @@ def prepare_cpu(threads: int | None = None) -> None:
     torch.set_flush_denormal(True)
     if threads:
         torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Process:
+    """This process's place in a launch: torchrun and `accelerate launch` (RANK, WORLD_SIZE,
+    LOCAL_RANK), SLURM's srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), or alone."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, env=None) -> Process:
+        env = os.environ if env is None else env
+        for rank, world, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                                   ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
+            if rank in env and world in env:
+                return cls(int(env[rank]), int(env[world]), int(env.get(local, env[rank])))
+        return cls()
+
+    def device(self, device: str) -> str:
+        """`cuda` means this process's own GPU, cuda:LOCAL_RANK; any other device stays as given."""
+        return f"cuda:{self.local_rank}" if device == "cuda" else device
+
+    def label(self) -> str:
+        """'' alone, else 'rank R/W ' to put before each line a process prints."""
+        return f"rank {self.rank}/{self.world} " if self.world > 1 else ""

@@ -26,13 +26,16 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def pipeline_proc(args: list[str], pause_after: int | None = None, **kw) -> subprocess.Popen:
+def pipeline_proc(args: list[str], pause_after: int | None = None, nproc: int | None = None,
+                  **kw) -> subprocess.Popen:
     """`pipeline ...` in a subprocess, one thread so results are identical across processes. With
-    pause_after=N it prints PAUSED and waits to be killed after N batches (tests/paused_cli.py)."""
+    pause_after=N it prints PAUSED and waits to be killed after N batches (tests/paused_cli.py);
+    with nproc=N it runs as N processes under torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            **kw.pop("env", {})}
     program = ["pipeline"] if pause_after is None else ["tests.paused_cli", str(pause_after)]
-    return subprocess.Popen([sys.executable, "-m", *program, *args], cwd=REPO, env=env,
+    launcher = [] if nproc is None else ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
+    return subprocess.Popen([sys.executable, "-m", *launcher, *program, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_default_sigint, **kw)
 

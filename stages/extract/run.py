@@ -2,7 +2,9 @@
 
 `run(config)` writes only the shards of `config.shards`. Each shard is claimed with a lock,
 written, and committed by a commit file written last; committed shards are skipped, so a rerun
-resumes, and two processes on disjoint ranges fill one store together.
+resumes. Any number of processes fill one store together, a launcher's ranks (torchrun,
+`accelerate launch`, srun) or separate commands with overlapping ranges alike: a shard's lock
+decides who writes it, and no process waits for another.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 from tqdm import tqdm
 
+from pipeline import device as devices
 from pipeline import prompts as prompt_sets
 from pipeline.target import loading
 from pipeline.target.model import Target
@@ -21,10 +24,10 @@ from stages.extract.config import NUM_SHARDS, ExtractConfig
 from stages.extract.provenance import store_attrs
 from stages.extract.summary import finish_summary
 from store import layout
-from store.errors import ConfigError, StoreError
+from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from store.locks import LockFile
-from store.ranges import format_ranges, parse_ranges
+from store.ranges import parse_ranges
 from store.schema import ShardCommit, completion_limit
 from store.shard_writer import ShardWriter
 
@@ -43,15 +46,18 @@ def resolve_shards(config: ExtractConfig, store: HiddenStore) -> tuple[list[int]
 
 
 def run(config: ExtractConfig, log=print) -> dict:
-    """Extract config.shards into config.store; returns the run summary."""
+    """Extract config.shards into config.store; returns the run summary. Under a launcher each
+    process claims the shards it writes as it goes (see `shard_order`)."""
     t_start = time.perf_counter()
+    process = devices.Process.from_env()
+    say = (lambda m: log(process.label() + m)) if process.world > 1 else log
     store = HiddenStore(config.store)
     shard_ids, num_shards = resolve_shards(config, store)
     prompt_set = prompt_sets.load(
         config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field, config.response_field), config.split)
     for shard in shard_ids:  # every row of this run parsed now: a bad row in the last shard fails in seconds
         prompt_set.check(prompt_set.shard_rows(shard, num_shards))
-    target = loading.load(config.target, config.device, config.dtype, config.linear_attention)
+    target = loading.load(config.target, process.device(config.device), config.dtype, config.linear_attention)
     taps = parse_taps(config.taps, target.num_layers)
     mask_id = config.mask_token_id if config.mask_token_id is not None else target.tokenizer.mask_token_id
     if mask_id is None:
@@ -63,55 +69,57 @@ def run(config: ExtractConfig, log=print) -> dict:
     attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends)
     state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
                                   target.model.get_output_embeddings().weight)
-    log(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} ({config.dtype}), "
+    say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} ({config.dtype}), "
         f"linear attention: {backends.linear_attention}, attention: {backends.attention}, taps {taps}")
 
     done = store.committed()
-    todo = [s for s in shard_ids if s not in done]
-    locks = claim(store, todo)
+    todo = shard_order(store, [s for s in shard_ids if s not in done], process)
     job = Extractor(config, store, target, taps, prompt_set, num_shards)
     job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=backends)
     t_loop = time.perf_counter()
-    bar = tqdm(total=sum(len(prompt_set.shard_rows(s, num_shards)) for s in todo), unit="sample", desc="extract",
-               disable=None, dynamic_ncols=True, file=sys.stderr)
-    try:
+    rows = {s: len(prompt_set.shard_rows(s, num_shards)) for s in todo}
+    with tqdm(total=sum(rows.values()), unit="sample", desc=f"{process.label()}extract", disable=None,
+              dynamic_ncols=True, file=sys.stderr) as bar:
         for shard in todo:
-            record = job.shard(shard, locks[shard], bar)
-            release(locks.pop(shard))
-            log(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
+            record = claim_and_write(store, shard, job, bar)
+            if record is None:
+                bar.total -= rows[shard]
+                continue
+            say(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
                 f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
-    finally:
-        bar.close()
-        for lock in locks.values():
-            release(lock)
     job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
     job.summary["wall_s"] = time.perf_counter() - t_start
+    job.summary["process"] = {"rank": process.rank, "world": process.world}
     return finish_summary(store, job.summary)
 
 
-def claim(store: HiddenStore, shards: list[int]) -> dict[int, LockFile | None]:
-    """Lock every shard to write, or none: overlapping ranges with a live process are refused.
-    On object stores there are no locks (None): ranges must be disjoint."""
-    locks, busy = {}, {}
-    for s in shards:
-        lock = store.lock(layout.shard_name(s))
-        owner = lock.try_acquire() if lock is not None else None
-        if owner is None:
-            locks[s] = lock
-        else:
-            busy[s] = owner
-    if busy:
-        for lock in locks.values():
-            release(lock)
-        who = ", ".join(sorted({f"{o.get('host')}:{o.get('pid')}" for o in busy.values()}))
-        raise StoreError(f"{store.location}: shards {format_ranges(list(busy))} are being written by {who}; "
-                         "overlapping ranges are refused (give each process its own --shards)")
-    return locks
+def shard_order(store: HiddenStore, shards: list[int], process: devices.Process) -> list[int]:
+    """The shards this process tries, in order. With locks (a POSIX file system) every process
+    tries every shard, each starting at its own share, and a shard's lock decides who writes it: a
+    fast process takes more, and a rerun with any number of processes resumes. Without locks
+    (object stores) each process takes a fixed, disjoint share."""
+    if not store.local:
+        return shards[process.rank::process.world]
+    start = process.rank * len(shards) // process.world
+    return shards[start:] + shards[:start]
 
 
-def release(lock: LockFile | None) -> None:
-    if lock is not None:
-        lock.release()
+def claim_and_write(store: HiddenStore, shard: int, job: Extractor, bar) -> ShardCommit | None:
+    """Write shard under its lock; None when another live process holds it or it was committed
+    since this run looked (the commit file is read again once the lock is ours)."""
+    lock = store.lock(layout.shard_name(shard))
+    holder = lock.try_acquire() if lock is not None else None
+    if holder is not None:
+        job.summary["shards_left"][shard] = f"{holder.get('host')}:{holder.get('pid')}"
+        return None
+    try:
+        if store.commit_record(shard) is not None:
+            job.summary["shards_skipped"].append(shard)
+            return None
+        return job.shard(shard, lock, bar)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class Extractor:
@@ -122,7 +130,8 @@ class Extractor:
         self.config, self.store, self.target, self.taps = config, store, target, taps
         self.prompt_set, self.num_shards = prompt_set, num_shards
         self.summary = {
-            "store": config.store, "shards_written": [], "shards_skipped": [], "samples": 0, "tokens": 0,
+            "store": config.store, "shards_written": [], "shards_skipped": [], "shards_left": {}, "samples": 0,
+            "tokens": 0,
             "batches": 0, "skipped": {r: 0 for r in layout.SKIP_REASONS}, "truncated": 0,
             "timing": {"prepare_s": 0.0, "generate_s": 0.0, "capture_s": 0.0, "stall_s": 0.0, "writer_busy_s": 0.0},
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from pipeline.device import Process
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
 from store.summary import fmt_counts, human_bytes, summarize
@@ -20,11 +21,19 @@ def finish_summary(store: HiddenStore, summary: dict) -> dict:
 
 
 def render(s: dict) -> str:
+    """The summary's lines; under a launcher each starts with the process's rank."""
+    label = Process(**s["process"]).label()
+    return "\n".join(label + line for line in _lines(s))
+
+
+def _lines(s: dict) -> list[str]:
     t = s["timing"]
     ratio = f"{s['compression_ratio']}x" if s["compression_ratio"] else "n/a"
-    return "\n".join([
+    return [
         f"wrote {len(s['shards_written'])} shard(s) ({format_ranges(s['shards_written']) or 'none'}), "
-        f"skipped {len(s['shards_skipped'])} already committed ({format_ranges(s['shards_skipped']) or 'none'})",
+        f"skipped {len(s['shards_skipped'])} already committed ({format_ranges(s['shards_skipped']) or 'none'})"
+        + (f", left {len(s['shards_left'])} to other live processes ({format_ranges(list(s['shards_left']))}: "
+           f"{', '.join(sorted(set(s['shards_left'].values())))})" if s["shards_left"] else ""),
         f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
         f"skipped rows: {fmt_counts(s['skipped'])}; completions cut at the limit: {s['truncated']}",
         f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
@@ -33,4 +42,4 @@ def render(s: dict) -> str:
         f"backend: linear attention {s['backends']['linear_attention']}, attention {s['backends']['attention']}; "
         f"time in generate {t['generate_s']:.1f}s, capture {t['capture_s']:.1f}s, prepare {t['prepare_s']:.1f}s, "
         f"waiting on the writer {t['stall_s']:.2f}s",
-    ])
+    ]
