@@ -18,7 +18,6 @@ from pathlib import Path
 from pipeline import fingerprint
 from pipeline.errors import DatasetError
 
-
 SHAREGPT_FIELD = "conversations"  # where ShareGPT rows keep their turns, when the messages field is absent
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
