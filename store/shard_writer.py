@@ -2,9 +2,11 @@
 
 The model thread hands each batch over with `add` and returns to the next forward; the writer
 thread converts to bf16 bits, checksums, and writes whole zarr shards (`shard_tokens` tokens, so
-no write ever rewrites a shard object) while the model runs. `commit` drains the queue, writes
-the tail and the small per-sample arrays, checks the lock is still ours, and only then writes the
-commit file. Anything that stops earlier leaves a shard without a commit file, which no reader
+no write ever rewrites a shard object) while the model runs. The states handed over and not yet
+written are bounded in bytes (`max_held_bytes`; one batch is always taken): at hidden 5120 one
+batch of 32 x 4k tokens is 6.7 GB, so a count of batches would not bound host memory. `commit`
+drains the queue, writes the tail and the small per-sample arrays, checks the lock is still ours,
+and only then writes the commit file. Anything that stops earlier leaves a shard without a commit file, which no reader
 trusts and a rerun redoes.
 """
 
@@ -39,7 +41,7 @@ class ShardStats:
 class ShardWriter:
     def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
                  chunk_tokens: int, shard_tokens: int, compression_level: int = layout.COMPRESSION_LEVEL,
-                 queue_depth: int = 3) -> None:
+                 max_held_bytes: int = 4 << 30) -> None:
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
@@ -55,6 +57,10 @@ class ShardWriter:
         self._written = 0
         self._pending: list[np.ndarray] = []
         self._pending_len = 0
+        self._token_bytes = n_taps * hidden_size * 2
+        self._max_held_tokens = max(1, max_held_bytes // self._token_bytes)
+        self._held_tokens = 0  # handed over, not yet written
+        self._room = threading.Condition()
         self._error: BaseException | None = None
         store.clear_shard(shard)
         g = zarr.open_group(store.location, mode="a", path=layout.shard_group(shard))
@@ -64,7 +70,7 @@ class ShardWriter:
             "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
             compressors=layout.compressor(compression_level), fill_value=0)
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()
 
@@ -84,11 +90,21 @@ class ShardWriter:
         self.stats.truncated += int(truncated)
 
     def add_hidden(self, hidden: torch.Tensor) -> None:
-        """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order."""
-        self._raise_if_failed()
+        """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order. Waits
+        while the writer holds more than max_held_bytes (unless it holds nothing)."""
         t0 = time.perf_counter()
+        with self._room:
+            while self._held_tokens and self._held_tokens + len(hidden) > self._max_held_tokens and self._error is None:
+                self._room.wait(0.5)
+            self._raise_if_failed()
+            self._held_tokens += len(hidden)
         self._queue.put(hidden)
         self.stall_s += time.perf_counter() - t0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of states handed over and not yet written."""
+        return self._held_tokens * self._token_bytes
 
     def skip(self, reason: str) -> None:
         self.stats.skipped[reason] += 1
@@ -128,10 +144,7 @@ class ShardWriter:
     def abort(self) -> None:
         """Stop the writer thread; the shard stays uncommitted."""
         if self._thread.is_alive():
-            try:
-                self._queue.put(_DONE, timeout=5)
-            except queue.Full:
-                pass
+            self._queue.put(_DONE)
             self._thread.join(timeout=30)
 
     def _raise_if_failed(self) -> None:
@@ -154,13 +167,9 @@ class ShardWriter:
             self._flush(final=True)
             self.busy_s += time.perf_counter() - t0
         except BaseException as e:  # surfaced in the model thread on its next call
-            self._error = e
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    if self._queue.get_nowait() is _DONE:
-                        break
-                except queue.Empty:
-                    break
+            with self._room:
+                self._error = e
+                self._room.notify_all()
 
     def _flush(self, final: bool) -> None:
         if not self._pending_len:
@@ -172,6 +181,9 @@ class ShardWriter:
             self.hidden.resize((end, self.n_taps, self.hidden_size))
             self.hidden[self._written:end] = data[:n]
             self._written = end
+            with self._room:
+                self._held_tokens -= n
+                self._room.notify_all()
         rest = data[n:]
         self._pending = [rest] if len(rest) else []
         self._pending_len = len(rest)

@@ -44,6 +44,8 @@ class ExtractConfig:
     chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
     shard_tokens: int = setting(4096, "Tokens per zarr shard file (a multiple of --chunk-tokens).")
     compression_level: int = setting(layout.COMPRESSION_LEVEL, "Lossless zstd level, 0-9.")
+    writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
+                                           "capture waits beyond it (one batch is always taken).")
 
     def __post_init__(self) -> None:
         fill(self, "target", self.target or str(TINY_TARGET))
@@ -51,6 +53,7 @@ class ExtractConfig:
         fill(self, "device", self.device or devices.default_device())
         check_choices(self)
         at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards")
+        require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         require(self, "compression_level", 0 <= self.compression_level <= 9, "blosc levels run 0-9")
         require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,
                 f"must be a multiple of --chunk-tokens {self.chunk_tokens}")
