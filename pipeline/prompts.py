@@ -11,11 +11,9 @@ fingerprint, so a changed dataset cannot silently shift rows between shards.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from pipeline import fingerprint
+from pipeline import row_sources
 from pipeline.errors import DatasetError
 
 SHAREGPT_FIELD = "conversations"  # where ShareGPT rows keep their turns, when the messages field is absent
@@ -37,7 +35,10 @@ class Row:
 
 
 class PromptSet:
-    def __init__(self, records: list[dict], source: str, fields: Fields, sha256: str) -> None:
+    """records: the rows as a sequence of dicts, read lazily where the source allows
+    (pipeline/row_sources.py): a process decodes only the rows of the shards it works on."""
+
+    def __init__(self, records, source: str, sha256: str, fields: Fields) -> None:
         self.records = records
         self.source = source
         self.fields = fields
@@ -103,69 +104,6 @@ class PromptSet:
 
 
 def load(source: str, fields: Fields = Fields(), split: str = "train") -> PromptSet:
-    path = Path(source).expanduser()
-    if path.is_file():
-        suffix = "".join(path.suffixes[-1:]).lower()
-        if suffix == ".jsonl":
-            records = _read_jsonl(path)
-        elif suffix == ".json":
-            records = _read_json(path)
-        elif suffix == ".parquet":
-            records = _read_parquet(path)
-        else:
-            raise DatasetError(f"--dataset {path}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet")
-        return PromptSet(records, str(path), fields, fingerprint.sha256_file(path))
-    if path.is_dir() or source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".parquet")):
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
-            return _from_datasets(str(path), fields, split, on_disk=True)
-        raise DatasetError(f"--dataset {source}: no such file (or not a saved `datasets` directory)")
-    return _from_datasets(source, fields, split, on_disk=False)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"--dataset {path}: line {n} is not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise DatasetError(f"--dataset {path}: line {n} is not a JSON object")
-            records.append(rec)
-    return records
-
-
-def _read_json(path: Path) -> list[dict]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"--dataset {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
-        data = next(iter(data.values()))
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise DatasetError(f"--dataset {path}: expected a JSON list of objects")
-    return data
-
-
-def _read_parquet(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:
-        raise DatasetError(f"--dataset {path}: cannot read parquet ({e})") from None
-
-
-def _from_datasets(name: str, fields: Fields, split: str, on_disk: bool) -> PromptSet:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(name) if on_disk else datasets.load_dataset(name, split=split)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[split]
-    except Exception as e:
-        raise DatasetError(f"--dataset {name}: cannot load it with `datasets` ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    return PromptSet(ds.to_list(), name, fields, fingerprint.sha256_json({"fingerprint": ds._fingerprint, "rows": len(ds)}))
+    """The prompt set at source: a .jsonl, .json or .parquet file, a saved `datasets` directory, or a
+    hub dataset name."""
+    return PromptSet(*row_sources.open_rows(source, split), fields)
