@@ -55,6 +55,11 @@ class PromptSet:
         n = len(self.records)
         return range(shard * n // num_shards, (shard + 1) * n // num_shards)
 
+    def by_length(self, rows) -> list[int]:
+        """rows ordered by the length of their prompt text (stable): batches of similar lengths pad
+        little in generation and capture."""
+        return sorted(rows, key=lambda i: sum(len(str(m["content"])) for m in self.row(i).messages))
+
     def check(self, rows) -> None:
         """Parse every row of `rows` now (before any model loads); the first bad one is named."""
         for i in rows:

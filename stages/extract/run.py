@@ -142,7 +142,7 @@ class Extractor:
         writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
                              c.shard_tokens, c.compression_level, max_held_bytes=int(c.writer_memory_gb * 2**30))
         try:
-            rows = list(self.prompt_set.shard_rows(shard, self.num_shards))
+            rows = self.prompt_set.by_length(self.prompt_set.shard_rows(shard, self.num_shards))
             for start in range(0, len(rows), c.batch_size):
                 batch = rows[start:start + c.batch_size]
                 self.batch(batch, writer)
