@@ -32,6 +32,7 @@ class Row:
     index: int
     messages: tuple  # chat turns for the prompt, each {"role", "content"}
     response: str | None  # the dataset's own assistant answer, if any
+    response_ids: tuple[int, ...] | None = None  # the answer as token ids (an engine's, generated offline)
 
 
 class PromptSet:
@@ -68,20 +69,32 @@ class PromptSet:
     def row(self, i: int) -> Row:
         rec = self.records[i]
         f = self.fields
+        ids = self._ids(i, rec)
         turns_field = f.messages if f.messages in rec else SHAREGPT_FIELD if SHAREGPT_FIELD in rec else None
         if turns_field is not None:
             msgs = self._turns(i, turns_field, rec[turns_field])
             last_assistant = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
             if last_assistant is None:
-                return Row(i, tuple(msgs), None)
-            return Row(i, tuple(msgs[:last_assistant]), msgs[last_assistant]["content"])
+                return Row(i, tuple(msgs), None, ids)
+            return Row(i, tuple(msgs[:last_assistant]), msgs[last_assistant]["content"], ids)
         if f.prompt in rec:
             prompt = rec[f.prompt]
             if not isinstance(prompt, str):
                 raise DatasetError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
-            return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response))
+            return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response), ids)
         raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
                            f"nor {f.prompt!r} (fields present: {sorted(rec)})")
+
+    def _ids(self, i: int, rec: dict) -> tuple[int, ...] | None:
+        """The row's response as token ids, from `<response field>_ids` (e.g. `response_ids`), if any."""
+        name = f"{self.fields.response}_ids"
+        ids = rec.get(name)
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
+            raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is not a list of token ids (ints >= 0)")
+        return tuple(ids)
 
     def _turns(self, i: int, field: str, turns) -> list[dict]:
         """A row's turns as {"role", "content"}, from either style."""

@@ -34,7 +34,10 @@ def options(config_cls):
             return fn(config=config_cls(**{f.name: kw.pop(f.name) for f in fields}), **kw)
 
         for f in reversed(fields):
-            command = click.option(flag_of(config_cls, f.name), f.name, **_option(f, hints[f.name]))(command)
+            flag = flag_of(config_cls, f.name)
+            if _base(hints[f.name]) is bool and f.default is True:  # on by default: --x/--no-x
+                flag = f"{flag}/--no-{flag[2:]}"
+            command = click.option(flag, f.name, **_option(f, hints[f.name]))(command)
         return command
 
     return decorate

@@ -159,6 +159,9 @@ class ShardCommit:
     shapes: dict  # array name -> shape
     checksums: dict  # array name -> CRC-32 of its C-order bytes; "algorithm" says so
     writer: dict  # the writer thread's timing
+    # {"matches", "tokens"}: completion tokens equal to the target's own argmax at the position
+    # before (None: not checked, or a store written before the check existed)
+    agreement: dict | None = None
     run: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:

@@ -36,6 +36,7 @@ class ShardStats:
     completion_tokens: int = 0
     skipped: dict = field(default_factory=lambda: {r: 0 for r in layout.SKIP_REASONS})
     truncated: int = 0  # completions cut at --max-length / --max-new-tokens without an EOS
+    agreement: dict | None = None  # {"matches", "tokens"}: completion tokens equal to the target's argmax
 
 
 class ShardWriter:
@@ -109,6 +110,11 @@ class ShardWriter:
     def skip(self, reason: str) -> None:
         self.stats.skipped[reason] += 1
 
+    def agree(self, matches: int, tokens: int) -> None:
+        """Count completion tokens checked against the target's own argmax, and how many matched."""
+        a = self.stats.agreement or {"matches": 0, "tokens": 0}
+        self.stats.agreement = {"matches": a["matches"] + matches, "tokens": a["tokens"] + tokens}
+
     def commit(self, lock, run: dict) -> ShardCommit:
         """Finish the shard and write its commit file; returns the commit record. lock: the shard's
         lock (None on object stores); run: the extractor's notes for the record."""
@@ -137,7 +143,8 @@ class ShardWriter:
             shapes={"hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
                     **{k: list(v.shape) for k, v in arrays.items()}},
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
-            writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)}, run=run)
+            writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
+            agreement=self.stats.agreement, run=run)
         self.store.write_commit(record)
         return record
 

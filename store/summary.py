@@ -30,6 +30,7 @@ def summarize(store: HiddenStore) -> dict:
         "completion_tokens": sum(m.completion_tokens for m in committed.values()),
         "skipped": skipped,
         "truncated": sum(m.truncated for m in committed.values()),
+        "agreement": agreement(committed.values()),
         "bytes_on_disk": store.bytes_on_disk(),
         "hidden_bytes_on_disk": shard_bytes,
         "hidden_bytes_raw_bf16": hidden_raw,
@@ -65,6 +66,7 @@ def render(s: dict) -> str:
         f"shards       {s['shards_done']}/{s['num_shards']} done ({s['done'] or 'none'}); missing: {s['missing'] or 'none'}",
         f"samples      {s['samples']}  (skipped: {fmt_counts(s['skipped'])}; truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
+        f"agreement    {fmt_agreement(s['agreement'])}",
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
         f"target       {p['target']} ({p['model_class']}; tokenizer {p['tokenizer_class'] or 'not recorded'})",
@@ -77,6 +79,23 @@ def render(s: dict) -> str:
         "versions     " + ", ".join(f"{k} {v}" for k, v in p["versions"].items()),
     ]
     return "\n".join(lines)
+
+
+def agreement(records) -> dict | None:
+    """Totals of the shards' agreement checks: matches, tokens, rate (None if no shard was checked)."""
+    checked = [r.agreement for r in records if r.agreement]
+    if not checked:
+        return None
+    matches, tokens = sum(a["matches"] for a in checked), sum(a["tokens"] for a in checked)
+    return {"matches": matches, "tokens": tokens, "rate": round(matches / tokens, 6) if tokens else None,
+            "shards_checked": len(checked)}
+
+
+def fmt_agreement(a: dict | None) -> str:
+    if not a or not a["tokens"]:
+        return "not checked"
+    return (f"{100 * a['rate']:.2f}% of {a['tokens']} completion tokens are the target's own argmax "
+            f"({a['shards_checked']} shard(s) checked)")
 
 
 def fmt_counts(counts: dict) -> str:

@@ -78,22 +78,45 @@ class Target:
         return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
     @torch.inference_mode()
-    def capture(self, seqs: list[list[int]], taps: list[int]) -> torch.Tensor:
+    def capture(self, seqs: list[list[int]], taps: list[int], prompt_lens: list[int] | None = None):
         """Tap outputs for each sequence, concatenated along tokens.
 
-        Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order.
-        Right padding: every real token sees only real tokens before it (causal model).
+        Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order. Right padding:
+        every real token sees only real tokens before it (causal model). The forward stops after
+        the last tap, unless prompt_lens are given: then it runs on through the final norm and
+        lm_head along each completion and also returns the agreement (matches, tokens): how many
+        completion tokens equal the target's own argmax at the position before.
         """
         ids, mask = self._pad(seqs, left=False)
         grabbed: dict[int, torch.Tensor] = {}
+        out = None
         try:
-            with tapping(self.layers, taps, grabbed, stop_after_last=True), self.recorder.recording():
-                self.model.get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+            with tapping(self.layers, taps, grabbed, stop_after_last=prompt_lens is None), self.recorder.recording():
+                out = self.model.get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                               use_cache=False)
         except StopForward:
             pass
         stacked = torch.stack([grabbed[k] for k in taps], dim=2).to(torch.bfloat16)  # [B, W, n_taps, H]
-        valid = mask.to(stacked.device).bool()
-        return stacked[valid].cpu()  # [T, n_taps, H]; boolean indexing keeps row-major (sequence) order
+        hidden = stacked[mask.to(stacked.device).bool()].cpu()  # [T, n_taps, H]; row-major = sequence order
+        if prompt_lens is None:
+            return hidden
+        return hidden, self._agreement(out.last_hidden_state, ids, prompt_lens, [len(s) for s in seqs])
+
+    def _agreement(self, last: torch.Tensor, ids: torch.Tensor, prompt_lens: list[int], lengths: list[int],
+                   chunk: int = 1024) -> tuple[int, int]:
+        """last: [B, W, H] after the final norm. The target's greedy token after position t is the
+        argmax of lm_head(last[t]); compare it with each completion token. Logits are made a chunk
+        of positions at a time ([chunk, V], not [tokens, V])."""
+        rows = [i for i, (p, n) in enumerate(zip(prompt_lens, lengths)) for _ in range(p - 1, n - 1)]
+        cols = [t for p, n in zip(prompt_lens, lengths) for t in range(p - 1, n - 1)]
+        rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+        want = ids[rows_t, cols_t + 1]  # [M]
+        head = self.model.get_output_embeddings()
+        matches = 0
+        for lo in range(0, len(rows), chunk):
+            h = last[rows_t[lo:lo + chunk].to(last.device), cols_t[lo:lo + chunk].to(last.device)]  # [c, H]
+            matches += int((head(h).argmax(-1).cpu() == want[lo:lo + chunk]).sum())
+        return matches, len(rows)
 
     def _pad(self, seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, attention mask: [B, W] long, padded on the left (generation) or the right (capture)."""

@@ -26,7 +26,9 @@ class ExtractConfig:
     messages_field: str = setting("messages", "Field holding chat turns: {role, content} or ShareGPT {from, value} "
                                               "(rows without it are read from 'conversations').")
     prompt_field: str = setting("prompt", "Field holding a plain prompt (if no messages).")
-    response_field: str = setting("response", "Field holding the response for plain prompts (--responses dataset).")
+    response_field: str = setting("response", "Field holding the response for plain prompts (--responses dataset); "
+                                              "a row may instead carry it as token ids in '<this>_ids' (e.g. "
+                                              "response_ids, an engine's output generated offline), used verbatim.")
     responses: str = setting("regenerate", "regenerate: the target's greedy completion; dataset: the dataset's own "
                                            "assistant turn.", choices=("regenerate", "dataset"))
     max_new_tokens: int = setting(256, "Completion length limit.")
@@ -44,6 +46,10 @@ class ExtractConfig:
     chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
     shard_tokens: int = setting(4096, "Tokens per zarr shard file (a multiple of --chunk-tokens).")
     compression_level: int = setting(layout.COMPRESSION_LEVEL, "Lossless zstd level, 0-9.")
+    agreement: bool = setting(True, "Run the capture forward on to the target's lm_head along each completion and "
+                                    "record how often the completion token is the target's own argmax (per shard and "
+                                    "in `pipeline info`; ~100% for regenerated references, lower for another engine "
+                                    "on near-ties; low means a wrong server, template or tokenizer).")
     writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
                                            "capture waits beyond it (one batch is always taken).")
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pipeline import device as devices
 from pipeline import prompts as prompt_sets
+from pipeline.errors import DatasetError
 from pipeline.target import loading
 from pipeline.target.model import Target
 from pipeline.target.taps import parse_taps
@@ -131,7 +132,7 @@ class Extractor:
         self.prompt_set, self.num_shards = prompt_set, num_shards
         self.summary = {
             "store": config.store, "shards_written": [], "shards_skipped": [], "shards_left": {}, "samples": 0,
-            "tokens": 0,
+            "tokens": 0, "records": [],
             "batches": 0, "skipped": {r: 0 for r in layout.SKIP_REASONS}, "truncated": 0,
             "timing": {"prepare_s": 0.0, "generate_s": 0.0, "capture_s": 0.0, "stall_s": 0.0, "writer_busy_s": 0.0},
         }
@@ -161,6 +162,7 @@ class Extractor:
         timing["stall_s"] += writer.stall_s
         timing["writer_busy_s"] += writer.busy_s
         s["shards_written"].append(shard)
+        s["records"].append(record)
         s["samples"] += record.samples
         s["truncated"] += record.truncated
         for reason, n in record.skipped.items():
@@ -181,13 +183,18 @@ class Extractor:
             ended = bool(completion) and completion[-1] in self.target.eos_ids
             writer.add(row_id, prompt, completion, truncated=not ended)
         t = time.perf_counter()
-        hidden = self.target.capture([r[1] + c for r, c in zip(ready, completions)], self.taps)  # [T, n_taps, H] bf16
+        seqs = [r[1] + c for r, c in zip(ready, completions)]
+        if self.config.agreement:
+            hidden, (matches, tokens) = self.target.capture(seqs, self.taps, [len(r[1]) for r in ready])
+            writer.agree(matches, tokens)
+        else:
+            hidden = self.target.capture(seqs, self.taps)  # [T, n_taps, H] bf16
         timing["capture_s"] += time.perf_counter() - t
         writer.add_hidden(hidden)
         self.summary["tokens"] += len(hidden)
 
-    def prepare(self, rows: list[int], writer: ShardWriter) -> list[tuple[int, list[int], int, str | None]]:
-        """(row_id, prompt ids, completion limit, dataset response) for each usable row; skips are counted."""
+    def prepare(self, rows: list[int], writer: ShardWriter) -> list[tuple[int, list[int], int, prompt_sets.Row]]:
+        """(row_id, prompt ids, completion limit, the row) for each usable row; skips are counted."""
         c, tok = self.config, self.target.tokenizer
         ready = []
         for i in rows:
@@ -195,7 +202,7 @@ class Extractor:
             if not row.messages or not any(str(m["content"]).strip() for m in row.messages):
                 writer.skip("empty_prompt")
                 continue
-            if c.responses == "dataset" and row.response is None:
+            if c.responses == "dataset" and row.response is None and row.response_ids is None:
                 writer.skip("missing_response")
                 continue
             text = tok.apply_chat_template(list(row.messages), add_generation_prompt=True, tokenize=False)
@@ -203,12 +210,22 @@ class Extractor:
             if len(prompt) >= c.max_length:
                 writer.skip("prompt_too_long")
                 continue
-            ready.append((i, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row.response))
+            ready.append((i, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row))
         return ready
 
     def complete(self, ready) -> list[list[int]]:
-        """Greedy completions from the target, or the dataset's own responses (+ EOS), cut to each limit."""
+        """Greedy completions from the target, or the dataset's own responses cut to each limit: its
+        token ids verbatim when it has them, else its text tokenized, plus EOS."""
         if self.config.responses == "regenerate":
             return self.target.generate([r[1] for r in ready], [r[2] for r in ready])
+        return [self.dataset_response(row, limit) for _, _, limit, row in ready]
+
+    def dataset_response(self, row, limit: int) -> list[int]:
+        if row.response_ids is not None:
+            bad = [t for t in row.response_ids if t >= self.target.vocab_size]
+            if bad:
+                raise DatasetError(f"dataset {self.prompt_set.source}: row {row.index} response ids hold {bad[0]}, "
+                                   f"outside the target's vocabulary (0-{self.target.vocab_size - 1})")
+            return list(row.response_ids[:limit])
         tok, eos = self.target.tokenizer, self.target.eos_ids[0]
-        return [(tok(r[3], add_special_tokens=False).input_ids + [eos])[: r[2]] for r in ready]
+        return (tok(row.response, add_special_tokens=False).input_ids + [eos])[:limit]

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pipeline.device import Process
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
-from store.summary import fmt_counts, human_bytes, summarize
+from store.summary import agreement, fmt_agreement, fmt_counts, human_bytes, summarize
 
 
 def finish_summary(store: HiddenStore, summary: dict) -> dict:
@@ -15,6 +15,7 @@ def finish_summary(store: HiddenStore, summary: dict) -> dict:
     s = summarize(store)
     summary.update({k: s[k] for k in ("bytes_on_disk", "hidden_bytes_on_disk", "hidden_bytes_raw_bf16",
                                       "compression_ratio", "shards_done", "num_shards", "missing")})
+    summary["agreement"] = agreement(summary.pop("records"))
     summary["backends"] = asdict(summary["backends"])
     summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] else 0.0
     return summary
@@ -36,6 +37,7 @@ def _lines(s: dict) -> list[str]:
            f"{', '.join(sorted(set(s['shards_left'].values())))})" if s["shards_left"] else ""),
         f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
         f"skipped rows: {fmt_counts(s['skipped'])}; completions cut at the limit: {s['truncated']}",
+        f"agreement: {fmt_agreement(s['agreement'])}",
         f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
         f"{human_bytes(s['bytes_on_disk'])} on disk; hidden states {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16 ({ratio})",

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 
 from stages.extract.config import ExtractConfig
@@ -78,6 +79,18 @@ def test_root_records_provenance_and_frozen_weights(small_store, target):
     assert torch.equal(store.embedding("lm_head"), head)
 
 
+def test_agreement_is_recorded_per_shard(small_store, tmp_path, small_dataset):
+    """Regenerated references are the target's own argmax (fp32: all of them); the dataset's human
+    responses are not, and the check says so."""
+    from store.summary import summarize
+
+    s = summarize(HiddenStore(str(small_store)))["agreement"]
+    assert s["shards_checked"] == 4 and s["tokens"] > 50 and s["rate"] == 1.0
+    config = ExtractConfig(store=str(tmp_path / "ds.zarr"), dataset=str(small_dataset), shards="0", num_shards=4,
+                           responses="dataset", **SMALL)
+    assert run(config, log=lambda m: None)["agreement"]["rate"] < 0.9
+
+
 def test_rerun_skips_committed_shards(small_store, small_dataset):
     before = HiddenStore(str(small_store)).committed()
     config = ExtractConfig(store=str(small_store), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL)
@@ -109,3 +122,21 @@ def test_plain_prompt_rows_and_missing_responses(tmp_path, target):
                            responses="dataset", **SMALL)
     summary = run(config, log=lambda m: None)
     assert summary["samples"] == 1 and summary["skipped"]["missing_response"] == 1
+
+
+def test_response_ids_from_an_engine_are_stored_verbatim(tmp_path, target):
+    from pipeline.errors import DatasetError
+
+    data = tmp_path / "ids.jsonl"
+    rows = [{"prompt": "def add(a, b):", "response_ids": [17, 300, 42, 9, 2]},
+            {"messages": [{"role": "user", "content": "def sub(a, b):"}], "response_ids": [5, 6, 7]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = ExtractConfig(store=str(tmp_path / "ids.zarr"), dataset=str(data), shards="0", num_shards=1,
+                           responses="dataset", **SMALL)
+    run(config, log=lambda m: None)
+    got = {s.row_id: s.tokens[s.prompt_len:].tolist() for s in samples(tmp_path / "ids.zarr")}
+    assert got == {0: [17, 300, 42, 9, 2], 1: [5, 6, 7]}
+    data.write_text(json.dumps({"prompt": "x", "response_ids": [1, 99999]}) + "\n")
+    with pytest.raises(DatasetError, match="row 0 response ids hold 99999, outside the target's vocabulary"):
+        run(ExtractConfig(store=str(tmp_path / "bad.zarr"), dataset=str(data), shards="0", num_shards=1,
+                          responses="dataset", **SMALL), log=lambda m: None)

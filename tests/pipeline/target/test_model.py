@@ -71,3 +71,20 @@ def test_unreadable_target(bad):
 
     with pytest.raises(TargetError, match="--target"):
         load(bad, "cpu", "fp32", "auto")
+
+
+def test_capture_with_agreement_keeps_the_states_and_counts_like_hugging_face(target):
+    seqs = [p + [17, 300, 42, 9] for p in prompt_ids(target, 3)]
+    plens = [len(p) for p in prompt_ids(target, 3)]
+    plain = target.capture(seqs, [1, 3])
+    hidden, (matches, tokens) = target.capture(seqs, [1, 3], plens)
+    assert torch.equal(hidden, plain) and tokens == 4 * 3
+    expected = 0
+    for s, p in zip(seqs, plens):
+        with torch.inference_mode():
+            logits = target.model(input_ids=torch.tensor([s])).logits[0]  # [T, V]
+        expected += int((logits[p - 1:-1].argmax(-1) == torch.tensor(s[p:])).sum())
+    assert matches == expected
+    greedy = target.generate(prompt_ids(target, 3), [6] * 3)
+    _, (m, n) = target.capture([p + g for p, g in zip(prompt_ids(target, 3), greedy)], [1], plens)
+    assert m == n == sum(map(len, greedy))  # its own greedy tokens agree with it (fp32)
