@@ -1,7 +1,9 @@
 """The store's records, typed: the root attributes (`StoreAttrs`) and each shard's commit file
 (`ShardCommit`). Extraction builds them, every reader gets them from `HiddenStore`; nothing else
-reads these JSON keys. The JSON is documented in docs/store.md and is unchanged since schema 1,
-so stores written before these classes existed load as they are.
+reads these JSON keys. The JSON is documented in docs/store.md and is still schema 1: fields added
+since have the default None, meaning "not recorded", and are left out of the JSON while None. So
+stores written before load as they are, write back unchanged, and a run whose settings are the
+same as before has the same fingerprint.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class TargetRecord:
     # tokenizer_class says), and the checkpoint tensors the text model knowingly leaves unused
     # ({pattern: count}: vision tower, MTP heads).
     tokenizer_class: str | None = None
-    non_text_tensors: dict = dataclasses.field(default_factory=dict)
+    non_text_tensors: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,8 +178,73 @@ class ShardCommit:
 
 
 def to_json(record) -> dict:
-    """A record as plain JSON types (tuples become lists)."""
-    return _plain(dataclasses.asdict(record))
+    """A record as plain JSON types (tuples become lists); fields that are None where None is their
+    default (added since schema 1, not recorded) are left out."""
+    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)
+            if not (f.default is None and getattr(record, f.name) is None)}
+
+
+def _plain(v):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return to_json(v)
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def from_json(cls, d: dict, where: str) -> StoreAttrs:
+        if d.get("kind") != KIND:
+            raise NotAStore(f"{where}: not a hidden-state store (root kind {d.get('kind')!r}, expected {KIND!r})")
+        if d.get("schema_version", 0) > SCHEMA_VERSION:
+            raise NotAStore(f"{where}: store schema {d['schema_version']} is newer than this tool's "
+                            f"({SCHEMA_VERSION}); upgrade dflash-pipeline")
+        return from_json(cls, d, f"{where}: root attributes", NotAStore)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCommit:
+    """A shard's commit file, written last: its counts, array shapes and checksums, plus `run`,
+    the extractor's notes (host, pid, device, backends, timing), which sit at the top level of
+    the JSON beside the fields above."""
+
+    shard: int
+    samples: int
+    tokens: int
+    completion_tokens: int
+    skipped: dict  # reason -> rows
+    truncated: int  # completions cut at the length limit without an EOS
+    shapes: dict  # array name -> shape
+    checksums: dict  # array name -> CRC-32 of its C-order bytes; "algorithm" says so
+    writer: dict  # the writer thread's timing
+    # {"matches", "tokens"}: completion tokens equal to the target's own argmax at the position
+    # before (None: not checked, or a store written before the check existed)
+    agreement: dict | None = None
+    run: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = to_json(self)
+        return {**d.pop("run"), **d}
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> ShardCommit:
+        names = {f.name for f in dataclasses.fields(cls)} - {"run"}
+        return from_json(cls, {**{k: v for k, v in d.items() if k in names},
+                               "run": {k: v for k, v in d.items() if k not in names}}, where, StoreCorrupt)
+
+
+def to_json(record) -> dict:
+    """A record as plain JSON types (tuples become lists); fields that are None where None is their
+    default (added since schema 1, not recorded) are left out."""
+    out = {}
+    for f in dataclasses.fields(record):
+        v = getattr(record, f.name)
+        if v is None and f.default is None:
+            continue
+        out[f.name] = to_json(v) if dataclasses.is_dataclass(v) else _plain(dataclasses.asdict(record)[f.name]
+                                                                           if isinstance(v, (dict, list, tuple)) else v)
+    return out
 
 
 def _plain(v):

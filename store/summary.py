@@ -40,7 +40,7 @@ def summarize(store: HiddenStore) -> dict:
             "target": attrs.target.path,
             "model_class": attrs.target.model_class,
             "tokenizer_class": attrs.target.tokenizer_class,
-            "non_text_tensors": attrs.target.non_text_tensors,
+            "non_text_tensors": attrs.target.non_text_tensors or {},
             "target_fingerprint": attrs.target.fingerprint,
             "taps": list(attrs.taps),
             "hidden_size": hidden,

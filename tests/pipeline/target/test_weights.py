@@ -61,7 +61,7 @@ def test_a_multimodal_release_loads_as_the_text_model_with_its_parts_recorded(mu
     assert t.record.non_text_tensors == {"^mtp.*": 1, "^model.visual.*": t.record.non_text_tensors["^model.visual.*"]}
     assert t.record.non_text_tensors["^model.visual.*"] > 10
     assert t.record.tokenizer_class == "Qwen3_5Tokenizer" != target.record.tokenizer_class  # transformers' own
-    assert target.record.non_text_tensors == {}
+    assert target.record.non_text_tensors == {}  # recorded (none): not None, which means not recorded
     ids = [[5, 17, 300, 42, 9, 1000, 7], [3, 4, 5]]
     assert torch.equal(t.capture(ids, [1, 3, 7]), target.capture(ids, [1, 3, 7]))  # bit-identical
 
