@@ -15,3 +15,7 @@ class DatasetError(UserError):
 
 class DrafterError(UserError):
     """A drafter config or checkpoint that is invalid, does not load strictly, or does not fit the store."""
+
+
+class EngineError(UserError):
+    """A reference server that cannot be reached, or does not serve what the store needs."""

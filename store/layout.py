@@ -29,7 +29,7 @@ HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
 SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
 ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
                 "prompt_lens": np.int32, "row_ids": np.int64}
-SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response")
+SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected")
 COMPRESSION_LEVEL = 3  # zstd level of every array unless extraction is told otherwise
 
 

@@ -51,6 +51,7 @@ class Compat:
     chunk_tokens: int
     shard_tokens: int
     compression_level: int
+    references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""
@@ -59,7 +60,7 @@ class Compat:
     def differences(self, other: Compat) -> dict[str, tuple]:
         """{field: (mine, theirs)} for every field that differs."""
         a, b = to_json(self), to_json(other)
-        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +136,7 @@ class StoreAttrs:
     dtype: str
     layout: LayoutRecord
     versions: dict  # package -> version
+    engine: dict | None = None  # --responses server: url (no credentials), model, engine, version
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> StoreAttrs:
@@ -193,66 +195,6 @@ def _plain(v):
         return [_plain(x) for x in v]
     return v
 
-
-def from_json(cls, d: dict, where: str) -> StoreAttrs:
-        if d.get("kind") != KIND:
-            raise NotAStore(f"{where}: not a hidden-state store (root kind {d.get('kind')!r}, expected {KIND!r})")
-        if d.get("schema_version", 0) > SCHEMA_VERSION:
-            raise NotAStore(f"{where}: store schema {d['schema_version']} is newer than this tool's "
-                            f"({SCHEMA_VERSION}); upgrade dflash-pipeline")
-        return from_json(cls, d, f"{where}: root attributes", NotAStore)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardCommit:
-    """A shard's commit file, written last: its counts, array shapes and checksums, plus `run`,
-    the extractor's notes (host, pid, device, backends, timing), which sit at the top level of
-    the JSON beside the fields above."""
-
-    shard: int
-    samples: int
-    tokens: int
-    completion_tokens: int
-    skipped: dict  # reason -> rows
-    truncated: int  # completions cut at the length limit without an EOS
-    shapes: dict  # array name -> shape
-    checksums: dict  # array name -> CRC-32 of its C-order bytes; "algorithm" says so
-    writer: dict  # the writer thread's timing
-    # {"matches", "tokens"}: completion tokens equal to the target's own argmax at the position
-    # before (None: not checked, or a store written before the check existed)
-    agreement: dict | None = None
-    run: dict = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = to_json(self)
-        return {**d.pop("run"), **d}
-
-    @classmethod
-    def from_json(cls, d: dict, where: str) -> ShardCommit:
-        names = {f.name for f in dataclasses.fields(cls)} - {"run"}
-        return from_json(cls, {**{k: v for k, v in d.items() if k in names},
-                               "run": {k: v for k, v in d.items() if k not in names}}, where, StoreCorrupt)
-
-
-def to_json(record) -> dict:
-    """A record as plain JSON types (tuples become lists); fields that are None where None is their
-    default (added since schema 1, not recorded) are left out."""
-    out = {}
-    for f in dataclasses.fields(record):
-        v = getattr(record, f.name)
-        if v is None and f.default is None:
-            continue
-        out[f.name] = to_json(v) if dataclasses.is_dataclass(v) else _plain(dataclasses.asdict(record)[f.name]
-                                                                           if isinstance(v, (dict, list, tuple)) else v)
-    return out
-
-
-def _plain(v):
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return v
 
 
 def from_json(cls, d: dict, where: str, error: type[Exception]):

@@ -3,7 +3,7 @@ real process faults):  python -m tests.paused_cli N ARGS...
 
 It prints `PAUSED shard=S` to stderr once the N-th batch of the run was handed to the shard writer,
 then sleeps; everything else is the real command. The pause comes from outside: it wraps the
-stage's public `Extractor.batch`, so production code carries no test hook."""
+stage's public `Extractor.finish`, so production code carries no test hook."""
 
 import sys
 import time
@@ -12,17 +12,17 @@ from pipeline.cli import main
 from stages.extract.run import Extractor
 
 PAUSE_AFTER = int(sys.argv.pop(1))
-_batch = Extractor.batch
+_finish = Extractor.finish
 _done = []
 
 
-def batch(self, rows, writer):
-    _batch(self, rows, writer)
-    _done.append(writer.shard)
+def finish(self, batch, writer, bar, shard):
+    _finish(self, batch, writer, bar, shard)
+    _done.append(shard)
     if len(_done) == PAUSE_AFTER:
-        print(f"PAUSED shard={writer.shard}", file=sys.stderr, flush=True)
+        print(f"PAUSED shard={shard}", file=sys.stderr, flush=True)
         time.sleep(3600)
 
 
-Extractor.batch = batch
+Extractor.finish = finish
 main()

@@ -98,7 +98,7 @@ def test_an_overlapping_range_leaves_the_shard_a_live_writer_holds(tmp_path, sma
 def test_two_ranks_under_torchrun_equal_one_process(tmp_path, small_dataset, reference):
     path = tmp_path / "hs.zarr"
     p = pipeline_proc(cli_args(path, small_dataset, "0-3"), nproc=2)
-    out, err = p.communicate(timeout=400)
+    out, err = p.communicate(timeout=900)
     assert p.returncode == 0, err
     assert "rank 0/2 store" in err and "rank 1/2 store" in err  # each read its place from torchrun
     assert "rank 0/2 wrote" in out and "rank 1/2 wrote" in out
@@ -109,7 +109,7 @@ def test_ranks_killed_mid_shard_then_another_world_size_equals_uninterrupted(tmp
     path = tmp_path / "hs.zarr"
     proc = pipeline_proc(cli_args(path, small_dataset, "0-3"), nproc=2, pause_after=1)  # each rank: one batch
     try:
-        paused, deadline = 0, time.time() + 300
+        paused, deadline = 0, time.time() + 600
         while paused < 2 and time.time() < deadline:
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "torchrun exited before both ranks paused"
@@ -121,6 +121,6 @@ def test_ranks_killed_mid_shard_then_another_world_size_equals_uninterrupted(tmp
         proc.wait()
     assert not HiddenStore(str(path)).committed() and list((path / "_locks").glob("*.lock"))
     p = pipeline_proc(cli_args(path, small_dataset, "0-3"), nproc=3)
-    out, err = p.communicate(timeout=400)
+    out, err = p.communicate(timeout=900)
     assert p.returncode == 0, err
     assert_stores_equal(path, reference)

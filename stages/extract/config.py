@@ -29,8 +29,15 @@ class ExtractConfig:
     response_field: str = setting("response", "Field holding the response for plain prompts (--responses dataset); "
                                               "a row may instead carry it as token ids in '<this>_ids' (e.g. "
                                               "response_ids, an engine's output generated offline), used verbatim.")
-    responses: str = setting("regenerate", "regenerate: the target's greedy completion; dataset: the dataset's own "
-                                           "assistant turn.", choices=("regenerate", "dataset"))
+    responses: str = setting("regenerate", "regenerate: the target's greedy completion, generated here; server: the "
+                                           "greedy completion of the engine at --server-url (vLLM, SGLang); dataset: "
+                                           "the dataset's own assistant turn.",
+                             choices=("regenerate", "server", "dataset"))
+    server_url: str | None = setting(None, "OpenAI-compatible server (vLLM, SGLang) serving the target, for "
+                                           "--responses server, e.g. http://127.0.0.1:8000.")
+    server_model: str | None = setting(None, "The served model to ask.", default_text="the only one served")
+    concurrency: int = setting(64, "Requests in flight to the server (it batches them).")
+    server_timeout_s: float = setting(600.0, "Seconds one request may take; transient failures are retried.")
     max_new_tokens: int = setting(256, "Completion length limit.")
     max_length: int = setting(1024, "Prompt + completion limit; longer prompts are skipped and counted.")
     batch_size: int = setting(16, "Prompts per generate/capture batch.")
@@ -58,7 +65,10 @@ class ExtractConfig:
         fill(self, "dataset", self.dataset or str(DEFAULT_PROMPTS))
         fill(self, "device", self.device or devices.default_device())
         check_choices(self)
-        at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards")
+        require(self, "server_url", bool(self.server_url) == (self.responses == "server"),
+                "goes with --responses server, and it needs one")
+        at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards",
+                 "concurrency")
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         require(self, "compression_level", 0 <= self.compression_level <= 9, "blosc levels run 0-9")
         require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,

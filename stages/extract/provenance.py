@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from pipeline import fingerprint
+from pipeline.engine import EngineInfo, redact
 from pipeline.prompts import PromptSet
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
@@ -17,7 +18,7 @@ PACKAGES = ("torch", "transformers", "flash-linear-attention", "triton", "zarr",
 
 
 def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id: int, num_shards: int,
-                prompt_set: PromptSet, backends: Backends) -> StoreAttrs:
+                prompt_set: PromptSet, backends: Backends, engine: EngineInfo | None) -> StoreAttrs:
     described = prompt_set.describe()
     compat = Compat(
         schema_version=SCHEMA_VERSION, target_fingerprint=target.record.fingerprint,
@@ -27,17 +28,19 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         responses=config.responses, max_new_tokens=config.max_new_tokens, max_length=config.max_length,
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
-        shard_tokens=config.shard_tokens, compression_level=config.compression_level)
+        shard_tokens=config.shard_tokens, compression_level=config.compression_level,
+        references=engine.identity if engine else None)
     return StoreAttrs(
         fingerprint=fingerprint.sha256_json(to_json(compat)), compat=compat,
-        extract={**asdict(config), "num_shards": num_shards}, taps=tuple(taps), num_layers=target.num_layers,
+        extract={**asdict(config), "server_url": redact(config.server_url) if config.server_url else None,
+                 "num_shards": num_shards}, taps=tuple(taps), num_layers=target.num_layers,
         hidden_size=target.hidden_size, vocab_size=target.vocab_size, mask_token_id=mask_id,
         eos_token_ids=tuple(target.eos_ids), pad_token_id=target.pad_id, num_shards=num_shards,
         hidden_dtype=layout.HIDDEN_DTYPE, target=target.record,
         dataset=DatasetRecord(**described, split=config.split), backends=backends, device=str(target.device),
         dtype=config.dtype, layout=LayoutRecord(chunk_tokens=config.chunk_tokens, shard_tokens=config.shard_tokens,
                                                 compressor=layout.compressor(config.compression_level).to_dict()),
-        versions=versions())
+        versions=versions(), engine=asdict(engine) if engine else None)
 
 
 def versions() -> dict:

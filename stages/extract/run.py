@@ -12,11 +12,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from pipeline import device as devices
 from pipeline import prompts as prompt_sets
+from pipeline.engine import Engine
 from pipeline.errors import DatasetError
 from pipeline.target import loading
 from pipeline.target.model import Target
@@ -58,7 +62,13 @@ def run(config: ExtractConfig, log=print) -> dict:
         config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field, config.response_field), config.split)
     for shard in shard_ids:  # every row of this run parsed now: a bad row in the last shard fails in seconds
         prompt_set.check(prompt_set.shard_rows(shard, num_shards))
+    engine = None
+    if config.responses == "server":  # before the target loads: a wrong URL or model fails in seconds
+        engine = Engine(config.server_url, config.server_model, config.concurrency, config.server_timeout_s)
+        say(f"references from {engine.connect().identity} at {engine.info.url}")
     target = loading.load(config.target, process.device(config.device), config.dtype, config.linear_attention)
+    if engine is not None:
+        engine.check_vocabulary(target.tokenizer)
     taps = parse_taps(config.taps, target.num_layers)
     mask_id = config.mask_token_id if config.mask_token_id is not None else target.tokenizer.mask_token_id
     if mask_id is None:
@@ -67,7 +77,7 @@ def run(config: ExtractConfig, log=print) -> dict:
         raise ConfigError("--mask-token-id", mask_id, f"outside the vocabulary (0-{target.vocab_size - 1})")
     target.probe()
     backends = target.check_backends()
-    attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends)
+    attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info)
     state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
                                   target.model.get_output_embeddings().weight)
     say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} ({config.dtype}), "
@@ -75,19 +85,23 @@ def run(config: ExtractConfig, log=print) -> dict:
 
     done = store.committed()
     todo = shard_order(store, [s for s in shard_ids if s not in done], process)
-    job = Extractor(config, store, target, taps, prompt_set, num_shards)
+    job = Extractor(config, store, target, taps, prompt_set, num_shards, engine)
     job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=backends)
     t_loop = time.perf_counter()
     rows = {s: len(prompt_set.shard_rows(s, num_shards)) for s in todo}
     with tqdm(total=sum(rows.values()), unit="sample", desc=f"{process.label()}extract", disable=None,
               dynamic_ncols=True, file=sys.stderr) as bar:
-        for shard in todo:
-            record = claim_and_write(store, shard, job, bar)
-            if record is None:
-                bar.total -= rows[shard]
-                continue
-            say(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
-                f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
+        try:
+            for shard in todo:
+                record = claim_and_write(store, shard, job, bar)
+                if record is None:
+                    bar.total -= rows[shard]
+                    continue
+                say(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
+                    f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
+        finally:
+            if engine is not None:
+                engine.close()
     job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
     job.summary["wall_s"] = time.perf_counter() - t_start
     job.summary["process"] = {"rank": process.rank, "world": process.world}
@@ -123,13 +137,25 @@ def claim_and_write(store: HiddenStore, shard: int, job: Extractor, bar) -> Shar
             lock.release()
 
 
+@dataclass
+class Batch:
+    """One batch on its way: the rows, the usable ones ready (row_id, prompt ids, completion limit,
+    row), and their completions (lists, or futures from the server)."""
+
+    rows: list[int]
+    ready: list
+    completions: list
+
+
 class Extractor:
-    """Writes shards: per batch, prepare prompts, complete them, capture the taps, hand to the writer."""
+    """Writes shards: per batch, prepare prompts, complete them, capture the taps, hand to the writer.
+    With a server, the completions of the next batches are in flight while one is captured."""
 
     def __init__(self, config: ExtractConfig, store: HiddenStore, target: Target, taps: list[int],
-                 prompt_set: prompt_sets.PromptSet, num_shards: int) -> None:
+                 prompt_set: prompt_sets.PromptSet, num_shards: int, engine: Engine | None = None) -> None:
         self.config, self.store, self.target, self.taps = config, store, target, taps
-        self.prompt_set, self.num_shards = prompt_set, num_shards
+        self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
+        self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight
         self.summary = {
             "store": config.store, "shards_written": [], "shards_skipped": [], "shards_left": {}, "samples": 0,
             "tokens": 0, "records": [],
@@ -144,13 +170,13 @@ class Extractor:
                              c.shard_tokens, c.compression_level, max_held_bytes=int(c.writer_memory_gb * 2**30))
         try:
             rows = self.prompt_set.by_length(self.prompt_set.shard_rows(shard, self.num_shards))
+            in_flight: deque[Batch] = deque()
             for start in range(0, len(rows), c.batch_size):
-                batch = rows[start:start + c.batch_size]
-                self.batch(batch, writer)
-                bar.update(len(batch))
-                elapsed = bar.format_dict["elapsed"] or 1e-9
-                bar.set_postfix_str(f"{self.summary['tokens'] / elapsed:.0f} tokens/s, shard {shard}", refresh=False)
-                self.summary["batches"] += 1
+                in_flight.append(self.start(rows[start:start + c.batch_size], writer))
+                if len(in_flight) > self.ahead:
+                    self.finish(in_flight.popleft(), writer, bar, shard)
+            while in_flight:
+                self.finish(in_flight.popleft(), writer, bar, shard)
             record = writer.commit(lock, run={
                 "wall_s": time.perf_counter() - t0, "host": os.uname().nodename, "pid": os.getpid(),
                 "batch_size": c.batch_size, "device": str(self.target.device),
@@ -169,29 +195,49 @@ class Extractor:
             s["skipped"][reason] += n
         return record
 
-    def batch(self, rows: list[int], writer: ShardWriter) -> None:
+    def start(self, rows: list[int], writer: ShardWriter) -> Batch:
+        """Prepare a batch and complete it, or send it to the server (then its completions are futures)."""
         timing = self.summary["timing"]
         t = time.perf_counter()
         ready = self.prepare(rows, writer)
         timing["prepare_s"] += time.perf_counter() - t
-        if not ready:
-            return
+        if self.engine is not None:
+            eos = self.target.eos_ids
+            return Batch(rows, ready, [self.engine.submit(prompt, limit, eos) for _, prompt, limit, _ in ready])
         t = time.perf_counter()
-        completions = self.complete(ready)
+        completions = self.complete(ready) if ready else []
         timing["generate_s"] += time.perf_counter() - t
-        for (row_id, prompt, _, _), completion in zip(ready, completions):
-            ended = bool(completion) and completion[-1] in self.target.eos_ids
-            writer.add(row_id, prompt, completion, truncated=not ended)
+        return Batch(rows, ready, completions)
+
+    def finish(self, batch: Batch, writer: ShardWriter, bar, shard: int) -> None:
+        """Wait for the batch's completions, record them, capture the taps, hand them to the writer."""
+        timing = self.summary["timing"]
         t = time.perf_counter()
-        seqs = [r[1] + c for r, c in zip(ready, completions)]
-        if self.config.agreement:
-            hidden, (matches, tokens) = self.target.capture(seqs, self.taps, [len(r[1]) for r in ready])
-            writer.agree(matches, tokens)
-        else:
-            hidden = self.target.capture(seqs, self.taps)  # [T, n_taps, H] bf16
-        timing["capture_s"] += time.perf_counter() - t
-        writer.add_hidden(hidden)
-        self.summary["tokens"] += len(hidden)
+        completions = [c.result() if isinstance(c, Future) else c for c in batch.completions]
+        timing["generate_s"] += time.perf_counter() - t
+        ready = []
+        for r, completion in zip(batch.ready, completions):
+            if completion is None:  # the server rejected it
+                writer.skip("server_rejected")
+                continue
+            ended = bool(completion) and completion[-1] in self.target.eos_ids
+            writer.add(r[0], r[1], completion, truncated=not ended)
+            ready.append((r, completion))
+        if ready:
+            t = time.perf_counter()
+            seqs = [r[1] + c for r, c in ready]
+            if self.config.agreement:
+                hidden, (matches, tokens) = self.target.capture(seqs, self.taps, [len(r[1]) for r, _ in ready])
+                writer.agree(matches, tokens)
+            else:
+                hidden = self.target.capture(seqs, self.taps)  # [T, n_taps, H] bf16
+            timing["capture_s"] += time.perf_counter() - t
+            writer.add_hidden(hidden)
+            self.summary["tokens"] += len(hidden)
+        self.summary["batches"] += 1
+        bar.update(len(batch.rows))
+        elapsed = bar.format_dict["elapsed"] or 1e-9
+        bar.set_postfix_str(f"{self.summary['tokens'] / elapsed:.0f} tokens/s, shard {shard}", refresh=False)
 
     def prepare(self, rows: list[int], writer: ShardWriter) -> list[tuple[int, list[int], int, prompt_sets.Row]]:
         """(row_id, prompt ids, completion limit, the row) for each usable row; skips are counted."""

@@ -83,7 +83,7 @@ def test_a_bad_value_names_its_flag_from_python_and_the_command_line(config_cls,
 
 
 def test_choices_are_checked_in_the_config_too():
-    with pytest.raises(ConfigError, match="--responses nope: expected one of regenerate, dataset"):
+    with pytest.raises(ConfigError, match="--responses nope: expected one of regenerate, server, dataset"):
         ExtractConfig(responses="nope")
     with pytest.raises(click.BadParameter):
         parse(ExtractConfig, ["--responses", "nope"])
