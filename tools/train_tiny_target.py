@@ -103,8 +103,8 @@ def model_config(tok: PreTrainedTokenizerFast) -> Qwen3_5TextConfig:
         head_dim=32,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=64,  # vLLM's CPU Gated DeltaNet kernel takes 64 or 128 (Qwen3.6: 128)
-        linear_value_head_dim=64,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
         linear_conv_kernel_dim=4,
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
