@@ -182,8 +182,29 @@ class HiddenStore:
         return zarr.open_group(self.location, mode="r", path=layout.shard_group(shard))
 
     def bytes_on_disk(self, key: str = "") -> int:
+        """Bytes under key (the whole store by default). Other processes may be writing the store
+        meanwhile: a file that vanishes during the walk (a temp file renamed, a shard cleared) is
+        simply not counted."""
         path = self._path(key) if key else self.root
-        return int(self.fs.du(path)) if self.fs.exists(path) else 0
+        if self.local:
+            return _local_du(path)
+        for _ in range(5):
+            try:
+                return int(self.fs.du(path)) if self.fs.exists(path) else 0
+            except FileNotFoundError:
+                time.sleep(0.1)
+        return int(self.fs.du(path))
+
+
+def _local_du(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def _short(v) -> str:

@@ -1,5 +1,8 @@
 """The store as a whole: compatibility of a run with the root, commit status, reads, object stores."""
 
+import shutil
+import threading
+
 import pytest
 
 from stages.extract.config import ExtractConfig
@@ -43,3 +46,29 @@ def test_fsspec_url_store_and_empty_shards(small_dataset):
     assert verify(store).ok
     sample = ShardReader(store, 1)[0]
     assert sample.hidden.shape == (len(sample.tokens), 5, 128)
+
+
+def test_bytes_on_disk_while_another_process_writes(store_copy):
+    """Another rank renames and removes files while this one sums the store (the end-of-run
+    summary of a multi-rank extract): files that vanish mid-walk are not counted, never an error."""
+    store = HiddenStore(str(store_copy))
+    before = store.bytes_on_disk()
+    busy = store_copy / "shards" / "busy"
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            busy.mkdir(exist_ok=True)
+            for i in range(50):
+                (busy / f"tmp{i}").write_bytes(b"x" * 100)
+            shutil.rmtree(busy)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        sizes = [store.bytes_on_disk() for _ in range(200)]
+    finally:
+        stop.set()
+        worker.join()
+    assert min(sizes) >= before and max(sizes) <= before + 50 * 100
+    assert store.bytes_on_disk() == before == sum(f.stat().st_size for f in store_copy.rglob("*") if f.is_file())
