@@ -1,4 +1,4 @@
-"""Shard range text: "0-63", "0-3,8,10-12"."""
+"""Shard range text: "0-63", "0-3,8,10-12", "all"."""
 
 from __future__ import annotations
 
@@ -10,13 +10,17 @@ _PART = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 def parse_ranges(text: str, limit: int | None = None, flag: str = "--shards") -> list[int]:
-    """Sorted, de-duplicated ids from range text; each id < limit when a limit is given. Errors
-    name `flag`, the option the text came from."""
+    """Sorted, de-duplicated ids from range text; each id < limit when a limit is given ("all":
+    every id below it). Errors name `flag`, the option the text came from."""
+    if str(text).strip() == "all":
+        if limit is None:
+            raise ConfigError(flag, repr(text), "'all' needs a known shard count")
+        return list(range(limit))
     ids: set[int] = set()
     for part in str(text).replace(" ", "").split(","):
         m = _PART.match(part)
         if not m:
-            raise ConfigError(flag, repr(text), f"invalid shard range: expected e.g. '0-63' or '0-3,8,10-12', "
+            raise ConfigError(flag, repr(text), f"invalid shard range: expected e.g. '0-63', '0-3,8,10-12' or 'all', "
                                                 f"got part {part!r}")
         lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
         if hi < lo:

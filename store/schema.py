@@ -52,6 +52,7 @@ class Compat:
     shard_tokens: int
     compression_level: int
     references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
+    turns: str | None = None  # "all": earlier assistant turns carry the loss too (None: the last turn only)
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""

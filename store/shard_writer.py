@@ -76,10 +76,15 @@ class ShardWriter:
         self._thread.start()
 
     # -- model thread ----------------------------------------------------------------------
-    def add(self, row_id: int, prompt: list[int], completion: list[int], truncated: bool) -> None:
-        """Record one sample's ids; its hidden states come in the batch passed to `add_hidden`."""
+    def add(self, row_id: int, prompt: list[int], completion: list[int], truncated: bool,
+            answers: tuple[tuple[int, int], ...] = ()) -> None:
+        """Record one sample's ids; its hidden states come in the batch passed to `add_hidden`.
+        answers: [start, end) spans inside the prompt that carry the loss too (earlier assistant turns)."""
         ids = np.asarray(prompt + completion, dtype=np.int32)
         mask = np.zeros(len(ids), dtype=np.uint8)
+        for a, b in answers:
+            assert 0 <= a < b <= len(prompt), (a, b, len(prompt))
+            mask[a:b] = 1
         mask[len(prompt):] = 1
         self.tokens.append(ids)
         self.loss_mask.append(mask)

@@ -51,7 +51,7 @@ def summarize(store: HiddenStore) -> dict:
             "device": attrs.device,
             "dtype": attrs.dtype,
             "dataset": attrs.dataset.source,
-            "responses": attrs.compat.responses,
+            "responses": attrs.compat.responses + (", every assistant turn" if attrs.compat.turns == "all" else ""),
             "versions": attrs.versions,
         },
     }

@@ -109,7 +109,7 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
     for name, data in small.items():
         if layout.crc32(data) != sums.get(name):
             problems.append(f"{name}: checksum mismatch")
-    problems += _check_offsets(small, int(arrays["hidden"].shape[0]))
+    problems += _check_offsets(small, int(arrays["hidden"].shape[0]), store.attrs.compat.turns == "all")
     try:
         if _hidden_crc(arrays["hidden"]) != sums.get("hidden"):
             problems.append("hidden: checksum mismatch (a chunk file is corrupt, missing or replaced)")
@@ -118,7 +118,8 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
     return problems
 
 
-def _check_offsets(small: dict, total: int) -> list[str]:
+def _check_offsets(small: dict, total: int, every_turn: bool) -> list[str]:
+    """every_turn: the loss may also lie on earlier assistant turns inside the prompt (--turns all)."""
     off, plen = small["offsets"], small["prompt_lens"]
     problems = []
     if len(off) != len(plen) + 1 or len(small["row_ids"]) != len(plen):
@@ -130,11 +131,14 @@ def _check_offsets(small: dict, total: int) -> list[str]:
     if np.any(plen <= 0) or np.any(plen >= lengths):
         problems.append("a prompt length is not inside its sample")
         return problems
+    mask = small["loss_mask"]
+    if np.any(mask > 1):
+        return problems + ["loss_mask holds values other than 0 and 1"]
     expected = np.ones(total, dtype=np.uint8)
     for a, p in zip(off[:-1], plen):
-        expected[a:a + p] = 0
-    if not np.array_equal(expected, small["loss_mask"]):
-        problems.append("loss_mask is not exactly the completion tokens")
+        expected[a:a + p] = mask[a:a + p] if every_turn else 0
+    if not np.array_equal(expected, mask):
+        problems.append("loss_mask is not exactly the completion tokens" + (" (and earlier answers)" if every_turn else ""))
     return problems
 
 

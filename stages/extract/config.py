@@ -10,15 +10,24 @@ from pipeline.target.taps import DEFAULT_NUM_TAPS
 from stages.settings import at_least, check_choices, fill, require, setting
 from store import layout
 
-NUM_SHARDS = 64  # shards of a new store unless --num-shards says otherwise
+# Shards of a new store unless --num-shards says otherwise: one per ROWS_PER_SHARD rows, at least
+# MIN_SHARDS. A shard is the unit of work, of commit and of retry, so it stays small at any scale
+# (2.5M rows: 2,442 shards of ~1k samples, minutes of GPU time each; the tiny prompt set: 64).
+ROWS_PER_SHARD = 1024
+MIN_SHARDS = 64
+
+
+def default_num_shards(rows: int) -> int:
+    return max(MIN_SHARDS, -(-rows // ROWS_PER_SHARD))
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     store: str = setting("hs.zarr", "Store path or fsspec URL (created if absent).")
-    shards: str = setting("0-63", "Shards this process writes, e.g. '0-63' or '0-3,8,10-12'.")
+    shards: str = setting("all", "Shards to write, e.g. 'all', '0-63' or '0-3,8,10-12' (processes under a "
+                                 "launcher share them).")
     num_shards: int | None = setting(None, "Shards the dataset is split into; fixed when the store is created.",
-                                     default_text=f"the store's, or {NUM_SHARDS}")
+                                     default_text=f"the store's, or one per {ROWS_PER_SHARD} rows, at least {MIN_SHARDS}")
     target: str | None = setting(None, "Target model directory or hub id.", default_text="the shipped tiny target")
     dataset: str | None = setting(None, "Prompts: .jsonl, .json, .parquet, a saved `datasets` directory or a hub "
                                         "dataset name.", default_text="the shipped prompt set")
@@ -33,6 +42,9 @@ class ExtractConfig:
                                            "greedy completion of the engine at --server-url (vLLM, SGLang); dataset: "
                                            "the dataset's own assistant turn.",
                              choices=("regenerate", "server", "dataset"))
+    turns: str = setting("last", "With --responses dataset, which assistant turns of a multi-turn row carry the loss: "
+                                 "last (the final answer; earlier turns are context) or all (every assistant turn, "
+                                 "the turns between them as context).", choices=("last", "all"))
     server_url: str | None = setting(None, "OpenAI-compatible server (vLLM, SGLang) serving the target, for "
                                            "--responses server, e.g. http://127.0.0.1:8000.")
     server_model: str | None = setting(None, "The served model to ask.", default_text="the only one served")
@@ -69,6 +81,8 @@ class ExtractConfig:
                 "goes with --responses server, and it needs one")
         at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards",
                  "concurrency")
+        require(self, "turns", self.turns == "last" or self.responses == "dataset",
+                "all goes with --responses dataset (regenerated answers exist only for the last turn)")
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         require(self, "compression_level", 0 <= self.compression_level <= 9, "blosc levels run 0-9")
         require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,

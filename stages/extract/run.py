@@ -15,17 +15,19 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tqdm import tqdm
 
 from pipeline import device as devices
 from pipeline import prompts as prompt_sets
+from pipeline import turns
 from pipeline.engine import Engine
 from pipeline.errors import DatasetError
 from pipeline.target import loading
 from pipeline.target.model import Target
 from pipeline.target.taps import parse_taps
-from stages.extract.config import NUM_SHARDS, ExtractConfig
+from stages.extract.config import ExtractConfig, default_num_shards
 from stages.extract.provenance import store_attrs
 from stages.extract.summary import finish_summary
 from store import layout
@@ -33,17 +35,17 @@ from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from store.locks import LockFile
 from store.ranges import parse_ranges
-from store.schema import ShardCommit, completion_limit
+from store.schema import ShardCommit, StoreAttrs, completion_limit
 from store.shard_writer import ShardWriter
 
 INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
                "rerun the same command to resume")
 
 
-def resolve_shards(config: ExtractConfig, store: HiddenStore) -> tuple[list[int], int]:
+def resolve_shards(config: ExtractConfig, store: HiddenStore, rows: int) -> tuple[list[int], int]:
     """(shard ids of --shards, the store's shard count): --num-shards if given (an existing store
-    then checks it matches), else the store's, else NUM_SHARDS."""
-    num_shards = config.num_shards or (store.num_shards if store.exists() else NUM_SHARDS)
+    then checks it matches), else the store's, else the default for a dataset of `rows` rows."""
+    num_shards = config.num_shards or (store.num_shards if store.exists() else default_num_shards(rows))
     ids = parse_ranges(config.shards, num_shards)
     if not ids:
         raise ConfigError("--shards", repr(config.shards), "no shards selected")
@@ -57,15 +59,54 @@ def run(config: ExtractConfig, log=print) -> dict:
     process = devices.Process.from_env()
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
     store = HiddenStore(config.store)
-    shard_ids, num_shards = resolve_shards(config, store)
-    prompt_set = prompt_sets.load(
-        config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field, config.response_field), config.split)
-    for shard in shard_ids:  # every row of this run parsed now: a bad row in the last shard fails in seconds
+    prompt_set = prompt_sets.load(config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field,
+                                                                     config.response_field), config.split)
+    shard_ids, num_shards = resolve_shards(config, store, len(prompt_set))
+    check_rows(prompt_set, shard_ids, num_shards)
+    engine = connect(config, say)
+    try:
+        target, taps, attrs = open_target(config, process, prompt_set, num_shards, engine)
+        state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
+                                      target.model.get_output_embeddings().weight)
+        say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} "
+            f"({config.dtype}), linear attention: {attrs.backends.linear_attention}, attention: "
+            f"{attrs.backends.attention}, taps {taps}")
+        done = store.committed()
+        todo = shard_order(store, [s for s in shard_ids if s not in done], process)
+        job = Extractor(config, store, target, taps, prompt_set, num_shards, engine)
+        job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=attrs.backends)
+        t_loop = time.perf_counter()
+        write_shards(store, todo, job, {s: len(prompt_set.shard_rows(s, num_shards)) for s in todo}, process, say)
+    finally:
+        if engine is not None:
+            engine.close()
+    job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
+    job.summary["wall_s"] = time.perf_counter() - t_start
+    job.summary["process"] = {"rank": process.rank, "world": process.world}
+    return finish_summary(store, job.summary)
+
+
+def check_rows(prompt_set: prompt_sets.PromptSet, shard_ids: list[int], num_shards: int) -> None:
+    """Every row of this run's shards parsed now: a bad row in the last shard fails in seconds,
+    before any model loads."""
+    for shard in shard_ids:
         prompt_set.check(prompt_set.shard_rows(shard, num_shards))
-    engine = None
-    if config.responses == "server":  # before the target loads: a wrong URL or model fails in seconds
-        engine = Engine(config.server_url, config.server_model, config.concurrency, config.server_timeout_s)
-        say(f"references from {engine.connect().identity} at {engine.info.url}")
+
+
+def connect(config: ExtractConfig, say) -> Engine | None:
+    """The reference server of --responses server, checked before the target loads (a wrong URL or
+    model fails in seconds)."""
+    if config.responses != "server":
+        return None
+    engine = Engine(config.server_url, config.server_model, config.concurrency, config.server_timeout_s)
+    say(f"references from {engine.connect().identity} at {engine.info.url}")
+    return engine
+
+
+def open_target(config: ExtractConfig, process: devices.Process, prompt_set: prompt_sets.PromptSet,
+                num_shards: int, engine: Engine | None) -> tuple[Target, list[int], StoreAttrs]:
+    """The target on this process's device, its taps and mask token checked, the kernels probed,
+    and the store attributes this run writes or must match."""
     target = loading.load(config.target, process.device(config.device), config.dtype, config.linear_attention)
     if engine is not None:
         engine.check_vocabulary(target.tokenizer)
@@ -78,34 +119,21 @@ def run(config: ExtractConfig, log=print) -> dict:
     target.probe()
     backends = target.check_backends()
     attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info)
-    state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
-                                  target.model.get_output_embeddings().weight)
-    say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} ({config.dtype}), "
-        f"linear attention: {backends.linear_attention}, attention: {backends.attention}, taps {taps}")
+    return target, taps, attrs
 
-    done = store.committed()
-    todo = shard_order(store, [s for s in shard_ids if s not in done], process)
-    job = Extractor(config, store, target, taps, prompt_set, num_shards, engine)
-    job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=backends)
-    t_loop = time.perf_counter()
-    rows = {s: len(prompt_set.shard_rows(s, num_shards)) for s in todo}
+
+def write_shards(store: HiddenStore, todo: list[int], job: Extractor, rows: dict[int, int],
+                 process: devices.Process, say) -> None:
+    """Claim and write each shard of todo in turn, one progress bar over their rows."""
     with tqdm(total=sum(rows.values()), unit="sample", desc=f"{process.label()}extract", disable=None,
               dynamic_ncols=True, file=sys.stderr) as bar:
-        try:
-            for shard in todo:
-                record = claim_and_write(store, shard, job, bar)
-                if record is None:
-                    bar.total -= rows[shard]
-                    continue
-                say(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
-                    f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
-        finally:
-            if engine is not None:
-                engine.close()
-    job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
-    job.summary["wall_s"] = time.perf_counter() - t_start
-    job.summary["process"] = {"rank": process.rank, "world": process.world}
-    return finish_summary(store, job.summary)
+        for shard in todo:
+            record = claim_and_write(store, shard, job, bar)
+            if record is None:
+                bar.total -= rows[shard]
+                continue
+            say(f"shard {shard}: {record.samples} samples, {record.tokens} tokens, "
+                f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
 
 
 def shard_order(store: HiddenStore, shards: list[int], process: devices.Process) -> list[int]:
@@ -137,13 +165,24 @@ def claim_and_write(store: HiddenStore, shard: int, job: Extractor, bar) -> Shar
             lock.release()
 
 
+class Prepared(NamedTuple):
+    """A usable row, rendered: its prompt ids, its completion limit, and with --turns all the spans
+    of its earlier assistant answers inside the prompt."""
+
+    row_id: int
+    prompt: list[int]
+    limit: int
+    row: prompt_sets.Row
+    answers: tuple[tuple[int, int], ...] = ()
+
+
 @dataclass
 class Batch:
-    """One batch on its way: the rows, the usable ones ready (row_id, prompt ids, completion limit,
-    row), and their completions (lists, or futures from the server)."""
+    """One batch on its way: the rows, the usable ones prepared, and their completions (lists, or
+    futures from the server)."""
 
     rows: list[int]
-    ready: list
+    ready: list[Prepared]
     completions: list
 
 
@@ -203,7 +242,7 @@ class Extractor:
         timing["prepare_s"] += time.perf_counter() - t
         if self.engine is not None:
             eos = self.target.eos_ids
-            return Batch(rows, ready, [self.engine.submit(prompt, limit, eos) for _, prompt, limit, _ in ready])
+            return Batch(rows, ready, [self.engine.submit(r.prompt, r.limit, eos) for r in ready])
         t = time.perf_counter()
         completions = self.complete(ready) if ready else []
         timing["generate_s"] += time.perf_counter() - t
@@ -221,13 +260,13 @@ class Extractor:
                 writer.skip("server_rejected")
                 continue
             ended = bool(completion) and completion[-1] in self.target.eos_ids
-            writer.add(r[0], r[1], completion, truncated=not ended)
+            writer.add(r.row_id, r.prompt, completion, truncated=not ended, answers=r.answers)
             ready.append((r, completion))
         if ready:
             t = time.perf_counter()
-            seqs = [r[1] + c for r, c in ready]
+            seqs = [r.prompt + c for r, c in ready]
             if self.config.agreement:
-                hidden, (matches, tokens) = self.target.capture(seqs, self.taps, [len(r[1]) for r, _ in ready])
+                hidden, (matches, tokens) = self.target.capture(seqs, self.taps, [len(r.prompt) for r, _ in ready])
                 writer.agree(matches, tokens)
             else:
                 hidden = self.target.capture(seqs, self.taps)  # [T, n_taps, H] bf16
@@ -239,8 +278,8 @@ class Extractor:
         elapsed = bar.format_dict["elapsed"] or 1e-9
         bar.set_postfix_str(f"{self.summary['tokens'] / elapsed:.0f} tokens/s, shard {shard}", refresh=False)
 
-    def prepare(self, rows: list[int], writer: ShardWriter) -> list[tuple[int, list[int], int, prompt_sets.Row]]:
-        """(row_id, prompt ids, completion limit, the row) for each usable row; skips are counted."""
+    def prepare(self, rows: list[int], writer: ShardWriter) -> list[Prepared]:
+        """Each usable row rendered; skips are counted."""
         c, tok = self.config, self.target.tokenizer
         ready = []
         for i in rows:
@@ -251,20 +290,21 @@ class Extractor:
             if c.responses == "dataset" and row.response is None and row.response_ids is None:
                 writer.skip("missing_response")
                 continue
-            text = tok.apply_chat_template(list(row.messages), add_generation_prompt=True, tokenize=False)
-            prompt = tok(text, add_special_tokens=False).input_ids
+            prompt = turns.render(tok, row.messages, generation_prompt=True)
             if len(prompt) >= c.max_length:
                 writer.skip("prompt_too_long")
                 continue
-            ready.append((i, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row))
+            answers = () if c.turns == "last" else tuple(turns.answer_spans(
+                tok, row.messages, prompt, self.target.eos_ids, f"dataset {self.prompt_set.source}: row {i}"))
+            ready.append(Prepared(i, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row, answers))
         return ready
 
     def complete(self, ready) -> list[list[int]]:
         """Greedy completions from the target, or the dataset's own responses cut to each limit: its
         token ids verbatim when it has them, else its text tokenized, plus EOS."""
         if self.config.responses == "regenerate":
-            return self.target.generate([r[1] for r in ready], [r[2] for r in ready])
-        return [self.dataset_response(row, limit) for _, _, limit, row in ready]
+            return self.target.generate([r.prompt for r in ready], [r.limit for r in ready])
+        return [self.dataset_response(r.row, r.limit) for r in ready]
 
     def dataset_response(self, row, limit: int) -> list[int]:
         if row.response_ids is not None:

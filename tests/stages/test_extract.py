@@ -140,3 +140,67 @@ def test_response_ids_from_an_engine_are_stored_verbatim(tmp_path, target):
     with pytest.raises(DatasetError, match="row 0 response ids hold 99999, outside the target's vocabulary"):
         run(ExtractConfig(store=str(tmp_path / "bad.zarr"), dataset=str(data), shards="0", num_shards=1,
                           responses="dataset", **SMALL), log=lambda m: None)
+
+
+def multi_turn_rows() -> list[dict]:
+    """Conversations of two to three exchanges built from the shipped prompts, answers included."""
+    rows = []
+    base = [r for r in small_rows() if len(r["messages"]) == 2 and r["messages"][1]["content"].strip()][:9]
+    for k in range(0, len(base) - 2, 3):
+        a, b, c = base[k:k + 3]
+        chat = [{"role": "system", "content": "You write Python."}] + a["messages"] + b["messages"]
+        rows.append({"messages": chat + (c["messages"] if k == 3 else [])})
+    return rows
+
+
+def test_every_assistant_turn_carries_the_loss_with_turns_all(tmp_path, target):
+    """--turns all stores the same tokens and states as --turns last; only the loss mask grows, by
+    exactly the tokens of the earlier answers (each with its end-of-turn token)."""
+    from store.errors import StoreMismatch
+    from store.verify import verify
+
+    data = tmp_path / "chats.jsonl"
+    rows = multi_turn_rows()
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = dict(dataset=str(data), shards="0", num_shards=1, responses="dataset",
+                  **{**SMALL, "max_new_tokens": 400, "max_length": 1500})
+    run(ExtractConfig(store=str(tmp_path / "all.zarr"), turns="all", **common), log=lambda m: None)
+    run(ExtractConfig(store=str(tmp_path / "last.zarr"), **common), log=lambda m: None)
+    every, last = list(samples(tmp_path / "all.zarr")), list(samples(tmp_path / "last.zarr"))
+    assert len(every) == len(rows) == 3
+    tok = target.tokenizer
+    for a, b in zip(every, last):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden) and a.prompt_len == b.prompt_len
+        assert torch.equal(a.loss_mask[a.prompt_len:], b.loss_mask[b.prompt_len:]) and not b.loss_mask[:b.prompt_len].any()
+        earlier = [m["content"] + "<|im_end|>" for m in rows[a.row_id]["messages"][:-1] if m["role"] == "assistant"]
+        extra = (a.loss_mask & ~b.loss_mask).nonzero().flatten().tolist()
+        runs = [[extra[0]]] if extra else []
+        for k in extra[1:]:
+            runs[-1].append(k) if k == runs[-1][-1] + 1 else runs.append([k])
+        decoded = [tok.decode(a.tokens[r[0]:r[-1] + 1]) for r in runs]
+        assert len(decoded) == len(earlier) > 0
+        for d, e in zip(decoded, earlier):  # a token may hold the header's newline and the answer's indent
+            assert d.endswith(e) and d[:-len(e)] in ("", "\n"), (d, e)
+    store = HiddenStore(str(tmp_path / "all.zarr"))
+    assert store.attrs.compat.turns == "all" and HiddenStore(str(tmp_path / "last.zarr")).attrs.compat.turns is None
+    assert verify(store).ok and verify(HiddenStore(str(tmp_path / "last.zarr"))).ok
+    with pytest.raises(StoreMismatch, match="turns"):
+        run(ExtractConfig(store=str(tmp_path / "all.zarr"), **common), log=lambda m: None)
+
+
+def test_a_new_store_gets_a_small_shard_per_thousand_rows(tmp_path):
+    """The shard is the unit of retry: a big dataset gets many shards, a small one still 64; an
+    existing store keeps its own count whatever the dataset size."""
+    from stages.extract.run import resolve_shards
+
+    fresh = HiddenStore(str(tmp_path / "new.zarr"))
+    assert resolve_shards(ExtractConfig(store=fresh.location), fresh, 2_500_000) == (list(range(2442)), 2442)
+    assert resolve_shards(ExtractConfig(store=fresh.location, shards="0-3"), fresh, 640) == ([0, 1, 2, 3], 64)
+    assert resolve_shards(ExtractConfig(store=fresh.location, num_shards=8), fresh, 2_500_000)[1] == 8
+
+
+def test_an_existing_store_keeps_its_shard_count(small_store):
+    from stages.extract.run import resolve_shards
+
+    store = HiddenStore(str(small_store))
+    assert resolve_shards(ExtractConfig(store=str(small_store)), store, 2_500_000) == ([0, 1, 2, 3], 4)

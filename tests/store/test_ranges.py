@@ -27,3 +27,9 @@ def test_format_round_trip():
     assert format_ranges(ids) == "0-2,5,7-8,20"
     assert parse_ranges(format_ranges(ids)) == ids
     assert format_ranges([]) == ""
+
+
+def test_all_is_every_shard_of_a_known_count():
+    assert parse_ranges("all", limit=5) == [0, 1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="'all' needs a known shard count"):
+        parse_ranges("all")
