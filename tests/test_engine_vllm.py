@@ -61,13 +61,13 @@ def test_the_server_killed_mid_run_then_a_rerun_resumes(tmp_path):
             server.stop()
 
     try:
-        with pytest.raises(EngineError, match="failed after"):
+        with pytest.raises(EngineError, match="failed after") as error:
             extract(path, server.url, "0-3", log=kill_after_first_shard)
     finally:
         server.stop()
     store = HiddenStore(str(path))
     done = list(store.committed())
-    print(f"\nkilled after {done}: {lines[-1]}")
+    print(f"\nkilled after {done}: {lines[-1]}\nerror: {error.value}")
     assert 1 <= len(done) < 4 and not list((path / "_locks").glob("*.lock"))
     server = VllmServer(MODEL, tmp_path / "server2.log").start()
     try:
