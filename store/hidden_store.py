@@ -23,7 +23,7 @@ from store import layout
 from store.errors import NotAStore, NotCommitted, StoreCorrupt, StoreError, StoreMismatch
 from store.locks import HOST, LockFile
 from store.ranges import format_ranges
-from store.schema import Compat, ShardCommit, StoreAttrs, to_json
+from store.schema import SCHEMA_VERSION, Compat, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
 
@@ -111,13 +111,18 @@ class HiddenStore:
             bits = layout.to_bits(w.detach().to("cpu", torch.bfloat16))
             rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
             g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
-                           compressors=layout.compressor(), fill_value=0, overwrite=True)[:] = bits
+                           compressors=layout.hidden_codecs(attrs.compat.codec or "blosc", attrs.compat.compression_level),
+                           fill_value=0, overwrite=True)[:] = bits
             checksums[name] = layout.crc32(bits)
         g.attrs.put(to_json(attrs))
         self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs.fingerprint,
                                                     "checksums": checksums})
 
     def check_compatible(self, compat: Compat) -> None:
+        if self.attrs.schema_version < SCHEMA_VERSION:
+            raise StoreMismatch(f"{self.location} is a schema-{self.attrs.schema_version} store (an earlier "
+                                f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
+                                f"go into a new store (schema {SCHEMA_VERSION})")
         diff = self.attrs.compat.differences(compat)
         if diff:
             detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))

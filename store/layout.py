@@ -23,14 +23,21 @@ import zlib
 
 import numpy as np
 import torch
-from zarr.codecs import BloscCodec, BloscShuffle
+from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
+
+from store.codec import Bf16Planes
 
 HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
 SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
 ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
                 "prompt_lens": np.int32, "row_ids": np.int64}
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected")
-COMPRESSION_LEVEL = 3  # zstd level of every array unless extraction is told otherwise
+# The hidden states' codec: "planes" (schema 2: this package's byte-plane codec, store/codec.py,
+# high plane zstd at the level, low plane LZ4) or "blosc" (schema 1's: blosc zstd, byte shuffle).
+# Every chunk of a schema-2 store ends in a crc32c checksum that every read verifies.
+CODECS = ("planes", "blosc")
+DEFAULT_LEVELS = {"planes": 1, "blosc": 3}
+LEVELS = {"planes": (-7, 22), "blosc": (0, 9)}
 
 
 def shard_name(shard: int) -> str:
@@ -45,9 +52,17 @@ def commit_key(shard: int | str) -> str:
     return f"_commits/{shard if isinstance(shard, str) else shard_name(shard)}.json"
 
 
-def compressor(level: int = COMPRESSION_LEVEL) -> BloscCodec:
-    """Lossless: byte-shuffled zstd inside blosc (bf16's sign/exponent byte compresses well)."""
-    return BloscCodec(cname="zstd", clevel=level, shuffle=BloscShuffle.shuffle, typesize=2)
+def hidden_codecs(codec: str, level: int) -> list:
+    """The codec chain of bf16 bits (states, embedding, lm_head); lossless."""
+    if codec == "blosc":
+        return [BloscCodec(cname="zstd", clevel=level, shuffle=BloscShuffle.shuffle, typesize=2)]
+    return [Bf16Planes(level=level, low="lz4"), Crc32cCodec()]
+
+
+def small_codecs(codec: str) -> list:
+    """The codec chain of the per-token and per-sample integer arrays."""
+    blosc = BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle)
+    return [blosc] if codec == "blosc" else [blosc, Crc32cCodec()]
 
 
 def to_bits(x: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from store.errors import NotAStore, StoreCorrupt
 
 KIND = "dflash-hidden-states"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: byte-plane codec with a checksum per chunk (1: blosc, read-only now)
 TAP_MEANING = "tap k = output of decoder layer k (0-based) = Hugging Face hidden_states[k+1]"
 
 
@@ -53,6 +53,7 @@ class Compat:
     compression_level: int
     references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
     turns: str | None = None  # "all": earlier assistant turns carry the loss too (None: the last turn only)
+    codec: str | None = None  # the states' codec (store/layout.py); None in schema 1: blosc
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""
@@ -108,7 +109,7 @@ class DatasetRecord:
 class LayoutRecord:
     chunk_tokens: int
     shard_tokens: int
-    compressor: dict  # the zarr codec, as zarr writes it
+    compressor: dict | list  # the states' codec chain, as zarr writes it (schema 1: one codec)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,12 +41,13 @@ class ShardStats:
 
 class ShardWriter:
     def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
-                 chunk_tokens: int, shard_tokens: int, compression_level: int = layout.COMPRESSION_LEVEL,
+                 chunk_tokens: int, shard_tokens: int, codec: str = "planes", level: int | None = None,
                  max_held_bytes: int = 4 << 30) -> None:
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
+        self.codec = codec
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -70,7 +71,8 @@ class ShardWriter:
         self.hidden = g.create_array(
             "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
-            compressors=layout.compressor(compression_level), fill_value=0)
+            compressors=layout.hidden_codecs(codec, layout.DEFAULT_LEVELS[codec] if level is None else level),
+            fill_value=0)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()
@@ -136,7 +138,7 @@ class ShardWriter:
         }
         for name, data in arrays.items():
             self.group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=(max(1, min(len(data), 1 << 20)),),
-                                    compressors=layout.compressor(), fill_value=0)[:] = data
+                                    compressors=layout.small_codecs(self.codec), fill_value=0)[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
         if lock is not None and not lock.still_held():

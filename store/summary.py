@@ -53,6 +53,9 @@ def summarize(store: HiddenStore) -> dict:
             "dataset": attrs.dataset.source,
             "responses": attrs.compat.responses + (", every assistant turn" if attrs.compat.turns == "all" else ""),
             "versions": attrs.versions,
+            "layout": (f"schema {attrs.schema_version}, codec {attrs.compat.codec or 'blosc'} level "
+                       f"{attrs.compat.compression_level}{'' if attrs.compat.codec else ' (no chunk checksums)'}, "
+                       f"chunks of {attrs.layout.chunk_tokens} tokens in files of {attrs.layout.shard_tokens}"),
         },
     }
 
@@ -69,6 +72,7 @@ def render(s: dict) -> str:
         f"agreement    {fmt_agreement(s['agreement'])}",
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
+        f"layout       {p['layout']}",
         f"target       {p['target']} ({p['model_class']}; tokenizer {p['tokenizer_class'] or 'not recorded'})",
         f"             unused non-text tensors: {fmt_counts(p['non_text_tensors'])}",
         f"             fingerprint {p['target_fingerprint'][:16]}...",

@@ -28,7 +28,7 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         responses=config.responses, max_new_tokens=config.max_new_tokens, max_length=config.max_length,
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
-        shard_tokens=config.shard_tokens, compression_level=config.compression_level,
+        shard_tokens=config.shard_tokens, compression_level=config.compression_level, codec=config.codec,
         references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns)
     return StoreAttrs(
         fingerprint=fingerprint.sha256_json(to_json(compat)), compat=compat,
@@ -39,7 +39,8 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         hidden_dtype=layout.HIDDEN_DTYPE, target=target.record,
         dataset=DatasetRecord(**described, split=config.split), backends=backends, device=str(target.device),
         dtype=config.dtype, layout=LayoutRecord(chunk_tokens=config.chunk_tokens, shard_tokens=config.shard_tokens,
-                                                compressor=layout.compressor(config.compression_level).to_dict()),
+                                                compressor=[c.to_dict() for c in layout.hidden_codecs(
+                                                    config.codec, config.compression_level)]),
         versions=versions(), engine=asdict(engine) if engine else None)
 
 

@@ -82,3 +82,32 @@ def test_a_commit_record_without_its_counts_is_corrupt(tmp_path, small_store):
     path.write_text(json.dumps(d))
     with pytest.raises(StoreCorrupt, match="_commits/00001.json: missing field 'tokens'"):
         HiddenStore(str(copy)).committed()
+
+
+def test_a_schema1_store_still_trains_and_evaluates_but_takes_no_new_shards(tmp_path):
+    """tests/data/schema1_store: shards 0-1 of 64 written by schema 1 (blosc, no chunk checksums;
+    `pipeline extract --shards 0-1 --max-new-tokens 16 --max-length 128 --chunk-tokens 32
+    --shard-tokens 64 --dtype fp32` at 132a069)."""
+    from stages.evaluate.config import EvalConfig
+    from stages.evaluate.run import run as evaluate
+    from stages.extract.config import ExtractConfig
+    from stages.extract.run import run as extract
+    from store.errors import StoreMismatch
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+    from store.verify import verify
+    from tests.processes import TINY, train
+
+    path = tmp_path / "v1.zarr"
+    shutil.copytree(DATA.parent / "schema1_store", path)
+    store = HiddenStore(str(path))
+    assert store.attrs.schema_version == 1 and store.attrs.compat.codec is None and verify(store).ok
+    assert len(ShardReader(store, 0)[0].tokens) > 0
+    r = train(["--store", path, "--out", tmp_path / "run", "--eval-shards", 1, "--max-steps", 2, *TINY])
+    assert r.returncode == 0, r.stderr
+    report = evaluate(EvalConfig(store=str(path), checkpoints=(str(tmp_path / "run" / "final"),),
+                                 out=str(tmp_path / "rep"), ddtree=(4,)), log=lambda m: None)
+    assert report["checkpoints"][0]["tau"] >= 1
+    with pytest.raises(StoreMismatch, match="is a schema-1 store .* new shards go into a new store"):
+        extract(ExtractConfig(store=str(path), shards="2", max_new_tokens=16, max_length=128, chunk_tokens=32,
+                              shard_tokens=64, dtype="fp32", device="cpu"), log=lambda m: None)
