@@ -1,23 +1,26 @@
 """bf16 state layouts side by side: size, write and read speed, random sample reads.
 
-    python bench/store_bench.py --store hs.zarr [--threads 1,2] [--json bench/results/store_cpu.json]
+    python bench/store_bench.py --store hs.zarr [--threads 1] [--wide-tokens 2048] [--json bench/results/store_cpu_1thread.json]
 
 Reads every committed shard's states from a store (the shipped target's full store, say) and
 writes them again through zarr in each candidate layout, with the store's chunking (256-token
 chunks in 4,096-token shard files): today's (blosc zstd-3, byte shuffle), blosc zstd-1 with bit
 shuffle (built-in codecs only), and this package's byte-plane codec (store/codec.py: high plane
 zstd-1, low plane raw or LZ4), the last three with a crc32c checksum per chunk. Two kinds of data:
-the store as it is, and the same states with every repeated token row dropped (prompts that share
-a template prefix give identical rows, which some layouts find and others cannot). Reported per
-layout and data: size against raw bf16, write MB/s (raw) with 1..N zarr threads, sequential read
-MB/s, and the median time to read one random sample. blosc runs one thread inside each call, so
-thread counts compare like with like. Best of 3 per figure.
+the store as it is, the same states with every repeated token row dropped (prompts that share a
+template prefix give identical rows, which some layouts find and others cannot), and states of
+Qwen3.6-27B's shape ([T, 5, 5120]) from a random-initialised model run on the store's tokens
+(27B-sized chunks, 13 MB each, where codec speed rather than zarr's per-chunk overhead counts). Reported per
+layout and data: size against raw bf16, write and sequential read MB/s (of raw bf16) with
+`--threads` codec threads in zarr's pool, and the median time to read one random sample. blosc
+runs one thread inside each call, so thread counts compare like with like. Best of 3 per figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -25,6 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--threads" in sys.argv:  # zarr sizes its codec thread pool once, from the environment, at first use
+    os.environ["ZARR_THREADING__MAX_WORKERS"] = sys.argv[sys.argv.index("--threads") + 1]
+else:
+    os.environ["ZARR_THREADING__MAX_WORKERS"] = "1"
 
 import numcodecs.blosc  # noqa: E402
 import numpy as np  # noqa: E402
@@ -55,6 +62,27 @@ def load(path: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(parts), np.asarray(offsets)
 
 
+def wide_states(tokens: np.ndarray) -> np.ndarray:
+    """States of Qwen3.6-27B's width (5,120) and tap count (5): a random-initialised 5-layer
+    qwen3_5_text (the 27B's layer pattern, narrower heads and MLP) run on real token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    sys.modules.setdefault("fla", None)
+    torch.set_flush_denormal(True)
+    config = Qwen3_5TextConfig(
+        vocab_size=4096, hidden_size=5120, intermediate_size=1024, num_hidden_layers=5,
+        layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"], num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=len(tokens))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        out = model.model(torch.from_numpy(tokens.astype(np.int64))[None], output_hidden_states=True)
+    hidden = torch.stack([out.hidden_states[k + 1][0] for k in range(5)], 1)  # [T, 5, 5120] bf16
+    return hidden.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
 def without_repeats(x: np.ndarray) -> np.ndarray:
     _, first = np.unique(x.reshape(len(x), -1), axis=0, return_index=True)
     return x[np.sort(first)]
@@ -69,34 +97,29 @@ def best(f, n: int = 3) -> float:
     return min(times)
 
 
-def measure(x: np.ndarray, offsets: np.ndarray, codecs, threads: list[int], tmp: Path) -> dict:
+def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
     shape, raw = x.shape, x.nbytes
     chunk, shard = (256, *shape[1:]), (4096, *shape[1:])
 
-    def write(k: int):
-        a = zarr.create_array(str(tmp / f"w{k}.zarr"), shape=shape, dtype=np.uint16, chunks=chunk, shards=shard,
+    path = tmp / "w.zarr"
+
+    def write():
+        a = zarr.create_array(str(path), shape=shape, dtype=np.uint16, chunks=chunk, shards=shard,
                               compressors=codecs(), fill_value=0, overwrite=True)
         for s in range(0, len(x), shard[0]):
             a[s:s + shard[0]] = x[s:s + shard[0]]
-        return a
 
-    out = {"write_MBps": {}}
-    for n in threads:
-        with zarr.config.set({"threading.max_workers": n}):
-            out["write_MBps"][n] = round(raw / best(lambda: write(n)) / 1e6)
-    path = tmp / f"w{threads[-1]}.zarr"
+    out = {"write_MBps": round(raw / best(write) / 1e6)}
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     a = zarr.open_array(str(path), mode="r")
     assert np.array_equal(a[:], x)
-    with zarr.config.set({"threading.max_workers": 1}):
-        out["read_MBps"] = round(raw / best(lambda: a[:]) / 1e6)
-        rng = np.random.default_rng(0)
-        picks = rng.integers(0, len(offsets) - 1, 200)
-        sample_s = []
-        for i in picks:
-            t = time.perf_counter()
-            a[offsets[i]:offsets[i + 1]]
-            sample_s.append(time.perf_counter() - t)
+    out["read_MBps"] = round(raw / best(lambda: a[:]) / 1e6)
+    picks = np.random.default_rng(0).integers(0, len(offsets) - 1, 200)
+    sample_s = []
+    for i in picks:
+        t = time.perf_counter()
+        a[offsets[i]:offsets[i + 1]]
+        sample_s.append(time.perf_counter() - t)
     out["sample_read_ms"] = round(1e3 * statistics.median(sample_s), 3)
     out["ratio"] = round(size / raw, 4)
     return out
@@ -105,21 +128,26 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, threads: list[int], tmp:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True)
-    p.add_argument("--threads", default="1,2")
+    p.add_argument("--threads", type=int, default=1, help="zarr's codec threads (each a core's worth of work)")
+    p.add_argument("--wide-tokens", type=int, default=2048, help="tokens of 27B-width states (0: none)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     numcodecs.blosc.set_nthreads(1)
-    threads = [int(t) for t in args.threads.split(",")]
     x, offsets = load(args.store)
     data = {"store as it is": (x, offsets)}
     y = without_repeats(x)
     data["repeated rows dropped"] = (y, np.linspace(0, len(y), len(offsets)).astype(np.int64))
-    result = {"store": args.store, "threads": threads, "results": {}}
+    if args.wide_tokens:
+        tokens = np.concatenate([HiddenStore(args.store).shard_arrays(s)["tokens"][:]
+                                 for s in HiddenStore(args.store).committed()])[:args.wide_tokens]
+        w = wide_states(tokens)
+        data["27B width (random-init forward)"] = (w, np.arange(0, len(w) + 1, 512))
+    result = {"store": args.store, "threads": args.threads, "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for label, (d, off) in data.items():
             print(f"== {label}: {d.shape}, {d.nbytes / 1e6:.1f} MB raw", file=sys.stderr)
             for name, codecs in LAYOUTS.items():
-                r = measure(d, off, codecs, threads, Path(tmp))
+                r = measure(d, off, codecs, Path(tmp))
                 print(f"{name:38s} {json.dumps(r)}", file=sys.stderr)
                 result["results"].setdefault(label, {})[name] = r
     text = json.dumps(result, indent=1)

@@ -87,7 +87,7 @@ def test_a_commit_record_without_its_counts_is_corrupt(tmp_path, small_store):
 def test_a_schema1_store_still_trains_and_evaluates_but_takes_no_new_shards(tmp_path):
     """tests/data/schema1_store: shards 0-1 of 64 written by schema 1 (blosc, no chunk checksums;
     `pipeline extract --shards 0-1 --max-new-tokens 16 --max-length 128 --chunk-tokens 32
-    --shard-tokens 64 --dtype fp32` at 132a069)."""
+    --shard-tokens 64 --dtype fp32` at dcfe32e)."""
     from stages.evaluate.config import EvalConfig
     from stages.evaluate.run import run as evaluate
     from stages.extract.config import ExtractConfig
