@@ -168,6 +168,9 @@ class ShardCommit:
     # {"matches", "tokens"}: completion tokens equal to the target's own argmax at the position
     # before (None: not checked, or a store written before the check existed)
     agreement: dict | None = None
+    # {"shard": all of the shard's files, "hidden": its states} in bytes, measured once at commit
+    # (None: a store written before they were recorded; `pipeline info` then walks the files)
+    bytes: dict | None = None
     run: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:

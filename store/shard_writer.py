@@ -151,7 +151,9 @@ class ShardWriter:
                     **{k: list(v.shape) for k, v in arrays.items()}},
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
             writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
-            agreement=self.stats.agreement, run=run)
+            agreement=self.stats.agreement, run=run,
+            bytes={"shard": self.store.bytes_on_disk(layout.shard_group(self.shard)),
+                   "hidden": self.store.bytes_on_disk(f"{layout.shard_group(self.shard)}/hidden")})
         self.store.write_commit(record)
         return record
 

@@ -17,7 +17,8 @@ def summarize(store: HiddenStore) -> dict:
         for reason, n in m.skipped.items():
             skipped[reason] = skipped.get(reason, 0) + n
     hidden_raw = tokens * n_taps * hidden * 2
-    shard_bytes = sum(store.bytes_on_disk(f"{layout.shard_group(s)}/hidden") for s in committed)
+    shard_bytes = sum(recorded(store, s, m, "hidden") for s, m in committed.items())
+    total = store.bytes_on_disk("target") + sum(recorded(store, s, m, "shard") for s, m in committed.items())
     return {
         "store": store.location,
         "fingerprint": attrs.fingerprint,
@@ -31,11 +32,11 @@ def summarize(store: HiddenStore) -> dict:
         "skipped": skipped,
         "truncated": sum(m.truncated for m in committed.values()),
         "agreement": agreement(committed.values()),
-        "bytes_on_disk": store.bytes_on_disk(),
+        "bytes_on_disk": total,
         "hidden_bytes_on_disk": shard_bytes,
         "hidden_bytes_raw_bf16": hidden_raw,
         "compression_ratio": round(hidden_raw / shard_bytes, 3) if shard_bytes else None,
-        "bytes_per_token": round(store.bytes_on_disk() / tokens, 1) if tokens else None,
+        "bytes_per_token": round(total / tokens, 1) if tokens else None,
         "provenance": {
             "target": attrs.target.path,
             "model_class": attrs.target.model_class,
@@ -58,6 +59,14 @@ def summarize(store: HiddenStore) -> dict:
                        f"chunks of {attrs.layout.chunk_tokens} tokens in files of {attrs.layout.shard_tokens}"),
         },
     }
+
+
+def recorded(store: HiddenStore, shard: int, record, part: str) -> int:
+    """Bytes of a committed shard ("shard": all its files, "hidden": its states) from its commit
+    file: no walk over millions of files at scale. Older commit files lack them: walked then."""
+    if record.bytes is not None:
+        return record.bytes[part]
+    return store.bytes_on_disk(layout.shard_group(shard) + ("/hidden" if part == "hidden" else ""))
 
 
 def render(s: dict) -> str:

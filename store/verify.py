@@ -1,7 +1,10 @@
-"""Re-read every committed shard and check shapes, offsets, masks and checksums."""
+"""Re-read committed shards and check shapes, offsets, masks and checksums: all of them or chosen
+ones, every byte or a random sample of the state chunks, in one process or several."""
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +21,7 @@ class Report:
     problems: dict[int, list[str]] = field(default_factory=dict)  # shard -> what is wrong
     missing: list[int] = field(default_factory=list)  # expected but not committed
     partial: list[int] = field(default_factory=list)  # data without a commit file (redone on rerun)
+    chunks: list[int] = field(default_factory=lambda: [0, 0])  # state chunks decoded, of how many
 
     @property
     def ok(self) -> bool:
@@ -34,38 +38,75 @@ class Report:
         return out
 
     def verdict(self) -> str:
-        return f"checked {len(self.checked)} committed shard(s): " + (
+        decoded, total = self.chunks
+        coverage = "" if decoded == total else f" (states: {decoded} of {total} chunks decoded, {decoded / total:.1%})"
+        return f"checked {len(self.checked)} committed shard(s){coverage}: " + (
             "all good" if self.ok else f"{len(self.problems)} corrupt, {len(self.missing)} missing")
 
 
-def verify_store(location: str, shard_text: str | None = None, progress=None) -> Report:
-    """`pipeline verify`: check the store at location; shard_text (e.g. '0-63') names the shards
-    that must be committed."""
+def verify_store(location: str, shard_text: str | None = None, progress=None, sample: float | None = None,
+                 processes: int = 1) -> Report:
+    """`pipeline verify`: check the store at location; shard_text (e.g. '0-63') limits the check
+    to those shards, each of which must be committed."""
     store = HiddenStore(location)
     expected = parse_ranges(shard_text, store.num_shards) if shard_text else None
-    return verify(store, expected, progress)
+    return verify(store, expected, progress, sample, processes)
 
 
-def verify(store: HiddenStore, expected: list[int] | None = None, progress=None) -> Report:
-    """Check committed shards and the root; `expected` shards that are not committed count as missing.
-
-    progress: called with each shard id once it is checked.
-    """
-    n_taps, hidden_size = len(store.attrs.taps), store.attrs.hidden_size
+def verify(store: HiddenStore, expected: list[int] | None = None, progress=None, sample: float | None = None,
+           processes: int = 1) -> Report:
+    """Check the root and the `expected` shards (default: every committed one); expected shards
+    that are not committed count as missing. sample: the share of state chunks to decode, chosen
+    at random (None: every byte, and each whole array against its commit checksum); processes:
+    shards checked in parallel. progress: called with each shard id once it is checked."""
     committed = store.committed()
+    todo = [s for s in (expected if expected is not None else committed) if s in committed]
     report = Report()
-    for shard, record in committed.items():
-        problems = check_shard(store, shard, record, n_taps, hidden_size)
-        report.checked.append(shard)
-        if problems:
-            report.problems[shard] = problems
-        if progress is not None:
-            progress(shard)
+    with _pool(processes) as pool:
+        results = [(s, pool.submit(_check, store.location, s, sample)) for s in todo] if pool else \
+                  [(s, _Done(_check(store.location, s, sample, store))) for s in todo]
+        for shard, result in results:
+            problems, chunks = result.result()
+            report.checked.append(shard)
+            report.chunks = [report.chunks[0] + chunks[0], report.chunks[1] + chunks[1]]
+            if problems:
+                report.problems[shard] = problems
+            if progress is not None:
+                progress(shard)
     report.missing = [s for s in (expected or []) if s not in committed]
     report.partial = [s for s in range(store.num_shards) if s not in committed and store.has_data(s)]
     if root_problems := check_root(store):
         report.problems[-1] = root_problems
     return report
+
+
+class _Done:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _pool(processes: int):
+    if processes <= 1:
+        return _NoPool()
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+
+
+class _NoPool:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _check(location: str, shard: int, sample: float | None, store: HiddenStore | None = None):
+    """One shard's problems and (chunks decoded, chunks in all); runs in a worker process too."""
+    store = store or HiddenStore(location)
+    record = store.committed()[shard]
+    return check_shard(store, shard, record, len(store.attrs.taps), store.attrs.hidden_size, sample)
 
 
 def check_root(store: HiddenStore) -> list[str]:
@@ -84,38 +125,53 @@ def check_root(store: HiddenStore) -> list[str]:
     return problems
 
 
-def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int, hidden_size: int) -> list[str]:
-    problems: list[str] = []
+def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int, hidden_size: int,
+                sample: float | None = None) -> tuple[list[str], tuple[int, int]]:
+    """A shard's problems, and (state chunks decoded, state chunks in all)."""
     try:
         g = store.shard_arrays(shard)
         arrays = {name: g[name] for name in layout.SHARD_ARRAYS}
     except Exception as e:  # noqa: BLE001
-        return [f"arrays missing or unreadable ({type(e).__name__}: {e})"]
-    shapes = record.shapes
-    for name, arr in arrays.items():
-        if list(arr.shape) != shapes.get(name):
-            problems.append(f"{name}: shape {list(arr.shape)}, commit file says {shapes.get(name)}")
-        if arr.dtype != layout.ARRAY_DTYPES[name]:
-            problems.append(f"{name}: dtype {arr.dtype}, expected {np.dtype(layout.ARRAY_DTYPES[name])}")
+        return [f"arrays missing or unreadable ({type(e).__name__}: {e})"], (0, 0)
+    problems = [f"{name}: shape {list(arr.shape)}, commit file says {record.shapes.get(name)}"
+                for name, arr in arrays.items() if list(arr.shape) != record.shapes.get(name)]
+    problems += [f"{name}: dtype {arr.dtype}, expected {np.dtype(layout.ARRAY_DTYPES[name])}"
+                 for name, arr in arrays.items() if arr.dtype != layout.ARRAY_DTYPES[name]]
     if problems:
-        return problems
+        return problems, (0, 0)
     if tuple(arrays["hidden"].shape[1:]) != (n_taps, hidden_size):
         problems.append(f"hidden: shape {arrays['hidden'].shape}, expected [T, {n_taps}, {hidden_size}]")
-    sums = record.checksums
     try:
         small = {name: arrays[name][:] for name in layout.SHARD_ARRAYS if name != "hidden"}
     except Exception as e:  # noqa: BLE001
-        return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"]
-    for name, data in small.items():
-        if layout.crc32(data) != sums.get(name):
-            problems.append(f"{name}: checksum mismatch")
+        return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"], (0, 0)
+    problems += [f"{name}: checksum mismatch" for name, data in small.items()
+                 if layout.crc32(data) != record.checksums.get(name)]
     problems += _check_offsets(small, int(arrays["hidden"].shape[0]), store.attrs.compat.turns == "all")
-    try:
-        if _hidden_crc(arrays["hidden"]) != sums.get("hidden"):
-            problems.append("hidden: checksum mismatch (a chunk file is corrupt, missing or replaced)")
-    except Exception as e:  # noqa: BLE001 - a chunk that cannot be decoded
-        problems.append(f"hidden: unreadable chunk ({type(e).__name__}: {e})")
-    return problems
+    hidden_problems, chunks = _check_hidden(arrays["hidden"], record.checksums.get("hidden"), sample, shard)
+    return problems + hidden_problems, chunks
+
+
+def _check_hidden(arr, checksum: int | None, sample: float | None, seed: int) -> tuple[list[str], tuple[int, int]]:
+    """Every chunk decoded and the whole array's CRC-32 compared, or (sample) a random share of the
+    chunks decoded, each against its own crc32c in a schema-2 store."""
+    step = arr.chunks[0]
+    total = -(-int(arr.shape[0]) // step)
+    if sample is None:
+        try:
+            if _hidden_crc(arr) != checksum:
+                return ["hidden: checksum mismatch (a chunk file is corrupt, missing or replaced)"], (total, total)
+        except Exception as e:  # noqa: BLE001 - a chunk that cannot be decoded
+            return [f"hidden: unreadable chunk ({type(e).__name__}: {e})"], (total, total)
+        return [], (total, total)
+    picks = sorted(np.random.default_rng(seed).permutation(total)[:max(1, round(sample * total))]) if total else []
+    for k in picks:
+        try:
+            arr[k * step:(k + 1) * step]
+        except Exception as e:  # noqa: BLE001
+            return [f"hidden: chunk {k} (tokens {k * step}-{(k + 1) * step - 1}) unreadable ({type(e).__name__}: {e})"], \
+                (len(picks), total)
+    return [], (len(picks), total)
 
 
 def _check_offsets(small: dict, total: int, every_turn: bool) -> list[str]:

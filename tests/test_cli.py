@@ -75,6 +75,9 @@ def test_store_with_other_fingerprint_is_refused(monkeypatch, capsys, tmp_path, 
 def test_verify_and_info_commands(monkeypatch, capsys, small_store):
     code, out, err = run_main(monkeypatch, capsys, ["verify", str(small_store), "--shards", "0-3"])
     assert code == 0 and "checked 4 committed shard(s): all good" in out
+    code, out, err = run_main(monkeypatch, capsys, ["verify", str(small_store), "--shards", "1-2", "--sample", "0.5",
+                                                    "--processes", "2"])
+    assert code == 0 and "checked 2 committed shard(s) (states: " in out and "all good" in out
     code, out, err = run_main(monkeypatch, capsys, ["info", str(small_store), "--json"])
     assert code == 0 and json.loads(out)["shards_done"] == 4
 

@@ -45,3 +45,35 @@ def test_verify_checks_the_frozen_embedding(store_copy):
     embed[0, 0] = embed[0, 0] ^ 1
     report = verify(HiddenStore(str(store_copy)))
     assert report.problems == {-1: ["target/embed_tokens: checksum mismatch"]}
+
+
+def test_chosen_shards_in_parallel_processes(store_copy):
+    """--shards limits what is read; two processes find what one finds."""
+    chunks = sorted(p for p in (store_copy / "shards/00002/hidden/c").rglob("*") if p.is_file())
+    data = bytearray(chunks[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunks[0].write_bytes(bytes(data))
+    store = HiddenStore(str(store_copy))
+    chosen = verify(store, expected=[0, 1])
+    assert chosen.ok and chosen.checked == [0, 1]
+    one, two = verify(store), verify(store, processes=2)
+    assert list(one.problems) == list(two.problems) == [2] and two.checked == [0, 1, 2, 3]
+    assert one.problems == two.problems and one.chunks == two.chunks
+
+
+def test_a_sample_of_chunks_states_its_coverage_and_finds_damage_it_reads(store_copy):
+    """Schema 2 checks each chunk on its own, so a sampled check still finds a damaged chunk it
+    decodes; the verdict says how much was decoded."""
+    store = HiddenStore(str(store_copy))
+    full = verify(store)
+    sampled = verify(store, sample=0.5)
+    decoded, total = sampled.chunks
+    assert full.chunks == [total, total] and 0 < decoded < total
+    assert f"{decoded} of {total} chunks decoded" in sampled.verdict()
+    files = sorted(p for p in (store_copy / "shards/00001/hidden/c").rglob("*") if p.is_file())
+    data = bytearray(files[0].read_bytes())
+    for k in range(0, len(data) - 64, 97):  # damage every chunk of the file: any sampled one is hit
+        data[k] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    report = verify(HiddenStore(str(store_copy)), sample=0.5)
+    assert list(report.problems) == [1] and "unreadable" in report.problems[1][0]
