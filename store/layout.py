@@ -10,6 +10,7 @@
       shards/00003/offsets         [N+1] int64   sample i is tokens offsets[i]:offsets[i+1]
       shards/00003/prompt_lens     [N] int32     prompt tokens at the start of each sample
       shards/00003/row_ids         [N] int64     dataset row of each sample
+      shards/00003/first_pairs     [N] int32     first position with loss on it and the next (-1: none)
       _commits/root.json           written last when the root is complete
       _commits/00003.json          written last when shard 3 is complete: stats + checksums
       _locks/00003.lock            held while a process writes shard 3
@@ -29,8 +30,13 @@ from store.codec import Bf16Planes
 
 HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
 SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
+# Per-sample arrays added in schema 2 (absent from schema-1 shards): first_pairs[i] is the first
+# position of sample i whose token and the next both carry the loss (-1: none), so an index of
+# samples is built from O(samples) bytes, never the per-token mask.
+INDEX_ARRAYS = ("first_pairs",)
 ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
-                "prompt_lens": np.int32, "row_ids": np.int64}
+                "prompt_lens": np.int32, "row_ids": np.int64, "first_pairs": np.int32}
+TOKEN_CHUNK = 1 << 16  # elements per chunk of the per-token arrays: a sample's span decodes little
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected")
 # The hidden states' codec: "planes" (schema 2: this package's byte-plane codec, store/codec.py,
 # high plane zstd at the level, low plane LZ4) or "blosc" (schema 1's: blosc zstd, byte shuffle).
@@ -57,6 +63,20 @@ def hidden_codecs(codec: str, level: int) -> list:
     if codec == "blosc":
         return [BloscCodec(cname="zstd", clevel=level, shuffle=BloscShuffle.shuffle, typesize=2)]
     return [Bf16Planes(level=level, low="lz4"), Crc32cCodec()]
+
+
+def first_pairs(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per sample, the first position p (from the sample's start) with loss_mask[p] and
+    loss_mask[p + 1], or -1."""
+    pair = np.flatnonzero(loss_mask[:-1].astype(bool) & loss_mask[1:].astype(bool))
+    out = np.full(len(offsets) - 1, -1, dtype=np.int32)
+    if len(pair):
+        k = np.searchsorted(pair, offsets[:-1])  # each sample's first pair at or after its start
+        ok = k < len(pair)
+        first = np.where(ok, pair[np.minimum(k, len(pair) - 1)], 0)
+        inside = ok & (first + 1 < offsets[1:])  # the pair ends inside the sample
+        out[inside] = (first - offsets[:-1])[inside]
+    return out
 
 
 def small_codecs(codec: str) -> list:

@@ -24,8 +24,9 @@ class Sample:
 
 
 class ShardReader:
-    """One committed shard. The per-token and per-sample arrays are read whole, each on first use;
-    hidden states are read per sample, only the chunks a sample covers."""
+    """One committed shard. The per-sample arrays (O(samples) bytes) are read whole, each on first
+    use; a sample's tokens, loss mask and states are read as its own span (only the chunks it
+    covers), so a reader's memory is bounded by what it is asked for, not by the shard."""
 
     def __init__(self, store: HiddenStore, shard: int) -> None:
         store.require_committed([shard])
@@ -36,11 +37,17 @@ class ShardReader:
     def _array(self, name: str) -> np.ndarray:
         return self._group[name][:]
 
-    tokens = functools.cached_property(lambda self: self._array("tokens"))  # [T] int32
-    loss_mask = functools.cached_property(lambda self: self._array("loss_mask"))  # [T] uint8
     offsets = functools.cached_property(lambda self: self._array("offsets"))  # [N+1] int64
     prompt_lens = functools.cached_property(lambda self: self._array("prompt_lens"))  # [N] int32
     row_ids = functools.cached_property(lambda self: self._array("row_ids"))  # [N] int64
+
+    @functools.cached_property
+    def first_pairs(self) -> np.ndarray:
+        """[N] int32: per sample, the first position whose token and the next carry the loss (-1:
+        none). Written since schema 2; computed from the whole loss mask for older shards."""
+        if "first_pairs" in self._group:
+            return self._array("first_pairs")
+        return layout.first_pairs(self._array("loss_mask"), self.offsets)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -57,8 +64,8 @@ class ShardReader:
             b = min(b, a + limit)
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
-            tokens=torch.from_numpy(self.tokens[a:b].astype(np.int64)),
-            loss_mask=torch.from_numpy(self.loss_mask[a:b].astype(bool)),
+            tokens=torch.from_numpy(self._group["tokens"][a:b].astype(np.int64)),
+            loss_mask=torch.from_numpy(self._group["loss_mask"][a:b].astype(bool)),
             prompt_len=int(self.prompt_lens[i]),
             hidden=layout.from_bits(self.hidden[a:b]),
         )

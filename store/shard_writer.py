@@ -136,8 +136,10 @@ class ShardWriter:
             "prompt_lens": np.asarray(self.prompt_lens, dtype=np.int32),
             "row_ids": np.asarray(self.row_ids, dtype=np.int64),
         }
+        arrays["first_pairs"] = layout.first_pairs(arrays["loss_mask"], arrays["offsets"])
         for name, data in arrays.items():
-            self.group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=(max(1, min(len(data), 1 << 20)),),
+            self.group.create_array(name, shape=data.shape, dtype=data.dtype,
+                                    chunks=(max(1, min(len(data), layout.TOKEN_CHUNK)),),
                                     compressors=layout.small_codecs(self.codec), fill_value=0)[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc

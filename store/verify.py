@@ -130,7 +130,8 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
     """A shard's problems, and (state chunks decoded, state chunks in all)."""
     try:
         g = store.shard_arrays(shard)
-        arrays = {name: g[name] for name in layout.SHARD_ARRAYS}
+        names = layout.SHARD_ARRAYS + tuple(n for n in layout.INDEX_ARRAYS if n in record.shapes)
+        arrays = {name: g[name] for name in names}
     except Exception as e:  # noqa: BLE001
         return [f"arrays missing or unreadable ({type(e).__name__}: {e})"], (0, 0)
     problems = [f"{name}: shape {list(arr.shape)}, commit file says {record.shapes.get(name)}"
@@ -142,12 +143,15 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
     if tuple(arrays["hidden"].shape[1:]) != (n_taps, hidden_size):
         problems.append(f"hidden: shape {arrays['hidden'].shape}, expected [T, {n_taps}, {hidden_size}]")
     try:
-        small = {name: arrays[name][:] for name in layout.SHARD_ARRAYS if name != "hidden"}
+        small = {name: arr[:] for name, arr in arrays.items() if name != "hidden"}
     except Exception as e:  # noqa: BLE001
         return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"], (0, 0)
     problems += [f"{name}: checksum mismatch" for name, data in small.items()
                  if layout.crc32(data) != record.checksums.get(name)]
     problems += _check_offsets(small, int(arrays["hidden"].shape[0]), store.attrs.compat.turns == "all")
+    if "first_pairs" in small and not problems and not np.array_equal(
+            small["first_pairs"], layout.first_pairs(small["loss_mask"], small["offsets"])):
+        problems.append("first_pairs does not match the loss mask")
     hidden_problems, chunks = _check_hidden(arrays["hidden"], record.checksums.get("hidden"), sample, shard)
     return problems + hidden_problems, chunks
 

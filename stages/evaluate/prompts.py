@@ -3,6 +3,8 @@ in memory): every sample with a completion, in shard order, the first `limit` wh
 
 from __future__ import annotations
 
+import numpy as np
+
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
@@ -12,9 +14,9 @@ class Prompts:
         self.store, self.refs = store, []
         self._reader: ShardReader | None = None
         for shard in shards:
-            reader = ShardReader(store, shard)
-            offsets, mask = reader.offsets, reader.loss_mask
-            self.refs += [(shard, i) for i in range(len(offsets) - 1) if mask[offsets[i]:offsets[i + 1]].any()]
+            reader = ShardReader(store, shard)  # a completion follows every prompt (pipeline verify checks it)
+            lengths = np.diff(reader.offsets)
+            self.refs += [(shard, i) for i in range(len(lengths)) if lengths[i] > reader.prompt_lens[i]]
         self.refs = self.refs[:limit]
 
     def __len__(self) -> int:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from pipeline.drafter.blocks import anchor_mask
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
@@ -29,16 +28,18 @@ class Ref:
 
 
 def index_samples(store: HiddenStore, shards: list[int], max_length: int) -> list[Ref]:
-    """Samples with at least one anchor (pipeline/drafter/blocks.py) within max_length."""
+    """Samples with at least one anchor (pipeline/drafter/blocks.py) within max_length, from the
+    per-sample index: O(samples) bytes read, not the per-token mask. The first anchor of a sample
+    is its first pair of loss tokens (the anchor rule, checked against `anchor_mask` in the tests),
+    so an anchor lies within n tokens iff that pair does."""
     store.require_committed(shards)
     refs = []
     for shard in shards:
         reader = ShardReader(store, shard)
-        offsets, mask = reader.offsets, reader.loss_mask.astype(bool)
-        for i in range(len(offsets) - 1):
-            a, b = int(offsets[i]), int(offsets[i + 1])
-            n = min(b - a, max_length)
-            if n >= 2 and bool(anchor_mask(mask[a:a + n]).any()):
+        lengths = np.diff(reader.offsets)
+        for i, (length, first) in enumerate(zip(lengths, reader.first_pairs)):
+            n = min(int(length), max_length)
+            if 0 <= first and first + 2 <= n:
                 refs.append(Ref(shard, i, n))
     return refs
 

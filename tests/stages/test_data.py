@@ -1,5 +1,7 @@
 """Training batches from the store: what is read, in which order, by which rank."""
 
+import numpy as np
+import pytest
 import torch
 
 from stages.train.data import Ref, StoreBatches, epoch_batches, index_samples
@@ -59,3 +61,39 @@ def test_samples_without_a_completion_are_not_indexed(small_store):
             lm = reader[i].loss_mask
             assert ((s, i) in kept) == bool((lm[:-1] & lm[1:]).any())
     assert 0 < len(r) <= total
+
+
+@pytest.mark.parametrize("max_length", [8, 40, 2048])
+def test_the_index_reads_no_per_token_array_and_equals_a_scan_of_the_masks(small_store, max_length, monkeypatch):
+    """index_samples builds from the per-sample index (first_pairs): same samples and lengths as
+    scanning every loss mask with the anchor rule, without reading tokens or masks."""
+    from pipeline.drafter.blocks import anchor_mask
+
+    store = HiddenStore(str(small_store))
+    expected = []
+    for shard in store.committed():
+        g = store.shard_arrays(shard)
+        off, mask = g["offsets"][:], g["loss_mask"][:].astype(bool)
+        for i in range(len(off) - 1):
+            n = min(int(off[i + 1] - off[i]), max_length)
+            if n >= 2 and anchor_mask(mask[off[i]:off[i] + n]).any():
+                expected.append((shard, i, n))
+    read = []
+    real = ShardReader._array
+    monkeypatch.setattr(ShardReader, "_array", lambda self, name: read.append(name) or real(self, name))
+    got = [(r.shard, r.index, r.length) for r in index_samples(store, list(store.committed()), max_length)]
+    assert got == expected and (got or max_length == 8)
+    assert not {"tokens", "loss_mask"} & set(read)
+
+
+def test_a_sample_is_read_as_its_own_span(small_store, monkeypatch):
+    """Reading samples never loads a shard's whole per-token arrays: a loader worker's memory is
+    bounded by its batch, whatever the store's size."""
+    read = []
+    real = ShardReader._array
+    monkeypatch.setattr(ShardReader, "_array", lambda self, name: read.append(name) or real(self, name))
+    reader = ShardReader(HiddenStore(str(small_store)), 1)
+    samples = [reader[i] for i in range(len(reader))]
+    assert set(read) == {"offsets", "row_ids", "prompt_lens"}
+    g = HiddenStore(str(small_store)).shard_arrays(1)
+    assert torch.equal(torch.cat([s.tokens for s in samples]), torch.from_numpy(g["tokens"][:].astype(np.int64)))

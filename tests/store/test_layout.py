@@ -30,3 +30,20 @@ def test_round_trip_through_zarr_is_exact(tmp_path, codec):
     back = layout.from_bits(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["hidden"][:])
     assert torch.equal(x.view(torch.int16), back.view(torch.int16))
     assert torch.equal(x[~x.isnan()], back[~back.isnan()])
+
+
+def test_first_pairs_is_the_first_anchor_of_each_sample():
+    """The per-sample index the store writes agrees with the anchor rule (pipeline/drafter/blocks.py)
+    on random masks: first_pairs[i] is the first anchor of sample i, -1 when it has none."""
+    from pipeline.drafter.blocks import anchor_mask
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(1, 12, rng.integers(1, 20))
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        mask = (rng.random(offsets[-1]) < rng.random()).astype(np.uint8)
+        expected = []
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            anchors = np.flatnonzero(anchor_mask(mask[a:b].astype(bool)))
+            expected.append(int(anchors[0]) if len(anchors) else -1)
+        assert layout.first_pairs(mask, offsets).tolist() == expected
