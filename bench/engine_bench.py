@@ -15,7 +15,6 @@ its size.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.modules.setdefault("fla", None)
 
+from bench.report import emit  # noqa: E402
 from pipeline import TINY_TARGET  # noqa: E402
 from stages.extract.config import ExtractConfig  # noqa: E402
 from stages.extract.run import run  # noqa: E402
@@ -86,10 +86,7 @@ def main() -> None:
               "generate": median_run(local), "vllm": median_run(remote),
               "loop_ratio_vllm_over_generate": round(median_run(remote)["loop_s"] / median_run(local)["loop_s"], 3),
               "completions_equal": same, "completions": len(a)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ target alone (greedy, same cache code). Reports medians over --repeat runs, in o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from bench.report import emit  # noqa: E402
 from pipeline import device as devices  # noqa: E402
 from pipeline.decode import live, replay  # noqa: E402
 from pipeline.target import loading  # noqa: E402
@@ -75,9 +75,7 @@ def main() -> None:
                      "seconds": statistics.median(d for d, _, _ in rs), "rounds": rs[0][1], "tokens": rs[0][2]}
     res["replay_over_live_rounds_per_s"] = res["replay"]["rounds_per_s"] / res["live"]["rounds_per_s"]
     res["live_speedup_over_target_only"] = res["live"]["tokens_per_s"] / res["target_only"]["tokens_per_s"]
-    print(json.dumps(res, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    emit(res, args.json)
 
 
 if __name__ == "__main__":

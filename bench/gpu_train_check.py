@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.report import emit  # noqa: E402
 from pipeline.drafter import masks  # noqa: E402
 from pipeline.drafter.blocks import make_blocks, sample_anchors  # noqa: E402
 from pipeline.drafter.loss import dflash_loss  # noqa: E402
@@ -100,10 +101,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "kernels": [kernel_agreement(args.store, args.anchors, d) for d in ("fp32", "bf16")],
            "training": training(args.store, args.steps, args.batch_size, args.anchors, args.run_dir)}
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit(res, args.json)
 
 
 if __name__ == "__main__":

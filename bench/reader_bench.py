@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.report import emit  # noqa: E402
+
 SAMPLES, TOKENS, TAPS, WIDTH = 400, 1000, 1, 8
 
 
@@ -96,10 +98,7 @@ def main() -> None:
                                  text=True, check=True)
             results.append(json.loads(out.stdout.splitlines()[-1]))
             print(results[-1], file=sys.stderr)
-    text = json.dumps({"samples_per_shard": SAMPLES, "tokens_per_sample": TOKENS, "results": results}, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit({"samples_per_shard": SAMPLES, "tokens_per_sample": TOKENS, "results": results}, args.json)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import zarr  # noqa: E402
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec  # noqa: E402
 
+from bench.report import emit  # noqa: E402
 from store.codec import Bf16Planes  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 
@@ -150,10 +151,7 @@ def main() -> None:
                 r = measure(d, off, codecs, Path(tmp))
                 print(f"{name:38s} {json.dumps(r)}", file=sys.stderr)
                 result["results"].setdefault(label, {})[name] = r
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
