@@ -14,6 +14,10 @@ Qwen3.6-27B's shape ([T, 5, 5120]) from a random-initialised model run on the st
 layout and data: size against raw bf16, write and sequential read MB/s (of raw bf16) with
 `--threads` codec threads in zarr's pool, and the median time to read one random sample. blosc
 runs one thread inside each call, so thread counts compare like with like. Best of 3 per figure.
+Then the extractor's own ShardWriter on the 27B-width states (schema 1: blosc through zarr;
+schema 2: whole shard files encoded by the writer, store/shard_file.py), with `--threads` threads:
+MB/s as fast as it takes batches, and the producer's stall when a GPU-like producer hands it
+500 MB/s with room for two shard files.
 """
 
 from __future__ import annotations
@@ -126,6 +130,39 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
     return out
 
 
+def writer(x: np.ndarray, codec: str, threads: int, tmp: Path, producer_mb_s: float | None = None) -> dict:
+    """The extractor's ShardWriter on x (16 passes), as fast as it takes batches of 256 tokens or
+    fed at producer_mb_s with room for two shard files (the default --writer-memory-gb is 4 GiB,
+    about 20 at 27B width): MB/s until committed, and the producer's stall."""
+    import torch
+
+    from store.shard_writer import ShardWriter
+
+    states = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    batch = 256
+    batch_bytes = batch * x[0].nbytes
+    path = tmp / f"writer-{codec}.zarr"
+    path.mkdir(exist_ok=True)
+    store = HiddenStore(str(path))
+    w = ShardWriter(store, 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096, codec=codec,
+                    threads=threads, max_held_bytes=2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40)
+    t0 = time.perf_counter()
+    for k in range(16 * len(x) // batch):
+        if producer_mb_s:
+            while time.perf_counter() < t0 + k * batch_bytes / (producer_mb_s * 1e6):
+                time.sleep(0.0005)
+        a = (k * batch) % len(x)
+        w.add(k, [1], [2] * (batch - 1), truncated=False)
+        w.add_hidden(states[a:a + batch].clone())
+    fed = time.perf_counter() - t0
+    w.commit(None, run={})
+    total = time.perf_counter() - t0
+    out = {"MBps": round(16 * x.nbytes / total / 1e6)}
+    if producer_mb_s:
+        out.update(producer_MBps=producer_mb_s, stall_s=round(w.stall_s, 3), stall_share=round(w.stall_s / fed, 3))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True)
@@ -145,6 +182,12 @@ def main() -> None:
         data["27B width (random-init forward)"] = (w, np.arange(0, len(w) + 1, 512))
     result = {"store": args.store, "threads": args.threads, "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.wide_tokens:
+            for codec in ("blosc", "planes"):
+                r = {"as fast as it takes": writer(w, codec, args.threads, Path(tmp)),
+                     "at 500 MB/s": writer(w, codec, args.threads, Path(tmp), producer_mb_s=500)}
+                print(f"ShardWriter, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
+                result.setdefault("writer", {})[codec] = r
         for label, (d, off) in data.items():
             print(f"== {label}: {d.shape}, {d.nbytes / 1e6:.1f} MB raw", file=sys.stderr)
             for name, codecs in LAYOUTS.items():

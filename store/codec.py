@@ -64,11 +64,16 @@ class Bf16Planes(BytesBytesCodec):
 
     def pack(self, data: np.ndarray) -> bytes:
         """data: the chunk's bytes, little-endian 2-byte values."""
+        return b"".join(self.pack_parts(data))
+
+    def pack_parts(self, data: np.ndarray) -> list:
+        """The encoded chunk as the pieces it is made of (joined, they are `pack`'s bytes), so a
+        writer can hand them to the file without another copy."""
         pairs = data.reshape(-1, 2)
         high = self._high.encode(np.ascontiguousarray(pairs[:, 1]))
         low = np.ascontiguousarray(pairs[:, 0])
         low = self._low.encode(low) if self._low is not None else low.tobytes()
-        return b"".join((np.array([len(high)], _HEADER).tobytes(), high, low))
+        return [np.array([len(high)], _HEADER).tobytes(), high, low]
 
     def unpack(self, data: np.ndarray) -> np.ndarray:
         n_high = int(data[:4].view(_HEADER)[0])

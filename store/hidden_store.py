@@ -186,6 +186,14 @@ class HiddenStore:
     def shard_arrays(self, shard: int) -> zarr.Group:
         return zarr.open_group(self.location, mode="r", path=layout.shard_group(shard))
 
+    def write_pieces(self, key: str, pieces: list) -> None:
+        """Write a file made of byte pieces, in order (no joined copy)."""
+        path = self._path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(path, "wb") as fh:
+            for piece in pieces:
+                fh.write(piece)
+
     def bytes_on_disk(self, key: str = "") -> int:
         """Bytes under key (the whole store by default). Other processes may be writing the store
         meanwhile: a file that vanishes during the walk (a temp file renamed, a shard cleared) is

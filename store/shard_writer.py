@@ -15,13 +15,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import zarr
 
-from store import layout
+from store import layout, shard_file
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.schema import ShardCommit
@@ -42,12 +43,13 @@ class ShardStats:
 class ShardWriter:
     def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
                  chunk_tokens: int, shard_tokens: int, codec: str = "planes", level: int | None = None,
-                 max_held_bytes: int = 4 << 30) -> None:
+                 max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
         self.codec = codec
+        level = layout.DEFAULT_LEVELS[codec] if level is None else level
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -62,6 +64,7 @@ class ShardWriter:
         self._token_bytes = n_taps * hidden_size * 2
         self._max_held_tokens = max(1, max_held_bytes // self._token_bytes)
         self._held_tokens = 0  # handed over, not yet written
+        self._queued = 0  # handed over, not yet taken by the writer thread
         self._room = threading.Condition()
         self._error: BaseException | None = None
         store.clear_shard(shard)
@@ -71,9 +74,10 @@ class ShardWriter:
         self.hidden = g.create_array(
             "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
-            compressors=layout.hidden_codecs(codec, layout.DEFAULT_LEVELS[codec] if level is None else level),
-            fill_value=0)
+            compressors=layout.hidden_codecs(codec, level), fill_value=0)
         self._queue: queue.Queue = queue.Queue()
+        self._planes = layout.hidden_codecs(codec, level)[0] if codec == "planes" else None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()
 
@@ -99,13 +103,17 @@ class ShardWriter:
 
     def add_hidden(self, hidden: torch.Tensor) -> None:
         """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order. Waits
-        while the writer holds more than max_held_bytes (unless it holds nothing)."""
+        while the writer would then hold more than max_held_bytes, but never while the writer thread
+        has taken everything handed over: it may be waiting for this batch to fill a shard file (so
+        the bound can be passed by one shard file's worth plus a batch, never deadlocked)."""
         t0 = time.perf_counter()
         with self._room:
-            while self._held_tokens and self._held_tokens + len(hidden) > self._max_held_tokens and self._error is None:
+            while (self._queued and self._held_tokens + len(hidden) > self._max_held_tokens
+                   and self._error is None):
                 self._room.wait(0.5)
             self._raise_if_failed()
             self._held_tokens += len(hidden)
+            self._queued += len(hidden)
         self._queue.put(hidden)
         self.stall_s += time.perf_counter() - t0
 
@@ -157,6 +165,7 @@ class ShardWriter:
             bytes={"shard": self.store.bytes_on_disk(layout.shard_group(self.shard)),
                    "hidden": self.store.bytes_on_disk(f"{layout.shard_group(self.shard)}/hidden")})
         self.store.write_commit(record)
+        self._pool.shutdown()
         return record
 
     def abort(self) -> None:
@@ -164,6 +173,7 @@ class ShardWriter:
         if self._thread.is_alive():
             self._queue.put(_DONE)
             self._thread.join(timeout=30)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -173,6 +183,9 @@ class ShardWriter:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not _DONE:
+                with self._room:
+                    self._queued -= len(item)
+                    self._room.notify_all()
                 t0 = time.perf_counter()
                 bits = layout.to_bits(item)
                 self._crc = layout.crc32(bits, self._crc)
@@ -197,7 +210,13 @@ class ShardWriter:
         if n:
             end = self._written + n
             self.hidden.resize((end, self.n_taps, self.hidden_size))
-            self.hidden[self._written:end] = data[:n]
+            full = (n // self.shard_tokens) * self.shard_tokens if self._planes is not None else 0
+            for a in range(0, full, self.shard_tokens):  # whole shard files, encoded here (store/shard_file.py)
+                key = self.hidden.metadata.encode_chunk_key(((self._written + a) // self.shard_tokens, 0, 0))
+                self.store.write_pieces(f"{layout.shard_group(self.shard)}/hidden/{key}", shard_file.encode_shard(
+                    self._planes, data[a:a + self.shard_tokens], self.chunk_tokens, self._pool))
+            if full < n:  # a partial last shard file, or another codec: through zarr
+                self.hidden[self._written + full:end] = data[full:n]
             self._written = end
             with self._room:
                 self._held_tokens -= n

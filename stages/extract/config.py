@@ -74,8 +74,10 @@ class ExtractConfig:
                                     "record how often the completion token is the target's own argmax (per shard and "
                                     "in `pipeline info`; ~100% for regenerated references, lower for another engine "
                                     "on near-ties; low means a wrong server, template or tokenizer).")
+    writer_threads: int = setting(2, "Threads that compress states (planes codec), each about one core: at 27B "
+                                     "width one writes ~400 MB/s of raw states, and a GPU captures ~500 MB/s.")
     writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
-                                           "capture waits beyond it (one batch is always taken).")
+                                           "capture waits beyond it, except while the writer waits to fill a shard file.")
 
     def __post_init__(self) -> None:
         fill(self, "target", self.target or str(TINY_TARGET))
@@ -85,7 +87,7 @@ class ExtractConfig:
         require(self, "server_url", bool(self.server_url) == (self.responses == "server"),
                 "goes with --responses server, and it needs one")
         at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards",
-                 "concurrency")
+                 "concurrency", "writer_threads")
         require(self, "turns", self.turns == "last" or self.responses == "dataset",
                 "all goes with --responses dataset (regenerated answers exist only for the last turn)")
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")

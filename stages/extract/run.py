@@ -206,7 +206,8 @@ class Extractor:
         t0 = time.perf_counter()
         c = self.config
         writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
-                             c.shard_tokens, c.codec, c.compression_level, max_held_bytes=int(c.writer_memory_gb * 2**30))
+                             c.shard_tokens, c.codec, c.compression_level, max_held_bytes=int(c.writer_memory_gb * 2**30),
+                             threads=c.writer_threads)
         try:
             rows = self.prompt_set.by_length(self.prompt_set.shard_rows(shard, self.num_shards))
             in_flight: deque[Batch] = deque()

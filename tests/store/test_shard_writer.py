@@ -79,3 +79,45 @@ def test_a_failed_write_surfaces_and_nothing_is_committed(tmp_path, small_store,
         writer.commit(None, run={})
     writer.abort()
     assert store.commit_record(1) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, small_store, threads):
+    """The writer encodes whole shard files itself (store/shard_file.py); each file holds exactly
+    the bytes zarr's own sharding codec writes for the same states, and the partial last one goes
+    through zarr."""
+    import numpy as np
+    import zarr
+
+    from store import layout
+
+    store = fresh_store(tmp_path, small_store)
+    parts = batches(9, tokens=23)  # 207 tokens: 6 whole shard files of 32 and a partial one
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, threads=threads)
+    write(writer, parts)
+    writer.commit(None, run={})
+    bits = layout.to_bits(torch.cat(parts))
+    ref = zarr.create_array(str(tmp_path / "ref.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(8, TAPS, H),
+                            shards=(32, TAPS, H), compressors=layout.hidden_codecs("planes", 1), fill_value=0)
+    ref[:] = bits
+    ours = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c"
+    files = sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
+    assert len(files) == 7
+    for f in files:
+        assert (ours / f).read_bytes() == (tmp_path / "ref.zarr" / "c" / f).read_bytes(), f
+    assert np.array_equal(store.shard_arrays(1)["hidden"][:], bits)
+
+
+def test_a_bound_smaller_than_a_shard_file_never_deadlocks(tmp_path, small_store):
+    """With room for less than one shard file, the writer waits for batches to fill it while the
+    model would wait for room: the model thread goes on once the writer has taken everything."""
+    import threading
+
+    store = fresh_store(tmp_path, small_store)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=64, max_held_bytes=30 * TOKEN_BYTES)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (write(writer, batches(10)), writer.commit(None, run={}), done.set()),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done.is_set() and store.commit_record(1).tokens == 200
