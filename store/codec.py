@@ -27,6 +27,7 @@ from zarr.registry import register_codec
 
 NAME = "dflash.bf16_planes"
 LOW_PLANES = ("lz4", "raw")
+LEVELS = (-7, 22)  # the zstd levels of the high-byte plane
 _HEADER = np.dtype("<u4")
 
 
@@ -39,8 +40,8 @@ class Bf16Planes(BytesBytesCodec):
     def __post_init__(self) -> None:
         if self.low not in LOW_PLANES:
             raise ValueError(f"{NAME}: low plane {self.low!r}, expected one of {LOW_PLANES}")
-        if not -7 <= self.level <= 22:
-            raise ValueError(f"{NAME}: zstd level {self.level}, expected -7 to 22")
+        if not LEVELS[0] <= self.level <= LEVELS[1]:
+            raise ValueError(f"{NAME}: zstd level {self.level}, expected {LEVELS[0]} to {LEVELS[1]}")
 
     @classmethod
     def from_dict(cls, data):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
+from store.codec import LEVELS as PLANE_LEVELS
 from store.codec import Bf16Planes
 
 HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
@@ -43,7 +44,7 @@ SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_r
 # Every chunk of a schema-2 store ends in a crc32c checksum that every read verifies.
 CODECS = ("planes", "blosc")
 DEFAULT_LEVELS = {"planes": 1, "blosc": 3}
-LEVELS = {"planes": (-7, 22), "blosc": (0, 9)}
+LEVELS = {"planes": PLANE_LEVELS, "blosc": (0, 9)}
 
 
 def shard_name(shard: int) -> str:

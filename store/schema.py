@@ -1,9 +1,9 @@
 """The store's records, typed: the root attributes (`StoreAttrs`) and each shard's commit file
 (`ShardCommit`). Extraction builds them, every reader gets them from `HiddenStore`; nothing else
-reads these JSON keys. The JSON is documented in docs/store.md and is still schema 1: fields added
-since have the default None, meaning "not recorded", and are left out of the JSON while None. So
-stores written before load as they are, write back unchanged, and a run whose settings are the
-same as before has the same fingerprint.
+reads these JSON keys. The JSON is documented in docs/store.md. Fields added since schema 1 have the
+default None, meaning "not recorded", and are left out of the JSON while None, so schema-1 stores
+load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
+schema-1 stores are read-only (`HiddenStore.check_compatible`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,6 @@ def _plain(v):
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return v
-
 
 
 def from_json(cls, d: dict, where: str, error: type[Exception]):

@@ -49,7 +49,7 @@ class ShardWriter:
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
         self.codec = codec
-        level = layout.DEFAULT_LEVELS[codec] if level is None else level
+        codecs = layout.hidden_codecs(codec, layout.DEFAULT_LEVELS[codec] if level is None else level)
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -74,9 +74,9 @@ class ShardWriter:
         self.hidden = g.create_array(
             "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
-            compressors=layout.hidden_codecs(codec, level), fill_value=0)
+            compressors=codecs, fill_value=0)
         self._queue: queue.Queue = queue.Queue()
-        self._planes = layout.hidden_codecs(codec, level)[0] if codec == "planes" else None
+        self._planes = codecs[0] if codec == "planes" else None  # whole shard files are encoded here
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()

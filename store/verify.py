@@ -62,17 +62,14 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
     committed = store.committed()
     todo = [s for s in (expected if expected is not None else committed) if s in committed]
     report = Report()
-    with _pool(processes) as pool:
-        results = [(s, pool.submit(_check, store.location, s, sample)) for s in todo] if pool else \
-                  [(s, _Done(_check(store.location, s, sample, store))) for s in todo]
-        for shard, result in results:
-            problems, chunks = result.result()
-            report.checked.append(shard)
-            report.chunks = [report.chunks[0] + chunks[0], report.chunks[1] + chunks[1]]
-            if problems:
-                report.problems[shard] = problems
-            if progress is not None:
-                progress(shard)
+    jobs = [(store.location, s, committed[s], sample) for s in todo]
+    for shard, (problems, chunks) in zip(todo, _results(jobs, store, processes)):
+        report.checked.append(shard)
+        report.chunks = [report.chunks[0] + chunks[0], report.chunks[1] + chunks[1]]
+        if problems:
+            report.problems[shard] = problems
+        if progress is not None:
+            progress(shard)
     report.missing = [s for s in (expected or []) if s not in committed]
     report.partial = [s for s in range(store.num_shards) if s not in committed and store.has_data(s)]
     if root_problems := check_root(store):
@@ -80,32 +77,19 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
     return report
 
 
-class _Done:
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-def _pool(processes: int):
-    if processes <= 1:
-        return _NoPool()
-    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+def _results(jobs: list[tuple], store: HiddenStore, processes: int):
+    """Each job's `_check`, in order, here or in `processes` worker processes."""
+    if processes <= 1 or not jobs:
+        yield from (_check(*job, store) for job in jobs)
+        return
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield from pool.map(_check, *zip(*jobs))
 
 
-class _NoPool:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-def _check(location: str, shard: int, sample: float | None, store: HiddenStore | None = None):
-    """One shard's problems and (chunks decoded, chunks in all); runs in a worker process too."""
+def _check(location: str, shard: int, record: ShardCommit, sample: float | None, store: HiddenStore | None = None):
+    """One shard's problems and (chunks decoded, chunks in all); runs in a worker process too (which
+    opens the store itself)."""
     store = store or HiddenStore(location)
-    record = store.committed()[shard]
     return check_shard(store, shard, record, len(store.attrs.taps), store.attrs.hidden_size, sample)
 
 
