@@ -11,8 +11,6 @@ Anything else (a partial last shard, another codec) goes through zarr.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
-
 import google_crc32c
 import numpy as np
 
@@ -31,17 +29,14 @@ def encode_chunk(codec: Bf16Planes, chunk: np.ndarray) -> list:
     return [*parts, np.array([crc], _CRC).tobytes()]
 
 
-def encode_shard(codec: Bf16Planes, data: np.ndarray, chunk_tokens: int, pool: Executor) -> list:
-    """A full shard file, data: [shard_tokens, n_taps, H] uint16, as a list of byte pieces."""
-    assert data.flags.c_contiguous and data.dtype == np.dtype("<u2") and len(data) % chunk_tokens == 0
-    chunks = [data[a:a + chunk_tokens] for a in range(0, len(data), chunk_tokens)]
-    encoded = list(pool.map(lambda c: encode_chunk(codec, c), chunks))
+def assemble(chunks: list[list]) -> list:
+    """A whole shard file from its chunks' encoded pieces, in order: the pieces, then the index."""
     index = np.empty((len(chunks), 2), _INDEX)
     start = 0
-    for k, parts in enumerate(encoded):
+    for k, parts in enumerate(chunks):
         n = sum(len(memoryview(p).cast("B")) for p in parts)
         index[k] = (start, n)
         start += n
     index_bytes = index.tobytes()
-    return [p for parts in encoded for p in parts] + [index_bytes, np.array([google_crc32c.value(index_bytes)],
-                                                                            _CRC).tobytes()]
+    return [p for parts in chunks for p in parts] + [index_bytes, np.array([google_crc32c.value(index_bytes)],
+                                                                          _CRC).tobytes()]

@@ -1,12 +1,14 @@
 """Writes one shard: hidden states stream through a background thread, the commit file goes last.
 
-The model thread hands each batch over with `add` and returns to the next forward; the writer
-thread converts to bf16 bits, checksums, and writes whole zarr shards (`shard_tokens` tokens, so
-no write ever rewrites a shard object) while the model runs. The states handed over and not yet
-written are bounded in bytes (`max_held_bytes`; one batch is always taken): at hidden 5120 one
-batch of 32 x 4k tokens is 6.7 GB, so a count of batches would not bound host memory. `commit`
-drains the queue, writes the tail and the small per-sample arrays, checks the lock is still ours,
-and only then writes the commit file. Anything that stops earlier leaves a shard without a commit file, which no reader
+The model thread hands each batch over with `add` and returns to the next forward. The writer
+thread converts to bf16 bits, checksums, and cuts the stream into whole zarr shard files
+(`shard_tokens` tokens, so no write ever rewrites a shard object); a pool of `threads` encodes
+their chunks (store/shard_file.py) while the writer thread goes on taking states and writes each
+file, in order, once it is encoded. The states handed over and not yet written are bounded in
+bytes (`max_held_bytes`; one batch is always taken): at hidden 5120 one batch of 32 x 4k tokens
+is 6.7 GB, so a count of batches would not bound host memory. `commit` drains the queue, writes
+the tail and the small per-sample arrays, checks the lock is still ours, and only then writes the
+commit file. Anything that stops earlier leaves a shard without a commit file, which no reader
 trusts and a rerun redoes.
 """
 
@@ -15,7 +17,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,15 +59,18 @@ class ShardWriter:
         self.prompt_lens: list[int] = []
         self.row_ids: list[int] = []
         self.stall_s = 0.0  # time the model thread waited for the writer
-        self.busy_s = 0.0  # time the writer thread spent converting, compressing, writing
+        self.busy_s = 0.0  # time the writer thread spent not waiting for states (its pool's time apart)
         self._crc = 0
         self._written = 0
-        self._pending: list[np.ndarray] = []
+        self._pending: deque[np.ndarray] = deque()  # taken, not yet cut into shard files
         self._pending_len = 0
+        self._cut = 0  # tokens cut into shard files so far
+        self._encoding: deque[tuple[int, list[Future]]] = deque()  # shard files being encoded, in order
         self._token_bytes = n_taps * hidden_size * 2
         self._max_held_tokens = max(1, max_held_bytes // self._token_bytes)
         self._held_tokens = 0  # handed over, not yet written
         self._queued = 0  # handed over, not yet taken by the writer thread
+        self._in_flight = 0  # cut into shard files, not yet written
         self._room = threading.Condition()
         self._error: BaseException | None = None
         store.clear_shard(shard)
@@ -104,11 +110,12 @@ class ShardWriter:
     def add_hidden(self, hidden: torch.Tensor) -> None:
         """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order. Waits
         while the writer would then hold more than max_held_bytes, but never while the writer thread
-        has taken everything handed over: it may be waiting for this batch to fill a shard file (so
-        the bound can be passed by one shard file's worth plus a batch, never deadlocked)."""
+        has taken everything handed over and written every shard file it cut: it is then waiting
+        for this batch to fill the next file (so the bound can be passed by one shard file's worth
+        plus a batch, never deadlocked)."""
         t0 = time.perf_counter()
         with self._room:
-            while (self._queued and self._held_tokens + len(hidden) > self._max_held_tokens
+            while ((self._queued or self._in_flight) and self._held_tokens + len(hidden) > self._max_held_tokens
                    and self._error is None):
                 self._room.wait(0.5)
             self._raise_if_failed()
@@ -181,49 +188,97 @@ class ShardWriter:
 
     # -- writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        """Take states as they come; cut them into whole shard files, whose chunks the pool encodes
+        while this thread goes on taking; write each file, in order, once its chunks are encoded."""
         try:
-            while (item := self._queue.get()) is not _DONE:
-                with self._room:
-                    self._queued -= len(item)
-                    self._room.notify_all()
+            while True:
+                try:  # with files being encoded, never sit waiting for the model: write them
+                    item = self._queue.get(block=not self._encoding)
+                except queue.Empty:
+                    self._write_encoded(wait=True)
+                    continue
+                if item is _DONE:
+                    break
                 t0 = time.perf_counter()
-                bits = layout.to_bits(item)
-                self._crc = layout.crc32(bits, self._crc)
-                self._pending.append(bits)
-                self._pending_len += len(bits)
-                if self._pending_len >= self.shard_tokens:
-                    self._flush(final=False)
+                self._take(item)
+                self._write_encoded(wait=False)
                 self.busy_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            self._flush(final=True)
+            self._finish()
             self.busy_s += time.perf_counter() - t0
         except BaseException as e:  # surfaced in the model thread on its next call
             with self._room:
                 self._error = e
                 self._room.notify_all()
 
-    def _flush(self, final: bool) -> None:
-        if not self._pending_len:
-            return
-        data = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
-        n = len(data) if final else (len(data) // self.shard_tokens) * self.shard_tokens
-        if n:
-            end = self._written + n
+    def _take(self, item: torch.Tensor) -> None:
+        with self._room:
+            self._queued -= len(item)
+            self._room.notify_all()
+        bits = layout.to_bits(item)  # [t, n_taps, H] uint16, a view of the batch
+        self._crc = layout.crc32(bits, self._crc)
+        self._pending.append(bits)
+        self._pending_len += len(bits)
+        while self._pending_len >= self.shard_tokens:
+            self._start_file()
+
+    def _start_file(self) -> None:
+        """The next whole shard file: its chunks to the pool (planes), or through zarr now (blosc)."""
+        start, end = self._cut, self._cut + self.shard_tokens
+        with self._room:
+            self._in_flight += self.shard_tokens
+        if self._planes is None:
             self.hidden.resize((end, self.n_taps, self.hidden_size))
-            full = (n // self.shard_tokens) * self.shard_tokens if self._planes is not None else 0
-            for a in range(0, full, self.shard_tokens):  # whole shard files, encoded here (store/shard_file.py)
-                key = self.hidden.metadata.encode_chunk_key(((self._written + a) // self.shard_tokens, 0, 0))
-                self.store.write_pieces(f"{layout.shard_group(self.shard)}/hidden/{key}", shard_file.encode_shard(
-                    self._planes, data[a:a + self.shard_tokens], self.chunk_tokens, self._pool))
-            if full < n:  # a partial last shard file, or another codec: through zarr
-                self.hidden[self._written + full:end] = data[full:n]
-            self._written = end
+            self.hidden[start:end] = self._pop(self.shard_tokens)
+            self._wrote(self.shard_tokens)
+        else:
+            chunks = [self._pop(self.chunk_tokens) for _ in range(self.shard_tokens // self.chunk_tokens)]
+            self._encoding.append((start // self.shard_tokens,
+                                   [self._pool.submit(shard_file.encode_chunk, self._planes, c) for c in chunks]))
+        self._cut = end
+
+    def _write_encoded(self, wait: bool) -> None:
+        """Write the oldest shard files whose chunks are encoded; with wait, wait for the oldest."""
+        while self._encoding and (wait or all(f.done() for f in self._encoding[0][1])):
+            index, futures = self._encoding.popleft()
+            key = self.hidden.metadata.encode_chunk_key((index, 0, 0))
+            self.store.write_pieces(f"{layout.shard_group(self.shard)}/hidden/{key}",
+                                    shard_file.assemble([f.result() for f in futures]))
+            self._wrote(self.shard_tokens)
+            wait = False
+
+    def _finish(self) -> None:
+        """Every shard file written, then the partial last one through zarr, and the final shape."""
+        while self._encoding:
+            self._write_encoded(wait=True)
+        rest = self._pending_len
+        self.hidden.resize((self._cut + rest, self.n_taps, self.hidden_size))
+        if rest:
             with self._room:
-                self._held_tokens -= n
-                self._room.notify_all()
-        rest = data[n:]
-        self._pending = [rest] if len(rest) else []
-        self._pending_len = len(rest)
+                self._in_flight += rest
+            self.hidden[self._cut:self._cut + rest] = self._pop(rest)
+            self._cut += rest
+            self._wrote(rest)
+
+    def _pop(self, n: int) -> np.ndarray:
+        """The next n pending tokens: a view of one batch when they lie in one, else joined."""
+        parts, got = [], 0
+        while got < n:
+            p = self._pending.popleft()
+            k = min(len(p), n - got)
+            parts.append(p[:k])
+            got += k
+            if k < len(p):
+                self._pending.appendleft(p[k:])
+        self._pending_len -= n
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _wrote(self, n: int) -> None:
+        self._written += n
+        with self._room:
+            self._held_tokens -= n
+            self._in_flight -= n
+            self._room.notify_all()
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:

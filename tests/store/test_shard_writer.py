@@ -47,13 +47,13 @@ def test_states_round_trip_bit_for_bit(tmp_path, small_store):
 
 def test_held_states_stay_within_the_byte_bound(tmp_path, small_store, monkeypatch):
     store = fresh_store(tmp_path, small_store)
-    real_flush = ShardWriter._flush
+    real_write = HiddenStore.write_pieces
 
-    def slow_flush(self, final):  # a disk slower than the model
+    def slow_write(self, key, pieces):  # a disk slower than the model
         time.sleep(0.05)
-        real_flush(self, final)
+        real_write(self, key, pieces)
 
-    monkeypatch.setattr(ShardWriter, "_flush", slow_flush)
+    monkeypatch.setattr(HiddenStore, "write_pieces", slow_write)
     limit = 50 * TOKEN_BYTES  # two and a half batches of 20 tokens
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=4, shard_tokens=8, max_held_bytes=limit)
     seen = []
@@ -69,10 +69,10 @@ def test_held_states_stay_within_the_byte_bound(tmp_path, small_store, monkeypat
 def test_a_failed_write_surfaces_and_nothing_is_committed(tmp_path, small_store, monkeypatch):
     store = fresh_store(tmp_path, small_store)
 
-    def broken_flush(self, final):
+    def broken_write(self, key, pieces):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ShardWriter, "_flush", broken_flush)
+    monkeypatch.setattr(HiddenStore, "write_pieces", broken_write)
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=4, shard_tokens=8, max_held_bytes=30 * TOKEN_BYTES)
     with pytest.raises(RuntimeError, match="No space left on device"):
         write(writer, batches(20))
