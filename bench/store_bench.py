@@ -17,7 +17,9 @@ runs one thread inside each call, so thread counts compare like with like. Best 
 Then the extractor's own ShardWriter on the 27B-width states (schema 1: blosc through zarr;
 schema 2: whole shard files encoded by the writer, store/shard_file.py), with `--threads` threads:
 MB/s as fast as it takes batches, and the producer's stall when a GPU-like producer hands it
-500 MB/s with room for two shard files.
+500 MB/s with room for two shard files. Last, training's reads of those two stores: ShardReader's
+random sample (through zarr for schema 1, straight from the chunk files for schema 2,
+store/span_reader.py) and a DataLoader's MB/s with 1 and `--threads` workers.
 """
 
 from __future__ import annotations
@@ -163,6 +165,37 @@ def writer(x: np.ndarray, codec: str, threads: int, tmp: Path, producer_mb_s: fl
     return out
 
 
+def reader(path: Path, workers: list[int]) -> dict:
+    """The training side of a store the writer made (samples of 256 tokens, 13 MB at 27B width):
+    the median time ShardReader takes to read one random sample, and the raw MB/s a DataLoader
+    delivers with each worker count (batches of 4 random samples, as training reads them)."""
+    import torch
+
+    from stages.train.data import Ref, StoreBatches
+    from store.shard_reader import ShardReader
+
+    r = ShardReader(HiddenStore(str(path)), 0)
+    rng = np.random.default_rng(0)
+    times = []
+    for i in rng.integers(0, len(r), 60):
+        t = time.perf_counter()
+        r.read(int(i))
+        times.append(time.perf_counter() - t)
+    out = {"sample_read_ms": round(1e3 * statistics.median(times), 2), "loader_MBps": {}}
+    lengths = np.diff(r.offsets)
+    batches = [[Ref(0, int(i), int(lengths[i])) for i in rng.integers(0, len(r), 4)] for _ in range(48)]
+    for n in workers:
+        loader = torch.utils.data.DataLoader(StoreBatches(str(path), batches), batch_size=None, num_workers=n,
+                                             prefetch_factor=2)
+        it = iter(loader)
+        next(it)  # workers started and warm
+        t, raw = time.perf_counter(), 0
+        for batch in it:
+            raw += batch.hidden.numel() * 2
+        out["loader_MBps"][n] = round(raw / (time.perf_counter() - t) / 1e6)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True)
@@ -188,6 +221,9 @@ def main() -> None:
                      "at 500 MB/s": writer(w, codec, args.threads, Path(tmp), producer_mb_s=500)}
                 print(f"ShardWriter, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
                 result.setdefault("writer", {})[codec] = r
+                r = reader(Path(tmp) / f"writer-{codec}.zarr", sorted({1, args.threads}))
+                print(f"ShardReader, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
+                result.setdefault("reader", {})[codec] = r
         for label, (d, off) in data.items():
             print(f"== {label}: {d.shape}, {d.nbytes / 1e6:.1f} MB raw", file=sys.stderr)
             for name, codecs in LAYOUTS.items():

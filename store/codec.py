@@ -77,15 +77,21 @@ class Bf16Planes(BytesBytesCodec):
         return [np.array([len(high)], _HEADER).tobytes(), high, low]
 
     def unpack(self, data: np.ndarray) -> np.ndarray:
+        """data: an encoded chunk (uint8). Returns the chunk's bytes (uint8), values little-endian."""
+        high, low = self.planes(data)
+        out = np.empty(len(high), np.uint16)
+        interleave(high, low, out)
+        return out.view(np.uint8)
+
+    def planes(self, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """An encoded chunk's high and low byte planes (uint8, one byte per value each)."""
         n_high = int(data[:4].view(_HEADER)[0])
         high = np.frombuffer(self._high.decode(data[4:4 + n_high]), np.uint8)
         low = data[4 + n_high:]
         low = np.frombuffer(self._low.decode(low), np.uint8) if self._low is not None else low
         if len(low) != len(high):
             raise ValueError(f"{NAME}: planes of {len(high)} and {len(low)} bytes")
-        out = np.empty((len(high), 2), np.uint8)
-        out[:, 0], out[:, 1] = low, high
-        return out.reshape(-1)
+        return high, low
 
     def _encode_sync(self, chunk_bytes, chunk_spec):
         return chunk_spec.prototype.buffer.from_bytes(self.pack(chunk_bytes.as_numpy_array()))
@@ -101,6 +107,12 @@ class Bf16Planes(BytesBytesCodec):
 
     def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
         raise NotImplementedError
+
+
+def interleave(high: np.ndarray, low: np.ndarray, out: np.ndarray) -> None:
+    """Write 2-byte little-endian values made of two planes into out (C-contiguous, out.size values)."""
+    pairs = out.reshape(-1).view(np.uint8).reshape(-1, 2)
+    pairs[:, 0], pairs[:, 1] = low, high
 
 
 register_codec(NAME, Bf16Planes)

@@ -35,12 +35,13 @@ class HiddenStore:
         self.local = isinstance(self.fs, LocalFileSystem)
 
     # -- files -----------------------------------------------------------------------------
-    def _path(self, key: str) -> str:
+    def path(self, key: str) -> str:
+        """The file system path of a key in the store."""
         return f"{self.root.rstrip('/')}/{key}"
 
     def read_json(self, key: str) -> dict | None:
         try:
-            with self.fs.open(self._path(key), "r") as fh:
+            with self.fs.open(self.path(key), "r") as fh:
                 return json.load(fh)
         except FileNotFoundError:
             return None
@@ -49,7 +50,7 @@ class HiddenStore:
 
     def write_json(self, key: str, obj: dict) -> None:
         data = json.dumps(obj, indent=1, sort_keys=True, default=str)
-        path = self._path(key)
+        path = self.path(key)
         if self.local:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             tmp = f"{path}.tmp.{os.getpid()}"
@@ -63,7 +64,7 @@ class HiddenStore:
                 fh.write(data)
 
     def lock(self, name: str) -> LockFile | None:
-        return LockFile(Path(self._path(f"_locks/{name}.lock"))) if self.local else None
+        return LockFile(Path(self.path(f"_locks/{name}.lock"))) if self.local else None
 
     def exists(self) -> bool:
         return self.read_json(layout.commit_key("root")) is not None
@@ -103,7 +104,7 @@ class HiddenStore:
                 lock.release()
 
     def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-        if self.fs.exists(self._path("shards")) and self.fs.ls(self._path("shards")):
+        if self.fs.exists(self.path("shards")) and self.fs.ls(self.path("shards")):
             raise NotAStore(f"{self.location}: has shard data but no root commit; not a store this tool made")
         g = zarr.open_group(self.location, mode="a")
         checksums = {}
@@ -163,7 +164,7 @@ class HiddenStore:
         """Shard id -> its commit record, for every committed shard."""
         out = {}
         try:
-            names = self.fs.ls(self._path("_commits"), detail=False)
+            names = self.fs.ls(self.path("_commits"), detail=False)
         except FileNotFoundError:
             return out
         for name in names:
@@ -175,20 +176,20 @@ class HiddenStore:
         return dict(sorted(out.items()))
 
     def has_data(self, shard: int) -> bool:
-        return self.fs.exists(self._path(layout.shard_group(shard)))
+        return self.fs.exists(self.path(layout.shard_group(shard)))
 
     def clear_shard(self, shard: int) -> None:
         """Remove a shard's arrays and commit file (a rerun redoes it from scratch)."""
         for key in (layout.commit_key(shard), layout.shard_group(shard)):
-            if self.fs.exists(self._path(key)):
-                self.fs.rm(self._path(key), recursive=True)
+            if self.fs.exists(self.path(key)):
+                self.fs.rm(self.path(key), recursive=True)
 
     def shard_arrays(self, shard: int) -> zarr.Group:
         return zarr.open_group(self.location, mode="r", path=layout.shard_group(shard))
 
     def write_pieces(self, key: str, pieces: list) -> None:
         """Write a file made of byte pieces, in order (no joined copy)."""
-        path = self._path(key)
+        path = self.path(key)
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         with self.fs.open(path, "wb") as fh:
             for piece in pieces:
@@ -198,7 +199,7 @@ class HiddenStore:
         """Bytes under key (the whole store by default). Other processes may be writing the store
         meanwhile: a file that vanishes during the walk (a temp file renamed, a shard cleared) is
         simply not counted."""
-        path = self._path(key) if key else self.root
+        path = self.path(key) if key else self.root
         if self.local:
             return _local_du(path)
         for _ in range(5):

@@ -10,8 +10,10 @@ import numpy as np
 import torch
 from zarr.core.sync import sync
 
-from store import layout
+from store import layout, span_reader
 from store.hidden_store import HiddenStore
+
+_PER_TOKEN = ("tokens", "loss_mask", "hidden")
 
 
 @dataclass(frozen=True)
@@ -28,20 +30,25 @@ class Sample:
 class ShardReader:
     """One committed shard. The per-sample arrays (O(samples) bytes) are read whole, each on first
     use; a sample's tokens, loss mask and states are read as its own span (only the chunks it
-    covers), so a reader's memory is bounded by what it is asked for, not by the shard."""
+    covers), so a reader's memory is bounded by what it is asked for, not by the shard. The spans
+    of a schema-2 planes store are read straight from their chunk files (store/span_reader.py),
+    any other layout's through zarr."""
 
     def __init__(self, store: HiddenStore, shard: int) -> None:
         store.require_committed([shard])
         self.store, self.shard = store, shard
         self._group = store.shard_arrays(shard)
-        self.hidden = self._group["hidden"]
+        self._per_token = [self._group[name] for name in _PER_TOKEN]  # handles: metadata only
+        self.hidden = self._per_token[-1]
+        self._direct = [span_reader.for_array(store.fs, store.path(f"{layout.shard_group(shard)}/{name}"), array)
+                        for name, array in zip(_PER_TOKEN, self._per_token)]
+        if None in self._direct:
+            self._direct = None
 
     def _array(self, name: str) -> np.ndarray:
         return self._group[name][:]
 
     offsets = functools.cached_property(lambda self: self._array("offsets"))  # [N+1] int64
-    # the per-token arrays' handles (metadata only; each read takes a sample's span)
-    _spans = functools.cached_property(lambda self: {n: self._group[n] for n in ("tokens", "loss_mask")})
     prompt_lens = functools.cached_property(lambda self: self._array("prompt_lens"))  # [N] int32
     row_ids = functools.cached_property(lambda self: self._array("row_ids"))  # [N] int64
 
@@ -66,7 +73,10 @@ class ShardReader:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         if limit is not None:
             b = min(b, a + limit)
-        tokens, mask, bits = sync(_spans(slice(a, b), self._spans["tokens"], self._spans["loss_mask"], self.hidden))
+        if self._direct is not None:
+            tokens, mask, bits = (r.read(a, b) for r in self._direct)
+        else:
+            tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(np.asarray(tokens).astype(np.int64)),

@@ -21,7 +21,8 @@ def finish(self, batch, writer, bar, shard):
     _done.append(shard)
     if len(_done) == PAUSE_AFTER:
         print(f"PAUSED shard={shard}", file=sys.stderr, flush=True)
-        time.sleep(3600)
+        for _ in range(36000):  # short sleeps: a signal the kernel hands another thread runs its
+            time.sleep(0.1)  # Python handler only once the main thread runs again
 
 
 Extractor.finish = finish

@@ -1,0 +1,150 @@
+"""Token spans of the store's own arrays, read straight from their chunk files.
+
+zarr's general read path costs about half a millisecond a call however little it reads, more
+than decoding a sample of the tiny target's states takes. For the two layouts a schema-2 store
+writes with the planes codec, a span is read here as the few chunk objects it covers (byte ranges
+of a shard file for the states), each checked against its crc32c before it is decoded, and the
+states' byte planes are interleaved once, straight into the output:
+  - per-token arrays: chunks of little-endian values, blosc, then crc32c (layout.small_codecs);
+  - states: zarr shard files (index at the end, itself checksummed) of chunks encoded with
+    `dflash.bf16_planes`, then crc32c (layout.hidden_codecs; store/shard_file.py writes them).
+`for_array` returns None for any other layout (schema 1, the blosc codec), which zarr reads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import google_crc32c
+import numpy as np
+import zarr
+from numcodecs import Blosc
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
+from zarr.codecs.sharding import ShardingCodecIndexLocation
+
+from store.codec import Bf16Planes, interleave
+from store.errors import StoreCorrupt
+
+_MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)
+_INDEX_CACHE = 256  # shard-file indexes kept per array (260 bytes each at 16 chunks a file)
+
+
+def for_array(fs, path: str, array: zarr.Array) -> SpanReader | None:
+    """A direct reader of `array` (at `path` on fsspec file system `fs`), or None when its layout
+    is not one this module decodes."""
+    meta = array.metadata
+    if getattr(meta, "zarr_format", None) != 3 or meta.fill_value != 0:
+        return None
+    codecs = meta.codecs
+    if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
+        return ShardSpans(fs, path, array) if _plane_shards(codecs[0], meta) else None
+    if (len(codecs) == 3 and _little(codecs[0]) and isinstance(codecs[1], BloscCodec)
+            and isinstance(codecs[2], Crc32cCodec)):
+        return ChunkSpans(fs, path, array)
+    return None
+
+
+def _plane_shards(sharding: ShardingCodec, meta) -> bool:
+    inner, index = sharding.codecs, sharding.index_codecs
+    return (sharding.index_location == ShardingCodecIndexLocation.end
+            and len(inner) == 3 and _little(inner[0]) and isinstance(inner[1], Bf16Planes)
+            and isinstance(inner[2], Crc32cCodec) and len(index) == 2 and _little(index[0])
+            and isinstance(index[1], Crc32cCodec) and meta.dtype.to_native_dtype().itemsize == 2
+            and tuple(sharding.chunk_shape[1:]) == tuple(meta.shape[1:]))
+
+
+def _little(codec) -> bool:
+    return isinstance(codec, BytesCodec) and (codec.endian is None or codec.endian.value == "little")
+
+
+class SpanReader:
+    """Rows a .. b (along the first axis) of one array; subclasses decode one chunk."""
+
+    def __init__(self, fs, path: str, array: zarr.Array, chunk_rows: int) -> None:
+        self.fs, self.path = fs, path.rstrip("/")
+        self.shape = array.metadata.shape
+        self.dtype = array.metadata.dtype.to_native_dtype()
+        self.chunk_rows = chunk_rows
+        self._key = array.metadata.encode_chunk_key
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """[b - a, *shape[1:]] of the array's dtype."""
+        if not 0 <= a <= b <= self.shape[0]:
+            raise IndexError(f"{self.path}: rows {a}:{b} of {self.shape[0]}")
+        out = np.empty((b - a, *self.shape[1:]), self.dtype)
+        n = self.chunk_rows
+        for c in range(a // n, (b + n - 1) // n):
+            lo, hi = max(a, c * n), min(b, (c + 1) * n)
+            self._decode(c, lo - c * n, out[lo - a:hi - a])
+        return out
+
+    def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _file(self, c: tuple[int, ...]) -> str:
+        return f"{self.path}/{self._key((*c, *[0] * (len(self.shape) - len(c))))}"
+
+    def _checked(self, data: bytes, what: str) -> np.ndarray:
+        """A chunk's bytes less the crc32c at their end, which must match. what: the file and part."""
+        body, stored = np.frombuffer(data, np.uint8)[:-4], int.from_bytes(data[-4:], "little")  # a view: no copy
+        if len(data) < 4 or google_crc32c.value(body) != stored:
+            raise StoreCorrupt(f"{what} fails its crc32c checksum ({len(data)} bytes): the file is "
+                               "damaged (`pipeline verify` lists every damaged shard)")
+        return body
+
+
+class ChunkSpans(SpanReader):
+    """A regular chunked array: each chunk one object, blosc then crc32c."""
+
+    def __init__(self, fs, path: str, array: zarr.Array) -> None:
+        super().__init__(fs, path, array, array.metadata.chunk_grid.chunk_shape[0])
+        self._blosc = Blosc()  # blosc frames describe themselves: any instance decodes them
+
+    def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
+        key = self._file((c,))
+        try:
+            data = self.fs.cat_file(key)
+        except FileNotFoundError:  # never written: all fill value
+            out[...] = 0
+            return
+        values = np.frombuffer(self._blosc.decode(self._checked(data, key)), self.dtype)
+        rows = values.reshape(-1, *self.shape[1:])
+        out[...] = rows[first_row:first_row + len(out)]
+
+
+class ShardSpans(SpanReader):
+    """A sharded array of bf16 bits: each shard file's chunks encoded by `dflash.bf16_planes`."""
+
+    def __init__(self, fs, path: str, array: zarr.Array) -> None:
+        sharding = array.metadata.codecs[0]
+        super().__init__(fs, path, array, sharding.chunk_shape[0])
+        self.per_file = array.metadata.chunk_grid.chunk_shape[0] // self.chunk_rows
+        self.codec = sharding.codecs[1]
+        self.row_values = int(np.prod(self.shape[1:]))
+        self._index = functools.lru_cache(_INDEX_CACHE)(self._read_index)
+
+    def _read_index(self, s: int) -> np.ndarray | None:
+        """[per_file, 2] uint64 (offset, length) of shard file s's chunks; None: no file."""
+        n, key = 16 * self.per_file + 4, self._file((s,))
+        try:
+            data = self.fs.cat_file(key, start=-n)
+        except FileNotFoundError:
+            return None
+        if len(data) != n:
+            raise StoreCorrupt(f"{key}: {len(data)} bytes, shorter than its shard index ({n})")
+        return self._checked(data, f"{key}, shard index").view("<u8").reshape(self.per_file, 2)
+
+    def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
+        s, k = divmod(c, self.per_file)
+        index = self._index(s)
+        offset, length = (_MISSING, _MISSING) if index is None else (int(index[k, 0]), int(index[k, 1]))
+        if offset == _MISSING:
+            out[...] = 0
+            return
+        key = self._file((s,))
+        data = self._checked(self.fs.cat_file(key, start=offset, end=offset + length), f"{key}, chunk {k}")
+        high, low = self.codec.planes(data)
+        first, n = first_row * self.row_values, out.size
+        if first + n > len(high):
+            raise StoreCorrupt(f"{key}: chunk {k} holds {len(high)} values, expected {self.chunk_rows * self.row_values}")
+        interleave(high[first:first + n], low[first:first + n], out)

@@ -1,0 +1,97 @@
+"""Spans read straight from chunk files: equal to zarr's reads everywhere (chunk and shard-file
+edges, the partial last shard file, chunks zarr never wrote), damage detected, other layouts left
+to zarr."""
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from store import layout, span_reader
+from store.errors import StoreCorrupt
+from store.hidden_store import HiddenStore
+from store.shard_reader import ShardReader
+from store.shard_writer import ShardWriter
+from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, write
+
+ARRAYS = ("hidden", "tokens", "loss_mask")
+
+
+def written(tmp_path, small_store, codec: str = "planes") -> HiddenStore:
+    """Shard 1: 207 tokens in shard files of 32 (chunks of 8): six whole files written by the
+    writer, a partial seventh by zarr, whose first chunk is all zeros (so zarr leaves it out)."""
+    store = fresh_store(tmp_path, small_store)
+    parts = batches(9, tokens=23)
+    parts[-1][8:16] = 0  # tokens 192-199: the partial file's first chunk
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, codec=codec)
+    write(writer, parts)
+    writer.commit(None, run={})
+    return store
+
+
+def readers(store: HiddenStore) -> dict:
+    group = store.shard_arrays(1)
+    return {name: (span_reader.for_array(store.fs, store.path(f"shards/00001/{name}"), group[name]), group[name])
+            for name in ARRAYS}
+
+
+def test_every_span_equals_what_zarr_reads(tmp_path, small_store):
+    store = written(tmp_path, small_store)
+    hidden_dir = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c" / "6" / "0" / "0"
+    index = np.frombuffer(hidden_dir.read_bytes()[-(16 * 4 + 4):-4], "<u8").reshape(4, 2)
+    assert index[0, 0] == 2**64 - 1 and index[1, 0] != 2**64 - 1  # zarr left the zero chunk out
+    rng = np.random.default_rng(0)
+    spans = [(0, 207), (0, 0), (206, 207), (7, 9), (31, 33), (190, 201), (192, 200)]
+    spans += [tuple(sorted(rng.integers(0, 208, 2).tolist())) for _ in range(60)]
+    for name, (direct, array) in readers(store).items():
+        assert direct is not None, name
+        whole = array[:]
+        for a, b in spans:
+            got = direct.read(a, b)
+            assert got.dtype == whole.dtype and np.array_equal(got, whole[a:b]), (name, a, b)
+    with pytest.raises(IndexError):
+        readers(store)["hidden"][0].read(200, 208)
+
+
+def test_extracted_stores_are_read_directly_and_samples_match(store_copy):
+    store = HiddenStore(str(store_copy))
+    for shard in store.committed():
+        reader = ShardReader(store, shard)
+        assert reader._direct is not None
+        group = store.shard_arrays(shard)
+        for i in range(len(reader)):
+            a, b = int(reader.offsets[i]), int(reader.offsets[i + 1])
+            s = reader[i]
+            assert np.array_equal(layout.to_bits(s.hidden), group["hidden"][a:b])
+            assert np.array_equal(s.tokens.numpy(), group["tokens"][a:b])
+
+
+@pytest.mark.parametrize("where", ["chunk", "index"])
+def test_a_damaged_byte_is_an_error_naming_the_file(tmp_path, small_store, where):
+    store = written(tmp_path, small_store)
+    path = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c" / "2" / "0" / "0"
+    data = bytearray(path.read_bytes())
+    data[100 if where == "chunk" else -10] ^= 0x01
+    path.write_bytes(bytes(data))
+    direct, _ = readers(store)["hidden"]
+    with pytest.raises(StoreCorrupt, match="c/2/0/0.*crc32c"):
+        direct.read(64, 72)
+    assert np.array_equal(direct.read(0, 64), zarr.open_array(str(path.parents[3]), mode="r")[0:64])
+
+
+def test_a_damaged_token_chunk_is_an_error(tmp_path, small_store):
+    store = written(tmp_path, small_store)
+    path = tmp_path / "copy.zarr" / "shards" / "00001" / "tokens" / "c" / "0"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreCorrupt, match="tokens/c/0"):
+        readers(store)["tokens"][0].read(0, 5)
+
+
+def test_other_layouts_are_left_to_zarr(tmp_path, small_store):
+    store = written(tmp_path, small_store, codec="blosc")
+    assert all(direct is None for direct, _ in readers(store).values())
+    reader = ShardReader(store, 1)
+    assert reader._direct is None
+    assert torch.equal(reader[8].hidden[8:16], torch.zeros(8, TAPS, H, dtype=torch.bfloat16))
