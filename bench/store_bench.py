@@ -12,8 +12,10 @@ template prefix give identical rows, which some layouts find and others cannot),
 Qwen3.6-27B's shape ([T, 5, 5120]) from a random-initialised model run on the store's tokens
 (27B-sized chunks, 13 MB each, where codec speed rather than zarr's per-chunk overhead counts). Reported per
 layout and data: size against raw bf16, write and sequential read MB/s (of raw bf16) with
-`--threads` codec threads in zarr's pool, and the median time to read one random sample. blosc
-runs one thread inside each call, so thread counts compare like with like. Best of 3 per figure.
+`--threads` codec threads in zarr's pool, and the median time to read one random sample; for the
+layouts store/span_reader.py decodes (the planes ones), the same two reads straight from the chunk
+files, one thread (what training's ShardReader does). blosc runs one thread inside each call, so
+thread counts compare like with like. Best of 3 per figure.
 Then the extractor's own ShardWriter on the 27B-width states (schema 1: blosc through zarr;
 schema 2: whole shard files encoded by the writer, store/shard_file.py), with `--threads` threads:
 MB/s as fast as it takes batches, and the producer's stall when a GPU-like producer hands it
@@ -39,12 +41,14 @@ if "--threads" in sys.argv:  # zarr sizes its codec thread pool once, from the e
 else:
     os.environ["ZARR_THREADING__MAX_WORKERS"] = "1"
 
+import fsspec  # noqa: E402
 import numcodecs.blosc  # noqa: E402
 import numpy as np  # noqa: E402
 import zarr  # noqa: E402
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec  # noqa: E402
 
 from bench.report import emit  # noqa: E402
+from store import span_reader  # noqa: E402
 from store.codec import Bf16Planes  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 
@@ -61,12 +65,12 @@ LAYOUTS = {
 def load(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Every committed shard's states, [T, n_taps, H] uint16, and the sample offsets."""
     store = HiddenStore(path)
-    parts, offsets = [], [0]
+    parts, lengths = [], []
     for shard in store.committed():
         g = store.shard_arrays(shard)
         parts.append(g["hidden"][:])
-        offsets += [offsets[-1] + int(n) for n in np.diff(g["offsets"][:])]
-    return np.concatenate(parts), np.asarray(offsets)
+        lengths.append(np.diff(g["offsets"][:]))
+    return np.concatenate(parts), np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
 
 
 def wide_states(tokens: np.ndarray) -> np.ndarray:
@@ -128,6 +132,16 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
         a[offsets[i]:offsets[i + 1]]
         sample_s.append(time.perf_counter() - t)
     out["sample_read_ms"] = round(1e3 * statistics.median(sample_s), 3)
+    direct = span_reader.for_array(fsspec.filesystem("file"), str(path), a)
+    if direct is not None:  # the same file read straight from its chunks, as ShardReader does
+        assert np.array_equal(direct.read(0, len(x)), x)
+        out["direct_read_MBps"] = round(raw / best(lambda: direct.read(0, len(x))) / 1e6)
+        sample_s = []
+        for i in picks:
+            t = time.perf_counter()
+            direct.read(int(offsets[i]), int(offsets[i + 1]))
+            sample_s.append(time.perf_counter() - t)
+        out["direct_sample_read_ms"] = round(1e3 * statistics.median(sample_s), 3)
     out["ratio"] = round(size / raw, 4)
     return out
 

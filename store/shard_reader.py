@@ -32,7 +32,7 @@ class ShardReader:
     use; a sample's tokens, loss mask and states are read as its own span (only the chunks it
     covers), so a reader's memory is bounded by what it is asked for, not by the shard. The spans
     of a schema-2 planes store are read straight from their chunk files (store/span_reader.py),
-    any other layout's through zarr."""
+    any other layout's through zarr. One reader per thread: it reuses its decoding buffers."""
 
     def __init__(self, store: HiddenStore, shard: int) -> None:
         store.require_committed([shard])
@@ -66,23 +66,31 @@ class ShardReader:
     def __getitem__(self, i: int) -> Sample:
         return self.read(i)
 
-    def read(self, i: int, limit: int | None = None) -> Sample:
-        """Sample i, its first `limit` tokens only when given (only those chunks are read)."""
+    def read(self, i: int, limit: int | None = None, hidden_out: torch.Tensor | None = None) -> Sample:
+        """Sample i, its first `limit` tokens only when given (only those chunks are read).
+        hidden_out: a C-contiguous [n, n_taps, H] bf16 tensor (n: the tokens read) to decode the
+        states straight into, such as a row of a training batch; it is then the sample's `hidden`."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         if limit is not None:
             b = min(b, a + limit)
+        assert hidden_out is None or (hidden_out.is_contiguous()
+                                      and hidden_out.shape == (b - a, *self.hidden.shape[1:]))
+        out = None if hidden_out is None else layout.to_bits(hidden_out)  # a view of it
         if self._direct is not None:
-            tokens, mask, bits = (r.read(a, b) for r in self._direct)
+            tokens, mask = (r.read(a, b) for r in self._direct[:2])
+            bits = self._direct[2].read(a, b, out)
         else:
             tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
+            if out is not None:
+                out[...], bits = bits, out
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(np.asarray(tokens).astype(np.int64)),
             loss_mask=torch.from_numpy(np.asarray(mask).astype(bool)),
             prompt_len=int(self.prompt_lens[i]),
-            hidden=layout.from_bits(np.asarray(bits)),
+            hidden=layout.from_bits(np.asarray(bits)) if hidden_out is None else hidden_out,
         )
 
     def __iter__(self):

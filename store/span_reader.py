@@ -14,6 +14,7 @@ states' byte planes are interleaved once, straight into the output:
 from __future__ import annotations
 
 import functools
+import threading
 
 import google_crc32c
 import numpy as np
@@ -27,6 +28,17 @@ from store.errors import StoreCorrupt
 
 _MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)
 _INDEX_CACHE = 256  # shard-file indexes kept per array (260 bytes each at 16 chunks a file)
+_buffers = threading.local()
+
+
+def _buffer(slot: str, nbytes: int) -> np.ndarray:
+    """A uint8 buffer of nbytes, reused by every reader in this thread from chunk to chunk: a
+    27B-width chunk is 13 MB, and fresh buffers that size cost more in page faults than decoding
+    it; one set per thread (not per reader) keeps a loader's memory flat in the shard count."""
+    held = _buffers.__dict__.get(slot)
+    if held is None or len(held) < nbytes:
+        held = _buffers.__dict__[slot] = np.empty(nbytes, np.uint8)
+    return held[:nbytes]
 
 
 def for_array(fs, path: str, array: zarr.Array) -> SpanReader | None:
@@ -67,13 +79,15 @@ class SpanReader:
         self.chunk_rows = chunk_rows
         self._key = array.metadata.encode_chunk_key
 
-    def read(self, a: int, b: int) -> np.ndarray:
-        """[b - a, *shape[1:]] of the array's dtype."""
+    def read(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+        """[b - a, *shape[1:]] of the array's dtype, decoded into `out` when given (C-contiguous)."""
         if not 0 <= a <= b <= self.shape[0]:
             raise IndexError(f"{self.path}: rows {a}:{b} of {self.shape[0]}")
-        out = np.empty((b - a, *self.shape[1:]), self.dtype)
+        if out is None:
+            out = np.empty((b - a, *self.shape[1:]), self.dtype)
+        assert out.shape == (b - a, *self.shape[1:]) and out.dtype == self.dtype and out.flags.c_contiguous
         n = self.chunk_rows
-        for c in range(a // n, (b + n - 1) // n):
+        for c in range(a // n, (b + n - 1) // n if b > a else 0):
             lo, hi = max(a, c * n), min(b, (c + 1) * n)
             self._decode(c, lo - c * n, out[lo - a:hi - a])
         return out
@@ -84,9 +98,11 @@ class SpanReader:
     def _file(self, c: tuple[int, ...]) -> str:
         return f"{self.path}/{self._key((*c, *[0] * (len(self.shape) - len(c))))}"
 
-    def _checked(self, data: bytes, what: str) -> np.ndarray:
-        """A chunk's bytes less the crc32c at their end, which must match. what: the file and part."""
-        body, stored = np.frombuffer(data, np.uint8)[:-4], int.from_bytes(data[-4:], "little")  # a view: no copy
+    def _checked(self, data, what: str) -> np.ndarray:
+        """A chunk's bytes (bytes or uint8 array) less the crc32c at their end, which must match.
+        what: the file and part."""
+        data = np.frombuffer(data, np.uint8)
+        body, stored = data[:-4], int(data[-4:].view("<u4")[0]) if len(data) >= 4 else -1  # a view: no copy
         if len(data) < 4 or google_crc32c.value(body) != stored:
             raise StoreCorrupt(f"{what} fails its crc32c checksum ({len(data)} bytes): the file is "
                                "damaged (`pipeline verify` lists every damaged shard)")
@@ -99,6 +115,7 @@ class ChunkSpans(SpanReader):
     def __init__(self, fs, path: str, array: zarr.Array) -> None:
         super().__init__(fs, path, array, array.metadata.chunk_grid.chunk_shape[0])
         self._blosc = Blosc()  # blosc frames describe themselves: any instance decodes them
+        self._chunk_bytes = self.chunk_rows * int(np.prod(self.shape[1:])) * self.dtype.itemsize
 
     def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
         key = self._file((c,))
@@ -107,9 +124,9 @@ class ChunkSpans(SpanReader):
         except FileNotFoundError:  # never written: all fill value
             out[...] = 0
             return
-        values = np.frombuffer(self._blosc.decode(self._checked(data, key)), self.dtype)
-        rows = values.reshape(-1, *self.shape[1:])
-        out[...] = rows[first_row:first_row + len(out)]
+        values = _buffer("values", self._chunk_bytes).view(self.dtype).reshape(-1, *self.shape[1:])
+        self._blosc.decode(self._checked(data, key), out=values)
+        out[...] = values[first_row:first_row + len(out)]
 
 
 class ShardSpans(SpanReader):
@@ -132,7 +149,7 @@ class ShardSpans(SpanReader):
             return None
         if len(data) != n:
             raise StoreCorrupt(f"{key}: {len(data)} bytes, shorter than its shard index ({n})")
-        return self._checked(data, f"{key}, shard index").view("<u8").reshape(self.per_file, 2)
+        return self._checked(data, f"{key}, shard index").view("<u8").reshape(self.per_file, 2).copy()
 
     def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
         s, k = divmod(c, self.per_file)
@@ -142,9 +159,18 @@ class ShardSpans(SpanReader):
             out[...] = 0
             return
         key = self._file((s,))
-        data = self._checked(self.fs.cat_file(key, start=offset, end=offset + length), f"{key}, chunk {k}")
-        high, low = self.codec.planes(data)
+        data = self._checked(self._read_range(key, offset, length), f"{key}, chunk {k}")
+        planes = _buffer("planes", 2 * self.chunk_rows * self.row_values).reshape(2, -1)
+        high, low = self.codec.planes(data, into=planes)
         first, n = first_row * self.row_values, out.size
-        if first + n > len(high):
-            raise StoreCorrupt(f"{key}: chunk {k} holds {len(high)} values, expected {self.chunk_rows * self.row_values}")
         interleave(high[first:first + n], low[first:first + n], out)
+
+    def _read_range(self, key: str, offset: int, length: int) -> np.ndarray:
+        """Bytes offset .. offset + length of a file, read into this thread's reused buffer."""
+        buf = _buffer("bytes", length)
+        with self.fs.open(key, "rb") as f:
+            f.seek(offset)
+            got = f.readinto(memoryview(buf))
+        if got != length:
+            raise StoreCorrupt(f"{key}: ends {length - got} bytes short of chunk bytes {offset}..{offset + length}")
+        return buf

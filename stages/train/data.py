@@ -93,15 +93,14 @@ class StoreBatches(torch.utils.data.Dataset):
         return self._readers[shard]
 
     def __getitem__(self, i: int) -> Batch:
-        samples = [(r, self.reader(r.shard).read(r.index, r.length)) for r in self.batches[i]]
-        T = max(r.length for r, _ in samples)
-        _, s0 = samples[0]
-        b = len(samples)
+        refs = self.batches[i]
+        T, b = max(r.length for r in refs), len(refs)
+        states = self.reader(refs[0].shard).hidden.shape[1:]
         out = Batch(tokens=torch.zeros(b, T, dtype=torch.long), loss_mask=torch.zeros(b, T, dtype=torch.bool),
-                    hidden=torch.zeros(b, T, *s0.hidden.shape[1:], dtype=torch.bfloat16),
-                    lengths=torch.tensor([r.length for r, _ in samples]),
-                    refs=torch.tensor([[r.shard, r.index] for r, _ in samples]))
-        for j, (r, s) in enumerate(samples):
-            n = r.length
-            out.tokens[j, :n], out.loss_mask[j, :n], out.hidden[j, :n] = s.tokens, s.loss_mask, s.hidden
+                    hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16),
+                    lengths=torch.tensor([r.length for r in refs]),
+                    refs=torch.tensor([[r.shard, r.index] for r in refs]))
+        for j, r in enumerate(refs):  # states decoded straight into the batch: no copy per sample
+            s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, :r.length])
+            out.tokens[j, :r.length], out.loss_mask[j, :r.length] = s.tokens, s.loss_mask
         return out
