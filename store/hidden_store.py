@@ -196,29 +196,42 @@ class HiddenStore:
                 fh.write(piece)
 
     def bytes_on_disk(self, key: str = "") -> int:
-        """Bytes under key (the whole store by default). Other processes may be writing the store
-        meanwhile: a file that vanishes during the walk (a temp file renamed, a shard cleared) is
-        simply not counted."""
-        path = self.path(key) if key else self.root
+        """Bytes under key (the whole store by default)."""
+        return sum(self._file_sizes(key).values())
+
+    def shard_bytes(self, shard: int) -> dict[str, int]:
+        """{"shard": all of a shard's files, "hidden": its states}, in bytes, from one walk."""
+        sizes = self._file_sizes(layout.shard_group(shard))
+        return {"shard": sum(sizes.values()), "hidden": sum(n for f, n in sizes.items() if f.startswith("hidden/"))}
+
+    def _file_sizes(self, key: str) -> dict[str, int]:
+        """Path under key -> bytes, for every file under key. Other processes may be writing the
+        store meanwhile: a file that vanishes during the walk (a temp file renamed, a shard
+        cleared) is simply not counted."""
+        path = (self.path(key) if key else self.root).rstrip("/")
         if self.local:
-            return _local_du(path)
-        for _ in range(5):
+            return _local_sizes(path)
+        for attempt in range(5):
             try:
-                return int(self.fs.du(path)) if self.fs.exists(path) else 0
+                if not self.fs.exists(path):
+                    return {}
+                return {f[len(path) + 1:]: int(n) for f, n in self.fs.du(path, total=False).items()}
             except FileNotFoundError:
+                if attempt == 4:
+                    raise
                 time.sleep(0.1)
-        return int(self.fs.du(path))
 
 
-def _local_du(path: str) -> int:
-    total = 0
+def _local_sizes(path: str) -> dict[str, int]:
+    sizes = {}
     for folder, _, files in os.walk(path):
         for name in files:
+            full = os.path.join(folder, name)
             try:
-                total += os.lstat(os.path.join(folder, name)).st_size
+                sizes[os.path.relpath(full, path)] = os.lstat(full).st_size
             except FileNotFoundError:
                 pass
-    return total
+    return sizes
 
 
 def _short(v) -> str:

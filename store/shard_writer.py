@@ -169,8 +169,7 @@ class ShardWriter:
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
             writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
             agreement=self.stats.agreement, run=run,
-            bytes={"shard": self.store.bytes_on_disk(layout.shard_group(self.shard)),
-                   "hidden": self.store.bytes_on_disk(f"{layout.shard_group(self.shard)}/hidden")})
+            bytes=self.store.shard_bytes(self.shard))
         self.store.write_commit(record)
         self._pool.shutdown()
         return record

@@ -77,6 +77,7 @@ class SpanReader:
         self.shape = array.metadata.shape
         self.dtype = array.metadata.dtype.to_native_dtype()
         self.chunk_rows = chunk_rows
+        self.row_values = int(np.prod(self.shape[1:]))  # values per row (per token)
         self._key = array.metadata.encode_chunk_key
 
     def read(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -115,7 +116,6 @@ class ChunkSpans(SpanReader):
     def __init__(self, fs, path: str, array: zarr.Array) -> None:
         super().__init__(fs, path, array, array.metadata.chunk_grid.chunk_shape[0])
         self._blosc = Blosc()  # blosc frames describe themselves: any instance decodes them
-        self._chunk_bytes = self.chunk_rows * int(np.prod(self.shape[1:])) * self.dtype.itemsize
 
     def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
         key = self._file((c,))
@@ -124,7 +124,8 @@ class ChunkSpans(SpanReader):
         except FileNotFoundError:  # never written: all fill value
             out[...] = 0
             return
-        values = _buffer("values", self._chunk_bytes).view(self.dtype).reshape(-1, *self.shape[1:])
+        values = _buffer("values", self.chunk_rows * self.row_values * self.dtype.itemsize).view(self.dtype)
+        values = values.reshape(-1, *self.shape[1:])
         self._blosc.decode(self._checked(data, key), out=values)
         out[...] = values[first_row:first_row + len(out)]
 
@@ -137,7 +138,6 @@ class ShardSpans(SpanReader):
         super().__init__(fs, path, array, sharding.chunk_shape[0])
         self.per_file = array.metadata.chunk_grid.chunk_shape[0] // self.chunk_rows
         self.codec = sharding.codecs[1]
-        self.row_values = int(np.prod(self.shape[1:]))
         self._index = functools.lru_cache(_INDEX_CACHE)(self._read_index)
 
     def _read_index(self, s: int) -> np.ndarray | None:

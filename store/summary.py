@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from store import layout
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
 
@@ -17,8 +16,11 @@ def summarize(store: HiddenStore) -> dict:
         for reason, n in m.skipped.items():
             skipped[reason] = skipped.get(reason, 0) + n
     hidden_raw = tokens * n_taps * hidden * 2
-    shard_bytes = sum(recorded(store, s, m, "hidden") for s, m in committed.items())
-    total = store.bytes_on_disk("target") + sum(recorded(store, s, m, "shard") for s, m in committed.items())
+    # each shard's bytes as its commit file records them (no walk over millions of files at scale);
+    # older commit files lack them, and those shards are walked, once each
+    sizes = [m.bytes or store.shard_bytes(s) for s, m in committed.items()]
+    shard_bytes = sum(b["hidden"] for b in sizes)
+    total = store.bytes_on_disk("target") + sum(b["shard"] for b in sizes)
     return {
         "store": store.location,
         "fingerprint": attrs.fingerprint,
@@ -59,14 +61,6 @@ def summarize(store: HiddenStore) -> dict:
                        f"chunks of {attrs.layout.chunk_tokens} tokens in files of {attrs.layout.shard_tokens}"),
         },
     }
-
-
-def recorded(store: HiddenStore, shard: int, record, part: str) -> int:
-    """Bytes of a committed shard ("shard": all its files, "hidden": its states) from its commit
-    file: no walk over millions of files at scale. Older commit files lack them: walked then."""
-    if record.bytes is not None:
-        return record.bytes[part]
-    return store.bytes_on_disk(layout.shard_group(shard) + ("/hidden" if part == "hidden" else ""))
 
 
 def render(s: dict) -> str:

@@ -75,7 +75,7 @@ class ExtractConfig:
                                     "in `pipeline info`; ~100% for regenerated references, lower for another engine "
                                     "on near-ties; low means a wrong server, template or tokenizer).")
     writer_threads: int = setting(2, "Threads that compress states (planes codec), each about one core: at 27B "
-                                     "width one writes ~400 MB/s of raw states, and a GPU captures ~500 MB/s.")
+                                     "width one writes ~600 MB/s of raw states, and a GPU captures ~500 MB/s.")
     writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
                                            "capture waits beyond it, except while the writer waits to fill a shard file.")
 
