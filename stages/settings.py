@@ -54,3 +54,13 @@ def check_choices(config) -> None:
 def fill(config, name: str, value) -> None:
     """Resolve an "auto" field of a frozen config in __post_init__ (None -> its concrete value)."""
     object.__setattr__(config, name, value)
+
+
+def parse_count(text: str) -> int | None:
+    """'2000' -> 2000; 'all' -> None (no limit)."""
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("expected a number or 'all'") from None

@@ -25,23 +25,46 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(anchor_mask(loss_mask)).flatten()
 
 
-def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None):
+def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None,
+                   budget: int | None = None):
     """Up to n anchors per row, uniform without replacement, sorted; padded rows get valid=False.
 
+    budget: at most this many anchors over the whole batch (None: no limit). When the rows' capped
+    candidates exceed it, the anchors are drawn uniformly from all rows' candidates pooled, skipping
+    those of a row that already has n, so each row's share follows its number of candidates.
     loss_mask: [b, T] bool -> anchors [b, N] long, valid [b, N] bool (N = the most any row got).
     """
-    picks = []
-    for row in loss_mask:
-        cand = anchor_candidates(row)
-        if len(cand) > n:
-            cand = cand[torch.randperm(len(cand), generator=generator)[:n]].sort().values
-        picks.append(cand)
+    cands = [anchor_candidates(row) for row in loss_mask]
+    if budget is not None and sum(min(len(c), n) for c in cands) > budget:
+        picks = _pooled(cands, n, budget, generator)
+    else:
+        picks = [_row_pick(c, n, generator) for c in cands]
     width = max(1, max(len(p) for p in picks))
     anchors = torch.zeros(len(picks), width, dtype=torch.long)
     valid = torch.zeros(len(picks), width, dtype=torch.bool)
     for i, p in enumerate(picks):
         anchors[i, :len(p)], valid[i, :len(p)] = p, True
     return anchors, valid
+
+
+def _row_pick(cand: torch.Tensor, n: int, generator) -> torch.Tensor:
+    if len(cand) > n:
+        cand = cand[torch.randperm(len(cand), generator=generator)[:n]].sort().values
+    return cand
+
+
+def _pooled(cands: list[torch.Tensor], n: int, budget: int, generator) -> list[torch.Tensor]:
+    """`budget` anchors drawn uniformly from the pooled candidates, at most n per row."""
+    pos = torch.cat(cands)  # [C] positions, row after row
+    counts = torch.tensor([len(c) for c in cands])  # [b]
+    row = torch.repeat_interleave(torch.arange(len(cands)), counts)  # [C]
+    order = torch.randperm(len(pos), generator=generator)  # [C] the draw order
+    drawn_row = row[order]
+    grouped = torch.argsort(drawn_row, stable=True)  # the draws grouped by row, in draw order
+    rank = torch.empty_like(order)  # earlier draws from the same row
+    rank[grouped] = torch.arange(len(order)) - (torch.cumsum(counts, 0) - counts)[drawn_row[grouped]]
+    taken = order[rank < n][:budget]  # the first `budget` draws that find their row not yet full
+    return [pos[taken[row[taken] == i]].sort().values for i in range(len(cands))]
 
 
 @dataclass

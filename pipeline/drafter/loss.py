@@ -1,9 +1,18 @@
 """The DFlash loss and its metrics (SPEC §2, Training).
 
-loss = sum over labelled slots of w_k * CE_k / sum of their w_k, with w_k = exp(-(k-1)/gamma) for
-slot k >= 1 and w_0 = 0 (slot 0 is the anchor's own token). Hard labels only. Logits are made only
-for labelled slots, in chunks recomputed on backward, so a 248k vocabulary does not hold
-[tokens, V] activations for the whole batch.
+loss = sum over labelled slots of w_k * CE_k / sum of their w_k; slot 0 (the anchor's own token)
+never has a label. Hard labels only. Two slot weightings:
+
+- exp (SPEC §2, the default): w_k = exp(-(k-1)/gamma) for k >= 1.
+- dpace (D-PACE, arXiv:2605.18810): per block, each labelled slot's confidence q_k = exp(-CE_k) is
+  smoothed to s_k = alpha + (1-alpha) q_k, C_k = s_1 ... s_k is the chance the drafts up to k all
+  land, and w_k = C_k + C_{k+1} + ... (the expected accepted length still riding on slot k). The
+  weights are data, not part of the graph: no gradient flows through them. Unlabelled slots are
+  a factor 1 in C and add nothing to the sums.
+
+Logits are made only for labelled slots, by a fused linear + cross-entropy that holds one bounded
+slice of logits at a time (LOGITS_BYTES) in the forward and again in the backward, so a 248k
+vocabulary never holds [rows, V] for the whole batch.
 """
 
 from __future__ import annotations
@@ -13,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from pipeline.drafter.blocks import IGNORE
+
+LOGITS_BYTES = 256 * 2**20  # fp32 logits of one chunk; with a bf16 lm_head the chunk's peak is about 1.5x this
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -26,42 +36,110 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return w
 
 
+def dpace_weights(ce: torch.Tensor, keep: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights (see the module doc), detached.
+
+    ce: [b, N, B] fp32 per-slot CE (any value where not kept); keep: [b, N, B] bool -> [b, N, B] fp32,
+    0 where not kept."""
+    q = torch.exp(-ce.detach().float())
+    smooth = torch.where(keep, alpha + (1 - alpha) * q, torch.ones_like(q))
+    reach = torch.cumprod(smooth, -1) * keep  # C_k: [b, N, B]
+    return reach.flip(-1).cumsum(-1).flip(-1) * keep
+
+
+def rows_within(vocab: int, budget: int = LOGITS_BYTES) -> int:
+    """Rows of fp32 logits that fit the budget (at least one)."""
+    return max(1, budget // (vocab * 4))
+
+
+def _logits(h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """h: [r, H] -> [r, V] fp32, the matmul in head's dtype (as the drafter's own head does it)."""
+    return F.linear(h.to(head.dtype), head).float()
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-row CE and argmax of logits = h @ head.T, never holding more than `rows` rows of logits.
+
+    Saves h, labels and per-row logsumexp; the backward recomputes each chunk's logits. head is
+    frozen: it gets no gradient. Runs with autocast off; the casts are explicit (h to head's dtype
+    for the matmul, fp32 for the softmax, the gradient back to h's dtype)."""
+
+    @staticmethod
+    def forward(ctx, h, head, labels, rows: int):
+        # h: [M, H]; head: [V, H] frozen; labels: [M] long in [0, V)
+        ce = h.new_empty(len(labels), dtype=torch.float32)
+        lse = torch.empty_like(ce)
+        pred = torch.empty_like(labels)
+        with torch.autocast(h.device.type, enabled=False):
+            for lo in range(0, len(labels), rows):
+                sl = slice(lo, lo + rows)
+                z = _logits(h[sl], head)  # [rows, V] fp32
+                pred[sl] = z.argmax(-1)
+                picked = z.gather(1, labels[sl, None]).squeeze(1)
+                top = z.amax(-1)
+                lse[sl] = top + z.sub_(top[:, None]).exp_().sum(-1).log()  # z reused in place
+                ce[sl] = lse[sl] - picked
+        ctx.save_for_backward(h, head, labels, lse)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred):
+        h, head, labels, lse = ctx.saved_tensors
+        grad_h = torch.zeros_like(h)
+        if grad_ce is None:
+            return grad_h, None, None, None
+        with torch.autocast(h.device.type, enabled=False):
+            for lo in range(0, len(labels), ctx.rows):
+                sl = slice(lo, lo + ctx.rows)
+                p = _logits(h[sl], head)  # [rows, V] fp32, made the softmax in place
+                p.sub_(lse[sl, None]).exp_()
+                p[torch.arange(len(p), device=p.device), labels[sl]] -= 1.0
+                p.mul_(grad_ce[sl, None].float())
+                grad_h[sl] = (p.to(head.dtype) @ head).to(h.dtype)  # [rows, H]
+        return grad_h, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, rows: int | None = None):
+    """h: [M, H]; head: [V, H] frozen; labels: [M] -> (ce [M] fp32, differentiable in h; pred [M] long).
+    rows: logits rows per chunk (default: what LOGITS_BYTES allows at this vocabulary)."""
+    if head.requires_grad:
+        raise ValueError("linear_cross_entropy: the lm_head is frozen here and must not require grad")
+    return LinearCrossEntropy.apply(h, head, labels, rows or rows_within(head.shape[0]))
+
+
 @dataclass
 class LossOut:
     loss: torch.Tensor  # scalar, differentiable
     sums: torch.Tensor  # [4 + 2B] fp32, summable across micro-batches and ranks (see `summarize`)
 
 
-def _ce_pred(h, head, labels):
-    logits = F.linear(h.to(head.dtype), head).float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
-
-
-def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float,
-                chunk: int = 4096) -> LossOut:
+def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float | None,
+                dpace: float | None = None, chunk_rows: int | None = None) -> LossOut:
     """h: [b, N*B, H] drafter output (after its norm); labels: [b, N, B] (IGNORE = no loss);
-    lm_head: [V, H] frozen."""
+    lm_head: [V, H] frozen. Slot weights: exp(-(k-1)/gamma), or D-PACE with smoothing alpha = dpace
+    when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES)."""
     b, n, B = labels.shape
     keep = labels != IGNORE
     h_sel = h.reshape(b, n, B, -1)[keep]  # [M, H]
     y = labels[keep]  # [M]
-    w = slot_weights(B, gamma).to(h.device)[None, None].expand(b, n, B)[keep]  # [M]
-    ce, pred = [], []
-    for lo in range(0, len(y), chunk):
-        hs, ys = h_sel[lo:lo + chunk], y[lo:lo + chunk]
-        if hs.requires_grad and len(y) > chunk:  # recompute only when the logits are really cut up
-            c, p = checkpoint(_ce_pred, hs, lm_head, ys, use_reentrant=False)
-        else:
-            c, p = _ce_pred(hs, lm_head, ys)
-        ce.append(c)
-        pred.append(p)
-    ce = torch.cat(ce) if ce else h.new_zeros(0, dtype=torch.float32)
-    pred = torch.cat(pred) if pred else y.new_zeros(0)
-    wsum = w.sum()
-    loss = (w * ce).sum() / wsum.clamp_min(1e-12)
+    ce, pred = linear_cross_entropy(h_sel, lm_head, y, chunk_rows)  # [M] fp32, [M] long
+    w = _weights(ce, keep, gamma, dpace)  # [M] fp32, no grad
+    loss = (w * ce).sum() / w.sum().clamp_min(1e-12)
     correct = torch.zeros(b, n, B, dtype=torch.bool, device=h.device)
     correct[keep] = pred == y
     return LossOut(loss, _sums(ce.detach(), w, correct, keep))
+
+
+def _weights(ce, keep, gamma, dpace) -> torch.Tensor:
+    """The weights of the kept slots, in `labels[keep]` order: [M] fp32."""
+    if dpace is not None:
+        full = torch.zeros(keep.shape, device=ce.device)
+        full[keep] = ce.detach()
+        return dpace_weights(full, keep, dpace)[keep]
+    assert gamma is not None, "exp slot weights need gamma"
+    return slot_weights(keep.shape[-1], gamma).to(ce.device).expand(keep.shape)[keep]
 
 
 def zero_sums(block_size: int, device=None) -> torch.Tensor:
@@ -88,8 +166,9 @@ def _sums(ce, w, correct, keep) -> torch.Tensor:
 def summarize(sums: torch.Tensor) -> dict:
     """Totals from `LossOut.sums` (possibly added over steps and ranks) -> readable metrics.
 
-    loss: weighted CE; tau_streak: mean over blocks of (leading correct drafts + 1), i.e. the
-    expected tokens per round with the bonus counted; acc: per slot 1..B-1."""
+    loss: weighted CE (with the run's slot weights); tau_streak: mean over blocks of (leading
+    correct drafts + 1), i.e. the expected tokens per round with the bonus counted; acc: per slot
+    1..B-1."""
     s = sums.double().cpu().tolist()
     B = (len(s) - 4) // 2
     ok, n = s[4:4 + B], s[4 + B:]

@@ -79,17 +79,82 @@ def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
     return LocalMask(m, block_size)
 
 
-def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule):
-    """For flex_attention (CUDA): a BlockMask from the same predicate."""
-    from torch.nn.attention.flex_attention import create_block_mask
+TILE = 128  # flex_attention's sparse block: a BlockMask classifies TILE x TILE (query, key) tiles
 
-    batch, n = anchors.shape
+
+def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule):
+    """For flex_attention (CUDA): a BlockMask with the predicate as its mask_mod and its tiles
+    classified from the block structure (tile_kinds), in time that grows with rows + tiles rather than
+    rows x keys. It is the BlockMask create_block_mask(mask_mod, ...) builds from the dense mask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = anchors.shape[1]
+    partial, full = tile_kinds(anchors, valid, ctx_len, block_size, rule)  # [batch, n_q, n_kv] bool each
 
     def mask_mod(b, _h, q_idx, kv_idx):
         return allowed(b, q_idx, kv_idx, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)
 
-    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=n * block_size, KV_LEN=ctx_len + n * block_size,
-                             device=anchors.device)
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                    seq_lengths=(n * block_size, ctx_len + n * block_size))
+
+
+def tile_kinds(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full): [batch, n_q, n_kv] bool over the TILE x TILE (query, key) tiles. Each query row
+    sees two key spans (visible_spans); a tile's count of allowed pairs follows from the spans. A tile
+    cut short by the query or key length is never full (create_block_mask pads it with False)."""
+    n_q = -(-anchors.shape[1] * block_size // TILE)
+    n_kv = -(-(ctx_len + anchors.shape[1] * block_size) // TILE)
+    starts, ends = visible_spans(anchors, valid, ctx_len, block_size, rule)  # [batch, N*B, 2] each
+    pairs = (ramp_sums(starts, n_q, n_kv) - ramp_sums(ends, n_q, n_kv)).diff(dim=-1)  # [batch, n_q, n_kv]
+    full = pairs == TILE * TILE
+    return (pairs > 0) & ~full, full
+
+
+def visible_spans(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule):
+    """The predicate per query row as two half-open key spans, [context span, own-block span]: row
+    (b, j) sees context keys [a_b + j - window + 1, a_b) clipped to [0, S) (none if b is padded) and
+    keys S + b*B + [j - window + 1, j] (causal) or [j - window + 1, j + window) (bidirectional),
+    clipped to its block. Returns starts, ends: [batch, N*B, 2] long, end >= start (empty: equal)."""
+    n = anchors.shape[1]
+    j = torch.arange(block_size, device=anchors.device)  # [B] slot in the block
+    a = anchors[:, :, None].long()  # [batch, N, 1]
+    w = rule.window
+    ctx_lo = (a + j - w + 1).clamp(min=0) if w is not None else torch.zeros_like(a + j)  # [batch, N, B]
+    ctx_hi = torch.where(valid[:, :, None], a.clamp(max=ctx_len), 0).expand_as(ctx_lo)
+    own_lo, own_hi = torch.zeros_like(j), torch.full_like(j, block_size)  # [B] slots of its own block
+    if w is not None:
+        own_lo, own_hi = (j - w + 1).clamp(min=0), (j + w).clamp(max=block_size)
+    if rule.causal:
+        own_hi = j + 1
+    base = ctx_len + torch.arange(n, device=anchors.device)[None, :, None] * block_size  # [1, N, 1] block's 1st key
+    starts = torch.stack((ctx_lo, (base + own_lo).expand_as(ctx_lo)), dim=-1)  # [batch, N, B, 2]
+    ends = torch.stack((ctx_hi, (base + own_hi).expand_as(ctx_lo)), dim=-1)
+    return starts.flatten(1, 2), torch.maximum(ends, starts).flatten(1, 2)
+
+
+def ramp_sums(points: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+    """points: [batch, Q, 2] key indices -> [batch, n_q, n_kv + 1]: sum of max(x - p, 0) over the
+    points p of each query tile, at every key-tile edge x = TILE * u. For one span [s, e) the ramp at
+    s minus the ramp at e counts its keys below x, so differences across edges count keys per tile.
+    Points are bucketed by tile (p < TILE * u iff p // TILE < u), then prefix counts and sums."""
+    batch, q, k = points.shape
+    tile_of_row = (torch.arange(q, device=points.device) // TILE)[None, :, None]
+    bucket = (tile_of_row * (n_kv + 1) + points // TILE).expand(batch, q, k).reshape(batch, -1)
+    size = (batch, n_q * (n_kv + 1))
+    number = torch.zeros(size, dtype=torch.long, device=points.device).scatter_add_(1, bucket, torch.ones_like(bucket))
+    total = torch.zeros(size, dtype=torch.long, device=points.device).scatter_add_(1, bucket, points.reshape(batch, -1))
+    number, total = number.view(batch, n_q, n_kv + 1), total.view(batch, n_q, n_kv + 1)
+    below, below_sum = number.cumsum(-1) - number, total.cumsum(-1) - total  # points in buckets < u
+    edges = torch.arange(n_kv + 1, device=points.device) * TILE
+    return edges * below - below_sum
+
+
+def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tiles: [batch, n_q, n_kv] bool -> (number [batch, 1, n_q], indices [batch, 1, n_q, n_kv]) int32:
+    each query tile's marked key tiles first, ascending (BlockMask's kv_num_blocks / kv_indices)."""
+    number = tiles.sum(-1, dtype=torch.int32)[:, None]
+    indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+    return number.contiguous(), indices.contiguous()
 
 
 def build(rules, anchors, valid, ctx_len: int, block_size: int, kind: str) -> dict:

@@ -124,6 +124,11 @@ class DecoderLayer(nn.Module):
 
 
 class Drafter(nn.Module):
+    """embed_tokens, lm_head: the target's [V, H] tensors. The drafter keeps the given tensors as
+    they are (no copy; at 27B each is 2.5 GB in bf16): they are frozen buffers that nothing writes to,
+    so callers hand over tensors already on the right device and in the right dtype, and several
+    drafters may share one pair."""
+
     def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:
         super().__init__()
         c = self.config = config
@@ -135,9 +140,9 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c)
-        # Frozen target tensors: [V, H], never saved (non-persistent), never trained.
-        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
-        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        # Frozen target tensors: [V, H], never saved (non-persistent), never trained, never copied.
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
 
     @property
     def rules(self) -> list[LayerRule]:

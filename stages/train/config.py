@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
-from stages.settings import at_least, check_choices, require, setting
+from stages.settings import at_least, check_choices, parse_count, require, setting
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
 
@@ -31,9 +31,22 @@ class TrainConfig:
     grad_accum: int = setting(1, "Micro-batches per optimizer step.")
     seed: int = setting(0, "Seeds the initialization, data order and anchors.")
     noise_std: float = setting(0.0, "Gaussian noise on fc's input only (never the labels).")
+    slot_weights: str = setting("exp", "Loss weight of draft slot k: exp: exp(-(k-1)/gamma) (SPEC); dpace: D-PACE "
+                                       "(arXiv:2605.18810), from the drafter's own detached confidences, the "
+                                       "default of ModelOpt and speculators.", choices=("exp", "dpace"))
+    dpace_alpha: float = setting(0.5, "D-PACE smoothing: confidence q counts as alpha + (1-alpha) q "
+                                      "(--slot-weights dpace only).")
+    anchor_budget: int | None = setting(None, "At most N blocks per micro-batch in all, drawn from the rows' "
+                                              "anchors pooled; each row still at most --anchors.", default_text="off")
     save_every: int = setting(1000, "Write OUT/step-N (what --resume continues from) every N steps, and at the end "
                                     "(0: only OUT/final).")
+    keep_last: int = setting(2, "Keep the newest K step-N checkpoints: once one is written, older ones beyond K "
+                                "are deleted, with leftovers of a crashed save (0: keep all). OUT/final, and "
+                                "step-N past the one just written, are never deleted.")
     eval_every: int = setting(0, "Validate every N steps (always before the first step and at the end).")
+    eval_samples: int | None = setting(2000, "Validate on a fixed random sample of this many held-out samples, the "
+                                             "same every time ('all': every one; at 27B scale that is ~1 h a call).",
+                                       parse=parse_count, default_text="2000")
     log_every: int = setting(10, "Write a metrics record every N steps.")
     workers: int = setting(2, "Data loader worker processes per training process.")
     threads: int | None = setting(None, "CPU only: intra-op threads per process. On a busy machine 1 can be much "
@@ -64,14 +77,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        at_least(self, 1, "epochs", "block_size", "anchors", "max_length", "batch_size", "grad_accum", "log_every",
-                 "max_steps")
-        at_least(self, 0, "noise_std", "save_every", "eval_every", "workers", "grad_clip", "weight_decay")
+        at_least(self, 1, "eval_samples", "epochs", "block_size", "anchors", "max_length", "batch_size", "grad_accum",
+                 "log_every", "max_steps", "anchor_budget")
+        at_least(self, 0, "noise_std", "save_every", "keep_last", "eval_every", "workers", "grad_clip", "weight_decay")
         require(self, "lr", self.lr > 0, "must be positive")
         require(self, "warmup_ratio", 0 <= self.warmup_ratio < 1, "expected 0 <= ratio < 1")
         require(self, "gamma", self.gamma is None or self.gamma > 0, "must be positive")
+        require(self, "gamma", self.gamma is None or self.slot_weights == "exp", "is only used by --slot-weights exp")
+        require(self, "dpace_alpha", 0 < self.dpace_alpha <= 1, "expected 0 < alpha <= 1")
         for name in ("shards", "eval_shards"):
             require(self, name, getattr(self, name) is None or bool(getattr(self, name).strip()),
                     "is empty: give a range such as '0-55', or leave the flag out")
-        if self.gamma is None and self.init_from is None:
+        if self.gamma is None and self.init_from is None and self.slot_weights == "exp":
             default_gamma(self.block_size)  # a block size without a default needs --gamma

@@ -44,6 +44,14 @@ def index_samples(store: HiddenStore, shards: list[int], max_length: int) -> lis
     return refs
 
 
+def sample_refs(refs: list[Ref], n: int | None, seed: int) -> list[Ref]:
+    """A fixed uniform sample of n refs (all when n is None or not smaller), in store order: the
+    held-out samples validation checks on every call."""
+    if n is None or n >= len(refs):
+        return refs
+    return [refs[i] for i in np.sort(np.random.default_rng([seed, 1]).choice(len(refs), n, replace=False))]
+
+
 def epoch_batches(refs: list[Ref], batch_size: int, seed: int, epoch: int, rank: int = 0,
                   world: int = 1) -> list[list[Ref]]:
     """This rank's batches for one epoch; every rank gets the same number (the tail is dropped)."""

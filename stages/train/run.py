@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from pipeline.drafter.loss import summarize, zero_sums
 from stages.train.config import TrainConfig
-from stages.train.data import StoreBatches, epoch_batches
+from stages.train.data import StoreBatches, epoch_batches, sample_refs
 from stages.train.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
@@ -138,24 +138,29 @@ def micro_batches(s: Setup, config: TrainConfig):
     acc = s.accelerator
     while True:
         mine = epoch_batches(s.train_refs, config.batch_size, config.seed, epoch, acc.process_index, acc.num_processes)
-        loader = torch.utils.data.DataLoader(
-            StoreBatches(config.store, mine[offset:]), batch_size=None, shuffle=False, num_workers=config.workers,
-            pin_memory=acc.device.type == "cuda", prefetch_factor=4 if config.workers else None)
-        yield from loader
+        yield from _loader(config, mine[offset:], acc.device.type == "cuda")
         epoch, offset = epoch + 1, 0
 
 
 @torch.no_grad()
 def validate(s: Setup, config: TrainConfig) -> dict:
-    """Loss, streak tau and per-slot accuracy on the held-out shards, with fixed anchors."""
+    """Loss, streak tau and per-slot accuracy on a fixed sample of the held-out samples (--eval-samples),
+    with fixed anchors, read by loader workers; its size is in the record."""
     acc = s.accelerator
     s.model.eval()
-    batches = epoch_batches(s.eval_refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
+    refs = sample_refs(s.eval_refs, config.eval_samples, config.seed)
+    batches = epoch_batches(refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
     total = zero_sums(s.drafter_config.block_size, acc.device)
-    data = StoreBatches(config.store, batches)
-    for i in range(len(data)):
-        batch = data[i].to(acc.device)
+    for i, batch in enumerate(_loader(config, batches, acc.device.type == "cuda")):
+        batch = batch.to(acc.device)
         gen = step_generator(config.seed, -1, i, acc.process_index, acc.device)
         with acc.autocast():
             total += forward_loss(s.model, s.raw, batch, s.plan, gen).sums
-    return summarize(acc.reduce(total, reduction="sum"))
+    return {**summarize(acc.reduce(total, reduction="sum")), "samples": len(refs)}
+
+
+def _loader(config: TrainConfig, batches: list, pin: bool) -> torch.utils.data.DataLoader:
+    """Batches read and padded by --workers worker processes, in order."""
+    return torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
+                                       num_workers=config.workers, pin_memory=pin,
+                                       prefetch_factor=4 if config.workers else None)

@@ -3,12 +3,16 @@
 A step checkpoint is a drafter in the public layout plus `training/` (Accelerate's state: model,
 optimizer, scheduler, RNG of every rank) and `trainer_state.json`, built in a hidden temporary
 directory and published by a rename, so a crash never leaves a half checkpoint that --resume trusts.
+Once one is published, --keep-last K deletes the older ones beyond the newest K (prune_steps).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +25,7 @@ from store.errors import ConfigError
 # Fields that fix the data order and the model: a resumed run must keep them.
 RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
                 "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
-                "grad_clip", "mixed_precision")
+                "grad_clip", "mixed_precision", "slot_weights", "dpace_alpha", "anchor_budget")
 
 
 class MetricsLog:
@@ -77,7 +81,42 @@ def save_step(s, config, step: int) -> None:
                  "store_fingerprint": s.store_fingerprint}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         checkpoint.publish(tmp, final)
+        prune_steps(Path(config.out), step, config.keep_last)
     acc.wait_for_everyone()
+
+
+STEP_DIR = re.compile(r"step-(\d+)")  # a published checkpoint
+STEP_TMP = re.compile(r"\.step-(\d+)\.tmp")  # one being built (save_step) or deleted (prune_steps)
+
+
+def complete_steps(out: Path) -> list[tuple[int, Path]]:
+    """OUT's published step-N checkpoints (with trainer_state.json), oldest first."""
+    found = [(int(m.group(1)), p) for p in out.glob("step-*") if (m := STEP_DIR.fullmatch(p.name))]
+    return sorted((n, p) for n, p in found if (p / "trainer_state.json").exists())
+
+
+def prune_steps(out: Path, newest: int, keep: int) -> list[Path]:
+    """After OUT/step-NEWEST is published: delete the published step-M with M < NEWEST beyond the
+    newest KEEP (step-NEWEST counting as one), and the hidden .step-M.tmp (M < NEWEST) of a save that
+    crashed. Never touched: step-NEWEST, any step-M with M > NEWEST (left by a run that went further
+    before this one resumed from an earlier step; saves replace them in turn), final/, step
+    directories without trainer_state.json, and anything else. A resumed run's source step-R has
+    R < NEWEST, so it goes only once a newer checkpoint is complete. keep 0: delete nothing.
+    Main process only, between saves: no .step-M.tmp of this run is being written. Returns the
+    deleted step directories."""
+    if keep == 0:
+        return []
+    older = [p for n, p in complete_steps(out) if n < newest]
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    for p in doomed:  # hidden first, so a crash mid-delete leaves no step-M that looks complete
+        hidden = p.with_name(f".{p.name}.tmp")
+        shutil.rmtree(hidden, ignore_errors=True)
+        os.replace(p, hidden)
+    for p in out.glob(".step-*.tmp"):
+        m = STEP_TMP.fullmatch(p.name)
+        if m and int(m.group(1)) < newest:
+            shutil.rmtree(p)
+    return doomed
 
 
 def write_audit(s, out: Path, seen: list[list[int]]) -> None:
@@ -94,8 +133,7 @@ def write_audit(s, out: Path, seen: list[list[int]]) -> None:
 
 
 def latest_step(out: Path) -> Path | None:
-    steps = sorted((int(p.name.split("-")[1]), p) for p in out.glob("step-*")
-                   if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").exists())
+    steps = complete_steps(out)
     return steps[-1][1] if steps else None
 
 
@@ -130,7 +168,9 @@ def resume_point(config, fingerprint: str) -> tuple[Path | None, dict | None]:
 
 
 def resumable(config, previous: dict) -> None:
-    diff = [f"{flag_of(config, k)} was {previous.get(k)!r}, now {getattr(config, k)!r}"
-            for k in RESUME_FIXED if previous.get(k) != getattr(config, k)]
+    """A field a run saved before it existed had its default then."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    diff = [f"{flag_of(config, k)} was {previous.get(k, defaults[k])!r}, now {getattr(config, k)!r}"
+            for k in RESUME_FIXED if previous.get(k, defaults[k]) != getattr(config, k)]
     if diff:
         raise ConfigError("--resume", None, "the run's settings changed (" + "; ".join(diff) + ")")

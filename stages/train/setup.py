@@ -59,10 +59,12 @@ def make_accelerator(config: TrainConfig):
     precision = config.mixed_precision if config.mixed_precision != "auto" else ("bf16" if cuda else "no")
     trackers = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
     # Frozen embedding/lm_head buffers are identical on every rank: never re-broadcast them per step.
+    # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets (one copy, not two).
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
     acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
                       log_with=trackers or None, project_dir=config.out,
-                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False,
+                                                                     gradient_as_bucket_view=True)])
     if not cuda:
         default = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // acc.num_processes)
         devices.prepare_cpu(config.threads or default)
@@ -149,7 +151,6 @@ def check_against_store(dc: DrafterConfig, attrs: StoreAttrs, where) -> None:
 def prepare(config: TrainConfig, log) -> Setup:
     store = HiddenStore(config.store)
     attrs = store.attrs
-    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16
     rdir, previous = resume_point(config, attrs.fingerprint)
     dc, init = drafter_config(config, attrs, rdir)
     train_ids, eval_ids = select_shards(store, config)
@@ -170,6 +171,7 @@ def prepare(config: TrainConfig, log) -> Setup:
                           f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
                           f"{config.batch_size}, {acc.num_processes} ranks)")
     total = config.max_steps or config.epochs * (micro // config.grad_accum)
+    embed, lm_head = frozen_tensors(store, acc.device)  # [V, H] each, on the device
     raw, model, opt, sched = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
     if rdir is not None:
@@ -191,13 +193,21 @@ def prepare(config: TrainConfig, log) -> Setup:
                  plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"))
 
 
+def frozen_tensors(store: HiddenStore, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embed_tokens and lm_head, [V, H] each, on the device: bf16 on GPU, fp32 on CPU.
+    Each is moved as soon as it is read, so the host holds one at a time and nothing else: the read
+    on GPU (freed once moved); on CPU the read and its fp32 conversion, a copy by necessity."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed = store.embedding("embed_tokens").to(device, dtype)
+    return embed, store.embedding("lm_head").to(device, dtype)
+
+
 def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, init: dict | None, total: int):
-    """The drafter (fp32 master weights; the frozen target tensors bf16 on GPU, fp32 on CPU), AdamW
-    and the schedule, prepared by Accelerate. The scheduler is stepped by us once per optimizer
-    step (Accelerate would step it once per process) and saved with the training state."""
-    frozen = torch.bfloat16 if acc.device.type == "cuda" else torch.float32
+    """The drafter (fp32 master weights; embed, lm_head as frozen_tensors gives them, kept without a
+    copy), AdamW and the schedule, prepared by Accelerate. The scheduler is stepped by us once per
+    optimizer step (Accelerate would step it once per process) and saved with the training state."""
     torch.manual_seed(config.seed)
-    raw = Drafter(dc, embed.to(frozen), lm_head.to(frozen))
+    raw = Drafter(dc, embed, lm_head)
     raw.init_weights(torch.Generator().manual_seed(config.seed))
     if init is not None:
         checkpoint.load_into(raw, init)

@@ -23,15 +23,25 @@ class LossPlan:
     anchors: int  # blocks per sequence
     block_size: int
     mask_token_id: int
-    gamma: float  # loss decay
+    gamma: float | None  # exp slot weights' decay; None with D-PACE
     noise_std: float  # on fc's input only
     flex: bool  # flex_attention (CUDA) or block-local SDPA (CPU)
+    dpace_alpha: float | None = None  # D-PACE slot weights' smoothing; None: exp weights
+    anchor_budget: int | None = None  # blocks per micro-batch in all; None: no limit
 
     @classmethod
     def of(cls, config, drafter: DrafterConfig, flex: bool) -> LossPlan:
         """From the TrainConfig and the drafter's config (an --init-from checkpoint's block size)."""
-        gamma = config.gamma if config.gamma is not None else default_gamma(drafter.block_size)
-        return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex)
+        gamma, alpha = None, config.dpace_alpha  # --slot-weights dpace
+        if config.slot_weights == "exp":
+            gamma, alpha = config.gamma if config.gamma is not None else default_gamma(drafter.block_size), None
+        return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
+                   config.anchor_budget)
+
+    @property
+    def width(self) -> int:
+        """The most blocks a row can get."""
+        return min(self.anchors, self.anchor_budget or self.anchors)
 
 
 def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
@@ -44,10 +54,10 @@ def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.de
 def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator) -> LossOut:
     """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
     batch tensors are on the model's device."""
-    anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen))
+    anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen), budget=plan.anchor_budget)
     ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
     if plan.flex:  # few distinct shapes, so the compiled kernel is not rebuilt for every batch
-        anchors, valid, ctx_len = pad_for_compile(anchors, valid, ctx_len, plan.anchors)
+        anchors, valid, ctx_len = pad_for_compile(anchors, valid, ctx_len, plan.width)
     anchors, valid = anchors.to(batch.tokens.device), valid.to(batch.tokens.device)
     blocks = make_blocks(batch.tokens, batch.loss_mask, anchors, valid, plan.block_size, plan.mask_token_id)
     hidden = batch.hidden[:, :ctx_len]  # [b, S, n_taps, H] bf16
@@ -59,7 +69,7 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
         noise = torch.randn(hidden.shape, generator=gen, device=hidden.device) * plan.noise_std
     mask = masks.build(raw.rules, anchors, valid, ctx_len, plan.block_size, "flex" if plan.flex else "local")
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
-    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma)
+    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha)
 
 
 def pad_for_compile(anchors, valid, ctx_len: int, n: int, multiple: int = CTX_BUCKET):

@@ -155,33 +155,19 @@ def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
     assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
 
 
-def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch):
-    """The CUDA path pads anchors and buckets the context for the compiled kernel, then runs flex;
-    run eagerly on CPU (forward only) it gives the CPU path's loss and statistics."""
-    import warnings
-
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from pipeline.drafter import attention
-    from pipeline.drafter.model import Drafter
-    from stages.train.config import TrainConfig
-    from stages.train.data import StoreBatches, index_samples
-    from stages.train.setup import drafter_config
-    from stages.train.step import LossPlan, forward_loss, step_generator
+def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_path):
+    """--eval-samples: a seeded sample, the same on every call; every eval record gives its size; 'all'
+    is every held-out sample."""
+    from stages.train.data import index_samples, sample_refs
     from store.hidden_store import HiddenStore
 
-    monkeypatch.setattr(attention, "compiled_flex", lambda: flex_attention)
-    store = HiddenStore(str(small_store))
-    config = TrainConfig(num_layers=2, anchors=64, layer_types="sliding,full", sliding_window=5)
-    dc, _ = drafter_config(config, store.attrs, None)
-    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
-    model.init_weights(torch.Generator().manual_seed(0), std=0.1)
-    batch = StoreBatches(str(small_store), [index_samples(store, [0, 1], 200)[:3]])[0]
-    outs = []
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for flex in (False, True):
-            outs.append(forward_loss(model, model, batch, LossPlan.of(config, dc, flex),
-                                     step_generator(0, 1, 0, 0, torch.device("cpu"))))
-    assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
-    assert torch.equal(outs[0].sums[2:], outs[1].sums[2:])  # same blocks, labels, streaks, per-slot counts
+    held_out = index_samples(HiddenStore(str(small_store)), [2, 3], 4096)
+    assert sample_refs(held_out, 3, 0) == sample_refs(held_out, 3, 0) != sample_refs(held_out, 3, 1)
+    assert len(set(sample_refs(held_out, 3, 0))) == 3 and sample_refs(held_out, None, 0) == held_out
+    for n, want in (("3", 3), ("all", len(held_out))):
+        out = tmp_path / n
+        r = train(["--store", small_store, "--out", out, "--max-steps", 2, "--eval-shards", "2-3", "--eval-samples", n,
+                   "--eval-every", 1, *TINY])
+        assert r.returncode == 0, r.stderr
+        evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [e["samples"] for e in evals if e["split"] == "eval"] == [want] * 3

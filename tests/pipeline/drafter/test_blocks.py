@@ -43,3 +43,57 @@ def test_labels_outside_loss_mask_dropped():
     lm = torch.tensor([[0, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)  # e.g. padding after the completion
     blk = make_blocks(tokens, lm, torch.tensor([[1]]), torch.tensor([[True]]), 5, MASK)
     assert blk.labels[0, 0].tolist() == [IGNORE, 2, 3, IGNORE, IGNORE]
+
+
+def budget_rows():
+    lm = torch.zeros(4, 300, dtype=torch.bool)
+    lm[0, 10:290] = True  # 279 candidates
+    lm[1, 50:90] = True  # 39
+    lm[2, 0:8] = True  # 7
+    lm[3, 100:101] = True  # a single loss token: no candidate
+    return lm
+
+
+def test_anchor_budget_respected_rows_capped_and_valid():
+    lm = budget_rows()
+    cand = [set(anchor_candidates(row).tolist()) for row in lm]
+    for budget in (1, 5, 40, 70):
+        a, v = sample_anchors(lm, 32, torch.Generator().manual_seed(budget), budget=budget)
+        assert v.sum() == budget and (v.sum(1) <= 32).all() and not v[3].any()
+        for i in range(4):
+            row = a[i][v[i]].tolist()
+            assert row == sorted(set(row)) and set(row) <= cand[i]  # unique, sorted, all candidates
+        assert (a[~v] == 0).all()
+
+
+def test_anchor_budget_shares_by_candidates():
+    """Each candidate of the batch is equally likely: over many draws a row's share follows its
+    candidates (279 : 39 : 7 of 325) while the budget binds and no row is capped."""
+    lm = budget_rows()
+    got = torch.zeros(4)
+    for seed in range(300):
+        _, v = sample_anchors(lm, 100, torch.Generator().manual_seed(seed), budget=50)
+        got += v.sum(1)
+    share = got / got.sum()
+    assert torch.allclose(share[:3], torch.tensor([279, 39, 7]) / 325, atol=0.01) and share[3] == 0
+
+
+def test_anchor_budget_caps_full_rows_and_fills_from_the_others():
+    lm = budget_rows()
+    for seed in range(5):  # row 0 holds 86% of the candidates: it fills up, the others take the rest
+        _, v = sample_anchors(lm, 8, torch.Generator().manual_seed(seed), budget=20)
+        assert v.sum() == 20 and v.sum(1)[0] == 8 and v.sum(1)[1] + v.sum(1)[2] == 12 and v.sum(1)[2] <= 7
+    _, v = sample_anchors(lm, 8, torch.Generator().manual_seed(0), budget=22)  # 8 + 8 + 7 = 23 > 22
+    assert v.sum() == 22 and v.sum(1).tolist()[3] == 0
+
+
+def test_anchor_budget_default_unchanged_and_reproducible():
+    lm = budget_rows()
+    base = sample_anchors(lm, 16, torch.Generator().manual_seed(3))
+    for budget in (None, 39, 1000):  # off, or never binding (16 + 16 + 7 = 39): today's draw exactly
+        same = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=budget)
+        assert all(torch.equal(x, y) for x, y in zip(base, same))
+    a = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=20)
+    b = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=20)
+    c = sample_anchors(lm, 16, torch.Generator().manual_seed(4), budget=20)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and not torch.equal(a[0], c[0])
