@@ -15,7 +15,8 @@ from stages.evaluate.config import EvalConfig
 @click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON instead of the table.")
 def main(config: EvalConfig, as_json: bool) -> None:
     """Replay greedy speculative decoding from the --store's states and greedy completions and report
-    the acceptance length tau of each --checkpoint (ours or a released DFlash drafter).
+    the acceptance length tau of each --checkpoint (ours or a released DFlash drafter). Several
+    processes (torchrun / accelerate launch) each replay their part of the prompts.
 
     \b
     Writes OUT/report.json, OUT/report.md, OUT/histogram.png and OUT/per_slot.png, and prints a table.
@@ -28,9 +29,10 @@ def main(config: EvalConfig, as_json: bool) -> None:
     from stages.evaluate.report import console
     from stages.evaluate.run import run
 
-    rep = run(config, log=log)
-    click.echo(json.dumps(rep, indent=1) if as_json else console(rep))
-    log(f"report: {config.out}/report.md, report.json, histogram.png, per_slot.png")
+    rep = run(config, log=log)  # None on the other processes of a launch
+    if rep is not None:
+        click.echo(json.dumps(rep, indent=1) if as_json else console(rep))
+        log(f"report: {config.out}/report.md, report.json, histogram.png, per_slot.png")
 
 
 if __name__ == "__main__":

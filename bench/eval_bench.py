@@ -45,14 +45,16 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--json", default=None)
     args = p.parse_args()
     devices.prepare_cpu(args.threads)
     store = HiddenStore(args.store)
     attrs = store.attrs
     ck = load_checked(args.checkpoint, store, False, [])
-    m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device)
-    samples = Prompts(store, parse_ranges(args.shards, store.num_shards), args.prompts)
+    m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device, args.dtype)
+    prompts = Prompts(store, parse_ranges(args.shards, store.num_shards), None, seed=0)
+    samples = list(prompts.read(prompts.refs[:args.prompts]))
     t = loading.load(args.target or attrs.target.path, args.device, attrs.dtype, "auto")
     lt = LiveTarget(t, list(attrs.taps))
     eos = set(attrs.eos_token_ids)
@@ -68,7 +70,8 @@ def main() -> None:
         runs["live"].append((dt, sum(len(r.rounds) for r in lives), sum(len(r.tokens) - 1 for r in lives)))
         dt, base = timed(lambda s: live.greedy(lt, s.tokens[:s.prompt_len], limit(s), eos), samples)
         runs["target_only"].append((dt, sum(len(r.tokens) - 1 for r in base), sum(len(r.tokens) - 1 for r in base)))
-    res = {"prompts": len(samples), "threads": args.threads, "device": args.device, "repeat": args.repeat}
+    res = {"prompts": len(samples), "threads": args.threads, "device": args.device, "dtype": args.dtype,
+           "repeat": args.repeat}
     for name, rs in runs.items():
         res[name] = {"rounds_per_s": statistics.median(r / d for d, r, _ in rs),
                      "tokens_per_s": statistics.median(k / d for d, _, k in rs),

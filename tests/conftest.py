@@ -79,3 +79,14 @@ def assert_stores_equal(a: Path, b: Path) -> None:
         for name in ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids"):
             x, y = ga[f"shards/{shard:05d}/{name}"][:], gb[f"shards/{shard:05d}/{name}"][:]
             assert x.shape == y.shape and np.array_equal(x, y), (shard, name)
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(small_store, tmp_path_factory) -> Path:
+    """A drafter trained for 40 steps on shards 0-2 of the small store (3 held out): it accepts drafts."""
+    from tests.processes import TINY, train
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    r = train(["--store", small_store, "--out", out, "--max-steps", 40, "--eval-shards", "3", "--lr", "3e-3", *TINY])
+    assert r.returncode == 0, r.stderr
+    return out / "final"

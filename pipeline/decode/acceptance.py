@@ -7,6 +7,7 @@ of its own (the bonus). Tokens per round = accepted + 1, cut to what is left to 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -26,23 +27,44 @@ def round_tokens(acc: int, remaining: int) -> int:
 
 
 def summarize(prompts: list[list[tuple[int, int]]], block_size: int) -> dict:
-    """prompts: per prompt, its rounds as (accepted drafts, tokens committed).
+    """prompts: per prompt, its rounds as (accepted drafts, tokens committed) -> `stats`."""
+    hist = [0] * block_size
+    for acc, _ in (r for p in prompts for r in p):
+        hist[min(acc, block_size - 1)] += 1
+    return stats([(len(p), sum(t for _, t in p)) for p in prompts], hist)
+
+
+def stats(per_prompt: list[tuple[int, int]], hist: list[int], population: int | None = None) -> dict:
+    """The tau statistics from counts: per_prompt: (rounds, tokens committed) of each prompt, in a
+    fixed order; hist: rounds by accepted drafts 0..B-1; population: how many prompts the replayed
+    ones were drawn from (uniformly, without replacement), for the confidence interval.
 
     tau: mean over prompts of each prompt's mean tokens per round (the DFlash convention, bonus
-    counted); tau_pooled: all tokens / all rounds; histogram: rounds by accepted drafts 0..B-1;
-    per_slot[k-1]: share of rounds whose k-th draft was accepted (acc >= k), k = 1..B-1."""
-    rounds = [r for p in prompts for r in p]
-    means = [sum(t for _, t in p) / len(p) for p in prompts if p]
-    hist = [0] * block_size
-    for acc, _ in rounds:
-        hist[min(acc, block_size - 1)] += 1
-    n = len(rounds)
+    counted); tau_ci95: its 95% normal interval (finite-population corrected); tau_pooled: all
+    tokens / all rounds; per_slot[k-1]: share of rounds whose k-th draft was accepted, k = 1..B-1."""
+    means = [t / r for r, t in per_prompt if r]
+    n, tokens = sum(hist), sum(t for _, t in per_prompt)
+    tau = sum(means) / len(means) if means else float("nan")
     return {
-        "tau": sum(means) / len(means) if means else float("nan"),
-        "tau_pooled": sum(t for _, t in rounds) / n if n else float("nan"),
-        "histogram": hist,
-        "per_slot": [sum(1 for a, _ in rounds if a >= k) / n if n else float("nan") for k in range(1, block_size)],
+        "tau": tau,
+        "tau_ci95": ci95(means, tau, population),
+        "tau_pooled": tokens / n if n else float("nan"),
+        "histogram": list(hist),
+        "per_slot": [sum(hist[k:]) / n if n else float("nan") for k in range(1, len(hist))],
         "rounds": n,
         "prompts": len(means),
-        "tokens": sum(t for _, t in rounds),
+        "tokens": tokens,
     }
+
+
+def ci95(values: list[float], mean: float, population: int | None = None) -> list[float] | None:
+    """[low, high]: mean +- 1.96 standard errors (None below 2 values); the standard error shrinks by
+    sqrt((N - n) / (N - 1)) when the n values are a sample of N without replacement (0 when n = N)."""
+    n = len(values)
+    if n < 2:
+        return None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    fpc = math.sqrt((population - n) / (population - 1)) if population and population > n else (
+        0.0 if population == n else 1.0)
+    half = 1.96 * sd / math.sqrt(n) * fpc
+    return [mean - half, mean + half]

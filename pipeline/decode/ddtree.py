@@ -106,12 +106,43 @@ def build_tree(logprobs: torch.Tensor, budget: int) -> Tree:
     dev = logprobs.device
     ranks = tuple(r for r, _, _ in nodes)
     return Tree(
-        tokens=torch.tensor([ids[len(r) - 1][r[-1]] for r in ranks], dtype=torch.long, device=dev),
+        tokens=torch.tensor(_node_tokens(nodes, ids), dtype=torch.long, device=dev),
         parents=torch.tensor([p for _, p, _ in nodes], dtype=torch.long, device=dev),
         depths=torch.tensor([len(r) for r in ranks], dtype=torch.long, device=dev),
         scores=torch.tensor([s for _, _, s in nodes], dtype=torch.float32, device=dev),
         ranks=ranks,
     )
+
+
+def _node_tokens(nodes, ids: list[list[int]]) -> list[int]:
+    return [ids[len(r) - 1][r[-1]] for r, _, _ in nodes]
+
+
+def top_k_device(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k` for many rows at once, on their device, without a host sync: logprobs [R, V] fp32 ->
+    (values [R, k] fp32, ids [R, k] long), each row ordered by log-prob desc, then id asc, the ties
+    at the k-th value going to the lowest ids. Temporaries: two [R, V] tensors (bool and long)."""
+    R, V = logprobs.shape
+    vals, ids = torch.topk(logprobs, k, dim=-1)  # [R, k] desc; which tied ids is unspecified
+    edge = vals[:, -1:]  # [R, 1]
+    n_above = (vals > edge).sum(-1, keepdim=True)  # [R, 1]: they lead `vals`
+    iota = torch.arange(V, device=logprobs.device)
+    tied = torch.where(logprobs == edge, iota, V).topk(k, dim=-1, largest=False).values  # [R, k] lowest ids first
+    j = torch.arange(k, device=logprobs.device)[None]
+    above = j < n_above
+    ids = torch.where(above, ids, tied.gather(1, (j - n_above).clamp_min(0)))
+    vals = torch.where(above, vals, edge)
+    order = torch.sort(ids, dim=-1, stable=True).indices  # id asc, then value desc (stable): (-v, id)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
+
+
+def accept_top(vals: list[list[float]], ids: list[list[int]], budget: int, target) -> int:
+    """`accept(build_tree(...), target)` from the per-depth top-k lists (as `top_k` gives them), with
+    no tensor made: what batched replay runs on the host for each tree round."""
+    nodes = _search(vals, budget)
+    return len(_walk([p for _, p, _ in nodes], _node_tokens(nodes, ids), target))
 
 
 def _as_list(seq) -> list[int]:
@@ -122,7 +153,11 @@ def _as_list(seq) -> list[int]:
 def accepted_path(tree: Tree, target) -> list[int]:
     """Node indices walked from the root following target: [<=D] (the target's greedy tokens for
     depths 1..D); at depth d only children of the node accepted at depth d-1 are followed."""
-    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+    return _walk(tree.parents.tolist(), tree.tokens.tolist(), target)
+
+
+def _walk(parents: list[int], tokens: list[int], target) -> list[int]:
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
     path, at = [], -1
     for tok in _as_list(target):
         at = child.get((at, tok))

@@ -15,10 +15,19 @@ from pipeline.drafter.model import Drafter
 
 
 class DraftSession:
-    def __init__(self, drafter: Drafter) -> None:
+    """The cache is preallocated and doubled when full (never a torch.cat per round)."""
+
+    def __init__(self, drafter: Drafter, capacity: int = 256) -> None:
         self.m = drafter
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        a, w = drafter.layers[0].self_attn, drafter.fc.weight
+        shape = (1, a.kv_heads, capacity, a.head_dim)
+        self.cache = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in drafter.layers]  # per layer (k, v)
         self.length = 0  # context positions cached: 0..length-1
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of the cached context: [1, kv_heads, length, head_dim] views."""
+        return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.cache]
 
     @torch.no_grad()
     def extend(self, hidden: torch.Tensor) -> None:
@@ -28,11 +37,21 @@ class DraftSession:
         dev = self.m.fc.weight.device
         pos = torch.arange(self.length, self.length + hidden.shape[0], device=dev)[None]
         new = self.m.context_kv(self.m.context(hidden[None].to(dev)), pos)
-        if self.kv is None:
-            self.kv = new
-        else:
-            self.kv = [(torch.cat((k, nk), 2), torch.cat((v, nv), 2)) for (k, v), (nk, nv) in zip(self.kv, new)]
-        self.length += hidden.shape[0]
+        end = self.length + hidden.shape[0]
+        if end > self.cache[0][0].shape[2]:
+            self._grow(max(end, 2 * self.cache[0][0].shape[2]))
+        for (k, v), (nk, nv) in zip(self.cache, new):
+            k[:, :, self.length:end], v[:, :, self.length:end] = nk, nv
+        self.length = end
+
+    def _grow(self, capacity: int) -> None:
+        grown = []
+        for k, v in self.cache:
+            shape = (*k.shape[:2], capacity, k.shape[3])
+            k2, v2 = k.new_zeros(shape), v.new_zeros(shape)
+            k2[:, :, :self.length], v2[:, :, :self.length] = k[:, :, :self.length], v[:, :, :self.length]
+            grown.append((k2, v2))
+        self.cache = grown
 
     @torch.no_grad()
     def draft(self, token: int) -> torch.Tensor:
@@ -46,11 +65,5 @@ class DraftSession:
         positions = torch.arange(start, start + B, device=dev)[None]
         anchors = torch.tensor([[start]], device=dev)
         mk = masks.build(self.m.rules, anchors, torch.ones_like(anchors, dtype=torch.bool), start, B, "dense")
-        kv = self.kv if self.kv is not None else self._empty_kv(dev)
-        h = self.m.run_block(kv, ids, positions, mk)  # [1, B, H]
+        h = self.m.run_block(self.kv, ids, positions, mk)  # [1, B, H]
         return self.m.logits(h[0, 1:]).float()
-
-    def _empty_kv(self, dev):
-        a = self.m.layers[0].self_attn
-        z = torch.zeros(1, a.kv_heads, 0, a.head_dim, device=dev, dtype=self.m.fc.weight.dtype)
-        return [(z, z)] * len(self.m.layers)

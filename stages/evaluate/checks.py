@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatches
 from pipeline.drafter.model import Drafter
@@ -75,7 +76,13 @@ def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Loaded], 
     return ids
 
 
-def build(loaded: Loaded, embed, lm_head, device: str) -> Drafter:
-    m = Drafter(loaded.config, embed.float(), lm_head.float())
+def build(loaded: Loaded, embed, lm_head, device: str, dtype: str) -> Drafter:
+    """The drafter on device, its weights in dtype. embed, lm_head: [V, H] bf16 as stored; in bf16
+    they are used as they are (no copy), in fp32 copied. Only parameters change dtype: the RoPE
+    frequencies stay fp32."""
+    dt = devices.DTYPES[dtype]
+    m = Drafter(loaded.config, embed.to(device, dt), lm_head.to(device, dt))
+    for p in m.parameters():
+        p.data = p.data.to(device, dt)
     checkpoint.load_into(m, loaded.tensors)
     return m.to(device).eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import device as devices
-from stages.settings import at_least, fill, require, setting
+from stages.settings import at_least, check_choices, fill, parse_count, require, setting
 
 DDTREE_BUDGETS = (8, 16, 32, 64)
 
@@ -32,13 +32,24 @@ class EvalConfig:
                                       default_text=",".join(map(str, DDTREE_BUDGETS)), parse=parse_budgets)
     out: str = setting("report", "Report directory.")
     max_rounds: int | None = setting(None, "Stop each prompt after this many rounds.")
-    max_prompts: int | None = setting(None, "Replay only the first N prompts of the shards.")
+    max_prompts: int | None = setting(2000, "Replay a fixed random sample of this many of the shards' prompts "
+                                            "(seeded by --seed; the report gives the sample size and a 95% interval "
+                                            "for tau); 'all' replays every one.", parse=parse_count,
+                                      default_text="2000")
+    seed: int = setting(0, "Seeds the sample of prompts.")
+    dtype: str = setting("bf16", "Drafter weights and activations: bf16 (as served; the target's embedding and "
+                                 "lm_head stay as stored) or fp32 (copies them to fp32).", choices=("bf16", "fp32"))
+    batch_prompts: int = setting(32, "Prompts replayed together: each round drafts one block per prompt and policy in "
+                                     "one forward. More uses more device memory (the context K/V of each).")
     allow_mismatch: bool = setting(False, "Evaluate a checkpoint whose store fingerprint, taps or mask token differ "
                                           "(the report says so at the top).")
     live: bool = setting(False, "Also run real greedy speculative decoding with the target (verify each block in one "
                                 "pass, roll back the hybrid state on rejection); reports tau, tokens/s vs target-only "
                                 "greedy, and agreement with replay.")
     target: str | None = setting(None, "The store's target model directory, for --live.")
+    live_prompts: int | None = setting(20, "--live decodes with the target only the first N prompts of the sample "
+                                           "(target-only greedy plus one run per drafter: slow at scale); 'all' for "
+                                           "every one.", parse=parse_count, default_text="20")
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
     threads: int = setting(1, "CPU intra-op threads. Replay is many small ops: on an idle 2-core machine two threads "
                               "were ~10% faster than one, but 40x slower while another program was busy.")
@@ -47,6 +58,7 @@ class EvalConfig:
         fill(self, "device", self.device or devices.default_device())
         fill(self, "checkpoints", tuple(self.checkpoints))
         require(self, "checkpoints", bool(self.checkpoints), "give at least one drafter checkpoint directory")
+        check_choices(self)
         require(self, "ddtree", all(b >= 1 for b in self.ddtree), "budgets must be at least 1")
         require(self, "target", self.target or not self.live, "--live needs --target DIR (the store's target model)")
-        at_least(self, 1, "max_rounds", "max_prompts", "threads")
+        at_least(self, 1, "max_rounds", "max_prompts", "threads", "batch_prompts", "live_prompts")

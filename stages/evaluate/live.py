@@ -45,14 +45,14 @@ class LiveBench:
     def limit(self, sample) -> int:
         return self.compat.completion_limit(sample.prompt_len)
 
-    def run(self, drafter, replayed: list, label: str) -> dict:
-        """replayed: the chain replay of the same samples (PromptRounds), to compare with."""
+    def run(self, drafter, replayed: list[list[tuple[int, int]]], label: str) -> dict:
+        """replayed: the chain replay's rounds of the same samples, to compare with."""
         runs, same, stored = [], 0, 0
         for s, rep in tqdm(zip(self.samples, replayed), total=len(replayed), desc=f"live {label}", unit="prompt",
                            disable=None):
             r = live.speculative(drafter, self.lt, s.tokens[:s.prompt_len], self.limit(s), self.eos)
             runs.append(r)
-            same += r.rounds == rep.rounds
+            same += r.rounds == rep
             stored += r.tokens == s.tokens[s.prompt_len:].tolist()
         seconds, tokens = sum(r.seconds for r in runs), sum(len(r.tokens) for r in runs)
         stats = summarize([r.rounds for r in runs], drafter.config.block_size)

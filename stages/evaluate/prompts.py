@@ -1,29 +1,76 @@
-"""The stored prompts evaluation replays, read one at a time (a store's held-out shards may not fit
-in memory): every sample with a completion, in shard order, the first `limit` when given."""
+"""The stored prompts evaluation replays: every sample with a completion in the chosen shards, or a
+fixed random sample of them (seeded, the same on every process), dealt to processes, and read
+ahead on a background thread, one at a time (a store's held-out shards may not fit in memory)."""
 
 from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 
 from store.hidden_store import HiddenStore
-from store.shard_reader import ShardReader
+from store.shard_reader import Sample, ShardReader
+
+Ref = tuple[int, int]  # (shard, index within the shard)
 
 
 class Prompts:
-    def __init__(self, store: HiddenStore, shards: list[int], limit: int | None) -> None:
-        self.store, self.refs = store, []
-        self._reader: ShardReader | None = None
+    def __init__(self, store: HiddenStore, shards: list[int], limit: int | None, seed: int) -> None:
+        self.store = store
+        refs, lengths = [], []
         for shard in shards:
             reader = ShardReader(store, shard)  # a completion follows every prompt (pipeline verify checks it)
-            lengths = np.diff(reader.offsets)
-            self.refs += [(shard, i) for i in range(len(lengths)) if lengths[i] > reader.prompt_lens[i]]
-        self.refs = self.refs[:limit]
+            n = np.diff(reader.offsets)
+            keep = np.flatnonzero(n > reader.prompt_lens)
+            refs += [(shard, int(i)) for i in keep]
+            lengths += n[keep].tolist()
+        self.available = len(refs)
+        pick = np.arange(len(refs))
+        if limit is not None and limit < len(refs):
+            pick = np.sort(np.random.default_rng(seed).choice(len(refs), limit, replace=False))
+        self.refs: list[Ref] = [refs[i] for i in pick]  # in store order
+        self.max_length = max((lengths[i] for i in pick), default=0)
 
     def __len__(self) -> int:
         return len(self.refs)
 
-    def __iter__(self):
-        for shard, i in self.refs:
-            if self._reader is None or self._reader.shard != shard:
-                self._reader = ShardReader(self.store, shard)  # one shard's tokens at a time
-            yield self._reader[i]
+    def part(self, rank: int, world: int) -> list[Ref]:
+        """This process's prompts: every world-th, from its rank."""
+        return self.refs[rank::world]
+
+    def read(self, refs: list[Ref], ahead: int = 8) -> Iterator[Sample]:
+        """The samples of refs, in order, read by a background thread up to `ahead` samples early."""
+        q: queue.Queue = queue.Queue(maxsize=ahead)
+        stop = threading.Event()
+
+        def reader() -> None:
+            try:
+                current: ShardReader | None = None
+                for shard, i in refs:
+                    if current is None or current.shard != shard:
+                        current = ShardReader(self.store, shard)  # one shard's handles at a time
+                    item = current[i]
+                    while not stop.is_set():
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            except BaseException as e:  # re-raised in the consuming thread
+                q.put(e)
+                return
+            q.put(None)
+
+        thread = threading.Thread(target=reader, daemon=True, name="prompt-reader")
+        thread.start()
+        try:
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()

@@ -4,6 +4,7 @@ and the console table. Every number says which tau convention it uses."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from store.schema import StoreAttrs
 CONVENTIONS = {
     "tau": "mean over prompts of each prompt's mean tokens per round; tokens per round = accepted drafts + 1 "
            "(the bonus token counted), cut to what is left at the end (the DFlash convention)",
+    "tau_ci95": "95% interval of tau over the sample of prompts: tau +- 1.96 standard errors of the per-prompt "
+                "means, corrected for sampling without replacement from the available prompts (a point when all "
+                "were replayed); it covers the choice of prompts, not a different prompt distribution",
+    "sample": "prompts replayed: a uniform random sample without replacement (seeded) of the available prompts "
+              "with a completion in the shards, unless all were asked for",
     "tau_pooled": "all committed tokens / all rounds, over every prompt",
     "histogram": "rounds by accepted drafts, 0..B-1",
     "per_slot": "share of rounds whose k-th draft was accepted (accepted >= k), k = 1..B-1",
@@ -22,20 +28,22 @@ CONVENTIONS = {
 }
 
 
-def build(config, attrs: StoreAttrs, shards: str, warnings: list[str], results: list[dict]) -> dict:
+def build(config, attrs: StoreAttrs, shards: str, warnings: list[str], results: list[dict], sample: dict) -> dict:
     return {
         "kind": "dflash-eval-report", "time": time.strftime("%Y-%m-%d %H:%M:%S"), "store": config.store,
         "store_fingerprint": attrs.fingerprint, "target": attrs.target.path,
         "taps": list(attrs.taps), "shards": shards, "max_rounds": config.max_rounds, "ddtree_budgets": list(config.ddtree),
-        "warnings": warnings, "conventions": CONVENTIONS, "checkpoints": results,
+        "sample": sample, "warnings": warnings, "conventions": CONVENTIONS, "checkpoints": results,
     }
 
 
 def table(rep: dict) -> list[list[str]]:
     budgets = rep["ddtree_budgets"]
-    rows = [["checkpoint", "tau", "tau pooled", *[f"DDTree-{b} tau" for b in budgets], "rounds", "prompts"]]
+    rows = [["checkpoint", "tau", "tau 95% CI", "tau pooled", *[f"DDTree-{b} tau" for b in budgets], "rounds",
+             "prompts"]]
     for r in rep["checkpoints"]:
-        rows.append([r["name"], f"{r['tau']:.3f}", f"{r['tau_pooled']:.3f}",
+        ci = r["tau_ci95"]
+        rows.append([r["name"], f"{r['tau']:.3f}", f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-", f"{r['tau_pooled']:.3f}",
                      *[f"{r['ddtree'][str(b)]:.3f}" for b in budgets], str(r["rounds"]), str(r["prompts"])])
     return rows
 
@@ -47,8 +55,15 @@ def console(rep: dict) -> str:
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     head = [f"WARNING: {w}" for w in rep["warnings"]]
-    return "\n".join(head + [f"replay of {rep['store']} shards {rep['shards']}; tau = mean over prompts of tokens "
-                             "per round (bonus counted); DDTree-N = node budget N", *lines])
+    return "\n".join(head + [f"replay of {rep['store']} shards {rep['shards']}, {sample_text(rep['sample'])}; tau = "
+                             "mean over prompts of tokens per round (bonus counted); DDTree-N = node budget N", *lines])
+
+
+def sample_text(sample: dict) -> str:
+    n, of = sample["prompts"], sample["available"]
+    text = f"all {n} prompts" if n == of else f"{n} of {of} prompts (random sample, seed {sample['seed']})"
+    return text + f", drafter in {sample['dtype']}" + (f", {sample['processes']} processes" if sample["processes"] > 1
+                                                        else "")
 
 
 def md_table(header: list, rows: list[list]) -> list[str]:
@@ -60,7 +75,10 @@ def markdown(rep: dict) -> str:
     out = ["# Drafter evaluation (replay)", ""]
     out += [f"> **WARNING:** {w}" for w in rep["warnings"]] + ([""] if rep["warnings"] else [])
     out += [f"Store `{rep['store']}` (fingerprint `{rep['store_fingerprint'][:16]}`), target `{rep['target']}`, "
-            f"taps {rep['taps']}, shards {rep['shards']}.", ""]
+            f"taps {rep['taps']}, shards {rep['shards']}; {sample_text(rep['sample'])}.", ""]
+    if rep["sample"]["live_prompts"] is not None:
+        out += [f"Live decoding with the target ran on the first {rep['sample']['live_prompts']} prompts of the "
+                "sample.", ""]
     rows = table(rep)
     out += md_table(rows[0], rows[1:]) + ["", "## Conventions", ""]
     out += [f"- **{k}**: {v}" for k, v in rep["conventions"].items()] + [""]
@@ -104,7 +122,14 @@ def _save(plt, fig, ax, path: Path) -> Path:
 
 
 def write(rep: dict, out: Path) -> None:
+    """Each file written whole to a temporary name, then renamed: a reader never sees half a report."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(rep))
+    _atomic(out / "report.json", json.dumps(rep, indent=1) + "\n")
+    _atomic(out / "report.md", markdown(rep))
     plots(rep, out)
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,21 +1,22 @@
 """Evaluate drafters by replaying greedy speculative decoding from the store.
 
 For each checkpoint: load it strictly and check its conditioning against the store (checks.py),
-replay every stored prompt of the chosen shards (chain drafting and DDTree-N for each budget), and
-write the report (report.py).
+replay a seeded sample of the chosen shards' prompts (chain drafting and DDTree-N for each budget,
+many prompts per forward: pipeline/decode/batch_replay.py), each process its own part, and write
+the report on rank 0 (report.py).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from pipeline import device as devices
-from pipeline.decode import replay
-from pipeline.decode.acceptance import summarize
-from pipeline.drafter.model import Drafter
-from stages.evaluate import report
+from pipeline.decode.acceptance import stats
+from pipeline.decode.batch_replay import BatchReplay
+from stages.evaluate import ranks, report
 from stages.evaluate.checks import build, choose_shards, load_checked
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.prompts import Prompts
@@ -24,57 +25,97 @@ from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
 
 
-def evaluate_one(m: Drafter, samples, config: EvalConfig, label: str) -> tuple[dict, list]:
-    """Chain replay and one DDTree replay per budget over all samples -> (results, chain rounds)."""
-    policies = {"chain": replay.chain, **{f"ddtree-{b}": replay.tree(b) for b in config.ddtree}}
-    per_policy = {name: [] for name in policies}
-    for s in tqdm(samples, total=len(samples), desc=f"replay {label}", unit="prompt", disable=None):
-        for name, policy in policies.items():
-            per_policy[name].append(replay.replay(m, s, policy, config.max_rounds))
-    B = m.config.block_size
-    chain = per_policy["chain"]
-    out = {**summarize([p.rounds for p in chain], B), "block_size": B}
-    trees = {str(b): summarize([p.rounds for p in per_policy[f"ddtree-{b}"]], B) for b in config.ddtree}
-    out["ddtree"] = {b: t["tau"] for b, t in trees.items()}
-    out["ddtree_pooled"] = {b: t["tau_pooled"] for b, t in trees.items()}
-    out["per_prompt"] = [{"shard": p.shard, "index": p.index, "row_id": p.row_id, "prompt_len": p.prompt_len,
-                          "completion_len": p.completion_len, "rounds": len(p.rounds), "tau": p.tau,
-                          "ddtree": {str(b): per_policy[f"ddtree-{b}"][i].tau for b in config.ddtree}}
-                         for i, p in enumerate(chain)]
-    return out, chain
+def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, label: str) -> dict:
+    """This process's prompts replayed -> {"counts": [PromptCounts], "histogram": [P][B], "seconds"}."""
+    engine = BatchReplay(m, config.ddtree, min(config.batch_prompts, max(1, len(mine))), prompts.max_length,
+                         config.max_rounds)
+    t0 = time.perf_counter()
+    counts = list(tqdm(engine.run(prompts.read(mine), keep), total=len(mine), desc=f"replay {label}",
+                       unit="prompt", disable=None))
+    return {"counts": counts, "histogram": engine.totals.histogram, "seconds": time.perf_counter() - t0}
 
 
-def run(config: EvalConfig, log=print) -> dict:
-    if config.device == "cpu":
+def summarize_parts(parts: list[dict], budgets: tuple[int, ...], population: int) -> tuple[dict, dict]:
+    """The ranks' parts -> (the checkpoint's results, chain rounds of the kept prompts by (shard, index))."""
+    counts = sorted((c for p in parts for c in p["counts"]), key=lambda c: (c.shard, c.index))
+    B = len(parts[0]["histogram"][0])
+
+    def policy(lane: int) -> dict:
+        hist = [sum(p["histogram"][lane][k] for p in parts) for k in range(B)]
+        return stats([(c.rounds[lane], c.tokens[lane]) for c in counts], hist, population)
+
+    chain, trees = policy(0), {str(b): policy(1 + i) for i, b in enumerate(budgets)}
+    lane_rounds = sum(sum(c.rounds) for c in counts)
+    seconds = max(p["seconds"] for p in parts)
+    out = {**chain, "block_size": B, "ddtree": {b: t["tau"] for b, t in trees.items()},
+           "ddtree_pooled": {b: t["tau_pooled"] for b, t in trees.items()},
+           "ddtree_ci95": {b: t["tau_ci95"] for b, t in trees.items()},
+           "replay_seconds": round(seconds, 3), "rounds_per_s": round(lane_rounds / seconds, 1) if seconds else None,
+           "per_prompt": [{"shard": c.shard, "index": c.index, "row_id": c.row_id, "prompt_len": c.prompt_len,
+                           "completion_len": c.completion_len, "rounds": c.rounds[0],
+                           "tau": c.tokens[0] / c.rounds[0] if c.rounds[0] else float("nan"),
+                           "ddtree": {str(b): c.tokens[1 + i] / c.rounds[1 + i] if c.rounds[1 + i] else float("nan")
+                                      for i, b in enumerate(budgets)}} for c in counts]}
+    return out, {(c.shard, c.index): c.chain_rounds for c in counts if c.chain_rounds is not None}
+
+
+def run(config: EvalConfig, log=print) -> dict | None:
+    """The report on rank 0; None on the other processes of a launch."""
+    proc = devices.Process.from_env()
+    device = proc.device(config.device)
+    if device == "cpu":
         devices.prepare_cpu(config.threads)
+    ranks.join(proc, device)
+    try:
+        return _run(config, proc, device, log if proc.rank == 0 else (lambda m: None))
+    finally:
+        ranks.leave(proc)
+
+
+def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store)
     warnings: list[str] = []
     loaded = [load_checked(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, loaded, warnings)
     for w in warnings:
         log(f"warning: {w}")
-    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")
-    samples = Prompts(store, shards, config.max_prompts)
-    if not samples:
+    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16, read once
+    prompts = Prompts(store, shards, config.max_prompts, config.seed)
+    if not prompts:
         raise StoreError(f"{config.store}: shards {format_ranges(shards)} hold no prompt with a completion")
-    bench = None
-    if config.live:
-        from stages.evaluate.live import LiveBench, open_target
-
-        bench = LiveBench(open_target(config.target, store.attrs, config.device, config.allow_mismatch, warnings),
-                          samples, store.attrs)
+    log(f"replaying {len(prompts)} of {prompts.available} prompts" + (f" on {proc.world} processes" if proc.world > 1
+                                                                       else "") + f", drafter in {config.dtype}")
+    live_refs = prompts.refs[:config.live_prompts] if config.live else []
+    bench = _live_bench(config, store, prompts, live_refs, device, warnings) if live_refs and proc.rank == 0 else None
     results = []
     for i, x in enumerate(loaded):
-        m = build(x, embed, lm_head, config.device)
-        res, chain = evaluate_one(m, samples, config, Path(x.path).name or x.path)
+        m = build(x, embed, lm_head, device, config.dtype)
+        part = replay_part(m, prompts, prompts.part(proc.rank, proc.world), config, set(live_refs), _name(x.path, i))
+        parts = ranks.gather(proc, part)
+        if proc.rank != 0:
+            continue
+        res, kept = summarize_parts(parts, config.ddtree, prompts.available)
         if bench is not None:
-            res["live"] = bench.run(m, chain, _name(x.path, i))
+            res["live"] = bench.run(m, [kept[r] for r in live_refs], _name(x.path, i))
         results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
                         "train_shards": x.record.train_shards if x.record else None,
                         "step": x.record.step if x.record else None, **res})
-    rep = report.build(config, store.attrs, format_ranges(shards), warnings, results)
-    report.write(rep, Path(config.out))
+    rep = None
+    if proc.rank == 0:
+        sample = {"prompts": len(prompts), "available": prompts.available, "seed": config.seed,
+                  "live_prompts": len(live_refs) if config.live else None, "processes": proc.world,
+                  "dtype": config.dtype}
+        rep = report.build(config, store.attrs, format_ranges(shards), warnings, results, sample)
+        report.write(rep, Path(config.out))
+    ranks.barrier(proc)
     return rep
+
+
+def _live_bench(config: EvalConfig, store: HiddenStore, prompts: Prompts, refs: list, device: str, warnings: list):
+    from stages.evaluate.live import LiveBench, open_target
+
+    target = open_target(config.target, store.attrs, device, config.allow_mismatch, warnings)
+    return LiveBench(target, list(prompts.read(refs)), store.attrs)
 
 
 def _name(path: str, i: int) -> str:

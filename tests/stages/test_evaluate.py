@@ -92,3 +92,86 @@ def test_cli_one_line_error(tmp_path, small_store):
     r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(tmp_path / "no")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
+
+
+def replayed(store, tmp_path, ck, name="rep", **over) -> dict:
+    rep = run(EvalConfig(store=str(store), checkpoints=(str(ck),), shards="0-3", out=str(tmp_path / name),
+                         ddtree=(4, 16), **{"max_prompts": None, **over}), log=lambda m: None)
+    return rep
+
+
+def test_batched_replay_gives_every_prompt_the_serial_rounds(small_store, trained_drafter, tmp_path):
+    """evaluate.py's batched replay (fp32) against the one-prompt reference, prompt by prompt."""
+    from pipeline.decode import replay
+    from stages.evaluate.checks import build, load_checked
+    from stages.evaluate.prompts import Prompts
+
+    rep = replayed(small_store, tmp_path, trained_drafter, dtype="fp32", batch_prompts=5)
+    store = HiddenStore(str(small_store))
+    m = build(load_checked(str(trained_drafter), store, False, []), store.embedding("embed_tokens"),
+              store.embedding("lm_head"), "cpu", "fp32")
+    prompts = Prompts(store, [0, 1, 2, 3], None, seed=0)
+    got = {(p["shard"], p["index"]): p for p in rep["checkpoints"][0]["per_prompt"]}
+    assert len(got) == len(prompts) == rep["sample"]["available"] > 5
+    for s in prompts.read(prompts.refs):
+        p = got[(s.shard, s.index)]
+        chain = replay.replay(m, s)
+        assert p["rounds"] == len(chain.rounds) and p["tau"] == chain.tau
+        assert p["ddtree"] == {str(b): replay.replay(m, s, replay.tree(b)).tau for b in (4, 16)}
+    r = rep["checkpoints"][0]
+    assert r["histogram"][1] > 0 and r["ddtree"]["16"] > 1.5  # drafts were accepted: not a trivial comparison
+
+
+def test_bf16_replay_gives_the_fp32_tau_within_two_percent(small_store, trained_drafter, tmp_path):
+    fp32 = replayed(small_store, tmp_path, trained_drafter, "a", dtype="fp32")["checkpoints"][0]
+    bf16 = replayed(small_store, tmp_path, trained_drafter, "b")["checkpoints"][0]
+    assert abs(bf16["tau"] - fp32["tau"]) <= 0.02 * fp32["tau"]
+    for b in ("4", "16"):
+        assert abs(bf16["ddtree"][b] - fp32["ddtree"][b]) <= 0.02 * fp32["ddtree"][b]
+
+
+def test_a_seeded_sample_with_its_interval(small_store, trained_drafter, tmp_path):
+    everything = replayed(small_store, tmp_path, trained_drafter, "all")
+    a = replayed(small_store, tmp_path, trained_drafter, "a", max_prompts=6)
+    again = replayed(small_store, tmp_path, trained_drafter, "b", max_prompts=6)
+    other = replayed(small_store, tmp_path, trained_drafter, "c", max_prompts=6, seed=1)
+    n = everything["sample"]["available"]
+    assert a["sample"] == {"prompts": 6, "available": n, "seed": 0, "live_prompts": None, "processes": 1,
+                           "dtype": "bf16"}
+    picked = [[(p["shard"], p["index"]) for p in r["checkpoints"][0]["per_prompt"]] for r in (a, again, other)]
+    assert picked[0] == picked[1] != picked[2] and len(set(picked[0])) == 6
+    r, full = a["checkpoints"][0], everything["checkpoints"][0]
+    lo, hi = r["tau_ci95"]
+    assert lo < r["tau"] < hi and set(r["ddtree_ci95"]) == {"4", "16"}
+    assert full["tau_ci95"] == [full["tau"], full["tau"]]  # every prompt replayed: no sampling error
+    assert f"6 of {n} prompts (random sample, seed 0)" in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_two_processes_give_the_report_of_one(small_store, trained_drafter, tmp_path):
+    one = replayed(small_store, tmp_path, trained_drafter, "one", dtype="fp32")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", "29573",
+                        "evaluate.py", "--store", str(small_store), "--checkpoint", str(trained_drafter), "--shards",
+                        "0-3", "--ddtree", "4,16", "--max-prompts", "all", "--dtype", "fp32", "--out",
+                        str(tmp_path / "two")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("tau pooled") == 1  # rank 0 alone prints the table
+    two = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert two["sample"]["processes"] == 2
+    a, b = one["checkpoints"][0], two["checkpoints"][0]
+    for key in ("per_prompt", "tau", "tau_pooled", "histogram", "ddtree", "rounds", "prompts"):
+        assert a[key] == b[key], key
+
+
+def test_bf16_drafter_uses_the_stored_embedding_and_head_without_copies(small_store, trained_drafter):
+    from stages.evaluate.checks import build, load_checked
+
+    store = HiddenStore(str(small_store))
+    embed, head = store.embedding("embed_tokens"), store.embedding("lm_head")
+    ck = load_checked(str(trained_drafter), store, False, [])
+    m = build(ck, embed, head, "cpu", "bf16")
+    assert m.lm_head.data_ptr() == head.data_ptr() and m.embed_tokens.data_ptr() == embed.data_ptr()
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and m.rotary.inv_freq.dtype == torch.float32
+    m32 = build(ck, embed, head, "cpu", "fp32")
+    assert m32.lm_head.dtype == torch.float32 and torch.equal(m32.lm_head, head.float())

@@ -1,25 +1,15 @@
 """Live speculative decoding with the tiny target accepts exactly what replay accepts (fp32)."""
 
-import pytest
-
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.run import run
-from tests.processes import TINY, train
 
 
-@pytest.fixture(scope="module")
-def trained(small_store, tmp_path_factory):
-    out = tmp_path_factory.mktemp("live") / "run"
-    r = train(["--store", small_store, "--out", out, "--max-steps", 40, "--eval-shards", "3", "--lr", "3e-3", *TINY])
-    assert r.returncode == 0, r.stderr
-    return out / "final"
-
-
-def test_live_equals_replay_on_every_prompt(small_store, trained, tmp_path):
+def test_live_equals_replay_on_every_prompt(small_store, trained_drafter, tmp_path):
     from pipeline import TINY_TARGET
 
-    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained),), shards="0-3", out=str(tmp_path / "rep"),
-                         ddtree=(), live=True, target=str(TINY_TARGET)), log=lambda m: None)
+    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained_drafter),), shards="0-3",
+                         out=str(tmp_path / "rep"), ddtree=(), dtype="fp32", live=True, live_prompts=None,
+                         target=str(TINY_TARGET)), log=lambda m: None)
     r = rep["checkpoints"][0]
     live = r["live"]
     assert live["prompts"] == r["prompts"] > 5
@@ -28,6 +18,17 @@ def test_live_equals_replay_on_every_prompt(small_store, trained, tmp_path):
     assert live["tau"] == r["tau"] and live["rounds"] == r["rounds"]
     assert sum(r["histogram"][1:]) > 0  # some drafts were accepted: not the trivial all-rejected case
     assert live["tokens_per_s"] > 0 and live["target_only_tokens_per_s"] > 0
+
+
+def test_live_runs_on_the_first_prompts_of_the_sample_by_default(small_store, trained_drafter, tmp_path):
+    from pipeline import TINY_TARGET
+
+    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained_drafter),), shards="0-3",
+                         out=str(tmp_path / "rep"), ddtree=(), live=True, live_prompts=3, target=str(TINY_TARGET)),
+              log=lambda m: None)
+    r = rep["checkpoints"][0]
+    assert r["live"]["prompts"] == rep["sample"]["live_prompts"] == 3 < r["prompts"]
+    assert "first 3 prompts of the sample" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_store, tmp_path):
@@ -52,7 +53,8 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     m.init_weights(torch.Generator().manual_seed(3), std=0.3)
     lt = LiveTarget(loading.load(str(TINY_TARGET), "cpu", attrs.dtype, "auto"), list(attrs.taps))
     compared = 0
-    for s in Prompts(store, [0, 1], None):
+    prompts = Prompts(store, [0, 1], None, seed=0)
+    for s in prompts.read(prompts.refs):
         limit = attrs.compat.completion_limit(s.prompt_len)
         lv = live.speculative(m, lt, s.tokens[:s.prompt_len], limit, set(attrs.eos_token_ids))
         rp = replay.replay(m, s, keep_drafts=True)

@@ -1,0 +1,202 @@
+"""Replay many prompts at once: what evaluation runs (replay.py is the one-prompt reference).
+
+A slot holds one prompt. Its drafter context K/V is computed once, for every stored position, into a
+preallocated cache (`ContextCache`), and every policy (chain, then DDTree-N per budget) replays it
+as a lane of the slot with its own next block start. A round drafts one block for every lane of
+every busy slot in a single forward: a slot is laid out as a training row whose anchors are its
+lanes' starts ([context | one block per lane], each block seeing the context strictly before its
+start: masks.allowed), so the cache is shared by all policies. What the host needs from a round
+(chain drafts; per depth the DDTree top-K log-probs and ids) leaves the device in one copy. A slot
+whose lanes are all done takes the next prompt. Per prompt only counts are kept: rounds, tokens and
+the histogram of accepted drafts per policy (the chain's rounds too for the prompts asked for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.decode import ddtree
+from pipeline.decode.acceptance import accepted, round_tokens
+from pipeline.drafter import masks
+from pipeline.drafter.model import Drafter
+from store.shard_reader import Sample
+
+
+@dataclass
+class PromptCounts:
+    """One prompt's replay, per policy (0: chain, 1+i: DDTree-budgets[i])."""
+
+    shard: int
+    index: int
+    row_id: int
+    prompt_len: int
+    completion_len: int
+    rounds: list[int]
+    tokens: list[int]
+    chain_rounds: list[tuple[int, int]] | None = None  # (accepted, committed) per round, when kept
+
+
+@dataclass
+class Totals:
+    """Rounds by accepted drafts (0..B-1), per policy: [P][B] counts."""
+
+    histogram: list[list[int]] = field(default_factory=list)
+
+
+class ContextCache:
+    """Per slot and layer the drafter's context K/V of every position: [slots, kv_heads, capacity, d],
+    allocated once; a slot is overwritten when it takes its next prompt."""
+
+    def __init__(self, m: Drafter, slots: int, capacity: int) -> None:
+        a, w = m.layers[0].self_attn, m.fc.weight
+        shape = (slots, a.kv_heads, capacity, a.head_dim)
+        self.m, self.capacity = m, capacity
+        # zeros, not empty: keys past a slot's length are masked, but a NaN there would still poison SDPA
+        self.k = [torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in m.layers]
+        self.v = [torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in m.layers]
+
+    @torch.no_grad()
+    def fill(self, slot: int, hidden: torch.Tensor) -> None:
+        """hidden: [T, n_taps, H] bf16, the states of positions 0..T-1 (T <= capacity)."""
+        T, dev = hidden.shape[0], self.m.fc.weight.device
+        kv = self.m.context_kv(self.m.context(hidden[None].to(dev)), torch.arange(T, device=dev)[None])
+        for layer, (k, v) in enumerate(kv):  # k, v: [1, kv_heads, T, d]
+            self.k[layer][slot, :, :T] = k[0]
+            self.v[layer][slot, :, :T] = v[0]
+
+    def rows(self, slots: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of the given slots' first `length` positions: [len(slots), kv_heads, length, d]."""
+        return [(k[slots, :, :length], v[slots, :, :length]) for k, v in zip(self.k, self.v)]
+
+
+class BatchReplay:
+    """Replays samples `slots` at a time under chain drafting plus one DDTree per budget."""
+
+    def __init__(self, m: Drafter, budgets: tuple[int, ...], slots: int, capacity: int,
+                 max_rounds: int | None = None) -> None:
+        self.m, self.budgets, self.max_rounds = m, tuple(budgets), max_rounds
+        self.B = m.config.block_size
+        self.P = 1 + len(self.budgets)
+        self.k = [min(b, m.config.vocab_size) for b in self.budgets]  # top-K per depth per tree
+        self.cache = ContextCache(m, slots, capacity)
+        self.samples: list[Sample | None] = [None] * slots
+        self.start = np.zeros((slots, self.P), np.int64)  # each lane's next block start
+        self.active = np.zeros((slots, self.P), bool)
+        self.counts: list[PromptCounts | None] = [None] * slots
+        self.totals = Totals([[0] * self.B for _ in range(self.P)])
+
+    def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
+        """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
+        index) of the prompts whose chain rounds are kept."""
+        todo = iter(samples)
+        self.keep = keep_rounds
+        for slot in range(len(self.samples)):
+            self._take(slot, next(todo, None))
+        while self.active.any():
+            for slot in self._round():
+                yield self.counts[slot]
+                self._take(slot, next(todo, None))
+
+    def _take(self, slot: int, s: Sample | None) -> None:
+        self.samples[slot], self.counts[slot] = s, None
+        self.active[slot] = False
+        if s is None:
+            return
+        T, P = len(s.tokens), s.prompt_len
+        if T > self.cache.capacity:
+            raise ValueError(f"sample ({s.shard}, {s.index}) has {T} tokens, the cache holds {self.cache.capacity}")
+        self.cache.fill(slot, s.hidden)
+        self.start[slot] = P
+        self.active[slot] = P < T - 1  # a completion of one token needs no round
+        self.counts[slot] = PromptCounts(s.shard, s.index, s.row_id, P, T - P, [0] * self.P, [0] * self.P,
+                                         [] if (s.shard, s.index) in self.keep else None)
+
+    @torch.no_grad()
+    def _round(self) -> list[int]:
+        """One block for every live lane of every busy slot -> the slots whose prompt finished."""
+        busy = np.flatnonzero(self.active.any(1))
+        lanes = [np.flatnonzero(self.active[slot]) for slot in busy]  # live lanes, packed left per slot
+        host = self._draft(busy, lanes)
+        finished = []
+        for slot, live in zip(busy, lanes):
+            s, c = self.samples[slot], self.counts[slot]
+            for lane in live:
+                self._advance(slot, lane, s, c, self._accepted(host[slot, lane], lane, s, int(self.start[slot, lane])))
+            if not self.active[slot].any():
+                finished.append(int(slot))
+        return finished
+
+    def _advance(self, slot: int, lane: int, s: Sample, c: PromptCounts, acc: int) -> None:
+        start, T = int(self.start[slot, lane]), len(s.tokens)
+        n = round_tokens(acc, T - 1 - start)
+        c.rounds[lane] += 1
+        c.tokens[lane] += n
+        self.totals.histogram[lane][min(acc, self.B - 1)] += 1
+        if lane == 0 and c.chain_rounds is not None:
+            c.chain_rounds.append((acc, n))
+        self.start[slot, lane] = start + n
+        if start + n >= T - 1 or (self.max_rounds is not None and c.rounds[lane] >= self.max_rounds):
+            self.active[slot, lane] = False
+
+    def _accepted(self, result, lane: int, s: Sample, start: int) -> int:
+        """result: the chain's drafts [D], or a tree's per-depth (values [D, k], ids [D, k])."""
+        target = s.tokens[start + 1:start + self.B].tolist()
+        if lane == 0:
+            return accepted(result.tolist(), target)
+        vals, ids = result
+        return ddtree.accept_top(vals.tolist(), ids.tolist(), self.budgets[lane - 1], target)
+
+    def _draft(self, busy: np.ndarray, lanes: list[np.ndarray]) -> dict:
+        """The forward of one round: busy slot r drafts a block per live lane, as anchors of row r
+        ([K, W] with W the most live lanes of a slot, the rest invalid); logits only for live lanes;
+        then the round's one device-to-host copy -> {(slot, lane): result}."""
+        m, B, dev = self.m, self.B, self.m.fc.weight.device
+        K, W = len(busy), max(len(live) for live in lanes)
+        starts, valid = np.zeros((K, W), np.int64), np.zeros((K, W), bool)
+        tokens = np.zeros((K, W), np.int64)
+        for r, (slot, live) in enumerate(zip(busy, lanes)):
+            starts[r, :len(live)], valid[r, :len(live)] = self.start[slot, live], True
+            tokens[r, :len(live)] = self.samples[slot].tokens[starts[r, :len(live)]].numpy()
+        ctx_len = int(starts[valid].max())  # keys at or past every live start are never seen
+        anchors = torch.as_tensor(starts, device=dev)
+        ids = torch.full((K, W, B), m.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[..., 0] = torch.as_tensor(tokens, device=dev)
+        positions = (anchors[..., None] + torch.arange(B, device=dev)).view(K, W * B)
+        mk = masks.build(m.rules, anchors, torch.as_tensor(valid, device=dev), ctx_len, B, "dense")
+        h = m.run_block(self.cache.rows(torch.as_tensor(busy, device=dev), ctx_len), ids.view(K, W * B), positions, mk)
+        h = h.view(K * W, B, -1)[:, 1:]  # [K*W, D, H]: slots 1..B-1 of each block
+        where = {lane: [] for lane in range(self.P)}  # per policy: (slot, row of h)
+        for r, (slot, live) in enumerate(zip(busy, lanes)):
+            for j, lane in enumerate(live):
+                where[lane].append((int(slot), r * W + j))
+        parts = []
+        for lane, k in enumerate((None, *self.k)):
+            if not where[lane]:
+                continue
+            logits = m.logits(h[torch.as_tensor([i for _, i in where[lane]], device=dev)])  # [n, D, V]
+            if k is None:
+                parts.append(logits.argmax(-1))  # [n, D] chain drafts
+            else:
+                parts += ddtree.top_k_device(ddtree.slot_logprobs(logits.flatten(0, 1)), k)  # [n*D, k] twice
+        flat = torch.cat([p.flatten().double() for p in parts]).cpu().numpy() if parts else np.zeros(0)  # one copy
+        return self._unpack(flat, where)
+
+    def _unpack(self, flat: np.ndarray, where: dict) -> dict:
+        D, at, out = self.B - 1, 0, {}
+        for lane, k in enumerate((None, *self.k)):
+            n = len(where[lane])
+            if not n:
+                continue
+            if k is None:
+                drafts, at = flat[at:at + n * D].reshape(n, D).astype(np.int64), at + n * D
+                out.update({(slot, 0): drafts[i] for i, (slot, _) in enumerate(where[lane])})
+                continue
+            vals = flat[at:at + n * D * k].reshape(n, D, k)
+            ids = flat[at + n * D * k:at + 2 * n * D * k].reshape(n, D, k).astype(np.int64)
+            at += 2 * n * D * k
+            out.update({(slot, lane): (vals[i], ids[i]) for i, (slot, _) in enumerate(where[lane])})
+        return out

@@ -1,0 +1,87 @@
+"""Batched replay gives every prompt the rounds of the one-prompt reference (replay.py), for chain
+and DDTree lanes alike, whatever the slot count; the exact top-K on the device equals ddtree.top_k."""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.decode import ddtree, replay
+from pipeline.decode.batch_replay import BatchReplay
+from pipeline.drafter.model import Drafter
+from store.shard_reader import Sample
+from tests.drafters import TAPS, H, config
+
+V = 6  # a small vocabulary: drafts are often accepted, so rounds are long and varied
+
+
+def small_drafter(**over) -> Drafter:
+    g = torch.Generator().manual_seed(0)
+    m = Drafter(config(vocab_size=V, mask_token_id=V - 1, **over), torch.randn(V, H, generator=g),
+                torch.randn(V, H, generator=g))
+    m.init_weights(torch.Generator().manual_seed(1), std=0.3)
+    return m.eval()
+
+
+def samples(n: int, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(8, 40, (1,), generator=g))
+        P = int(torch.randint(1, T - 1, (1,), generator=g))
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[P:] = True
+        out.append(Sample(shard=i % 3, index=i, row_id=100 + i, tokens=torch.randint(0, V - 1, (T,), generator=g),
+                          loss_mask=mask, prompt_len=P, hidden=torch.randn(T, len(TAPS), H, generator=g).bfloat16()))
+    return out
+
+
+def serial(m, ss, budgets, max_rounds=None):
+    policies = [replay.chain, *(replay.tree(b) for b in budgets)]
+    return {(s.shard, s.index): [replay.replay(m, s, p, max_rounds).rounds for p in policies] for s in ss}
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("layers", [("full_attention",) * 2, ("sliding_attention", "full_attention")])
+def test_batched_rounds_equal_the_serial_reference(slots, layers):
+    m = small_drafter(layer_types=layers, sliding_window=5)
+    ss, budgets = samples(11), (2, 4, 8)
+    want = serial(m, ss, budgets)
+    engine = BatchReplay(m, budgets, slots=slots, capacity=40)
+    got = {(c.shard, c.index): c for c in engine.run(ss, keep_rounds={(s.shard, s.index) for s in ss})}
+    assert set(got) == set(want)
+    for key, rounds in want.items():
+        c = got[key]
+        assert c.chain_rounds == rounds[0]
+        assert c.rounds == [len(r) for r in rounds] and c.tokens == [sum(t for _, t in r) for r in rounds]
+    accepted = [a for r in want.values() for lane in r for a, _ in lane]
+    assert max(accepted) >= 2 and min(accepted) == 0  # the comparison is not trivial
+    hist = [[0] * 4 for _ in range(4)]
+    for r in want.values():
+        for lane, rounds in enumerate(r):
+            for a, _ in rounds:
+                hist[lane][a] += 1
+    assert engine.totals.histogram == hist
+
+
+def test_max_rounds_and_kept_rounds():
+    m, ss = small_drafter(), samples(5, seed=2)
+    want = serial(m, ss, (4,), max_rounds=2)
+    got = list(BatchReplay(m, (4,), slots=2, capacity=40, max_rounds=2).run(ss, keep_rounds={(ss[0].shard, 0)}))
+    assert sorted(c.index for c in got) == list(range(5))
+    for c in got:
+        assert c.rounds == [len(r) for r in want[(c.shard, c.index)]] and max(c.rounds) <= 2
+        assert (c.chain_rounds is not None) == (c.index == 0)
+
+
+def test_a_sample_longer_than_the_cache_is_refused():
+    with pytest.raises(ValueError, match="cache holds 10"):
+        list(BatchReplay(small_drafter(), (), slots=1, capacity=10).run(samples(3)))
+
+
+def test_device_top_k_equals_the_reference_with_ties():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randint(0, 4, (40, 30), generator=g).float(), -1)  # many ties at every cut
+    for k in (1, 3, 7, 30):
+        vals, ids = ddtree.top_k_device(lp, k)
+        ref_v, ref_i = ddtree.top_k(lp, k)
+        assert ids.tolist() == ref_i and np.allclose(vals.numpy(), ref_v, rtol=0, atol=0)
