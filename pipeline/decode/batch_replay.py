@@ -92,26 +92,33 @@ class BatchReplay:
     def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
         """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
         index) of the prompts whose chain rounds are kept."""
-        todo = iter(samples)
-        self.keep = keep_rounds
+        self.todo, self.keep = iter(samples), keep_rounds
         for slot in range(len(self.samples)):
-            self._take(slot, next(todo, None))
+            yield from self._fill(slot)
         while self.active.any():
             for slot in self._round():
                 yield self.counts[slot]
-                self._take(slot, next(todo, None))
+                yield from self._fill(slot)
 
-    def _take(self, slot: int, s: Sample | None) -> None:
-        self.samples[slot], self.counts[slot] = s, None
-        self.active[slot] = False
-        if s is None:
-            return
+    def _fill(self, slot: int) -> Iterator[PromptCounts]:
+        """Give the slot the next sample that needs a round; one that needs none (a one-token
+        completion: the prefill made it) is done at once. The slot idles when none is left."""
+        self.samples[slot], self.active[slot] = None, False
+        for s in self.todo:
+            self._take(slot, s)
+            if self.active[slot].any():
+                return
+            yield self.counts[slot]
+        self.samples[slot] = None
+
+    def _take(self, slot: int, s: Sample) -> None:
         T, P = len(s.tokens), s.prompt_len
         if T > self.cache.capacity:
             raise ValueError(f"sample ({s.shard}, {s.index}) has {T} tokens, the cache holds {self.cache.capacity}")
+        self.samples[slot] = s
         self.cache.fill(slot, s.hidden)
         self.start[slot] = P
-        self.active[slot] = P < T - 1  # a completion of one token needs no round
+        self.active[slot] = P < T - 1
         self.counts[slot] = PromptCounts(s.shard, s.index, s.row_id, P, T - P, [0] * self.P, [0] * self.P,
                                          [] if (s.shard, s.index) in self.keep else None)
 

@@ -22,12 +22,13 @@ def small_drafter(**over) -> Drafter:
     return m.eval()
 
 
-def samples(n: int, seed: int = 0) -> list[Sample]:
+def samples(n: int, seed: int = 0, one_token: tuple[int, ...] = ()) -> list[Sample]:
+    """n random samples; those numbered in one_token have a one-token completion (no round)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         T = int(torch.randint(8, 40, (1,), generator=g))
-        P = int(torch.randint(1, T - 1, (1,), generator=g))
+        P = T - 1 if i in one_token else int(torch.randint(1, T - 1, (1,), generator=g))
         mask = torch.zeros(T, dtype=torch.bool)
         mask[P:] = True
         out.append(Sample(shard=i % 3, index=i, row_id=100 + i, tokens=torch.randint(0, V - 1, (T,), generator=g),
@@ -71,6 +72,17 @@ def test_max_rounds_and_kept_rounds():
     for c in got:
         assert c.rounds == [len(r) for r in want[(c.shard, c.index)]] and max(c.rounds) <= 2
         assert (c.chain_rounds is not None) == (c.index == 0)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 5])
+def test_prompts_that_need_no_round_are_counted_and_free_their_slot(slots):
+    m, ss = small_drafter(), samples(9, seed=4, one_token=(0, 1, 2, 5, 8))
+    want = serial(m, ss, (4,))
+    got = {(c.shard, c.index): c for c in BatchReplay(m, (4,), slots=slots, capacity=40).run(ss)}
+    assert set(got) == set(want)
+    for key, rounds in want.items():
+        assert got[key].rounds == [len(r) for r in rounds]
+    assert sum(c.rounds == [0, 0] for c in got.values()) == 5
 
 
 def test_a_sample_longer_than_the_cache_is_refused():
