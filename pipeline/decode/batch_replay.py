@@ -68,9 +68,13 @@ class ContextCache:
             self.k[layer][slot, :, :T] = k[0]
             self.v[layer][slot, :, :T] = v[0]
 
-    def rows(self, slots: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k, v) of the given slots' first `length` positions: [len(slots), kv_heads, length, d]."""
-        return [(k[slots, :, :length], v[slots, :, :length]) for k, v in zip(self.k, self.v)]
+    def rows(self, slots: np.ndarray, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of the given slots' first `length` positions: [len(slots), kv_heads, length, d];
+        views when every slot is asked for in order, else gathered."""
+        if len(slots) == self.k[0].shape[0]:  # slots are ascending and unique: all of them
+            return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(self.k, self.v)]
+        index = torch.as_tensor(slots, device=self.k[0].device)
+        return [(k[index, :, :length], v[index, :, :length]) for k, v in zip(self.k, self.v)]
 
 
 class BatchReplay:
@@ -174,7 +178,7 @@ class BatchReplay:
         ids[..., 0] = torch.as_tensor(tokens, device=dev)
         positions = (anchors[..., None] + torch.arange(B, device=dev)).view(K, W * B)
         mk = masks.build(m.rules, anchors, torch.as_tensor(valid, device=dev), ctx_len, B, "dense")
-        h = m.run_block(self.cache.rows(torch.as_tensor(busy, device=dev), ctx_len), ids.view(K, W * B), positions, mk)
+        h = m.run_block(self.cache.rows(busy, ctx_len), ids.view(K, W * B), positions, mk)
         h = h.view(K * W, B, -1)[:, 1:]  # [K*W, D, H]: slots 1..B-1 of each block
         where = {lane: [] for lane in range(self.P)}  # per policy: (slot, row of h)
         for r, (slot, live) in enumerate(zip(busy, lanes)):
