@@ -7,7 +7,8 @@
 #  2. extraction throughput with the fla kernels (regenerate mode, the default job);
 #  3. stage two: flex_attention vs the block-local SDPA path (outputs, gradients; fp32 and bf16) and
 #     a short bf16 training run (steps/s, tokens/s, peak memory) on the fla store;
-#  4. evaluate that drafter by replay and live on CUDA (fla kernels, state rollback), replay == live count.
+#  4. evaluate that drafter by replay and live on CUDA (fla kernels, state rollback), replay == live count;
+#  5. serial against batched replay on CUDA with a random drafter of hidden 2048 (lane-rounds/s, same rounds).
 # Wheels the machine lacks: bench/fetch_gpu_wheels.sh puts them in .whl/ first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,3 +35,5 @@ rm -rf /tmp/gpu_run
 python3 bench/gpu_train_check.py --store /tmp/fla.zarr --run-dir /tmp/gpu_run --json "$out/train.json" 2>&1 | tee "$out/train.txt"
 python3 evaluate.py --store /tmp/fla.zarr --checkpoint /tmp/gpu_run/final --shards 0-3 --live \
   --target pipeline/assets/tiny_target --device cuda --out "$out/eval" 2>&1 | tee "$out/eval.txt"
+python3 bench/replay_bench.py --device cuda --width 2048 --vocab 65536 --prompts 32 --slots 1,32 --repeat 1 \
+  --json "$out/replay.json" 2>&1 | tail -5 | tee "$out/replay.txt"

@@ -95,11 +95,13 @@ def main() -> None:
     p.add_argument("--slots", default="1,8,32")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--width", type=int, default=None, help="synthetic: the drafter's hidden size (no store)")
     p.add_argument("--vocab", type=int, default=32768, help="synthetic: the vocabulary")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    devices.prepare_cpu(args.threads)
+    if args.device == "cpu":
+        devices.prepare_cpu(args.threads)
     if args.width:
         m0, samples = synthetic(args.width, args.vocab, args.prompts)
         ck, embed, lm_head = Released(m0), m0.embed_tokens, m0.lm_head
@@ -110,10 +112,11 @@ def main() -> None:
         samples = list(prompts.read(prompts.refs))
         embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")
     res = {"prompts": len(samples), "tokens": sum(len(s.tokens) for s in samples), "threads": args.threads,
+           "device": args.device,
            "budgets": BUDGETS, "repeat": args.repeat, "width": ck.config.hidden_size, "vocab": ck.config.vocab_size}
     batched_rounds, batched_tokens = {}, {"fp32": {}, "bf16": {}}
     for dtype in ("fp32", "bf16"):
-        m = build(ck, embed, lm_head, "cpu", dtype)
+        m = build(ck, embed, lm_head, args.device, dtype)
         runs = {"serial": [serial(m, samples) for _ in range(args.repeat)]}
         for k in map(int, args.slots.split(",")):
             runs[f"batched-{k}"] = [batched(m, samples, k, batched_tokens[dtype]) for _ in range(args.repeat)]
