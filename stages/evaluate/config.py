@@ -51,8 +51,10 @@ class EvalConfig:
                                            "(target-only greedy plus one run per drafter: slow at scale); 'all' for "
                                            "every one.", parse=parse_count, default_text="20")
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
-    threads: int = setting(1, "CPU intra-op threads. Replay is many small ops: on an idle 2-core machine two threads "
-                              "were ~10% faster than one, but 40x slower while another program was busy.")
+    threads: int | None = setting(None, "CPU intra-op threads per process. On an idle 2-core machine batched replay ran "
+                                        "1.5x faster with two than with one; while another program is busy, one can be "
+                                        "much faster (OpenMP threads waiting on each other).",
+                                  default_text="$OMP_NUM_THREADS, else cores / processes")
 
     def __post_init__(self) -> None:
         fill(self, "device", self.device or devices.default_device())

@@ -8,6 +8,7 @@ the report on rank 0 (report.py).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def run(config: EvalConfig, log=print) -> dict | None:
     proc = devices.Process.from_env()
     device = proc.device(config.device)
     if device == "cpu":
-        devices.prepare_cpu(config.threads)
+        default = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // proc.world)
+        devices.prepare_cpu(config.threads or default)
     ranks.join(proc, device)
     try:
         return _run(config, proc, device, log if proc.rank == 0 else (lambda m: None))
