@@ -4,6 +4,7 @@ model, optimizer and schedule, and the resume point."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -97,6 +98,8 @@ def drafter_config(config: TrainConfig, attrs: StoreAttrs, resume_dir: Path | No
     else:
         dc = fresh_config(config, attrs)
     check_against_store(dc, attrs, config.init_from or resume_dir or "the drafter config")
+    if dc.num_target_layers is None:  # a released config that does not say: the store knows (consumers need it)
+        dc = dataclasses.replace(dc, num_target_layers=attrs.num_layers)
     return dc, tensors
 
 

@@ -171,3 +171,21 @@ def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_pa
         assert r.returncode == 0, r.stderr
         evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [e["samples"] for e in evals if e["split"] == "eval"] == [want] * 3
+
+
+def test_init_from_a_config_without_num_target_layers_gets_the_stores(small_store, tmp_path):
+    """Consumers (the reference implementation, SGLang) need num_target_layers: a run started from a
+    released config that lacks it writes the store's."""
+    from store.hidden_store import HiddenStore
+    from tests.drafters import write_released
+
+    attrs = HiddenStore(str(small_store)).attrs
+    released = tmp_path / "released"
+    write_released(released, attrs.hidden_size, attrs.vocab_size, list(attrs.taps), attrs.mask_token_id)
+    cfg = json.loads((released / "config.json").read_text())
+    del cfg["num_target_layers"]
+    (released / "config.json").write_text(json.dumps(cfg))
+    r = train(["--store", small_store, "--out", tmp_path / "run", "--max-steps", 1, "--init-from", released, *TINY])
+    assert r.returncode == 0, r.stderr
+    written = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert written["num_target_layers"] == attrs.num_layers
