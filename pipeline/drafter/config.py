@@ -114,8 +114,7 @@ class DrafterConfig:
                               "target_layer_ids": list(self.target_layer_ids),
                               "input_embedding_scale": self.input_embedding_scale},
         }
-        if "rope_theta" in self.rope_parameters:
-            out["rope_theta"] = self.rope_parameters["rope_theta"]  # for loaders that read the v4 field
+        out.update(legacy_rope(self.rope_parameters))  # for loaders that read the v4 fields
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
         if record is not None:
@@ -162,6 +161,20 @@ class DrafterConfig:
 def _defaults(cls) -> dict:
     """The dataclass defaults of cls, by field name (so a reader never restates them)."""
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def legacy_rope(rope: dict) -> dict:
+    """The transformers v4 fields of rope_parameters, for older readers: rope_theta always;
+    partial_rotary_factor when not 1; rope_scaling (with both `rope_type` and v4's `type`) for a
+    scaled type."""
+    out = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        out["rope_scaling"] = {**scaling, "type": kind}
+    return out
 
 
 def _rope(d: dict) -> dict:

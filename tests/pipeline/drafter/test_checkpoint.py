@@ -83,3 +83,22 @@ def test_bad_configs_are_named(tmp_path, edit, needle):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(DrafterError, match=needle):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 1e7},
+    {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+    {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 8192},
+])
+def test_rope_is_written_in_the_v5_and_the_legacy_fields(rope):
+    """config.json carries rope_parameters and, for older readers, rope_theta / partial_rotary_factor /
+    rope_scaling; a reader of either form gets the same settings back."""
+    c = config(rope_parameters=rope)
+    d = c.to_hf()
+    assert d["rope_parameters"] == rope and d["rope_theta"] == rope["rope_theta"]
+    assert ("partial_rotary_factor" in d) == ("partial_rotary_factor" in rope)
+    assert ("rope_scaling" in d) == (rope["rope_type"] != "default")
+    if "rope_scaling" in d:
+        assert d["rope_scaling"]["type"] == d["rope_scaling"]["rope_type"] == "yarn"
+    legacy = {k: v for k, v in d.items() if k != "rope_parameters"}
+    assert DrafterConfig.from_hf(d) == DrafterConfig.from_hf(legacy) == c
