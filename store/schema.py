@@ -83,6 +83,9 @@ class TargetRecord:
     # ({pattern: count}: vision tower, MTP heads).
     tokenizer_class: str | None = None
     non_text_tensors: dict | None = None
+    # Recorded since drafter export (None in stores written before): the target's context length,
+    # which a drafter's config.json carries for serving engines to size its rotary cache.
+    max_position_embeddings: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -78,4 +78,5 @@ def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:
         config_sha256=fingerprint.sha256_json(config), weights_sha256=files,
         tokenizer_sha256=fingerprint.sha256_json({"tokenizer": tok_json, "special": tok.special_tokens_map}),
         chat_template_sha256=fingerprint.sha256_text(tok.chat_template or ""),
-        tokenizer_class=type(tok).__name__, non_text_tensors=weights.non_text_tensors(path, model))
+        tokenizer_class=type(tok).__name__, non_text_tensors=weights.non_text_tensors(path, model),
+        max_position_embeddings=getattr(model.config.get_text_config(), "max_position_embeddings", None))

@@ -98,9 +98,20 @@ def drafter_config(config: TrainConfig, attrs: StoreAttrs, resume_dir: Path | No
     else:
         dc = fresh_config(config, attrs)
     check_against_store(dc, attrs, config.init_from or resume_dir or "the drafter config")
-    if dc.num_target_layers is None:  # a released config that does not say: the store knows (consumers need it)
+    return with_target_facts(dc, attrs), tensors
+
+
+def with_target_facts(dc: DrafterConfig, attrs: StoreAttrs) -> DrafterConfig:
+    """What serving engines read from a drafter's config.json about its target, from the store:
+    num_target_layers when the config does not say (the reference implementation and SGLang need
+    it), and the target's max_position_embeddings (vLLM and SGLang size the drafter's rotary cache
+    from it) unless the RoPE is a scaled type, whose math may depend on it."""
+    if dc.num_target_layers is None:
         dc = dataclasses.replace(dc, num_target_layers=attrs.num_layers)
-    return dc, tensors
+    length = attrs.target.max_position_embeddings
+    if length and dc.rope_parameters.get("rope_type", "default") == "default":
+        dc = dataclasses.replace(dc, max_position_embeddings=length)
+    return dc
 
 
 def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:

@@ -1,5 +1,6 @@
 """Stage two end to end: resume equals straight, real 2-process DDP, checkpoints, one-line errors."""
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -189,3 +190,17 @@ def test_init_from_a_config_without_num_target_layers_gets_the_stores(small_stor
     assert r.returncode == 0, r.stderr
     written = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert written["num_target_layers"] == attrs.num_layers
+    assert written["max_position_embeddings"] == attrs.target.max_position_embeddings == 4096  # not 40960
+
+
+def test_a_fresh_drafter_takes_the_targets_context_length(small_store):
+    from stages.train.config import TrainConfig
+    from stages.train.setup import drafter_config, with_target_facts
+    from store.hidden_store import HiddenStore
+
+    attrs = HiddenStore(str(small_store)).attrs
+    dc, _ = drafter_config(TrainConfig(), attrs, None)
+    assert dc.max_position_embeddings == 4096 and dc.num_target_layers == attrs.num_layers
+    yarn = dataclasses.replace(dc, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
+                               max_position_embeddings=40960)
+    assert with_target_facts(yarn, attrs).max_position_embeddings == 40960  # a scaled RoPE keeps its own
