@@ -111,9 +111,10 @@ class DrafterConfig:
             "use_cache": True, "use_sliding_window": "sliding_attention" in self.layer_types,
             **{k: v for k, v in d.items() if k not in ("is_causal", "input_embedding_scale") and v is not None},
             "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids),
-                              "input_embedding_scale": self.input_embedding_scale},
+                              "target_layer_ids": list(self.target_layer_ids)},
         }
+        if self.input_embedding_scale != 1.0:  # written only when it matters: no serving consumer applies it
+            out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
         out.update(legacy_rope(self.rope_parameters))  # for loaders that read the v4 fields
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal

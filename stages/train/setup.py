@@ -167,6 +167,9 @@ def prepare(config: TrainConfig, log) -> Setup:
     attrs = store.attrs
     rdir, previous = resume_point(config, attrs.fingerprint)
     dc, init = drafter_config(config, attrs, rdir)
+    if dc.input_embedding_scale != 1.0:
+        log(f"warning: the drafter scales its block embeddings by input_embedding_scale {dc.input_embedding_scale}; "
+            "the reference implementation and serving engines do not, so served drafts will differ from training")
     train_ids, eval_ids = select_shards(store, config)
     overlap = sorted(set(train_ids) & set(eval_ids))
     if overlap:

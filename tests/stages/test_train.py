@@ -204,3 +204,20 @@ def test_a_fresh_drafter_takes_the_targets_context_length(small_store):
     yarn = dataclasses.replace(dc, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
                                max_position_embeddings=40960)
     assert with_target_facts(yarn, attrs).max_position_embeddings == 40960  # a scaled RoPE keeps its own
+
+
+def test_a_drafter_with_an_embedding_scale_is_warned_about(small_store, tmp_path):
+    from stages.train.config import TrainConfig
+    from stages.train.setup import prepare
+    from store.hidden_store import HiddenStore
+    from tests.drafters import write_released
+
+    attrs = HiddenStore(str(small_store)).attrs
+    write_released(tmp_path / "rel", attrs.hidden_size, attrs.vocab_size, list(attrs.taps), attrs.mask_token_id)
+    d = json.loads((tmp_path / "rel" / "config.json").read_text())
+    d["dflash_config"]["input_embedding_scale"] = 0.5
+    (tmp_path / "rel" / "config.json").write_text(json.dumps(d))
+    lines = []
+    prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"),
+                        workers=0), log=lines.append)
+    assert any("input_embedding_scale 0.5" in x and "served drafts will differ" in x for x in lines)

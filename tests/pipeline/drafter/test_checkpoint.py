@@ -102,3 +102,10 @@ def test_rope_is_written_in_the_v5_and_the_legacy_fields(rope):
         assert d["rope_scaling"]["type"] == d["rope_scaling"]["rope_type"] == "yarn"
     legacy = {k: v for k, v in d.items() if k != "rope_parameters"}
     assert DrafterConfig.from_hf(d) == DrafterConfig.from_hf(legacy) == c
+
+
+def test_input_embedding_scale_is_written_only_when_it_is_not_one():
+    plain, scaled = config(), config(input_embedding_scale=0.5)
+    assert "input_embedding_scale" not in plain.to_hf()["dflash_config"]
+    assert scaled.to_hf()["dflash_config"]["input_embedding_scale"] == 0.5
+    assert DrafterConfig.from_hf(plain.to_hf()) == plain and DrafterConfig.from_hf(scaled.to_hf()) == scaled
