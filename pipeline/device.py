@@ -11,6 +11,7 @@ import torch
 from store.errors import ConfigError
 
 AUTO = "cuda if available, else cpu"  # what the default device means, for help texts
+THREADS_AUTO = "$OMP_NUM_THREADS, else cores / processes"  # what default_threads gives, for help texts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -35,6 +36,11 @@ def prepare_cpu(threads: int | None = None) -> None:
     torch.set_flush_denormal(True)
     if threads:
         torch.set_num_threads(threads)
+
+
+def default_threads(processes: int) -> int:
+    """CPU intra-op threads per process when not told: $OMP_NUM_THREADS, else the cores shared out."""
+    return int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // processes)
 
 
 @dataclass(frozen=True)

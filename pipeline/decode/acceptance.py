@@ -64,7 +64,6 @@ def ci95(values: list[float], mean: float, population: int | None = None) -> lis
     if n < 2:
         return None
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    fpc = math.sqrt((population - n) / (population - 1)) if population and population > n else (
-        0.0 if population == n else 1.0)
+    fpc = 1.0 if population is None else math.sqrt((population - n) / (population - 1))  # 0 when n = N
     half = 1.96 * sd / math.sqrt(n) * fpc
     return [mean - half, mean + half]

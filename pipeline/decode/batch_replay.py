@@ -14,7 +14,7 @@ the histogram of accepted drafts per policy (the chain's rounds too for the prom
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,12 +39,9 @@ class PromptCounts:
     tokens: list[int]
     chain_rounds: list[tuple[int, int]] | None = None  # (accepted, committed) per round, when kept
 
-
-@dataclass
-class Totals:
-    """Rounds by accepted drafts (0..B-1), per policy: [P][B] counts."""
-
-    histogram: list[list[int]] = field(default_factory=list)
+    def tau(self, lane: int) -> float:
+        """Mean tokens per round of policy `lane` (NaN without a round)."""
+        return self.tokens[lane] / self.rounds[lane] if self.rounds[lane] else float("nan")
 
 
 class ContextCache:
@@ -91,7 +88,7 @@ class BatchReplay:
         self.start = np.zeros((slots, self.P), np.int64)  # each lane's next block start
         self.active = np.zeros((slots, self.P), bool)
         self.counts: list[PromptCounts | None] = [None] * slots
-        self.totals = Totals([[0] * self.B for _ in range(self.P)])
+        self.histogram = [[0] * self.B for _ in range(self.P)]  # [P][B]: rounds by accepted drafts, per policy
 
     def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
         """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
@@ -146,7 +143,7 @@ class BatchReplay:
         n = round_tokens(acc, T - 1 - start)
         c.rounds[lane] += 1
         c.tokens[lane] += n
-        self.totals.histogram[lane][min(acc, self.B - 1)] += 1
+        self.histogram[lane][min(acc, self.B - 1)] += 1
         if lane == 0 and c.chain_rounds is not None:
             c.chain_rounds.append((acc, n))
         self.start[slot, lane] = start + n

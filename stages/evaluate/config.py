@@ -54,7 +54,7 @@ class EvalConfig:
     threads: int | None = setting(None, "CPU intra-op threads per process. On an idle 2-core machine batched replay ran "
                                         "1.5x faster with two than with one; while another program is busy, one can be "
                                         "much faster (OpenMP threads waiting on each other).",
-                                  default_text="$OMP_NUM_THREADS, else cores / processes")
+                                  default_text=devices.THREADS_AUTO)
 
     def __post_init__(self) -> None:
         fill(self, "device", self.device or devices.default_device())

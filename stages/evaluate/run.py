@@ -8,7 +8,6 @@ the report on rank 0 (report.py).
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, 
     t0 = time.perf_counter()
     counts = list(tqdm(engine.run(prompts.read(mine), keep), total=len(mine), desc=f"replay {label}",
                        unit="prompt", disable=None))
-    return {"counts": counts, "histogram": engine.totals.histogram, "seconds": time.perf_counter() - t0}
+    return {"counts": counts, "histogram": engine.histogram, "seconds": time.perf_counter() - t0}
 
 
 def summarize_parts(parts: list[dict], budgets: tuple[int, ...], population: int) -> tuple[dict, dict]:
@@ -54,9 +53,8 @@ def summarize_parts(parts: list[dict], budgets: tuple[int, ...], population: int
            "replay_seconds": round(seconds, 3), "rounds_per_s": round(lane_rounds / seconds, 1) if seconds else None,
            "per_prompt": [{"shard": c.shard, "index": c.index, "row_id": c.row_id, "prompt_len": c.prompt_len,
                            "completion_len": c.completion_len, "rounds": c.rounds[0],
-                           "tau": c.tokens[0] / c.rounds[0] if c.rounds[0] else float("nan"),
-                           "ddtree": {str(b): c.tokens[1 + i] / c.rounds[1 + i] if c.rounds[1 + i] else float("nan")
-                                      for i, b in enumerate(budgets)}} for c in counts]}
+                           "tau": c.tau(0), "ddtree": {str(b): c.tau(1 + i) for i, b in enumerate(budgets)}}
+                          for c in counts]}
     return out, {(c.shard, c.index): c.chain_rounds for c in counts if c.chain_rounds is not None}
 
 
@@ -65,8 +63,7 @@ def run(config: EvalConfig, log=print) -> dict | None:
     proc = devices.Process.from_env()
     device = proc.device(config.device)
     if device == "cpu":
-        default = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // proc.world)
-        devices.prepare_cpu(config.threads or default)
+        devices.prepare_cpu(config.threads or devices.default_threads(proc.world))
     ranks.join(proc, device)
     try:
         return _run(config, proc, device, log if proc.rank == 0 else (lambda m: None))

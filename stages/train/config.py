@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline import device as devices
 from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
 from stages.settings import at_least, check_choices, parse_count, require, setting
 
@@ -51,7 +52,7 @@ class TrainConfig:
     workers: int = setting(2, "Data loader worker processes per training process.")
     threads: int | None = setting(None, "CPU only: intra-op threads per process. On a busy machine 1 can be much "
                                         "faster: OpenMP threads that wait on each other crawl.",
-                                  default_text="$OMP_NUM_THREADS, else cores / processes")
+                                  default_text=devices.THREADS_AUTO)
     num_layers: int | None = setting(None, "Drafter layers.", default_text=str(NUM_LAYERS))
     num_heads: int | None = setting(None, "Query heads.", default_text="from the store's hidden size")
     num_kv_heads: int | None = setting(None, "Key/value heads.", default_text="heads / 4")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +66,7 @@ def make_accelerator(config: TrainConfig):
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False,
                                                                      gradient_as_bucket_view=True)])
     if not cuda:
-        default = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // acc.num_processes)
-        devices.prepare_cpu(config.threads or default)
+        devices.prepare_cpu(config.threads or devices.default_threads(acc.num_processes))
     if trackers:
         acc.init_trackers("dflash")
     return acc

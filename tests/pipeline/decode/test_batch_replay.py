@@ -61,7 +61,7 @@ def test_batched_rounds_equal_the_serial_reference(slots, layers):
         for lane, rounds in enumerate(r):
             for a, _ in rounds:
                 hist[lane][a] += 1
-    assert engine.totals.histogram == hist
+    assert engine.histogram == hist
 
 
 def test_max_rounds_and_kept_rounds():
