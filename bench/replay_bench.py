@@ -7,8 +7,9 @@ policy, a forward and a host sync per round). Batched is what evaluate.py runs
 (pipeline/decode/batch_replay.py: context K/V once per prompt shared by every policy, --slots
 prompts per forward, one device-to-host copy per round). Both replay chain + DDTree-8/16/32/64 over
 the same prompts; a lane-round is one policy's round of one prompt. Medians of --repeat runs in one
-process; also checks that every prompt got the same rounds both ways (fp32), and how many prompts
-got the same rounds in bf16 as in fp32 (batched).
+process; also checks that every prompt got the same rounds both ways (fp32), how many prompts
+got the same rounds in bf16 as in fp32 (batched), tau per dtype, and the host's share of a
+batched round (acceptance and the DDTree search) per lane-round.
 
     python bench/replay_bench.py --width 1024 --vocab 32768 --prompts 16 --slots 1,16
 
@@ -46,14 +47,29 @@ def serial(m, samples) -> tuple[float, dict]:
     return time.perf_counter() - t, out
 
 
-def batched(m, samples, slots: int, tokens: dict) -> tuple[float, dict]:
-    """-> (seconds, rounds per policy by prompt); tokens per policy by prompt go into `tokens`."""
-    t = time.perf_counter()
+def batched(m, samples, slots: int) -> tuple[float, dict, float, dict]:
+    """-> (seconds, rounds per policy by prompt, seconds of host acceptance, tau per policy by prompt)."""
     engine = BatchReplay(m, BUDGETS, slots, max(len(s.tokens) for s in samples))
+    host, accept = [0.0], engine._accepted
+
+    def timed_accept(*a):  # the host's share of a round: acceptance and the DDTree search
+        t0 = time.perf_counter()
+        out = accept(*a)
+        host[0] += time.perf_counter() - t0
+        return out
+
+    engine._accepted = timed_accept
+    t = time.perf_counter()
     counts = list(engine.run(samples))
     seconds = time.perf_counter() - t
-    tokens.update({(c.shard, c.index): c.tokens for c in counts})
-    return seconds, {(c.shard, c.index): c.rounds for c in counts}
+    taus = {(c.shard, c.index): [c.tau(lane) for lane in range(1 + len(BUDGETS))] for c in counts}
+    return seconds, {(c.shard, c.index): c.rounds for c in counts}, host[0], taus
+
+
+def mean_tau(taus: dict, lane: int) -> float:
+    """tau of one policy: the mean over prompts with a round of their tokens per round."""
+    values = [t[lane] for t in taus.values() if t[lane] == t[lane]]  # NaN: no round
+    return sum(values) / len(values)
 
 
 def synthetic(width: int, vocab: int, n: int, length: int = 96):
@@ -65,6 +81,7 @@ def synthetic(width: int, vocab: int, n: int, length: int = 96):
     from store.shard_reader import Sample
 
     g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # the drafter's own initialisation too: the same lane-rounds every run
     sizes = default_sizes(width)
     dc = DrafterConfig(hidden_size=width, vocab_size=vocab, block_size=16, mask_token_id=vocab - 1,
                        target_layer_ids=(1, 2, 3, 4, 5), num_target_layers=8,
@@ -114,26 +131,27 @@ def main() -> None:
     res = {"prompts": len(samples), "tokens": sum(len(s.tokens) for s in samples), "threads": args.threads,
            "device": args.device,
            "budgets": BUDGETS, "repeat": args.repeat, "width": ck.config.hidden_size, "vocab": ck.config.vocab_size}
-    batched_rounds, batched_tokens = {}, {"fp32": {}, "bf16": {}}
+    last = {}  # per dtype: the last --slots setting's first run
     for dtype in ("fp32", "bf16"):
         m = build(ck, embed, lm_head, args.device, dtype)
         runs = {"serial": [serial(m, samples) for _ in range(args.repeat)]}
         for k in map(int, args.slots.split(",")):
-            runs[f"batched-{k}"] = [batched(m, samples, k, batched_tokens[dtype]) for _ in range(args.repeat)]
+            runs[f"batched-{k}"] = [batched(m, samples, k) for _ in range(args.repeat)]
         ref = runs["serial"][0][1]
         lane_rounds = sum(sum(r) for r in ref.values())
         for name, rs in runs.items():
-            res[f"{dtype}/{name}"] = {"seconds": statistics.median(d for d, _ in rs),
-                                      "lane_rounds_per_s": statistics.median(sum(sum(r) for r in o.values()) / d
-                                                                             for d, o in rs),
+            res[f"{dtype}/{name}"] = {"seconds": statistics.median(r[0] for r in rs),
+                                      "lane_rounds_per_s": statistics.median(sum(sum(x) for x in r[1].values()) / r[0]
+                                                                             for r in rs),
                                       "prompts_with_serial_rounds": sum(rs[0][1][k] == ref[k] for k in ref)}
+            if name != "serial":
+                res[f"{dtype}/{name}"]["host_us_per_lane_round"] = statistics.median(r[2] for r in rs) / lane_rounds * 1e6
         res[f"{dtype}/lane_rounds"] = lane_rounds
-        batched_rounds[dtype] = runs[f"batched-{args.slots.split(',')[-1]}"][0][1]
-        tokens = batched_tokens[dtype]
-        res[f"{dtype}/tau"] = [sum(t[lane] / r[lane] for r, t in zip(batched_rounds[dtype].values(), tokens.values()))
-                               / len(tokens) for lane in range(1 + len(BUDGETS))]  # chain, then each budget
-    a, b = batched_rounds["fp32"], batched_rounds["bf16"]
+        last[dtype] = runs[f"batched-{args.slots.split(',')[-1]}"][0]
+        res[f"{dtype}/tau"] = [mean_tau(last[dtype][3], lane) for lane in range(1 + len(BUDGETS))]  # chain, budgets
+    a, b = last["fp32"][1], last["bf16"][1]
     res["prompts_with_equal_rounds_bf16_fp32"] = sum(a[k] == b[k] for k in a)
+    res["prompts_with_equal_chain_rounds_bf16_fp32"] = sum(a[k][0] == b[k][0] for k in a)
     emit(res, args.json)
 
 
