@@ -19,6 +19,10 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
 from pipeline.errors import DrafterError
 
 WEIGHTS = "model.safetensors"
+MODELING = "modeling_dflash.py"  # our own modeling file, written into every checkpoint (see auto_map)
+MODELING_SOURCE = Path(__file__).with_name(MODELING)
+AUTO_MAP = {"AutoModel": f"{MODELING.removesuffix('.py')}.DFlashDraftModel"}
+SERVING_FILES = ("config.json", WEIGHTS, MODELING)  # what a serving consumer reads
 
 
 def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -53,13 +57,18 @@ def check_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], where
 
 def write(directory: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor],
           record: TrainingRecord | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """config.json + model.safetensors into an existing directory. state: the drafter's state_dict."""
+    """config.json + model.safetensors + modeling_dflash.py into an existing directory. state: the
+    drafter's state_dict. config.json's auto_map points `AutoModel.from_pretrained(DIR,
+    trust_remote_code=True)` at the modeling file, so that path builds this drafter (without it,
+    transformers builds a plain Qwen3Model and drops fc/hidden_norm)."""
     directory = Path(directory)
     check_tensors(config, state, "state to save")
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     hf = config.to_hf(record)
     hf["dtype"] = str(dtype).removeprefix("torch.")
+    hf["auto_map"] = AUTO_MAP
+    shutil.copyfile(MODELING_SOURCE, directory / MODELING)
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
