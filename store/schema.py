@@ -86,6 +86,12 @@ class TargetRecord:
     # Recorded since drafter export (None in stores written before): the target's context length,
     # which a drafter's config.json carries for serving engines to size its rotary cache.
     max_position_embeddings: int | None = None
+    # Recorded since served evaluation (None before): the kind of each layer ("full_attention",
+    # "linear_attention", ...) and the KV layout of the full-attention layers, which vLLM caches a
+    # drafter's layers beside.
+    layer_types: tuple[str, ...] | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,4 +79,12 @@ def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:
         tokenizer_sha256=fingerprint.sha256_json({"tokenizer": tok_json, "special": tok.special_tokens_map}),
         chat_template_sha256=fingerprint.sha256_text(tok.chat_template or ""),
         tokenizer_class=type(tok).__name__, non_text_tensors=weights.non_text_tensors(path, model),
-        max_position_embeddings=getattr(model.config.get_text_config(), "max_position_embeddings", None))
+        **layout(model.config.get_text_config()))
+
+
+def layout(text) -> dict:
+    """The target's context length, layer kinds and full-attention KV layout (drafter serving needs them)."""
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    return {"max_position_embeddings": getattr(text, "max_position_embeddings", None), "layer_types": tuple(kinds),
+            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads}

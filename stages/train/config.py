@@ -55,8 +55,10 @@ class TrainConfig:
                                   default_text=devices.THREADS_AUTO)
     num_layers: int | None = setting(None, "Drafter layers.", default_text=str(NUM_LAYERS))
     num_heads: int | None = setting(None, "Query heads.", default_text="from the store's hidden size")
-    num_kv_heads: int | None = setting(None, "Key/value heads.", default_text="heads / 4")
-    head_dim: int | None = setting(None, "Head dimension.", default_text="128, or hidden/4 below 1024")
+    num_kv_heads: int | None = setting(
+        None, "Key/value heads.", default_text="heads / 4; the target's full-attention KV heads where vLLM needs them")
+    head_dim: int | None = setting(
+        None, "Head dimension.", default_text="128, or hidden/4 below 1024; the target's where vLLM needs it")
     intermediate_size: int | None = setting(None, "MLP width.", default_text="3.4 x hidden, rounded to 64")
     layer_types: str | None = setting(None, "'full', 'sliding', or one per layer, e.g. "
                                             "'sliding,sliding,sliding,sliding,full'.",

@@ -16,6 +16,7 @@ import torch
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import DrafterConfig, default_sizes, read_config, store_mismatches
+from pipeline.drafter.consumers import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of
@@ -135,10 +136,25 @@ def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
     if config.rope_theta is not None:
         arch["rope_parameters"] = {**arch.get("rope_parameters", DrafterConfig.default_rope()),
                                    "rope_theta": config.rope_theta}
-    return DrafterConfig(
+    dc = DrafterConfig(
         hidden_size=attrs.hidden_size, vocab_size=attrs.vocab_size, block_size=config.block_size,
         mask_token_id=config.mask_token_id if config.mask_token_id is not None else attrs.mask_token_id,
         target_layer_ids=attrs.taps, num_target_layers=attrs.num_layers, **arch)
+    sized = (config.num_heads, config.num_kv_heads, config.head_dim)
+    chosen = config.drafter_config or any(v is not None for v in sized)
+    return dc if chosen else servable_in_vllm(dc, attrs.target)
+
+
+def servable_in_vllm(dc: DrafterConfig, target) -> DrafterConfig:
+    """The default sizes, with the target's full-attention KV layout (KV heads, head_dim) when vLLM
+    would not cache the drafter's layers in one group otherwise (consumers.vllm_kv_problem). The
+    query heads keep about the hidden size."""
+    layout = kv_layout(target)
+    if layout is None or vllm_kv_problem(dc, target) is None:
+        return dc
+    kv, head_dim = layout
+    heads = max(kv, dc.hidden_size // head_dim // kv * kv)
+    return dataclasses.replace(dc, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
 
 
 def layer_types(text: str, n: int) -> tuple[str, ...]:
@@ -165,9 +181,8 @@ def prepare(config: TrainConfig, log) -> Setup:
     attrs = store.attrs
     rdir, previous = resume_point(config, attrs.fingerprint)
     dc, init = drafter_config(config, attrs, rdir)
-    if dc.input_embedding_scale != 1.0:
-        log(f"warning: the drafter scales its block embeddings by input_embedding_scale {dc.input_embedding_scale}; "
-            "the reference implementation and serving engines do not, so served drafts will differ from training")
+    for line in serving_warnings(dc, attrs.target):
+        log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config)
     overlap = sorted(set(train_ids) & set(eval_ids))
     if overlap:

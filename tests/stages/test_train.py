@@ -156,6 +156,33 @@ def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
     assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
 
 
+def test_the_default_drafter_is_one_vllm_serves_beside_the_stores_target(small_store, tmp_path):
+    """The tiny target: 2 full-attention layers (2 KV heads x 32) beside 6 linear ones. heads / 4 = 1 KV
+    head would put the drafter's 5 layers in 3 of vLLM's KV-cache groups (refused); the default takes
+    the target's layout. A layout the user chose is kept, and setup says vLLM will refuse it."""
+    from pipeline.drafter.consumers import vllm_kv_problem
+    from stages.train.config import TrainConfig
+    from stages.train.setup import fresh_config, prepare
+    from store.hidden_store import HiddenStore
+
+    attrs = HiddenStore(str(small_store)).attrs
+    assert (attrs.target.num_key_value_heads, attrs.target.head_dim) == (2, 32)
+    c = fresh_config(TrainConfig(), attrs)
+    assert (c.num_key_value_heads, c.head_dim, c.num_attention_heads) == (2, 32, 4)
+    assert vllm_kv_problem(c, attrs.target) is None
+    chosen = fresh_config(TrainConfig(num_kv_heads=1), attrs)
+    assert chosen.num_key_value_heads == 1 and vllm_kv_problem(chosen, attrs.target)
+
+    class Warned(Exception):
+        pass
+
+    def log(line):  # stop setup at its first warning, before it builds anything
+        raise Warned(line)
+
+    with pytest.raises(Warned, match=r"vLLM will refuse this drafter.*--num-kv-heads 2 --head-dim 32"):
+        prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), num_kv_heads=1), log=log)
+
+
 def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_path):
     """--eval-samples: a seeded sample, the same on every call; every eval record gives its size; 'all'
     is every held-out sample."""
@@ -220,4 +247,4 @@ def test_a_drafter_with_an_embedding_scale_is_warned_about(small_store, tmp_path
     lines = []
     prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"),
                         workers=0), log=lines.append)
-    assert any("input_embedding_scale 0.5" in x and "served drafts will differ" in x for x in lines)
+    assert any("input_embedding_scale 0.5: no serving consumer applies it" in x for x in lines)
