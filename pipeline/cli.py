@@ -1,4 +1,4 @@
-"""`pipeline`: extract hidden states into a store, describe it, verify it. (An entry point.)"""
+"""`pipeline`: extract hidden states into a store, describe it, verify it; export a drafter. (An entry point.)"""
 
 import json
 import signal
@@ -7,6 +7,7 @@ import sys
 import click
 
 from stages.command import CONTEXT, log, options, run_command
+from stages.export.config import ExportConfig
 from stages.extract.config import ExtractConfig
 from store.errors import UserError
 
@@ -80,6 +81,23 @@ def verify(store: str, shard_text: str | None, sample: float | None, processes: 
     click.echo(report.verdict())
     if not report.ok:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("checkpoint")
+@click.argument("out_dir")
+@options(ExportConfig)
+def export(checkpoint: str, out_dir: str, config: ExportConfig) -> None:
+    """Write CHECKPOINT (a run's step-N or final, or any DFlash drafter) to OUT_DIR for serving.
+
+    \b
+    OUT_DIR gets exactly config.json (with auto_map), model.safetensors (bf16, loaded and
+    checked strictly), modeling_dflash.py and README.md: a model card with the target, taps,
+    training record, the --report's replay tau and the serving caveats (also printed as warnings).
+    """
+    from stages.export import run
+
+    click.echo(run.summary(run.run(checkpoint, out_dir, config, log=log)))
 
 
 def main() -> None:
