@@ -44,10 +44,10 @@ def at_least(config, low, *names: str) -> None:
 
 
 def check_choices(config) -> None:
-    """Every field declared with choices holds one of them."""
+    """Every field declared with choices holds one of them (or None, where None is its default: off)."""
     for f in dataclasses.fields(config):
         choices = f.metadata.get("choices")
-        if choices:
+        if choices and not (f.default is None and getattr(config, f.name) is None):
             require(config, f.name, getattr(config, f.name) in choices, f"expected one of {', '.join(choices)}")
 
 

@@ -93,6 +93,13 @@ class ShardReader:
             hidden=layout.from_bits(np.asarray(bits)) if hidden_out is None else hidden_out,
         )
 
+    def tokens(self, i: int) -> np.ndarray:
+        """Sample i's tokens only ([T] int32 as stored: prompt, then completion), no states read."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if self._direct is not None:
+            return np.asarray(self._direct[0].read(a, b))
+        return np.asarray(self._per_token[0][a:b])
+
     def __iter__(self):
         for i in range(len(self)):
             yield self[i]

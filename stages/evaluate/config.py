@@ -50,6 +50,12 @@ class EvalConfig:
     live_prompts: int | None = setting(20, "--live decodes with the target only the first N prompts of the sample "
                                            "(target-only greedy plus one run per drafter: slow at scale); 'all' for "
                                            "every one.", parse=parse_count, default_text="20")
+    served: str | None = setting(None, "Also serve the store's target with each drafter in this engine over the same "
+                                       "prompts (stored prompt ids, greedy, the extraction's limits) and report served "
+                                       "tau beside replay tau, per position (docs/evaluation.md).", choices=("vllm",),
+                                 default_text="off")
+    served_python: str | None = setting(None, "The Python that has vLLM installed (its own venv), for --served.",
+                                        default_text="this Python")
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
     threads: int | None = setting(None, "CPU intra-op threads per process. On an idle 2-core machine batched replay ran "
                                         "1.5x faster with two than with one; while another program is busy, one can be "

@@ -40,6 +40,15 @@ class Prompts:
         """This process's prompts: every world-th, from its rank."""
         return self.refs[rank::world]
 
+    def texts(self, refs: list[Ref]) -> list[tuple[list[int], int]]:
+        """Per ref, (its stored tokens: prompt then completion, prompt length); no states read."""
+        out, reader = [], None
+        for shard, i in refs:
+            if reader is None or reader.shard != shard:
+                reader = ShardReader(self.store, shard)
+            out.append((reader.tokens(i).tolist(), int(reader.prompt_lens[i])))
+        return out
+
     def read(self, refs: list[Ref], ahead: int = 8) -> Iterator[Sample]:
         """The samples of refs, in order, read by a background thread up to `ahead` samples early."""
         q: queue.Queue = queue.Queue(maxsize=ahead)

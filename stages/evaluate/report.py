@@ -19,6 +19,10 @@ CONVENTIONS = {
     "sample": "prompts replayed: a uniform random sample without replacement (seeded) of the available prompts "
               "with a completion in the shards, unless all were asked for",
     "tau_pooled": "all committed tokens / all rounds, over every prompt",
+    "served": "--served: the engine's own run over the same prompts; served tau = (completion tokens - 1) / verify "
+              "steps, the last step cut to what is left as replay cuts it (vLLM itself counts accepted + 1 for every "
+              "step: vllm_convention_tau); compared over the prompts whose served completion equals the stored one "
+              "(agreeing) and over all",
     "histogram": "rounds by accepted drafts, 0..B-1",
     "per_slot": "share of rounds whose k-th draft was accepted (accepted >= k), k = 1..B-1",
     "ddtree": "DDTree-N: tree drafting with a node budget of N nodes (not N tokens); tau as above, "
@@ -55,8 +59,30 @@ def console(rep: dict) -> str:
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     head = [f"WARNING: {w}" for w in rep["warnings"]]
+    served = [f"{r['name']}: {served_text(r['served'])}" for r in rep["checkpoints"] if "served" in r]
     return "\n".join(head + [f"replay of {rep['store']} shards {rep['shards']}, {sample_text(rep['sample'])}; tau = "
-                             "mean over prompts of tokens per round (bonus counted); DDTree-N = node budget N", *lines])
+                             "mean over prompts of tokens per round (bonus counted); DDTree-N = node budget N", *lines,
+                             *served])
+
+
+def served_text(sv: dict) -> str:
+    a, b = sv["agreeing"], sv["all"]
+    return (f"served by {sv['engine']}: {sv['identical_completions']} of {sv['prompts']} completions equal the "
+            f"stored ones; on those served tau {a['served_tau']:.3f} vs replay {a['replay_tau']:.3f} "
+            f"({a['difference']:+.2%}); over all {b['served_tau']:.3f} vs {b['replay_tau']:.3f} ({b['difference']:+.2%})")
+
+
+def served_md(sv: dict) -> list[str]:
+    rows = [[label, x["prompts"], f"{x['served_tau']:.3f}", f"{x['replay_tau']:.3f}", f"{x['difference']:+.2%}"]
+            for label, x in (("served completion = stored", sv["agreeing"]), ("all prompts", sv["all"]))]
+    out = [f"Served by {sv['engine']} ({sv['seconds']} s): {sv['identical_completions']} of {sv['prompts']} "
+           f"completions equal the stored ones, {sv['identical_rounds']} of those with the same rounds as replay; "
+           f"vLLM's own convention (accepted + 1 every step) gives {sv['vllm_convention_tau']:.3f}.", ""]
+    out += md_table(["prompts", "n", "served tau", "replay tau", "served / replay - 1"], rows) + [""]
+    slots = range(1, len(sv["agreeing"]["served_per_slot"]) + 1)
+    return out + md_table(["slot (agreeing prompts)", *slots],
+                          [["served", *(f"{p:.3f}" for p in sv["agreeing"]["served_per_slot"])],
+                           ["replay", *(f"{p:.3f}" for p in sv["agreeing"]["replay_per_slot"])]]) + [""]
 
 
 def sample_text(sample: dict) -> str:
@@ -88,6 +114,7 @@ def markdown(rep: dict) -> str:
         out += md_table(["accepted drafts", *range(len(r["histogram"]))], [["rounds", *r["histogram"]]]) + [""]
         out += md_table(["slot", *range(1, len(r["per_slot"]) + 1)],
                         [["accepted", *(f"{p:.3f}" for p in r["per_slot"])]]) + [""]
+        out += served_md(r["served"]) if "served" in r else []
         out += md_table(["shard", "index", "row", "prompt tokens", "completion tokens", "rounds", "tau"],
                         [[p["shard"], p["index"], p["row_id"], p["prompt_len"], p["completion_len"], p["rounds"],
                           f"{p['tau']:.3f}"] for p in r["per_prompt"]]) + [""]

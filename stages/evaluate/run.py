@@ -8,6 +8,7 @@ the report on rank 0 (report.py).
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from pipeline import device as devices
 from pipeline.decode.acceptance import stats
 from pipeline.decode.batch_replay import BatchReplay
+from pipeline.errors import TargetError
 from stages.evaluate import ranks, report
 from stages.evaluate.checks import build, choose_shards, load_checked
 from stages.evaluate.config import EvalConfig
@@ -86,16 +88,20 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
                                                                        else "") + f", drafter in {config.dtype}")
     live_refs = prompts.refs[:config.live_prompts] if config.live else []
     bench = _live_bench(config, store, prompts, live_refs, device, warnings) if live_refs and proc.rank == 0 else None
+    served = _served_bench(config, store, prompts, warnings, log) if config.served and proc.rank == 0 else None
+    keep = set(live_refs) | (set(prompts.refs) if config.served else set())
     results = []
     for i, x in enumerate(loaded):
         m = build(x, embed, lm_head, device, config.dtype)
-        part = replay_part(m, prompts, prompts.part(proc.rank, proc.world), config, set(live_refs), _name(x.path, i))
+        part = replay_part(m, prompts, prompts.part(proc.rank, proc.world), config, keep, _name(x.path, i))
         parts = ranks.gather(proc, part)
         if proc.rank != 0:
             continue
         res, kept = summarize_parts(parts, config.ddtree, prompts.available)
         if bench is not None:
             res["live"] = bench.run(m, [kept[r] for r in live_refs], _name(x.path, i))
+        if served is not None:
+            res["served"] = served.run(x.path, m.config.block_size, [kept[r] for r in prompts.refs])
         results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
                         "train_shards": x.record.train_shards if x.record else None,
                         "step": x.record.step if x.record else None, **res})
@@ -115,6 +121,17 @@ def _live_bench(config: EvalConfig, store: HiddenStore, prompts: Prompts, refs: 
 
     target = open_target(config.target, store.attrs, device, config.allow_mismatch, warnings)
     return LiveBench(target, list(prompts.read(refs)), store.attrs)
+
+
+def _served_bench(config: EvalConfig, store: HiddenStore, prompts: Prompts, warnings: list, log):
+    from stages.evaluate.served import ServedBench
+
+    target = config.target or store.attrs.target.path
+    if not Path(target).is_dir():
+        raise TargetError(f"--served: target {target} is not a directory; give the store's target with --target DIR")
+    if Path(target).resolve() != Path(store.attrs.target.path).resolve():
+        warnings.append(f"--served with --target {target}; the store was made with {store.attrs.target.path}")
+    return ServedBench(config.served_python or sys.executable, target, prompts.texts(prompts.refs), store.attrs, log)
 
 
 def _name(path: str, i: int) -> str:
