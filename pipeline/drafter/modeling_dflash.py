@@ -20,6 +20,10 @@ context key is visible (in inference the context is exactly the positions before
 causal layer sees block keys with k_pos <= q_pos; with a window, context and block keys alike only
 when q_pos - k_pos < window (and k_pos - q_pos < window when not causal). The mask is built from
 position_ids unless attention_mask ([b, 1, Q, S+Q], bool True = attend, or additive) is given.
+
+Its norm and rotary code restate pipeline/drafter/model.py's on purpose: this file must run where
+dflash-pipeline is not installed. tests/pipeline/drafter/test_modeling_dflash.py holds the two
+drafters' logits bit for bit equal.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """pipeline export: exactly the serving files, the tensors bit for bit, the card, the refusals."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from stages.export.config import ExportConfig
 from stages.export.run import run as export
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
+from tests.test_cli import run_main
 
 FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "README.md"}
 
@@ -205,19 +205,6 @@ def test_card_names_a_hub_target_by_its_id():
                      chat_template_sha256="c")
     assert card.base_model(t) == card.served_as(t) == "Qwen/Qwen3.6-27B"
     assert card.base_model(None) is None and card.served_as(None) == "TARGET"
-
-
-def run_main(monkeypatch, capsys, args):
-    from pipeline.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["pipeline", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_one_line_error_for_a_missing_checkpoint(monkeypatch, capsys, tmp_path):
