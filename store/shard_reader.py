@@ -11,6 +11,7 @@ import torch
 from zarr.core.sync import sync
 
 from store import layout, span_reader
+from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 
 _PER_TOKEN = ("tokens", "loss_mask", "hidden")
@@ -78,13 +79,16 @@ class ShardReader:
         assert hidden_out is None or (hidden_out.is_contiguous()
                                       and hidden_out.shape == (b - a, *self.hidden.shape[1:]))
         out = None if hidden_out is None else layout.to_bits(hidden_out)  # a view of it
-        if self._direct is not None:
-            tokens, mask = (r.read(a, b) for r in self._direct[:2])
-            bits = self._direct[2].read(a, b, out)
-        else:
-            tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
-            if out is not None:
-                out[...], bits = bits, out
+        try:
+            if self._direct is not None:
+                tokens, mask = (r.read(a, b) for r in self._direct[:2])
+                bits = self._direct[2].read(a, b, out)
+            else:
+                tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
+                if out is not None:
+                    out[...], bits = bits, out
+        except StoreCorrupt as e:
+            raise self._damaged(e, i) from None
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(np.asarray(tokens).astype(np.int64)),
@@ -96,9 +100,16 @@ class ShardReader:
     def tokens(self, i: int) -> np.ndarray:
         """Sample i's tokens only ([T] int32 as stored: prompt, then completion), no states read."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        if self._direct is not None:
-            return np.asarray(self._direct[0].read(a, b))
-        return np.asarray(self._per_token[0][a:b])
+        try:
+            return np.asarray(self._direct[0].read(a, b) if self._direct is not None else self._per_token[0][a:b])
+        except StoreCorrupt as e:
+            raise self._damaged(e, i) from None
+
+    def _damaged(self, e: StoreCorrupt, i: int) -> StoreCorrupt:
+        """A failed read of sample i, with where it is and what to run about it."""
+        return StoreCorrupt(f"{e} (shard {self.shard}, sample {i}); run `pipeline verify {self.store.location} "
+                            f"--shards {self.shard}`, then re-extract it with the store's settings (`pipeline info` "
+                            f"shows them) and `--shards {self.shard} --redo`")
 
     def __iter__(self):
         for i in range(len(self)):

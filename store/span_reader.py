@@ -105,8 +105,7 @@ class SpanReader:
         data = np.frombuffer(data, np.uint8)
         body, stored = data[:-4], int(data[-4:].view("<u4")[0]) if len(data) >= 4 else -1  # a view: no copy
         if len(data) < 4 or google_crc32c.value(body) != stored:
-            raise StoreCorrupt(f"{what} fails its crc32c checksum ({len(data)} bytes): the file is "
-                               "damaged (`pipeline verify` lists every damaged shard)")
+            raise StoreCorrupt(f"{what} fails its crc32c checksum ({len(data)} bytes): the file is damaged")
         return body
 
 

@@ -52,6 +52,16 @@ def small_store(tmp_path_factory, small_dataset) -> Path:
     return path
 
 
+def damage_states(store: Path, shard: int, n: int = 256) -> Path:
+    """Flip n bytes in the middle of the first state chunk file of a committed shard; returns the file."""
+    chunk = sorted(p for p in (store / f"shards/{shard:05d}/hidden/c").rglob("*") if p.is_file())[0]
+    data = bytearray(chunk.read_bytes())
+    for k in range(len(data) // 2, len(data) // 2 + n):
+        data[k] ^= 0x5A
+    chunk.write_bytes(bytes(data))
+    return chunk
+
+
 @pytest.fixture
 def store_copy(small_store, tmp_path) -> Path:
     """A copy of the small store to damage."""

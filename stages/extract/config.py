@@ -26,6 +26,8 @@ class ExtractConfig:
     store: str = setting("hs.zarr", "Store path or fsspec URL (created if absent).")
     shards: str = setting("all", "Shards to write, e.g. 'all', '0-63' or '0-3,8,10-12' (processes under a "
                                  "launcher share them).")
+    redo: bool = setting(False, "Re-check the committed shards among --shards (every byte, as `pipeline verify` "
+                                "does) and delete and redo those that fail; the sound ones are kept.")
     num_shards: int | None = setting(None, "Shards the dataset is split into; fixed when the store is created.",
                                      default_text=f"the store's, or one per {ROWS_PER_SHARD} rows, at least {MIN_SHARDS}")
     target: str | None = setting(None, "Target model directory or hub id.", default_text="the shipped tiny target")

@@ -37,6 +37,7 @@ from store.locks import LockFile
 from store.ranges import parse_ranges
 from store.schema import ShardCommit, StoreAttrs, completion_limit
 from store.shard_writer import ShardWriter
+from store.verify import verify
 
 INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
                "rerun the same command to resume")
@@ -72,6 +73,9 @@ def run(config: ExtractConfig, log=print) -> dict:
             f"({config.dtype}), linear attention: {attrs.backends.linear_attention}, attention: "
             f"{attrs.backends.attention}, taps {taps}")
         done = store.committed()
+        if config.redo:
+            redone = redo_corrupt(store, [s for s in shard_ids if s in done], say)
+            done = {s: r for s, r in done.items() if s not in redone}
         todo = shard_order(store, [s for s in shard_ids if s not in done], process)
         job = Extractor(config, store, target, taps, prompt_set, num_shards, engine)
         job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=attrs.backends)
@@ -84,6 +88,26 @@ def run(config: ExtractConfig, log=print) -> dict:
     job.summary["wall_s"] = time.perf_counter() - t_start
     job.summary["process"] = {"rank": process.rank, "world": process.world}
     return finish_summary(store, job.summary)
+
+
+def redo_corrupt(store: HiddenStore, shards: list[int], say) -> list[int]:
+    """--redo: each committed shard checked under its lock (every byte); a corrupt one is deleted, so
+    this run writes it again. Returns the deleted shards."""
+    deleted = []
+    for shard in tqdm(shards, desc="verify", unit="shard", disable=None):
+        lock = store.lock(layout.shard_name(shard))
+        if lock is not None and lock.try_acquire() is not None:
+            continue  # another process is at it
+        try:
+            problems = verify(store, [shard]).problems.get(shard)
+            if problems:
+                say(f"shard {shard} is corrupt ({problems[0]}): deleted, to be extracted again")
+                store.clear_shard(shard)
+                deleted.append(shard)
+        finally:
+            if lock is not None:
+                lock.release()
+    return deleted
 
 
 def check_rows(prompt_set: prompt_sets.PromptSet, shard_ids: list[int], num_shards: int) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
@@ -74,9 +75,11 @@ class Batch:
     hidden: torch.Tensor  # [b, T, n_taps, H] bf16, 0 past each length
     lengths: torch.Tensor  # [b] long
     refs: torch.Tensor  # [b, 2] long: (shard, index)
+    corrupt: tuple = ()  # (shard, index, why) of the rows left empty: a read failed its checksum
 
     def _map(self, fn) -> "Batch":
-        return Batch(*(fn(getattr(self, f.name)) for f in fields(self)))
+        values = (getattr(self, f.name) for f in fields(self))
+        return Batch(*(fn(v) if isinstance(v, torch.Tensor) else v for v in values))
 
     def pin_memory(self) -> "Batch":
         return self._map(torch.Tensor.pin_memory)
@@ -108,7 +111,15 @@ class StoreBatches(torch.utils.data.Dataset):
                     hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16),
                     lengths=torch.tensor([r.length for r in refs]),
                     refs=torch.tensor([[r.shard, r.index] for r in refs]))
+        corrupt = []
         for j, r in enumerate(refs):  # states decoded straight into the batch: no copy per sample
-            s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, :r.length])
+            try:
+                s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, :r.length])
+            except StoreCorrupt as e:  # the row stays empty (no tokens, no loss); the main process decides
+                out.hidden[j].zero_()
+                out.lengths[j] = 0
+                corrupt.append((r.shard, r.index, str(e)))
+                continue
             out.tokens[j, :r.length], out.loss_mask[j, :r.length] = s.tokens, s.loss_mask
+        out.corrupt = tuple(corrupt)
         return out

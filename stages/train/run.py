@@ -20,11 +20,21 @@ from stages.train.data import StoreBatches, epoch_batches, sample_refs
 from stages.train.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
+from store.errors import StoreCorrupt
 
 INTERRUPTED = "interrupted; rerun with --resume to continue from the last step-N"
 
+
 def run(config: TrainConfig, log=print) -> dict:
     s = prepare(config, log)
+    try:
+        return _run(s, config)
+    finally:
+        if s.lock is not None:
+            s.lock.release()
+
+
+def _run(s: Setup, config: TrainConfig) -> dict:
     acc, out = s.accelerator, Path(config.out)
     metrics = MetricsLog(acc, out, s.start_step)
     if s.eval_refs and s.start_step == 0:
@@ -93,8 +103,10 @@ class Window:
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
         epoch = step * acc.gradient_accumulation_steps / s.micro_per_epoch
+        skipped = int(acc.reduce(torch.tensor(len(s.skipped), device=acc.device), reduction="sum"))
         record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": s.scheduler.get_last_lr()[0], **m,
-                  "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time()}
+                  "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),
+                  "corrupt_skipped": skipped}
         self.sums.zero_()
         self.tokens, self.t0 = 0, time.perf_counter()
         return record
@@ -118,17 +130,20 @@ def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> di
             learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {s.train_shards_text}")
     if config.audit:
         write_audit(s, out, seen)
+    skipped = int(acc.reduce(torch.tensor(len(s.skipped), device=acc.device), reduction="sum"))
     acc.wait_for_everyone()
     acc.end_training()
     return {"out": str(out), "steps": s.total_steps, "final_eval": final, "world_size": acc.num_processes,
-            "main_process": acc.is_main_process}
+            "main_process": acc.is_main_process, "corrupt_skipped": skipped}
 
 
 def done_line(summary: dict) -> str:
     """The last line a run prints: steps, where the drafter is, the held-out figures."""
     ev = summary["final_eval"]
     return (f"done: {summary['steps']} steps, checkpoint {summary['out']}/final"
-            + (f"; held-out loss {ev['loss']:.4f}, streak tau {ev['tau_streak']:.3f}" if ev else ""))
+            + (f"; held-out loss {ev['loss']:.4f}, streak tau {ev['tau_streak']:.3f}" if ev else "")
+            + (f"; {summary['corrupt_skipped']} corrupt sample(s) left out (--on-corrupt skip; run `pipeline verify`)"
+               if summary.get("corrupt_skipped") else ""))
 
 
 def micro_batches(s: Setup, config: TrainConfig):
@@ -138,7 +153,7 @@ def micro_batches(s: Setup, config: TrainConfig):
     acc = s.accelerator
     while True:
         mine = epoch_batches(s.train_refs, config.batch_size, config.seed, epoch, acc.process_index, acc.num_processes)
-        yield from _loader(config, mine[offset:], acc.device.type == "cuda")
+        yield from _loader(config, mine[offset:], acc.device.type == "cuda", s.skipped)
         epoch, offset = epoch + 1, 0
 
 
@@ -151,7 +166,7 @@ def validate(s: Setup, config: TrainConfig) -> dict:
     refs = sample_refs(s.eval_refs, config.eval_samples, config.seed)
     batches = epoch_batches(refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
     total = zero_sums(s.drafter_config.block_size, acc.device)
-    for i, batch in enumerate(_loader(config, batches, acc.device.type == "cuda")):
+    for i, batch in enumerate(_loader(config, batches, acc.device.type == "cuda", s.skipped)):
         batch = batch.to(acc.device)
         gen = step_generator(config.seed, -1, i, acc.process_index, acc.device)
         with acc.autocast():
@@ -159,8 +174,16 @@ def validate(s: Setup, config: TrainConfig) -> dict:
     return {**summarize(acc.reduce(total, reduction="sum")), "samples": len(refs)}
 
 
-def _loader(config: TrainConfig, batches: list, pin: bool) -> torch.utils.data.DataLoader:
-    """Batches read and padded by --workers worker processes, in order."""
-    return torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
-                                       num_workers=config.workers, pin_memory=pin,
-                                       prefetch_factor=4 if config.workers else None)
+def _loader(config: TrainConfig, batches: list, pin: bool, skipped: set):
+    """Batches read and padded by --workers worker processes, in order. A sample whose read failed
+    its checksum stops the run (--on-corrupt stop: one line naming the chunk and the fix) or is left
+    out of its batch and added to `skipped` (skip)."""
+    loader = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
+                                         num_workers=config.workers, pin_memory=pin,
+                                         prefetch_factor=4 if config.workers else None)
+    for batch in loader:
+        for shard, index, why in batch.corrupt:
+            if config.on_corrupt == "stop":
+                raise StoreCorrupt(why)
+            skipped.add((shard, index))
+        yield batch

@@ -14,13 +14,16 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
 from stages.settings import flag_of
 from store.errors import ConfigError
+from store.locks import LockFile
 
 # Fields that fix the data order and the model: a resumed run must keep them.
 RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
@@ -45,6 +48,23 @@ class MetricsLog:
                 fh.write(json.dumps(record) + "\n")
             self.acc.log({f"{record['split']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))},
                          step=record["step"])
+
+
+RUN_LOCK = ".train.lock"  # held by the main process of the run writing OUT
+
+
+def claim(out: Path) -> LockFile | None:
+    """OUT for this launch's main process (None on the others): refused while another live run holds
+    it. A killed run's lock is taken over (its pid is gone, or its lease ran out)."""
+    if devices.Process.from_env().rank != 0:
+        return None
+    lock = LockFile(out / RUN_LOCK)
+    holder = lock.try_acquire()
+    if holder is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
+        raise ConfigError("--out", out, f"another training run is writing it (host {holder.get('host')}, pid "
+                                        f"{holder.get('pid')}, since {since}); wait for it, or choose another --out")
+    return lock
 
 
 def training_record(s, config, step: int) -> TrainingRecord:

@@ -8,7 +8,7 @@ import dataclasses
 import importlib.util
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, epoch_batches, index_samples
-from stages.train.run_dir import resume_point
+from stages.train.run_dir import claim, resume_point
 from stages.train.step import LossPlan
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
@@ -48,6 +48,8 @@ class Setup:
     total_steps: int
     start_step: int
     plan: LossPlan
+    skipped: set = field(default_factory=set)  # (shard, index) left out by --on-corrupt skip
+    lock: object = None  # OUT's run lock (stages/train/run_dir.claim), main process only
 
 
 def make_accelerator(config: TrainConfig):
@@ -177,6 +179,16 @@ def check_against_store(dc: DrafterConfig, attrs: StoreAttrs, where) -> None:
 
 
 def prepare(config: TrainConfig, log) -> Setup:
+    lock = claim(Path(config.out))
+    try:
+        return replace(_prepare(config, log), lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _prepare(config: TrainConfig, log) -> Setup:
     store = HiddenStore(config.store)
     attrs = store.attrs
     rdir, previous = resume_point(config, attrs.fingerprint)

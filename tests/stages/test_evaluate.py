@@ -175,3 +175,15 @@ def test_bf16_drafter_uses_the_stored_embedding_and_head_without_copies(small_st
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and m.rotary.inv_freq.dtype == torch.float32
     m32 = build(ck, embed, head, "cpu", "fp32")
     assert m32.lm_head.dtype == torch.float32 and torch.equal(m32.lm_head, head.float())
+
+
+def test_a_corrupt_chunk_is_never_replayed(store_copy, tmp_path):
+    from store.errors import StoreCorrupt
+    from tests.conftest import damage_states
+
+    ck = our_checkpoint(store_copy, tmp_path / "ck")
+    damage_states(store_copy, 3)
+    with pytest.raises(StoreCorrupt, match=r"shards/00003/hidden.* fails its crc32c checksum .*\(shard 3, sample \d+\); "
+                                           r"run `pipeline verify .* --shards 3`"):
+        evaluate(store_copy, tmp_path, ck, shards="3")
+    assert not (tmp_path / "rep" / "report.json").exists()

@@ -7,7 +7,7 @@ from stages.extract.config import ExtractConfig
 from stages.extract.run import run
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
-from tests.conftest import SMALL, small_rows
+from tests.conftest import SMALL, damage_states, small_rows
 from tests.targets import bf16_close, chat_prompt, reference_states
 
 
@@ -97,6 +97,22 @@ def test_rerun_skips_committed_shards(small_store, small_dataset):
     summary = run(config, log=lambda m: None)
     assert summary["shards_written"] == [] and summary["shards_skipped"] == [0, 1, 2, 3]
     assert HiddenStore(str(small_store)).committed() == before
+
+
+def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(small_store, store_copy, small_dataset):
+    damage_states(store_copy, 1)
+    untouched = (store_copy / "_commits/00002.json").stat().st_mtime_ns
+    config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, redo=True,
+                           **SMALL)
+    lines = []
+    summary = run(config, log=lines.append)
+    assert summary["shards_written"] == [1] and summary["shards_skipped"] == [0, 2, 3]
+    assert any(line.startswith("shard 1 is corrupt (") for line in lines)
+    assert (store_copy / "_commits/00002.json").stat().st_mtime_ns == untouched
+    for f in (p for p in (small_store / "shards/00001").rglob("*") if p.is_file()):
+        assert f.read_bytes() == (store_copy / f.relative_to(small_store)).read_bytes(), f
+    again = run(config, log=lambda m: None)  # nothing corrupt left: nothing redone
+    assert again["shards_written"] == [] and again["shards_skipped"] == [0, 1, 2, 3]
 
 
 def test_dataset_responses_are_stored_verbatim(tmp_path, small_dataset, target):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import shutil
 import sys
 
@@ -248,3 +249,47 @@ def test_a_drafter_with_an_embedding_scale_is_warned_about(small_store, tmp_path
     prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"),
                         workers=0), log=lines.append)
     assert any("input_embedding_scale 0.5: no serving consumer applies it" in x for x in lines)
+
+
+def test_a_corrupt_chunk_stops_training_naming_it_or_is_skipped_and_counted(store_copy, tmp_path):
+    from stages.train.config import TrainConfig
+    from stages.train.run import done_line
+    from stages.train.run import run as train_run
+    from store.errors import StoreCorrupt
+    from tests.conftest import damage_states
+
+    damage_states(store_copy, 1)
+    common = dict(store=str(store_copy), eval_shards="3", max_steps=4, batch_size=4, anchors=8, workers=0)
+    with pytest.raises(StoreCorrupt) as e:
+        train_run(TrainConfig(out=str(tmp_path / "stop"), **common), log=lambda m: None)
+    msg = str(e.value)
+    assert "shards/00001/hidden" in msg and "fails its crc32c checksum" in msg and "\n" not in msg
+    assert f"pipeline verify {store_copy} --shards 1" in msg and "--shards 1 --redo" in msg
+    summary = train_run(TrainConfig(out=str(tmp_path / "skip"), on_corrupt="skip", **common), log=lambda m: None)
+    assert summary["corrupt_skipped"] > 0 and "corrupt sample(s) left out" in done_line(summary)
+    records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-2]["split"] == "train" and records[-2]["corrupt_skipped"] == summary["corrupt_skipped"]
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_store, tmp_path):
+    import os
+    import subprocess
+
+    from stages.train.config import TrainConfig
+    from stages.train.run import run as train_run
+    from stages.train.run_dir import RUN_LOCK
+    from store.locks import HOST, IDENTITY, LockFile
+
+    lock = tmp_path / "x" / RUN_LOCK
+    first = LockFile(lock)
+    assert first.try_acquire() is None  # a live run holds OUT
+    msg = setup_error(small_store, tmp_path)
+    assert f"another training run is writing it (host {HOST}, pid {os.getpid()}, since " in msg
+    first.release()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a killed run's lock: its pid is gone, so the next run takes it over
+    lock.write_text(json.dumps({"host": HOST, "pid": dead.pid, "identity": IDENTITY, "since": 0}))
+    summary = train_run(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, batch_size=2,
+                                    anchors=4, workers=0), log=lambda m: None)
+    assert summary["steps"] == 1 and not lock.exists()  # released at the end
