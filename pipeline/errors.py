@@ -19,3 +19,7 @@ class DrafterError(UserError):
 
 class EngineError(UserError):
     """A reference server that cannot be reached, or does not serve what the store needs."""
+
+
+class TrainingError(UserError):
+    """A run that cannot go on: a non-finite loss, named with its step and samples."""

@@ -54,11 +54,15 @@ class HiddenStore:
         if self.local:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             tmp = f"{path}.tmp.{os.getpid()}"
-            with open(tmp, "w") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+            except BaseException:  # a full disk, a signal: no temporary file left behind
+                Path(tmp).unlink(missing_ok=True)
+                raise
         else:
             with self.fs.open(path, "w") as fh:
                 fh.write(data)

@@ -151,6 +151,8 @@ def _save(plt, fig, ax, path: Path) -> Path:
 def write(rep: dict, out: Path) -> None:
     """Each file written whole to a temporary name, then renamed: a reader never sees half a report."""
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".report.*.tmp*"):  # left by a run killed while writing
+        stale.unlink(missing_ok=True)
     _atomic(out / "report.json", json.dumps(rep, indent=1) + "\n")
     _atomic(out / "report.md", markdown(rep))
     plots(rep, out)

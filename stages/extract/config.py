@@ -80,6 +80,15 @@ class ExtractConfig:
                                      "width one writes ~600 MB/s of raw states, and a GPU captures ~500 MB/s.")
     writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
                                            "capture waits beyond it, except while the writer waits to fill a shard file.")
+    skip_nonfinite: bool = setting(False, "Leave out rows whose captured states hold NaN or Inf and count them (skipped "
+                                          "rows 'nonfinite', per shard and in the summary). Without it such a row "
+                                          "stops the run, naming the shard and the dataset row, and that shard is not "
+                                          "committed.")
+    ignore_free_space: bool = setting(False, "Start even when the store's file system has less free space than the "
+                                             "estimate printed at the start (measured from the store's committed "
+                                             "shards, else from the length limits). Not checked for object stores. "
+                                             "A disk that fills up stops the run with one line either way; committed "
+                                             "shards are kept and a rerun completes the store.")
 
     def __post_init__(self) -> None:
         fill(self, "target", self.target or str(TINY_TARGET))

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.drafter.loss import summarize, zero_sums
+from pipeline.errors import TrainingError
 from stages.train.config import TrainConfig
 from stages.train.data import StoreBatches, epoch_batches, sample_refs
 from stages.train.run_dir import MetricsLog, export, save_step, write_audit
@@ -36,7 +37,7 @@ def run(config: TrainConfig, log=print) -> dict:
 
 def _run(s: Setup, config: TrainConfig) -> dict:
     acc, out = s.accelerator, Path(config.out)
-    metrics = MetricsLog(acc, out, s.start_step)
+    metrics = MetricsLog(acc, out, s.start_step, s.total_steps)
     if s.eval_refs and s.start_step == 0:
         metrics.write({"split": "eval", "step": 0, **validate(s, config)})
     bar = tqdm(total=s.total_steps, initial=s.start_step, unit="step", desc="train", dynamic_ncols=True,
@@ -76,6 +77,7 @@ def train_step(s: Setup, config: TrainConfig, batches, step: int, seen: list | N
         with acc.accumulate(s.model):
             gen = step_generator(config.seed, step, micro, acc.process_index, acc.device)
             out = forward_loss(s.model, s.raw, batch, s.plan, gen)
+            check_finite(out.loss, step, micro, batch)
             acc.backward(out.loss)
             if acc.sync_gradients and config.grad_clip > 0:
                 acc.clip_grad_norm_(s.model.parameters(), config.grad_clip)
@@ -84,6 +86,16 @@ def train_step(s: Setup, config: TrainConfig, batches, step: int, seen: list | N
         sums = sums + out.sums
     s.scheduler.step()
     return sums, tokens
+
+
+def check_finite(loss: torch.Tensor, step: int, micro: int, batch) -> None:
+    """Stop before a non-finite loss reaches the weights (the host already waits for this micro-batch:
+    its token count is read back), naming the step and the samples."""
+    if not bool(torch.isfinite(loss.detach())):
+        refs = ", ".join(f"shard {a} sample {b}" for a, b in batch.refs.tolist())
+        raise TrainingError(f"step {step + 1}, micro-batch {micro}: the loss is {float(loss):.4g}, not finite; the "
+                            f"batch held {refs} (check them with `pipeline verify`; lower --lr, or --resume from "
+                            "the last step-N)")
 
 
 class Window:

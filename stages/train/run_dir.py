@@ -34,12 +34,13 @@ RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_ac
 class MetricsLog:
     """OUT/metrics.jsonl plus Accelerate trackers; written by the main process only."""
 
-    def __init__(self, accelerator, out: Path, start_step: int) -> None:
+    def __init__(self, accelerator, out: Path, start_step: int, total_steps: int) -> None:
         self.acc, self.path = accelerator, out / "metrics.jsonl"
         if self.acc.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
-            if self.path.exists():  # on resume, drop records past the checkpoint: they are redone
-                keep = [x for x in self.path.read_text().splitlines() if x and json.loads(x)["step"] <= start_step]
+            if self.path.exists():  # on resume, drop the records the run redoes
+                records = [x for x in self.path.read_text().splitlines() if x]
+                keep = [x for x in records if kept(json.loads(x), start_step, total_steps)]
                 self.path.write_text("".join(x + "\n" for x in keep))
 
     def write(self, record: dict) -> None:
@@ -67,6 +68,15 @@ def claim(out: Path) -> LockFile | None:
     return lock
 
 
+def kept(record: dict, start: int, total: int) -> bool:
+    """Whether a metrics record survives a resume from step `start`: those up to the checkpoint,
+    except the final validation (written after the last checkpoint, redone by the finish) and
+    everything of a run that had no checkpoint yet (start 0: it starts over)."""
+    if record["step"] == start == total:
+        return record["split"] == "train"
+    return 0 < start and record["step"] <= start
+
+
 def training_record(s, config, step: int) -> TrainingRecord:
     return TrainingRecord(store_fingerprint=s.store_fingerprint, store=config.store, store_taps=s.store_taps,
                           train_shards=s.train_shards_text, eval_shards=s.eval_shards_text, step=step,
@@ -78,6 +88,10 @@ def export(s, config, directory: Path, step: int, atomic: bool = True) -> None:
     DIRECTORY, or into an existing directory the caller publishes itself."""
     state = s.accelerator.get_state_dict(s.model)
     if s.accelerator.is_main_process:
+        if atomic:  # what a killed run left of an earlier write of DIRECTORY (this run holds OUT's lock)
+            for stale in [*directory.parent.glob(f".{directory.name}.tmp*"),
+                          *directory.parent.glob(f".{directory.name}.old*")]:
+                shutil.rmtree(stale, ignore_errors=True)
         write = checkpoint.save if atomic else checkpoint.write
         write(directory, s.drafter_config, state, training_record(s, config, step))
     s.accelerator.wait_for_everyone()
@@ -158,11 +172,13 @@ def latest_step(out: Path) -> Path | None:
 
 
 def resume_dir(config) -> Path | None:
+    """The checkpoint --resume continues from; None for a fresh run, and for `--resume` (latest) when
+    OUT holds no complete step-N yet (a run killed before its first save starts over)."""
     if not config.resume:
         return None
-    d = latest_step(Path(config.out)) if config.resume == "latest" else Path(config.resume)
-    if d is None:
-        raise ConfigError("--resume", None, f"no finished step-N checkpoint in {config.out}")
+    if config.resume == "latest":
+        return latest_step(Path(config.out))
+    d = Path(config.resume)
     if not (d / "trainer_state.json").exists():
         raise ConfigError("--resume", d, "not a training checkpoint (no trainer_state.json)")
     return d
@@ -172,6 +188,8 @@ def resume_point(config, fingerprint: str) -> tuple[Path | None, dict | None]:
     """(step directory, its trainer_state) for --resume, after checking the run may continue from
     it; (None, None) for a fresh run, which refuses an OUT that already holds one."""
     rdir = resume_dir(config)
+    if rdir is None and config.resume:
+        return None, None  # nothing complete to continue: from step 0 (metrics.jsonl is started over)
     if rdir is None:
         used = sorted(p.name for p in Path(config.out).glob("*")
                       if p.name in ("metrics.jsonl", "final") or p.name.startswith("step-"))

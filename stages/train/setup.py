@@ -219,11 +219,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
     if rdir is not None:
         acc.load_state(str(rdir / "training"))
         start = previous["step"]
-        if start >= total:
+        finished = (Path(config.out) / "final" / "config.json").exists()
+        if start > total or (start == total and finished):  # at the end without final/: only finish() is redone
             raise ConfigError("--resume", rdir, f"already at step {start} of {total}")
     if acc.is_main_process:
         n_params = sum(p.numel() for p in raw.parameters())
         log((f"resumed from {rdir} at step {start}\n" if rdir else "")
+            + (f"--resume: no complete step-N in {config.out} yet, starting from step 0\n" if config.resume and not rdir
+               else "")
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")

@@ -293,3 +293,28 @@ def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_sto
     summary = train_run(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, batch_size=2,
                                     anchors=4, workers=0), log=lambda m: None)
     assert summary["steps"] == 1 and not lock.exists()  # released at the end
+
+
+def test_a_non_finite_loss_stops_before_the_weights_naming_step_and_samples(small_store, tmp_path, monkeypatch):
+    from pipeline.errors import TrainingError
+    from stages.train import run as train_module
+    from stages.train.config import TrainConfig
+
+    real, calls = train_module.forward_loss, []
+
+    def poisoned(model, raw, batch, plan, gen):  # the 3rd training micro-batch's loss becomes NaN
+        out = real(model, raw, batch, plan, gen)
+        if model.training:
+            calls.append(batch.refs.tolist())
+            if len(calls) == 3:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(train_module, "forward_loss", poisoned)
+    config = TrainConfig(store=str(small_store), out=str(tmp_path / "run"), max_steps=5, save_every=2, batch_size=2,
+                         anchors=4, workers=0)
+    with pytest.raises(TrainingError) as e:
+        train_module.run(config, log=lambda m: None)
+    shard, index = calls[2][0]
+    assert f"step 3, micro-batch 0: the loss is nan, not finite; the batch held shard {shard} sample {index}" in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-2"]  # nothing saved after it

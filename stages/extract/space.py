@@ -1,0 +1,146 @@
+"""Disk space for an extraction: the bytes the shards still to write need, checked against the free
+space of a local store before anything is written, and the one line a full disk ends a run with.
+
+The estimate (`Need`) is upper-ish, by design:
+
+- **From the store itself** when it has committed shards that recorded their size (the commit
+  files' `bytes`, docs/store.md): their bytes on disk per dataset row (skipped rows included),
+  times the rows of each shard to write, plus `HEADROOM`. Every shard of a store was made with the
+  same limits, taps and codec (they are in its `compat`), so this measured figure already holds
+  the completion limit, the width and the compression; the headroom covers shards whose rows run
+  longer than the average.
+- **From the settings** otherwise (a new store, or one with nothing committed yet): per row, the
+  prompt plus a completion at its full limit (`--max-new-tokens`, within `--max-length`), the mean
+  over a sample of the rows to write; per token, `n_taps x H x 2` bytes of bf16 states times a
+  conservative stored fraction (`STORED_FRACTION`), plus the token ids and the loss mask; a new
+  store adds its embedding and lm_head. Completions that end early and better compression only
+  make the real size smaller.
+
+Object stores (any fsspec URL that is not a local path) are not checked: the line says so.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import ceil
+from pathlib import Path
+
+from store.errors import StoreError
+from store.hidden_store import HiddenStore
+from store.schema import ShardCommit
+from store.summary import human_bytes
+
+# Stored bytes of bf16 states over their raw bytes, on the conservative side of what was measured
+# (docs/performance.md, "The store layout"): planes 0.504 on the tiny target's store (1.98x) and
+# 0.651 at 27B width without shared prefixes (1.54x); blosc 0.554 and 0.736.
+STORED_FRACTION = {"planes": 0.70, "blosc": 0.80}
+SMALL_BYTES_PER_TOKEN = 5  # tokens (int32) and loss_mask (uint8), stored as they are at worst
+SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs
+HEADROOM = 1.2  # on the bytes per row measured from committed shards
+FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left; disk quota exceeded
+
+
+@dataclass(frozen=True)
+class Need:
+    """Bytes estimated for each shard to write, and for the root when this run creates the store."""
+
+    shards: dict[int, int]  # shard -> bytes
+    root: int
+    basis: str  # how it was estimated, for the log line
+
+    @property
+    def total(self) -> int:
+        return self.root + sum(self.shards.values())
+
+    def left(self, committed) -> int:
+        """Bytes still needed once the shards in `committed` are done."""
+        return sum(n for s, n in self.shards.items() if s not in committed)
+
+
+def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Need | None:
+    """rows: shard to write -> its dataset rows. None when no committed shard recorded its bytes."""
+    measured = [r for r in committed.values() if r.bytes]
+    seen = sum(r.samples + sum(r.skipped.values()) for r in measured)
+    if not seen:
+        return None
+    per_row = sum(r.bytes["shard"] for r in measured) / seen
+    return Need({s: ceil(per_row * n * HEADROOM) for s, n in rows.items()}, 0,
+                f"{human_bytes(round(per_row))} per row measured over {len(measured)} committed shard(s), "
+                f"+{HEADROOM - 1:.0%}")
+
+
+def from_limits(rows: dict[int, int], tokens_per_row: float, n_taps: int, hidden_size: int, codec: str,
+                root_raw: int) -> Need:
+    """rows: shard to write -> its dataset rows; tokens_per_row: prompt + completion at its limit, a
+    mean; root_raw: raw bytes of the embedding and lm_head of a store this run creates (else 0)."""
+    frac = STORED_FRACTION[codec]
+    per_token = n_taps * hidden_size * 2 * frac + SMALL_BYTES_PER_TOKEN
+    per_row = tokens_per_row * per_token + SMALL_BYTES_PER_ROW
+    return Need({s: ceil(per_row * n) for s, n in rows.items()}, ceil(root_raw * frac),
+                f"{tokens_per_row:.0f} tokens per row at the length limits x {n_taps} taps x {hidden_size} x 2 bytes, "
+                f"stored at {frac:.2f} of raw bf16")
+
+
+def free_at(path: str) -> tuple[str, int]:
+    """(the nearest existing folder at or above path, its file system's free bytes)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return str(p), shutil.disk_usage(p).free
+
+
+def check(store: HiddenStore, need: Need, ignore: bool, say) -> None:
+    """One line: the bytes needed against those free where the store lives. Refuses to start when
+    fewer are free than the estimate, unless `ignore` (--ignore-free-space)."""
+    if not need.shards:
+        return
+    what = f"{len(need.shards)} shard(s) to write need about {human_bytes(need.total)} ({need.basis})"
+    if not store.local:
+        say(f"space: {what}; {store.location} is not a local path, free space not checked")
+        return
+    where, free = free_at(store.root)
+    short = free < need.total
+    say(f"space: {what}; {human_bytes(free)} free at {where}"
+        + ("; less than the estimate, going on (--ignore-free-space)" if short and ignore else ""))
+    if short and not ignore:
+        raise StoreError(f"{store.location}: not enough free space: {len(need.shards)} shard(s) to write need about "
+                         f"{human_bytes(need.total)} and {human_bytes(free)} is free at {where}; free space or choose "
+                         "another --store, or pass --ignore-free-space to start anyway")
+
+
+def full_disk(exc: BaseException) -> OSError | None:
+    """The OSError ENOSPC/EDQUOT behind exc, however wrapped (the writer thread re-raises what
+    stopped it as the cause of its own error), or None."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL:
+            return e
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return None
+
+
+@contextmanager
+def stop_when_full(store: HiddenStore, need: Need) -> Iterator[None]:
+    """A full disk anywhere inside (writer thread, zarr, commit file) becomes one line naming the
+    store and the space still needed. Nothing half-written is committed: a shard's commit file is
+    written last, so the shard in progress stays uncommitted and a rerun deletes and redoes it."""
+    try:
+        yield
+    except Exception as e:
+        err = full_disk(e)
+        if err is None:
+            raise
+        left = need.left(store.committed())
+        raise StoreError(f"{store.location}: {os.strerror(err.errno).lower()}; the shards still to write need "
+                         f"about {human_bytes(left)}: committed shards are kept, the shard in progress is left "
+                         "uncommitted; free space and rerun the same command to complete the store") from e
