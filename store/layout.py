@@ -38,7 +38,7 @@ INDEX_ARRAYS = ("first_pairs",)
 ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
                 "prompt_lens": np.int32, "row_ids": np.int64, "first_pairs": np.int32}
 TOKEN_CHUNK = 1 << 16  # elements per chunk of the per-token arrays: a sample's span decodes little
-SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected")
+SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected", "nonfinite")
 # The hidden states' codec: "planes" (schema 2: this package's byte-plane codec, store/codec.py,
 # high plane zstd at the level, low plane LZ4) or "blosc" (schema 1's: blosc zstd, byte shuffle).
 # Every chunk of a schema-2 store ends in a crc32c checksum that every read verifies.

@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.decode.acceptance import summarize
+import numpy as np
+
+from pipeline.decode.acceptance import round_tokens, summarize
 from pipeline.errors import EngineError
 from store.schema import StoreAttrs
 
@@ -37,7 +39,7 @@ class ServedBench:
     """The sample's prompts, served once per drafter. texts: per prompt, (its stored tokens: prompt
     then completion, prompt length)."""
 
-    def __init__(self, python: str, target: str, texts: list[tuple[list[int], int]], attrs: StoreAttrs, log) -> None:
+    def __init__(self, python: str, target: str, texts: list[tuple[np.ndarray, int]], attrs: StoreAttrs, log) -> None:
         check_python(python)
         self.python, self.target, self.texts, self.attrs, self.log = python, target, texts, attrs, log
 
@@ -46,7 +48,7 @@ class ServedBench:
         return {"target": self.target, "drafter": str(Path(drafter).resolve()), "dtype": "bfloat16", "seed": 0,
                 "num_speculative_tokens": block_size - 1, "max_model_len": compat.max_length,
                 "stop_token_ids": list(self.attrs.eos_token_ids),
-                "prompts": [{"prompt": tokens[:n], "max_tokens": compat.completion_limit(n)}
+                "prompts": [{"prompt": tokens[:n].tolist(), "max_tokens": compat.completion_limit(n)}
                             for tokens, n in self.texts]}
 
     def run(self, drafter: str, block_size: int, replayed: list[Rounds]) -> dict:
@@ -94,15 +96,16 @@ def served_rounds(tokens: list[int], accepted: list[int]) -> Rounds:
     cut to the completion tokens left after the prefill's first one."""
     left, rounds = len(tokens) - 1, []
     for acc in accepted:
-        rounds.append((min(acc, left), min(acc + 1, left)))
+        rounds.append((min(acc, left), round_tokens(acc, left)))
         left -= rounds[-1][1]
     return rounds
 
 
-def compare(stored: list[list[int]], served: list[dict], replayed: list[Rounds], block_size: int) -> dict:
-    """Served against replay, over the prompts whose served completion equals the stored one and over all."""
+def compare(stored: list, served: list[dict], replayed: list[Rounds], block_size: int) -> dict:
+    """Served against replay, over the prompts whose served completion equals the stored one and over all.
+    stored: per prompt, its stored completion (array or list)."""
     rounds = [served_rounds(r["token_ids"], r["accepted"]) for r in served]
-    same = [i for i, (a, r) in enumerate(zip(stored, served)) if a == r["token_ids"]]
+    same = [i for i, (a, r) in enumerate(zip(stored, served)) if np.array_equal(a, r["token_ids"])]
 
     def side_by_side(idx: list[int]) -> dict:
         s, r = summarize([rounds[i] for i in idx], block_size), summarize([replayed[i] for i in idx], block_size)

@@ -43,7 +43,6 @@ from store.verify import verify
 
 INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
                "rerun the same command to resume")
-NONFINITE = "nonfinite"  # the skip reason of rows whose states hold NaN or Inf (--skip-nonfinite)
 SAMPLED_ROWS = 64  # rows whose prompts are rendered to estimate a new store's size
 
 
@@ -305,7 +304,7 @@ class Extractor:
         s["samples"] += record.samples
         s["truncated"] += record.truncated
         for reason, n in record.skipped.items():
-            s["skipped"][reason] = s["skipped"].get(reason, 0) + n
+            s["skipped"][reason] += n
         return record
 
     def start(self, rows: list[int], writer: ShardWriter) -> Batch:
@@ -374,9 +373,8 @@ class Extractor:
             raise TargetError(f"{self.store.location}: shard {shard}: the target's hidden states hold NaN or Inf for "
                               f"dataset row(s) {rows}; the shard is not committed (pass --skip-nonfinite to leave such "
                               "rows out and count them)")
-        writer.stats.skipped.setdefault(NONFINITE, 0)  # not one of layout.SKIP_REASONS: recorded once it happens
         for _ in bad:
-            writer.skip(NONFINITE)
+            writer.skip("nonfinite")
         keep = [i for i in range(len(ready)) if i not in bad]
         return [ready[i] for i in keep], torch.cat([parts[i] for i in keep]) if keep else hidden[:0]
 

@@ -115,13 +115,17 @@ class Window:
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
         epoch = step * acc.gradient_accumulation_steps / s.micro_per_epoch
-        skipped = int(acc.reduce(torch.tensor(len(s.skipped), device=acc.device), reduction="sum"))
         record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": s.scheduler.get_last_lr()[0], **m,
                   "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),
-                  "corrupt_skipped": skipped}
+                  "corrupt_skipped": corrupt_skipped(s)}
         self.sums.zero_()
         self.tokens, self.t0 = 0, time.perf_counter()
         return record
+
+
+def corrupt_skipped(s: Setup) -> int:
+    """Samples left out by --on-corrupt skip so far, summed over processes (a collective: every rank calls it)."""
+    return int(s.accelerator.reduce(torch.tensor(len(s.skipped), device=s.accelerator.device), reduction="sum"))
 
 
 def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
@@ -142,7 +146,7 @@ def finish(s: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> di
             learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {s.train_shards_text}")
     if config.audit:
         write_audit(s, out, seen)
-    skipped = int(acc.reduce(torch.tensor(len(s.skipped), device=acc.device), reduction="sum"))
+    skipped = corrupt_skipped(s)
     acc.wait_for_everyone()
     acc.end_training()
     return {"out": str(out), "steps": s.total_steps, "final_eval": final, "world_size": acc.num_processes,

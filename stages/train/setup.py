@@ -8,7 +8,7 @@ import dataclasses
 import importlib.util
 import math
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -181,7 +181,7 @@ def check_against_store(dc: DrafterConfig, attrs: StoreAttrs, where) -> None:
 def prepare(config: TrainConfig, log) -> Setup:
     lock = claim(Path(config.out))
     try:
-        return replace(_prepare(config, log), lock=lock)
+        return dataclasses.replace(_prepare(config, log), lock=lock)
     except BaseException:
         if lock is not None:
             lock.release()
