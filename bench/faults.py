@@ -1,7 +1,10 @@
 """Random SIGKILLs: `pipeline extract` and `train.py` killed at random moments, then rerun; each
-result must equal an uninterrupted run's.
+result must equal an uninterrupted run's. Random damage: a store's files damaged at random, each
+read back as training and evaluation read it; each must be an error naming the file, or the data
+unchanged.
 
-    python bench/faults.py [--extract-kills 20] [--train-kills 10] [--seed 0] [--json bench/results/faults.json]
+    python bench/faults.py [--extract-kills 20] [--train-kills 10] [--damage 500] [--seed 0]
+                           [--json bench/results/faults.json]
 
 Extraction: shards 0-3 of the shipped prompt set (64 shards) into a fresh store, killed after a
 random delay within one uninterrupted run's wall time, then rerun to completion; every file under
@@ -10,6 +13,9 @@ checksums the same. Training: 60 steps saved every 10 on that store, killed the 
 with --resume; the train losses must be the uninterrupted ones step for step, and final/ the same
 tensors. The tests (tests/test_processes.py, tests/stages/test_train_faults.py) kill at chosen
 points; this bench kills at random ones. One thread per process, so results are comparable.
+Damage: a random file of that store (any kind: commit files, metadata, every array's chunks, the
+root), then at random: 1-64 bytes flipped at a random place, cut at a random length, or deleted;
+tests/store/test_damage.py does every file in six fixed ways.
 """
 
 from __future__ import annotations
@@ -128,10 +134,51 @@ def train_kills(root: Path, n: int, rng: random.Random) -> list[dict]:
     return runs
 
 
+def damage(root: Path, n: int, rng: random.Random) -> list[dict]:
+    from store.errors import StoreError
+    from tests.store.test_damage import equal, files, names, read_everything
+
+    store = root / "ref.zarr"
+    shards = [0, 1, 2, 3]
+    clean = read_everything(str(store), shards)
+    keys = files(store)
+    runs = []
+    for i in range(n):
+        key = rng.choice(keys)
+        path = store / key
+        original = path.read_bytes()
+        kind = rng.choice(["flip", "cut", "delete"])
+        if kind == "flip" and original:
+            at, length = rng.randrange(len(original)), rng.randint(1, 64)
+            flipped = bytes(b ^ rng.randint(1, 255) for b in original[at:at + length])
+            bad = original[:at] + flipped + original[at + length:]
+        elif kind == "cut":
+            bad = original[:rng.randrange(len(original))] if original else None
+        else:
+            bad = None
+        path.unlink() if bad is None else path.write_bytes(bad)
+        try:
+            outcome = "unchanged" if equal(read_everything(str(store), shards), clean) else "READ AS DATA"
+        except StoreError as e:
+            outcome = "error naming it" if names(str(e), key) and "\n" not in str(e) else f"OTHER ERROR: {e}"
+        except Exception as e:  # noqa: BLE001 - reported, never hidden
+            outcome = f"CRASH: {type(e).__name__}: {e}"
+        finally:
+            path.write_bytes(original)
+        runs.append({"file": key, "kind": kind, "outcome": outcome,
+                     "same": outcome in ("unchanged", "error naming it")})
+        if not runs[-1]["same"]:
+            print(f"damage {i + 1}/{n}: {key} {kind} -> {outcome}", flush=True)
+    print(f"damage: {n} reads of a damaged store: " + ", ".join(
+        f"{sum(r['outcome'] == o for r in runs)} {o}" for o in ("error naming it", "unchanged")), flush=True)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--extract-kills", type=int, default=20)
     ap.add_argument("--train-kills", type=int, default=10)
+    ap.add_argument("--damage", type=int, default=500, help="random damages of the store, each read back")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -139,8 +186,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dflash-faults-") as tmp:
         root = Path(tmp)
         result = {"extract": extract_kills(root, args.extract_kills, rng),
-                  "train": train_kills(root, args.train_kills, rng)}
-    for kind, runs in result.items():
+                  "train": train_kills(root, args.train_kills, rng),
+                  "damage": damage(root, args.damage, rng)}
+    for kind, runs in list(result.items())[:2]:
         killed = [r for r in runs if r["killed"]]
         print(f"{kind}: {sum(r['same'] for r in runs)} of {len(runs)} reruns identical "
               f"({len(killed)} really killed, {sum(r['same'] for r in killed)} of those identical)")

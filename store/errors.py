@@ -45,4 +45,9 @@ class StoreMismatch(StoreError):
 
 
 class StoreCorrupt(StoreError):
-    """Stored data that contradicts its commit record (shape, checksum)."""
+    """Stored data that contradicts its commit record (shape, checksum). `damage` names the file and
+    what is wrong with it; `fix`, when known, says what to run."""
+
+    def __init__(self, damage: str, fix: str | None = None) -> None:
+        self.damage, self.fix = damage, fix
+        super().__init__(damage if fix is None else f"{damage}; {fix}")

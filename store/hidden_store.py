@@ -2,8 +2,9 @@
 
 A local path or any fsspec URL zarr accepts. Commit files are written last and atomically (a
 temporary name, then a rename; on object stores a single put), so a reader or a rerun only
-trusts what was finished. Locks need a POSIX file system; on object stores each process must
-be given disjoint shard ranges.
+trusts what was finished; they are sealed by their own checksum and record the checksums of the
+metadata files zarr parses, which are checked before zarr reads them (store/commit_file.py).
+Locks need a POSIX file system; on object stores each process must be given disjoint shard ranges.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import torch
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
-from store import layout
+from store import commit_file, layout
 from store.errors import NotAStore, NotCommitted, StoreCorrupt, StoreError, StoreMismatch
 from store.locks import HOST, LockFile
 from store.ranges import format_ranges
-from store.schema import SCHEMA_VERSION, Compat, ShardCommit, StoreAttrs, to_json
+from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
+ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
+ROOT_FIX = ("the store's root is damaged (zarr.json, target/ or _commits/root.json; the shards are separate "
+            "and `pipeline verify` checks them): restore those files from a copy of the store")
 
 
 class HiddenStore:
@@ -40,50 +44,77 @@ class HiddenStore:
         return f"{self.root.rstrip('/')}/{key}"
 
     def read_json(self, key: str) -> dict | None:
-        try:
-            with self.fs.open(self.path(key), "r") as fh:
-                return json.load(fh)
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return None  # a torn file from a crash counts as absent
+        """A commit file's record; None when it does not exist, StoreCorrupt when it is damaged."""
+        return commit_file.read(self.fs, self.path(key))
 
     def write_json(self, key: str, obj: dict) -> None:
-        data = json.dumps(obj, indent=1, sort_keys=True, default=str)
-        path = self.path(key)
-        if self.local:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{path}.tmp.{os.getpid()}"
-            try:
-                with open(tmp, "w") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except BaseException:  # a full disk, a signal: no temporary file left behind
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        else:
-            with self.fs.open(path, "w") as fh:
-                fh.write(data)
+        """Write a commit file (sealed, atomically)."""
+        commit_file.write(self.fs, self.path(key), obj, self.local)
 
     def lock(self, name: str) -> LockFile | None:
         return LockFile(Path(self.path(f"_locks/{name}.lock"))) if self.local else None
 
     def exists(self) -> bool:
-        return self.read_json(layout.commit_key("root")) is not None
+        return self.fs.exists(self.path(layout.commit_key("root")))
+
+    def unchecked_reads(self) -> str | None:
+        """What reading this store cannot check (a warning for the reader to print), or None."""
+        if self.attrs.schema_version < 2:
+            return (f"{self.location} is a schema-1 store: its chunks carry no checksums, so damage inside a state "
+                    f"or token chunk is not seen while reading (its metadata and per-sample arrays still are); run "
+                    f"`pipeline verify {self.location}` before using it, or extract it again into a schema-2 store")
+        older = [s for s, record in self.commits()[0].items() if not record.every_chunk]
+        if not older:
+            return None
+        return (f"{self.location}: shards {format_ranges(older)} were committed before every chunk was written "
+                f"(2026-12-01): a chunk file deleted from them reads as zeros, not as an error; run `pipeline verify "
+                f"{self.location} --shards {format_ranges(older)}` before using them, or `--redo` them")
+
+    def redo_hint(self, shard: int) -> str:
+        """What to run about a damaged shard."""
+        return (f"run `pipeline verify {self.location} --shards {shard}`, then re-extract it with the store's "
+                f"settings (`pipeline info` shows them) and `--shards {shard} --redo`")
 
     # -- root ------------------------------------------------------------------------------
     def group(self, mode: str = "r") -> zarr.Group:
         return zarr.open_group(self.location, mode=mode)
 
     @property
+    def root_commit(self) -> RootCommit:
+        """The root's commit record (read once)."""
+        if not hasattr(self, "_root_commit"):
+            key = layout.commit_key("root")
+            try:
+                d = self.read_json(key)
+            except StoreCorrupt as e:
+                raise StoreCorrupt(e.damage, ROOT_FIX) from None
+            if d is None:
+                raise NotAStore(f"{self.location}: not a hidden-state store (no {key})")
+            try:
+                self._root_commit = RootCommit.from_json(d, self.path(key))
+            except StoreCorrupt as e:
+                raise StoreCorrupt(e.damage, ROOT_FIX) from None
+        return self._root_commit
+
+    @property
     def attrs(self) -> StoreAttrs:
-        """The root attributes (read once, checked on the way in)."""
+        """The root attributes (read once, checked on the way in: the root's metadata files against
+        the checksums its commit file records, the fingerprint against the one it repeats)."""
         if not hasattr(self, "_attrs"):
-            if not self.exists():
-                raise NotAStore(f"{self.location}: not a hidden-state store (no {layout.commit_key('root')})")
-            self._attrs = StoreAttrs.from_json(dict(self.group("r").attrs), self.location)
+            root = self.root_commit
+            try:
+                commit_file.check_files(self.fs, self.root.rstrip("/"), root.metadata or {})
+                raw = dict(self.group("r").attrs)
+            except StoreCorrupt as e:
+                raise StoreCorrupt(e.damage, ROOT_FIX) from None
+            except Exception as e:  # noqa: BLE001 - zarr's own error on a root it cannot parse
+                raise StoreCorrupt(f"{self.path('zarr.json')}: unreadable ({type(e).__name__}: {e})",
+                                   ROOT_FIX) from None
+            attrs = StoreAttrs.from_json(raw, self.location)
+            if attrs.fingerprint != root.fingerprint:
+                raise StoreCorrupt(f"{self.path('zarr.json')}: the attributes' fingerprint {attrs.fingerprint[:12]} is "
+                                   f"not the {root.fingerprint[:12]} of {layout.commit_key('root')}", ROOT_FIX)
+            self._attrs = attrs
         return self._attrs
 
     def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor) -> str:
@@ -120,8 +151,10 @@ class HiddenStore:
                            fill_value=0, overwrite=True)[:] = bits
             checksums[name] = layout.crc32(bits)
         g.attrs.put(to_json(attrs))
-        self.write_json(layout.commit_key("root"), {"time": time.time(), "host": HOST, "fingerprint": attrs.fingerprint,
-                                                    "checksums": checksums})
+        folder = self.root.rstrip("/")
+        record = RootCommit(time=time.time(), host=HOST, fingerprint=attrs.fingerprint, checksums=checksums,
+                            metadata=commit_file.file_checksums(self.fs, folder, list(ROOT_METADATA)))
+        self.write_json(layout.commit_key("root"), to_json(record))
 
     def check_compatible(self, compat: Compat) -> None:
         if self.attrs.schema_version < SCHEMA_VERSION:
@@ -135,12 +168,19 @@ class HiddenStore:
                                 f"({detail})")
 
     def embedding(self, name: str) -> torch.Tensor:
-        """'embed_tokens' or 'lm_head': [V, H] bf16."""
-        g = self.group("r")
+        """'embed_tokens' or 'lm_head': [V, H] bf16, checked against the root commit's checksum."""
         key = f"target/{name}"
-        if key not in g:
-            raise StoreCorrupt(f"{self.location}: missing array {key}")
-        return layout.from_bits(g[key][:])
+        try:
+            bits = self.group("r")[key][:]
+        except KeyError:
+            raise StoreCorrupt(f"{self.path(key)}: missing", ROOT_FIX) from None
+        except Exception as e:  # noqa: BLE001 - zarr's own error on a chunk or metadata it cannot decode
+            raise StoreCorrupt(f"{self.path(key)}: unreadable ({type(e).__name__}: {e})", ROOT_FIX) from None
+        expected = self.root_commit.checksums.get(name)
+        if expected is not None and layout.crc32(bits) != expected:
+            raise StoreCorrupt(f"{self.path(key)}: its CRC-32 is not the one {layout.commit_key('root')} records (a "
+                               f"chunk file is damaged, missing or replaced)", ROOT_FIX)
+        return layout.from_bits(bits)
 
     # -- shards ----------------------------------------------------------------------------
     @property
@@ -148,9 +188,26 @@ class HiddenStore:
         return self.attrs.num_shards
 
     def commit_record(self, shard: int) -> ShardCommit | None:
-        """Shard's commit record, or None while it is not committed."""
-        d = self.read_json(layout.commit_key(shard))
-        return None if d is None else ShardCommit.from_json(d, f"{self.location}: {layout.commit_key(shard)}")
+        """Shard's commit record, or None while it is not committed; StoreCorrupt (with what to run)
+        when its commit file is damaged."""
+        key = layout.commit_key(shard)
+        try:
+            d = self.read_json(key)
+            return None if d is None else ShardCommit.from_json(d, self.path(key))
+        except StoreCorrupt as e:
+            raise StoreCorrupt(f"{e.damage} (shard {shard})", self.redo_hint(shard)) from None
+
+    def check_shard_files(self, shard: int, record: ShardCommit) -> None:
+        """The shard's metadata files against the checksums its commit file records (when it does)."""
+        try:
+            commit_file.check_files(self.fs, self.path(layout.shard_group(shard)), record.metadata or {})
+        except StoreCorrupt as e:
+            raise StoreCorrupt(f"{e.damage} (shard {shard})", self.redo_hint(shard)) from None
+
+    def shard_metadata(self, shard: int, arrays: list[str]) -> dict[str, int]:
+        """The CRC-32 of the shard's group and array metadata files, for its commit record."""
+        names = ["zarr.json", *(f"{a}/zarr.json" for a in arrays)]
+        return commit_file.file_checksums(self.fs, self.path(layout.shard_group(shard)), names)
 
     def write_commit(self, record: ShardCommit) -> None:
         """Commit a shard: its record, written last and atomically."""
@@ -165,19 +222,31 @@ class HiddenStore:
             raise NotCommitted(f"{self.location}: {what} not committed (run `pipeline extract --shards {text}` first)")
 
     def committed(self) -> dict[int, ShardCommit]:
-        """Shard id -> its commit record, for every committed shard."""
-        out = {}
+        """Shard id -> its commit record, for every committed shard; StoreCorrupt on the first
+        damaged commit file."""
+        good, damaged = self.commits()
+        if damaged:
+            raise next(iter(damaged.values()))
+        return good
+
+    def commits(self) -> tuple[dict[int, ShardCommit], dict[int, StoreCorrupt]]:
+        """(shard -> commit record, shard -> the error of its damaged commit file), in shard order."""
+        good, damaged = {}, {}
         try:
             names = self.fs.ls(self.path("_commits"), detail=False)
         except FileNotFoundError:
-            return out
+            return good, damaged
         for name in names:
             base = name.rstrip("/").rsplit("/", 1)[-1]
             if base.endswith(".json") and base[:-5].isdigit():
-                rec = self.commit_record(int(base[:-5]))
+                try:
+                    rec = self.commit_record(int(base[:-5]))
+                except StoreCorrupt as e:
+                    damaged[int(base[:-5])] = e
+                    continue
                 if rec is not None:
-                    out[int(base[:-5])] = rec
-        return dict(sorted(out.items()))
+                    good[int(base[:-5])] = rec
+        return dict(sorted(good.items())), dict(sorted(damaged.items()))
 
     def has_data(self, shard: int) -> bool:
         return self.fs.exists(self.path(layout.shard_group(shard)))

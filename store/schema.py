@@ -180,6 +180,12 @@ class ShardCommit:
     # {"shard": all of the shard's files, "hidden": its states} in bytes, measured once at commit
     # (None: a store written before they were recorded; `pipeline info` then walks the files)
     bytes: dict | None = None
+    # Recorded since every read checks the files zarr parses (None in stores written before): the
+    # CRC-32 of each metadata file of the shard, by path inside it ("zarr.json", "hidden/zarr.json",
+    # ...), and whether every chunk file was written, all-fill-value chunks included, so that a
+    # missing chunk file is damage rather than zeros.
+    metadata: dict | None = None
+    every_chunk: bool | None = None
     run: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -191,6 +197,21 @@ class ShardCommit:
         names = {f.name for f in dataclasses.fields(cls)} - {"run"}
         return from_json(cls, {**{k: v for k, v in d.items() if k in names},
                                "run": {k: v for k, v in d.items() if k not in names}}, where, StoreCorrupt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootCommit:
+    """The root's commit file, written last when the root is complete."""
+
+    time: float
+    host: str
+    fingerprint: str  # the root attributes' fingerprint, repeated: the two must agree
+    checksums: dict  # "embed_tokens", "lm_head" -> CRC-32 of the array's C-order bytes
+    metadata: dict | None = None  # CRC-32 of each root metadata file (the attributes among them); see ShardCommit
+
+    @classmethod
+    def from_json(cls, d: dict, where: str) -> RootCommit:
+        return from_json(cls, d, where, StoreCorrupt)
 
 
 def to_json(record) -> dict:

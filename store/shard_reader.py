@@ -36,18 +36,50 @@ class ShardReader:
     any other layout's through zarr. One reader per thread: it reuses its decoding buffers."""
 
     def __init__(self, store: HiddenStore, shard: int) -> None:
-        store.require_committed([shard])
         self.store, self.shard = store, shard
-        self._group = store.shard_arrays(shard)
-        self._per_token = [self._group[name] for name in _PER_TOKEN]  # handles: metadata only
+        self.record = store.commit_record(shard)
+        if self.record is None:
+            store.require_committed([shard])
+        store.check_shard_files(shard, self.record)
+        try:
+            self._group = store.shard_arrays(shard)
+        except Exception as e:  # noqa: BLE001 - zarr's own error on metadata it cannot parse
+            raise self._damaged(StoreCorrupt(f"{self._path('zarr.json')}: unreadable ({type(e).__name__}: {e})"))
+        self._per_token = [self._open(name) for name in _PER_TOKEN]  # handles: metadata only
         self.hidden = self._per_token[-1]
-        self._direct = [span_reader.for_array(store.fs, store.path(f"{layout.shard_group(shard)}/{name}"), array)
+        missing_is_damage = bool(self.record.every_chunk)
+        self._direct = [span_reader.for_array(store.fs, self._path(name), array, missing_is_damage)
                         for name, array in zip(_PER_TOKEN, self._per_token)]
         if None in self._direct:
             self._direct = None
 
+    def _path(self, name: str) -> str:
+        return self.store.path(f"{layout.shard_group(self.shard)}/{name}")
+
+    def _open(self, name: str):
+        """The zarr array `name`, its shape and dtype checked against the commit record."""
+        try:
+            array = self._group[name]
+        except Exception as e:  # noqa: BLE001 - missing, or metadata zarr cannot parse
+            raise self._damaged(StoreCorrupt(f"{self._path(name)}: unreadable ({type(e).__name__}: {e})"))
+        shape, recorded = list(array.shape), self.record.shapes.get(name)
+        if shape != recorded or array.dtype != layout.ARRAY_DTYPES[name]:
+            raise self._damaged(StoreCorrupt(f"{self._path(name)}: shape {shape} {array.dtype}, its commit file "
+                                             f"says {recorded} {np.dtype(layout.ARRAY_DTYPES[name])}"))
+        return array
+
     def _array(self, name: str) -> np.ndarray:
-        return self._group[name][:]
+        """A per-sample array (or the loss mask of an old shard), read whole and checked against the
+        commit record's checksum."""
+        array = self._open(name)
+        try:
+            data = array[:]
+        except Exception as e:  # noqa: BLE001 - zarr's own error on a chunk it cannot decode
+            raise self._damaged(StoreCorrupt(f"{self._path(name)}: unreadable ({type(e).__name__}: {e})"))
+        if layout.crc32(data) != self.record.checksums.get(name):
+            raise self._damaged(StoreCorrupt(f"{self._path(name)}: its CRC-32 is not the one its commit file records "
+                                             "(a chunk file is damaged, missing or replaced)"))
+        return data
 
     offsets = functools.cached_property(lambda self: self._array("offsets"))  # [N+1] int64
     prompt_lens = functools.cached_property(lambda self: self._array("prompt_lens"))  # [N] int32
@@ -57,7 +89,7 @@ class ShardReader:
     def first_pairs(self) -> np.ndarray:
         """[N] int32: per sample, the first position whose token and the next carry the loss (-1:
         none). Written since schema 2; computed from the whole loss mask for older shards."""
-        if "first_pairs" in self._group:
+        if "first_pairs" in self.record.shapes:
             return self._array("first_pairs")
         return layout.first_pairs(self._array("loss_mask"), self.offsets)
 
@@ -89,6 +121,9 @@ class ShardReader:
                     out[...], bits = bits, out
         except StoreCorrupt as e:
             raise self._damaged(e, i) from None
+        except (ValueError, RuntimeError, OSError) as e:  # zarr's own error on a chunk it cannot decode (schema 1)
+            raise self._damaged(StoreCorrupt(f"{self._path(self._failing(a, b))}: unreadable ({type(e).__name__}: "
+                                             f"{e})"), i) from None
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(np.asarray(tokens).astype(np.int64)),
@@ -96,6 +131,15 @@ class ShardReader:
             prompt_len=int(self.prompt_lens[i]),
             hidden=layout.from_bits(np.asarray(bits)) if hidden_out is None else hidden_out,
         )
+
+    def _failing(self, a: int, b: int) -> str:
+        """The per-token array whose span a:b zarr cannot decode (after a read of all three failed)."""
+        for name, array in zip(_PER_TOKEN, self._per_token):
+            try:
+                array[a:b]
+            except (ValueError, RuntimeError, OSError):
+                return name
+        return ""
 
     def tokens(self, i: int) -> np.ndarray:
         """Sample i's tokens only ([T] int32 as stored: prompt, then completion), no states read."""
@@ -105,11 +149,10 @@ class ShardReader:
         except StoreCorrupt as e:
             raise self._damaged(e, i) from None
 
-    def _damaged(self, e: StoreCorrupt, i: int) -> StoreCorrupt:
-        """A failed read of sample i, with where it is and what to run about it."""
-        return StoreCorrupt(f"{e} (shard {self.shard}, sample {i}); run `pipeline verify {self.store.location} "
-                            f"--shards {self.shard}`, then re-extract it with the store's settings (`pipeline info` "
-                            f"shows them) and `--shards {self.shard} --redo`")
+    def _damaged(self, e: StoreCorrupt, i: int | None = None) -> StoreCorrupt:
+        """A failed read (of sample i), with where it is and what to run about it."""
+        where = f"shard {self.shard}" + ("" if i is None else f", sample {i}")
+        return StoreCorrupt(f"{e.damage} ({where})", self.store.redo_hint(self.shard))
 
     def __iter__(self):
         for i in range(len(self)):

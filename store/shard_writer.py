@@ -31,6 +31,9 @@ from store.hidden_store import HiddenStore
 from store.schema import ShardCommit
 
 _DONE = object()
+# Every chunk is written, all-fill-value ones too (zarr skips those by default), so that a reader
+# can tell a missing chunk file (damage) from zeros; the commit record says so (`every_chunk`).
+_EVERY_CHUNK = {"write_empty_chunks": True}
 
 
 @dataclass
@@ -80,7 +83,7 @@ class ShardWriter:
         self.hidden = g.create_array(
             "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
-            compressors=codecs, fill_value=0)
+            compressors=codecs, fill_value=0, config=_EVERY_CHUNK)
         self._queue: queue.Queue = queue.Queue()
         self._planes = codecs[0] if codec == "planes" else None  # whole shard files are encoded here
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
@@ -155,7 +158,8 @@ class ShardWriter:
         for name, data in arrays.items():
             self.group.create_array(name, shape=data.shape, dtype=data.dtype,
                                     chunks=(max(1, min(len(data), layout.TOKEN_CHUNK)),),
-                                    compressors=layout.small_codecs(self.codec), fill_value=0)[:] = data
+                                    compressors=layout.small_codecs(self.codec), fill_value=0,
+                                    config=_EVERY_CHUNK)[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
         if lock is not None and not lock.still_held():
@@ -169,7 +173,8 @@ class ShardWriter:
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
             writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
             agreement=self.stats.agreement, run=run,
-            bytes=self.store.shard_bytes(self.shard))
+            bytes=self.store.shard_bytes(self.shard),
+            metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]), every_chunk=True)
         self.store.write_commit(record)
         self._pool.shutdown()
         return record

@@ -41,18 +41,19 @@ def _buffer(slot: str, nbytes: int) -> np.ndarray:
     return held[:nbytes]
 
 
-def for_array(fs, path: str, array: zarr.Array) -> SpanReader | None:
+def for_array(fs, path: str, array: zarr.Array, missing_is_damage: bool = False) -> SpanReader | None:
     """A direct reader of `array` (at `path` on fsspec file system `fs`), or None when its layout
-    is not one this module decodes."""
+    is not one this module decodes. missing_is_damage: every chunk was written (fill-value ones
+    too), so a missing chunk is an error rather than zeros."""
     meta = array.metadata
     if getattr(meta, "zarr_format", None) != 3 or meta.fill_value != 0:
         return None
     codecs = meta.codecs
     if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
-        return ShardSpans(fs, path, array) if _plane_shards(codecs[0], meta) else None
+        return ShardSpans(fs, path, array, missing_is_damage) if _plane_shards(codecs[0], meta) else None
     if (len(codecs) == 3 and _little(codecs[0]) and isinstance(codecs[1], BloscCodec)
             and isinstance(codecs[2], Crc32cCodec)):
-        return ChunkSpans(fs, path, array)
+        return ChunkSpans(fs, path, array, missing_is_damage)
     return None
 
 
@@ -72,8 +73,9 @@ def _little(codec) -> bool:
 class SpanReader:
     """Rows a .. b (along the first axis) of one array; subclasses decode one chunk."""
 
-    def __init__(self, fs, path: str, array: zarr.Array, chunk_rows: int) -> None:
+    def __init__(self, fs, path: str, array: zarr.Array, chunk_rows: int, missing_is_damage: bool) -> None:
         self.fs, self.path = fs, path.rstrip("/")
+        self.missing_is_damage = missing_is_damage
         self.shape = array.metadata.shape
         self.dtype = array.metadata.dtype.to_native_dtype()
         self.chunk_rows = chunk_rows
@@ -96,6 +98,13 @@ class SpanReader:
     def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
         raise NotImplementedError
 
+    def _fill(self, out: np.ndarray, what: str) -> None:
+        """A chunk that has no bytes: zeros when zarr may have skipped it as all fill value, else damage."""
+        if self.missing_is_damage:
+            raise StoreCorrupt(f"{what} is missing (every chunk of this shard was written: the file was deleted or "
+                               "cut short)")
+        out[...] = 0
+
     def _file(self, c: tuple[int, ...]) -> str:
         return f"{self.path}/{self._key((*c, *[0] * (len(self.shape) - len(c))))}"
 
@@ -112,16 +121,16 @@ class SpanReader:
 class ChunkSpans(SpanReader):
     """A regular chunked array: each chunk one object, blosc then crc32c."""
 
-    def __init__(self, fs, path: str, array: zarr.Array) -> None:
-        super().__init__(fs, path, array, array.metadata.chunk_grid.chunk_shape[0])
+    def __init__(self, fs, path: str, array: zarr.Array, missing_is_damage: bool) -> None:
+        super().__init__(fs, path, array, array.metadata.chunk_grid.chunk_shape[0], missing_is_damage)
         self._blosc = Blosc()  # blosc frames describe themselves: any instance decodes them
 
     def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
         key = self._file((c,))
         try:
             data = self.fs.cat_file(key)
-        except FileNotFoundError:  # never written: all fill value
-            out[...] = 0
+        except FileNotFoundError:
+            self._fill(out, key)
             return
         values = _buffer("values", self.chunk_rows * self.row_values * self.dtype.itemsize).view(self.dtype)
         values = values.reshape(-1, *self.shape[1:])
@@ -132,9 +141,9 @@ class ChunkSpans(SpanReader):
 class ShardSpans(SpanReader):
     """A sharded array of bf16 bits: each shard file's chunks encoded by `dflash.bf16_planes`."""
 
-    def __init__(self, fs, path: str, array: zarr.Array) -> None:
+    def __init__(self, fs, path: str, array: zarr.Array, missing_is_damage: bool) -> None:
         sharding = array.metadata.codecs[0]
-        super().__init__(fs, path, array, sharding.chunk_shape[0])
+        super().__init__(fs, path, array, sharding.chunk_shape[0], missing_is_damage)
         self.per_file = array.metadata.chunk_grid.chunk_shape[0] // self.chunk_rows
         self.codec = sharding.codecs[1]
         self._index = functools.lru_cache(_INDEX_CACHE)(self._read_index)
@@ -154,10 +163,10 @@ class ShardSpans(SpanReader):
         s, k = divmod(c, self.per_file)
         index = self._index(s)
         offset, length = (_MISSING, _MISSING) if index is None else (int(index[k, 0]), int(index[k, 1]))
-        if offset == _MISSING:
-            out[...] = 0
-            return
         key = self._file((s,))
+        if offset == _MISSING:
+            self._fill(out, key if index is None else f"{key}, chunk {k}")
+            return
         data = self._checked(self._read_range(key, offset, length), f"{key}, chunk {k}")
         planes = _buffer("planes", 2 * self.chunk_rows * self.row_values).reshape(2, -1)
         high, low = self.codec.planes(data, into=planes)

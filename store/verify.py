@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from store import layout
+from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
 from store.schema import ShardCommit
@@ -59,7 +60,7 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
     that are not committed count as missing. sample: the share of state chunks to decode, chosen
     at random (None: every byte, and each whole array against its commit checksum); processes:
     shards checked in parallel. progress: called with each shard id once it is checked."""
-    committed = store.committed()
+    committed, damaged = store.commits()
     todo = [s for s in (expected if expected is not None else committed) if s in committed]
     report = Report()
     jobs = [(store.location, s, committed[s], sample) for s in todo]
@@ -70,8 +71,12 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
             report.problems[shard] = problems
         if progress is not None:
             progress(shard)
-    report.missing = [s for s in (expected or []) if s not in committed]
-    report.partial = [s for s in range(store.num_shards) if s not in committed and store.has_data(s)]
+    for shard, error in damaged.items():
+        if expected is None or shard in expected:
+            report.problems[shard] = [error.damage]
+    report.missing = [s for s in (expected or []) if s not in committed and s not in damaged]
+    report.partial = [s for s in range(store.num_shards) if s not in committed and s not in damaged
+                      and store.has_data(s)]
     if root_problems := check_root(store):
         report.problems[-1] = root_problems
     return report
@@ -95,23 +100,25 @@ def _check(location: str, shard: int, record: ShardCommit, sample: float | None,
 
 def check_root(store: HiddenStore) -> list[str]:
     """The frozen embedding and lm_head: shapes and checksums against the root commit file."""
-    attrs, sums = store.attrs, (store.read_json(layout.commit_key("root")) or {}).get("checksums", {})
+    attrs = store.attrs
     problems = []
     for name in ("embed_tokens", "lm_head"):
         try:
-            w = store.group("r")[f"target/{name}"]
-            if w.shape != (attrs.vocab_size, attrs.hidden_size):
-                problems.append(f"target/{name}: shape {w.shape}")
-            elif layout.crc32(w[:]) != sums.get(name):
-                problems.append(f"target/{name}: checksum mismatch")
-        except Exception as e:  # noqa: BLE001 - name what broke
-            problems.append(f"target/{name}: unreadable ({type(e).__name__}: {e})")
+            w = store.embedding(name)  # checked against the root commit's checksum
+            if tuple(w.shape) != (attrs.vocab_size, attrs.hidden_size):
+                problems.append(f"target/{name}: shape {tuple(w.shape)}")
+        except StoreCorrupt as e:
+            problems.append(e.damage)
     return problems
 
 
 def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int, hidden_size: int,
                 sample: float | None = None) -> tuple[list[str], tuple[int, int]]:
     """A shard's problems, and (state chunks decoded, state chunks in all)."""
+    try:
+        store.check_shard_files(shard, record)
+    except StoreCorrupt as e:
+        return [e.damage], (0, 0)
     try:
         g = store.shard_arrays(shard)
         names = layout.SHARD_ARRAYS + tuple(n for n in layout.INDEX_ARRAYS if n in record.shapes)

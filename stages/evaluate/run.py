@@ -75,7 +75,7 @@ def run(config: EvalConfig, log=print) -> dict | None:
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store)
-    warnings: list[str] = []
+    warnings: list[str] = list(filter(None, [store.unchecked_reads()]))
     loaded = [load_checked(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, loaded, warnings)
     for w in warnings:

@@ -43,7 +43,6 @@ from store.verify import verify
 
 INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
                "rerun the same command to resume")
-SAMPLED_ROWS = 64  # rows whose prompts are rendered to estimate a new store's size
 
 
 def resolve_shards(config: ExtractConfig, store: HiddenStore, rows: int) -> tuple[list[int], int]:
@@ -70,8 +69,11 @@ def run(config: ExtractConfig, log=print) -> dict:
     engine = connect(config, say)
     try:
         target, taps, attrs = open_target(config, process, prompt_set, num_shards, engine)
-        done = store.committed()
-        need = space_needed(config, store, target, attrs, prompt_set,
+        done, damaged = store.commits()
+        damaged = {s: e for s, e in damaged.items() if s in shard_ids}
+        if damaged and not config.redo:
+            raise next(iter(damaged.values()))
+        need = space.needed(config, store, target, attrs, prompt_set,
                             {s: prompt_set.shard_rows(s, num_shards) for s in shard_ids if s not in done}, done)
         space.check(store, need, config.ignore_free_space, say)
         with space.stop_when_full(store, need):
@@ -81,7 +83,7 @@ def run(config: ExtractConfig, log=print) -> dict:
                 f"({config.dtype}), linear attention: {attrs.backends.linear_attention}, attention: "
                 f"{attrs.backends.attention}, taps {taps}")
             if config.redo:
-                redone = redo_corrupt(store, [s for s in shard_ids if s in done], say)
+                redone = redo_corrupt(store, [s for s in shard_ids if s in done or s in damaged], say)
                 done = {s: r for s, r in done.items() if s not in redone}
             todo = shard_order(store, [s for s in shard_ids if s not in done], process)
             job = Extractor(config, store, target, taps, prompt_set, num_shards, engine)
@@ -95,47 +97,6 @@ def run(config: ExtractConfig, log=print) -> dict:
     job.summary["wall_s"] = time.perf_counter() - t_start
     job.summary["process"] = {"rank": process.rank, "world": process.world}
     return finish_summary(store, job.summary)
-
-
-def space_needed(config: ExtractConfig, store: HiddenStore, target: Target, attrs: StoreAttrs,
-                 prompt_set: prompt_sets.PromptSet, rows: dict[int, range], done: dict[int, ShardCommit]) -> space.Need:
-    """The bytes the shards of `rows` (shard -> its dataset rows) will take: measured from the store's
-    committed shards when it has some, else from the settings (stages/extract/space.py)."""
-    counts = {s: len(r) for s, r in rows.items()}
-    need = space.from_commits(done, counts)
-    if need is not None:
-        return need
-    root = 0 if store.exists() else 2 * attrs.vocab_size * attrs.hidden_size * 2  # embed_tokens + lm_head, bf16
-    per_row = tokens_per_row(config, target, prompt_set, spread(list(rows.values()), SAMPLED_ROWS))
-    return space.from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, config.codec, root)
-
-
-def tokens_per_row(config: ExtractConfig, target: Target, prompt_set: prompt_sets.PromptSet, rows: list[int]) -> float:
-    """Prompt + completion at its limit (the completion length rule), the mean over rows; a row
-    extraction would skip (empty, too long) counts 0."""
-    total = 0
-    for i in rows:
-        row = prompt_set.row(i)
-        if not row.messages or not any(str(m["content"]).strip() for m in row.messages):
-            continue
-        n = len(turns.render(target.tokenizer, row.messages, generation_prompt=True))
-        if n < config.max_length:
-            total += n + completion_limit(config.max_new_tokens, config.max_length, n)
-    return total / len(rows) if rows else 0.0
-
-
-def spread(ranges: list[range], k: int) -> list[int]:
-    """Up to k rows evenly spread over the rows of `ranges`, taken in order."""
-    total = sum(map(len, ranges))
-    n = min(k, total)
-    picks = iter(sorted({j * total // n for j in range(n)}))
-    out, base, p = [], 0, next(picks, None)
-    for r in ranges:
-        while p is not None and p < base + len(r):
-            out.append(r[p - base])
-            p = next(picks, None)
-        base += len(r)
-    return out
 
 
 def redo_corrupt(store: HiddenStore, shards: list[int], say) -> list[int]:

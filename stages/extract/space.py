@@ -1,7 +1,7 @@
 """Disk space for an extraction: the bytes the shards still to write need, checked against the free
 space of a local store before anything is written, and the one line a full disk ends a run with.
 
-The estimate (`Need`) is upper-ish, by design:
+The estimate (`Need`, made by `needed`) is upper-ish, by design:
 
 - **From the store itself** when it has committed shards that recorded their size (the commit
   files' `bytes`, docs/store.md): their bytes on disk per dataset row (skipped rows included),
@@ -11,10 +11,10 @@ The estimate (`Need`) is upper-ish, by design:
   longer than the average.
 - **From the settings** otherwise (a new store, or one with nothing committed yet): per row, the
   prompt plus a completion at its full limit (`--max-new-tokens`, within `--max-length`), the mean
-  over a sample of the rows to write; per token, `n_taps x H x 2` bytes of bf16 states times a
-  conservative stored fraction (`STORED_FRACTION`), plus the token ids and the loss mask; a new
-  store adds its embedding and lm_head. Completions that end early and better compression only
-  make the real size smaller.
+  over a sample of the rows to write (`tokens_per_row` over `SAMPLED_ROWS` rows, `spread` evenly);
+  per token, `n_taps x H x 2` bytes of bf16 states times a conservative stored fraction
+  (`STORED_FRACTION`), plus the token ids and the loss mask; a new store adds its embedding and
+  lm_head. Completions that end early and better compression only make the real size smaller.
 
 Object stores (any fsspec URL that is not a local path) are not checked: the line says so.
 """
@@ -30,9 +30,13 @@ from dataclasses import dataclass
 from math import ceil
 from pathlib import Path
 
+from pipeline import prompts as prompt_sets
+from pipeline import turns
+from pipeline.target.model import Target
+from stages.extract.config import ExtractConfig
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
-from store.schema import ShardCommit
+from store.schema import ShardCommit, StoreAttrs, completion_limit
 from store.summary import human_bytes
 
 # Stored bytes of bf16 states over their raw bytes, on the conservative side of what was measured
@@ -42,6 +46,7 @@ STORED_FRACTION = {"planes": 0.70, "blosc": 0.80}
 SMALL_BYTES_PER_TOKEN = 5  # tokens (int32) and loss_mask (uint8), stored as they are at worst
 SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs
 HEADROOM = 1.2  # on the bytes per row measured from committed shards
+SAMPLED_ROWS = 64  # rows whose prompts are rendered to estimate a new store's size
 FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left; disk quota exceeded
 
 
@@ -60,6 +65,19 @@ class Need:
     def left(self, committed) -> int:
         """Bytes still needed once the shards in `committed` are done."""
         return sum(n for s, n in self.shards.items() if s not in committed)
+
+
+def needed(config: ExtractConfig, store: HiddenStore, target: Target, attrs: StoreAttrs,
+                 prompt_set: prompt_sets.PromptSet, rows: dict[int, range], done: dict[int, ShardCommit]) -> Need:
+    """The bytes the shards of `rows` (shard -> its dataset rows) will take: measured from the store's
+    committed shards when it has some, else from the settings (the module docstring)."""
+    counts = {s: len(r) for s, r in rows.items()}
+    need = from_commits(done, counts)
+    if need is not None:
+        return need
+    root = 0 if store.exists() else 2 * attrs.vocab_size * attrs.hidden_size * 2  # embed_tokens + lm_head, bf16
+    per_row = tokens_per_row(config, target, prompt_set, spread(list(rows.values()), SAMPLED_ROWS))
+    return from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, config.codec, root)
 
 
 def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Need | None:
@@ -84,6 +102,34 @@ def from_limits(rows: dict[int, int], tokens_per_row: float, n_taps: int, hidden
     return Need({s: ceil(per_row * n) for s, n in rows.items()}, ceil(root_raw * frac),
                 f"{tokens_per_row:.0f} tokens per row at the length limits x {n_taps} taps x {hidden_size} x 2 bytes, "
                 f"stored at {frac:.2f} of raw bf16")
+
+
+def tokens_per_row(config: ExtractConfig, target: Target, prompt_set: prompt_sets.PromptSet, rows: list[int]) -> float:
+    """Prompt + completion at its limit (the completion length rule), the mean over rows; a row
+    extraction would skip (empty, too long) counts 0."""
+    total = 0
+    for i in rows:
+        row = prompt_set.row(i)
+        if not row.messages or not any(str(m["content"]).strip() for m in row.messages):
+            continue
+        n = len(turns.render(target.tokenizer, row.messages, generation_prompt=True))
+        if n < config.max_length:
+            total += n + completion_limit(config.max_new_tokens, config.max_length, n)
+    return total / len(rows) if rows else 0.0
+
+
+def spread(ranges: list[range], k: int) -> list[int]:
+    """Up to k rows evenly spread over the rows of `ranges`, taken in order."""
+    total = sum(map(len, ranges))
+    n = min(k, total)
+    picks = iter(sorted({j * total // n for j in range(n)}))
+    out, base, p = [], 0, next(picks, None)
+    for r in ranges:
+        while p is not None and p < base + len(r):
+            out.append(r[p - base])
+            p = next(picks, None)
+        base += len(r)
+    return out
 
 
 def free_at(path: str) -> tuple[str, int]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from store.errors import StoreCorrupt
+from store import layout
+from store.errors import NotCommitted, StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
@@ -93,6 +94,7 @@ class StoreBatches(torch.utils.data.Dataset):
 
     def __init__(self, location: str, batches: list[list[Ref]]) -> None:
         self.location, self.batches = location, batches
+        self._store: HiddenStore | None = None
         self._readers: dict[int, ShardReader] = {}
 
     def __len__(self) -> int:
@@ -100,13 +102,23 @@ class StoreBatches(torch.utils.data.Dataset):
 
     def reader(self, shard: int) -> ShardReader:
         if shard not in self._readers:
-            self._readers[shard] = ShardReader(HiddenStore(self.location), shard)
+            try:
+                self._readers[shard] = ShardReader(self.store, shard)
+            except NotCommitted:  # it was committed when the run indexed it
+                raise StoreCorrupt(f"{self.store.path(layout.commit_key(shard))}: gone since the run started (shard "
+                                   f"{shard} was deleted or cleared under it)", self.store.redo_hint(shard)) from None
         return self._readers[shard]
+
+    @property
+    def store(self) -> HiddenStore:
+        if self._store is None:
+            self._store = HiddenStore(self.location)
+        return self._store
 
     def __getitem__(self, i: int) -> Batch:
         refs = self.batches[i]
         T, b = max(r.length for r in refs), len(refs)
-        states = self.reader(refs[0].shard).hidden.shape[1:]
+        states = (len(self.store.attrs.taps), self.store.attrs.hidden_size)
         out = Batch(tokens=torch.zeros(b, T, dtype=torch.long), loss_mask=torch.zeros(b, T, dtype=torch.bool),
                     hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16),
                     lengths=torch.tensor([r.length for r in refs]),
@@ -115,7 +127,8 @@ class StoreBatches(torch.utils.data.Dataset):
         for j, r in enumerate(refs):  # states decoded straight into the batch: no copy per sample
             try:
                 s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, :r.length])
-            except StoreCorrupt as e:  # the row stays empty (no tokens, no loss); the main process decides
+            except StoreError as e:  # damaged, or deleted under the run: the row stays empty (no tokens, no
+                # loss), and the main process decides
                 out.hidden[j].zero_()
                 out.lengths[j] = 0
                 corrupt.append((r.shard, r.index, str(e)))

@@ -193,7 +193,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
     attrs = store.attrs
     rdir, previous = resume_point(config, attrs.fingerprint)
     dc, init = drafter_config(config, attrs, rdir)
-    for line in serving_warnings(dc, attrs.target):
+    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.unchecked_reads()])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config)
     overlap = sorted(set(train_ids) & set(eval_ids))

@@ -45,3 +45,34 @@ def test_sigkill_leaves_no_half_report_and_a_rerun_equals_uninterrupted(small_st
     assert r.returncode == 0, r.stderr
     assert stable(tmp_path / "killed") == stable(tmp_path / "straight")
     assert not list((tmp_path / "killed").glob(".*.tmp*"))  # what the killed write left is gone
+
+
+DAMAGE = {  # file -> what is done to it (tests/store/test_damage.py does every file, every kind, in-process)
+    "_commits/00003.json": "flip",
+    "shards/00003/offsets/c/0": "delete",
+    "shards/00003/tokens/zarr.json": "cut",
+    "shards/00003/hidden/c/0/0/0": "flip-end",  # the shard index
+    "zarr.json": "digit",  # the root attributes
+    "target/lm_head/c/0/0": "delete",
+}
+
+
+@pytest.mark.parametrize("key", DAMAGE)
+def test_train_and_evaluate_name_a_damaged_file_in_one_line(small_store, tmp_path, key):
+    import shutil
+
+    from tests.processes import TINY, train
+    from tests.store.test_damage import damaged, names
+
+    store = tmp_path / "hs.zarr"
+    shutil.copytree(small_store, store)
+    ck = our_checkpoint(small_store, tmp_path / "ck")
+    path = store / key
+    bad = damaged(path.read_bytes(), DAMAGE[key])
+    path.unlink() if bad is None else path.write_bytes(bad)
+    for r in (train(["--store", store, "--out", tmp_path / "run", "--max-steps", 2, "--eval-shards", 3, *TINY]),
+              evaluate(["--store", store, "--checkpoint", ck, "--shards", 3, "--out", tmp_path / "rep"])):
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and lines[-1].startswith("error: ") and names(lines[-1], key), r.stderr[-2000:]
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "rep" / "report.json").exists()

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -5,6 +6,7 @@ import torch
 
 from stages.extract.config import ExtractConfig
 from stages.extract.run import run
+from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from tests.conftest import SMALL, damage_states, small_rows
@@ -99,11 +101,21 @@ def test_rerun_skips_committed_shards(small_store, small_dataset):
     assert HiddenStore(str(small_store)).committed() == before
 
 
-def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(small_store, store_copy, small_dataset):
-    damage_states(store_copy, 1)
+@pytest.mark.parametrize("damage", ["states", "commit file", "array metadata"])
+def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(small_store, store_copy, small_dataset, damage):
+    if damage == "states":
+        damage_states(store_copy, 1)
+    else:
+        path, old, new = ((store_copy / "_commits/00001.json", '"samples": ', '"samples": 1') if damage == "commit file"
+                          else (store_copy / "shards/00001/offsets/zarr.json", "int64", "int32"))
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new, 1))  # still JSON
     untouched = (store_copy / "_commits/00002.json").stat().st_mtime_ns
     config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, redo=True,
                            **SMALL)
+    if damage == "commit file":  # without --redo: one line naming the file and the fix
+        with pytest.raises(StoreCorrupt, match=r"_commits/00001.json: damaged commit file .*--shards 1 --redo"):
+            run(dataclasses.replace(config, redo=False), log=lambda m: None)
     lines = []
     summary = run(config, log=lines.append)
     assert summary["shards_written"] == [1] and summary["shards_skipped"] == [0, 2, 3]

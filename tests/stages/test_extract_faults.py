@@ -182,7 +182,6 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
     """A new store is estimated from the length limits, a store with committed shards from their
     recorded bytes; both lie above what the shards really took, and within a small factor of it."""
     from pipeline import prompts
-    from stages.extract.run import space_needed
 
     store = HiddenStore(str(small_store))
     committed = store.committed()
@@ -190,12 +189,12 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
     prompt_set = prompts.load(str(small_dataset))
     rows = {s: prompt_set.shard_rows(s, 4) for s in committed}
     config = ExtractConfig(store=str(tmp_path / "new.zarr"), dataset=str(small_dataset), num_shards=4, **SMALL)
-    fresh = space_needed(config, HiddenStore(config.store), target, store.attrs, prompt_set, rows, {})
+    fresh = space.needed(config, HiddenStore(config.store), target, store.attrs, prompt_set, rows, {})
     assert real < sum(fresh.shards.values()) < 3 * real, (fresh, real)
     assert fresh.root == int(2 * 4096 * 128 * 2 * space.STORED_FRACTION["planes"]) + 1
     assert fresh.basis.endswith("tokens per row at the length limits x 5 taps x 128 x 2 bytes, stored at 0.70 of "
                                 "raw bf16")
-    measured = space_needed(config, store, target, store.attrs, prompt_set, rows, committed)
+    measured = space.needed(config, store, target, store.attrs, prompt_set, rows, committed)
     assert real < measured.total < 1.5 * real and measured.root == 0
     assert "per row measured over 4 committed shard(s), +20%" in measured.basis
     assert measured.left({0, 1}) == measured.shards[2] + measured.shards[3]

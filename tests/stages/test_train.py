@@ -73,7 +73,7 @@ def test_store_without_lm_head(small_store, tmp_path):
     broken = tmp_path / "broken.zarr"
     shutil.copytree(small_store, broken)
     shutil.rmtree(broken / "target" / "lm_head")
-    assert "missing array target/lm_head" in setup_error(broken, tmp_path)
+    assert f"{broken}/target/lm_head/zarr.json: missing" in setup_error(broken, tmp_path)
 
 
 @pytest.mark.parametrize("over,needle", [

@@ -49,3 +49,46 @@ def test_sigkill_then_resume_equals_uninterrupted(small_store, straight, tmp_pat
     a, b = checkpoint.load(straight / "final")[1], checkpoint.load(out / "final")[1]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith((".step", ".final"))) == []
+
+
+@pytest.mark.parametrize("gone", ["states", "shard"])
+def test_a_shard_deleted_under_a_running_trainer_stops_it_naming_the_shard_or_is_skipped(small_store, tmp_path,
+                                                                                        monkeypatch, gone):
+    """At step 3 of 14, shard 1's state file (or the whole shard, commit file first) is deleted while a
+    DataLoader worker reads ahead: no batch is built from what is missing."""
+    import shutil
+
+    from stages.train import run as train_module
+    from stages.train.config import TrainConfig
+    from store.errors import StoreError
+
+    real, step_at = train_module.train_step, {}
+
+    def deleting(s, config, batches, step, seen):
+        if step == 2 and not step_at:
+            store = config.store
+            step_at["deleted"] = step
+            if gone == "states":
+                shutil.rmtree(f"{store}/shards/00001/hidden/c")
+            else:
+                os.remove(f"{store}/_commits/00001.json")
+                shutil.rmtree(f"{store}/shards/00001")
+        return real(s, config, batches, step, seen)
+
+    monkeypatch.setattr(train_module, "train_step", deleting)
+    names = "is missing" if gone == "states" else "_commits/00001.json: gone since the run started"
+    for on_corrupt in ("stop", "skip"):
+        step_at.clear()
+        store = tmp_path / f"{on_corrupt}.zarr"
+        shutil.copytree(small_store, store)
+        config = TrainConfig(store=str(store), out=str(tmp_path / on_corrupt), shards="0-2", eval_shards="3",
+                             max_steps=14, batch_size=2, anchors=4, workers=1, on_corrupt=on_corrupt)
+        if on_corrupt == "stop":
+            with pytest.raises(StoreError) as e:
+                train_module.run(config, log=lambda m: None)
+            text = str(e.value)
+            assert names in text and "--shards 1 --redo" in text and "\n" not in text, text
+            assert not (tmp_path / "stop" / "final").exists()
+        else:
+            summary = train_module.run(config, log=lambda m: None)
+            assert step_at == {"deleted": 2} and summary["corrupt_skipped"] > 0

@@ -72,3 +72,15 @@ def test_bytes_on_disk_while_another_process_writes(store_copy):
         worker.join()
     assert min(sizes) >= before and max(sizes) <= before + 50 * 100
     assert store.bytes_on_disk() == before == sum(f.stat().st_size for f in store_copy.rglob("*") if f.is_file())
+
+
+def test_readers_are_warned_of_what_they_cannot_check(store_copy):
+    import dataclasses
+
+    store = HiddenStore(str(store_copy))
+    assert store.unchecked_reads() is None  # every shard written today: nothing unchecked
+    for shard in (1, 2):  # as a shard committed before every chunk was written
+        store.write_commit(dataclasses.replace(store.commit_record(shard), every_chunk=None, metadata=None))
+    warning = HiddenStore(str(store_copy)).unchecked_reads()
+    assert "shards 1-2 were committed before every chunk was written" in warning
+    assert f"pipeline verify {store_copy} --shards 1-2" in warning

@@ -79,7 +79,11 @@ def test_a_commit_record_without_its_counts_is_corrupt(tmp_path, small_store):
     path = copy / "_commits" / "00001.json"
     d = json.loads(path.read_text())
     del d["tokens"]
-    path.write_text(json.dumps(d))
+    path.write_text(json.dumps(d))  # still sealed: the edit breaks the seal
+    with pytest.raises(StoreCorrupt, match="_commits/00001.json: damaged commit file .* self_crc32"):
+        HiddenStore(str(copy)).committed()
+    del d["self_crc32"]
+    path.write_text(json.dumps(d))  # as a file written before seals: read, and its fields checked
     with pytest.raises(StoreCorrupt, match="_commits/00001.json: missing field 'tokens'"):
         HiddenStore(str(copy)).committed()
 
@@ -105,9 +109,11 @@ def test_a_schema1_store_still_trains_and_evaluates_but_takes_no_new_shards(tmp_
     assert len(ShardReader(store, 0)[0].tokens) > 0
     r = train(["--store", path, "--out", tmp_path / "run", "--eval-shards", 1, "--max-steps", 2, *TINY])
     assert r.returncode == 0, r.stderr
+    unchecked = "is a schema-1 store: its chunks carry no checksums"
+    assert unchecked in r.stdout + r.stderr
     report = evaluate(EvalConfig(store=str(path), checkpoints=(str(tmp_path / "run" / "final"),),
                                  out=str(tmp_path / "rep"), ddtree=(4,)), log=lambda m: None)
-    assert report["checkpoints"][0]["tau"] >= 1
+    assert report["checkpoints"][0]["tau"] >= 1 and any(unchecked in w for w in report["warnings"])
     with pytest.raises(StoreMismatch, match="is a schema-1 store .* new shards go into a new store"):
         extract(ExtractConfig(store=str(path), shards="2", max_new_tokens=16, max_length=128, chunk_tokens=32,
                               shard_tokens=64, dtype="fp32", device="cpu"), log=lambda m: None)

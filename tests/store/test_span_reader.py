@@ -19,7 +19,7 @@ ARRAYS = ("hidden", "tokens", "loss_mask")
 
 def written(tmp_path, small_store, codec: str = "planes") -> HiddenStore:
     """Shard 1: 207 tokens in shard files of 32 (chunks of 8): six whole files written by the
-    writer, a partial seventh by zarr, whose first chunk is all zeros (so zarr leaves it out)."""
+    writer, a partial seventh by zarr, whose first chunk is all zeros (written all the same)."""
     store = fresh_store(tmp_path, small_store)
     parts = batches(9, tokens=23)
     parts[-1][8:16] = 0  # tokens 192-199: the partial file's first chunk
@@ -29,28 +29,50 @@ def written(tmp_path, small_store, codec: str = "planes") -> HiddenStore:
     return store
 
 
-def readers(store: HiddenStore) -> dict:
+def readers(store: HiddenStore, missing_is_damage: bool = True) -> dict:
     group = store.shard_arrays(1)
-    return {name: (span_reader.for_array(store.fs, store.path(f"shards/00001/{name}"), group[name]), group[name])
-            for name in ARRAYS}
+    return {name: (span_reader.for_array(store.fs, store.path(f"shards/00001/{name}"), group[name], missing_is_damage),
+                   group[name]) for name in ARRAYS}
 
 
-def test_every_span_equals_what_zarr_reads(tmp_path, small_store):
-    store = written(tmp_path, small_store)
-    hidden_dir = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c" / "6" / "0" / "0"
-    index = np.frombuffer(hidden_dir.read_bytes()[-(16 * 4 + 4):-4], "<u8").reshape(4, 2)
-    assert index[0, 0] == 2**64 - 1 and index[1, 0] != 2**64 - 1  # zarr left the zero chunk out
+def partial_file_index(tmp_path) -> np.ndarray:
+    """[4, 2] (offset, length) of the partial shard file's chunks."""
+    path = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c" / "6" / "0" / "0"
+    return np.frombuffer(path.read_bytes()[-(16 * 4 + 4):-4], "<u8").reshape(4, 2)
+
+
+def assert_spans_equal_zarr(store: HiddenStore, missing_is_damage: bool) -> None:
     rng = np.random.default_rng(0)
     spans = [(0, 207), (0, 0), (206, 207), (7, 9), (31, 33), (190, 201), (192, 200)]
     spans += [tuple(sorted(rng.integers(0, 208, 2).tolist())) for _ in range(60)]
-    for name, (direct, array) in readers(store).items():
+    for name, (direct, array) in readers(store, missing_is_damage).items():
         assert direct is not None, name
         whole = array[:]
         for a, b in spans:
             got = direct.read(a, b)
             assert got.dtype == whole.dtype and np.array_equal(got, whole[a:b]), (name, a, b)
+
+
+def test_every_span_equals_what_zarr_reads(tmp_path, small_store):
+    store = written(tmp_path, small_store)
+    index = partial_file_index(tmp_path)
+    assert index[0, 0] != 2**64 - 1 and index[1, 0] != 2**64 - 1  # the zero chunk is written too
+    assert store.commit_record(1).every_chunk
+    assert_spans_equal_zarr(store, missing_is_damage=True)
     with pytest.raises(IndexError):
         readers(store)["hidden"][0].read(200, 208)
+
+
+def test_chunks_zarr_left_out_read_as_zeros_in_older_stores_and_as_damage_in_new_ones(tmp_path, small_store):
+    """Before `every_chunk`, zarr left all-zero chunks out: a missing chunk then reads as zeros."""
+    store = written(tmp_path, small_store)
+    hidden = zarr.open_array(store.path("shards/00001/hidden"), mode="r+")  # zarr's default: skip fill chunks
+    hidden[192:207] = hidden[192:207]
+    index = partial_file_index(tmp_path)
+    assert index[0, 0] == 2**64 - 1 and index[1, 0] != 2**64 - 1  # zarr left the zero chunk out
+    assert_spans_equal_zarr(store, missing_is_damage=False)
+    with pytest.raises(StoreCorrupt, match="c/6/0/0, chunk 0 is missing"):
+        readers(store)["hidden"][0].read(190, 201)
 
 
 def test_extracted_stores_are_read_directly_and_samples_match(store_copy):

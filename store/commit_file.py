@@ -1,0 +1,93 @@
+"""Commit files: small JSON records written last and atomically, each sealed by its own checksum,
+and vouching for the metadata files zarr parses (their CRC-32s are recorded inside).
+
+A commit file is written to a temporary name and renamed (on object stores: one put), so a crash
+never leaves half of one. Any other damage is caught on reading: text that is not JSON, or JSON
+whose `self_crc32` (the CRC-32 of the record's canonical JSON, that key left out) does not match.
+Files written before the seal existed have no `self_crc32` and are read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+from store.errors import StoreCorrupt
+
+SEAL = "self_crc32"
+
+
+def _canonical(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def seal(obj: dict) -> dict:
+    """obj with its seal added."""
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    return {**body, SEAL: zlib.crc32(_canonical(body))}
+
+
+def read(fs, path: str) -> dict | None:
+    """The record at path (seal removed and checked), or None when there is no file. Raises
+    StoreCorrupt naming the file when it is not JSON or fails its seal."""
+    try:
+        with fs.open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError as e:
+        raise StoreCorrupt(f"{path}: damaged commit file ({len(data)} bytes, not JSON: {e})") from None
+    if not isinstance(obj, dict):
+        raise StoreCorrupt(f"{path}: damaged commit file (JSON {type(obj).__name__}, expected an object)")
+    if SEAL in obj:
+        stored = obj.pop(SEAL)
+        if stored != zlib.crc32(_canonical(obj)):
+            raise StoreCorrupt(f"{path}: damaged commit file (its content fails its {SEAL} checksum)")
+    return obj
+
+
+def write(fs, path: str, obj: dict, local: bool) -> None:
+    """Write obj, sealed, atomically: a temporary name then a rename (local), else one put."""
+    data = json.dumps(seal(obj), indent=1, sort_keys=True, default=str)
+    if not local:
+        with fs.open(path, "w") as fh:
+            fh.write(data)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no temporary file left behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def file_checksums(fs, folder: str, names: list[str]) -> dict[str, int]:
+    """{name: CRC-32 of the file folder/name}, for files that exist."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = zlib.crc32(fs.cat_file(f"{folder}/{name}"))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def check_files(fs, folder: str, recorded: dict[str, int]) -> None:
+    """Every file of `recorded` (name -> CRC-32, from a commit file) exists under folder and matches."""
+    for name, crc in sorted(recorded.items()):
+        path = f"{folder}/{name}"
+        try:
+            data = fs.cat_file(path)
+        except FileNotFoundError:
+            raise StoreCorrupt(f"{path}: missing (its commit file records it)") from None
+        if zlib.crc32(data) != crc:
+            raise StoreCorrupt(f"{path}: damaged ({len(data)} bytes; not the CRC-32 its commit file records)")
