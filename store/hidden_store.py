@@ -29,7 +29,8 @@ from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreA
 ROOT_LOCK_TIMEOUT_S = 3600.0
 ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
 ROOT_FIX = ("the store's root is damaged (zarr.json, target/ or _commits/root.json; the shards are separate "
-            "and `pipeline verify` checks them): restore those files from a copy of the store")
+            "and `pipeline verify` checks them): rebuild it with `pipeline extract ... --redo` and the settings the "
+            "store was made with, --num-shards included, or restore those files from a copy")
 
 
 class HiddenStore:
@@ -117,10 +118,12 @@ class HiddenStore:
             self._attrs = attrs
         return self._attrs
 
-    def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor) -> str:
-        """Create the root once (under a lock), or check an existing root matches `attrs.compat`.
+    def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor,
+                        repair: bool = False) -> str:
+        """Create the root once (under a lock), or check an existing root matches `attrs.compat`;
+        with repair, a damaged root made with these settings is rebuilt first.
 
-        Returns "created" or "opened". embed, lm_head: [V, H] bf16.
+        Returns "created", "opened" or "rebuilt". embed, lm_head: [V, H] bf16.
         """
         lock = self.lock("root")
         if lock is not None:
@@ -130,6 +133,10 @@ class HiddenStore:
                 raise StoreError(f"{self.location}: timed out waiting for the root lock ({e})") from None
         try:
             if self.exists():
+                damage = self.root_damage() if repair else None
+                if damage is not None:
+                    self._rebuild(attrs, embed, lm_head, damage)
+                    return "rebuilt"
                 self.check_compatible(attrs.compat)
                 return "opened"
             self._create(attrs, embed, lm_head)
@@ -138,8 +145,41 @@ class HiddenStore:
             if lock is not None:
                 lock.release()
 
-    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-        if self.fs.exists(self.path("shards")) and self.fs.ls(self.path("shards")):
+    def root_damage(self) -> str | None:
+        """What is wrong with the root (its attributes, metadata, embedding, lm_head), or None."""
+        try:
+            self.attrs
+            for name in ("embed_tokens", "lm_head"):
+                self.embedding(name)
+        except StoreCorrupt as e:
+            return e.damage
+        return None
+
+    def _rebuild(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, damage: str) -> None:
+        """Write the root again from this run, whose fingerprint must be the one the damaged root
+        still shows (in its commit file or its attributes): the shards were made with these settings."""
+        shown = set()
+        for read in (lambda: self.read_json(layout.commit_key("root"))["fingerprint"],
+                     lambda: json.loads(self.fs.cat_file(self.path("zarr.json")))["attributes"]["fingerprint"]):
+            try:
+                shown.add(read())
+            except Exception:  # noqa: BLE001 - a damaged copy shows nothing
+                pass
+        if attrs.fingerprint not in shown:
+            why = (f"the store was made with other settings (fingerprint {', '.join(f[:12] for f in sorted(shown))}, "
+                   f"this run {attrs.fingerprint[:12]})" if shown
+                   else "no fingerprint is left to check this run against")
+            raise StoreMismatch(f"{self.location}: the root is damaged ({damage}) and cannot be rebuilt from this "
+                                f"run: {why}")
+        for key in ("target", "zarr.json"):
+            if self.fs.exists(self.path(key)):
+                self.fs.rm(self.path(key), recursive=True)
+        for cached in ("_attrs", "_root_commit"):
+            self.__dict__.pop(cached, None)
+        self._create(attrs, embed, lm_head, over_shards=True)
+
+    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, over_shards: bool = False) -> None:
+        if not over_shards and self.fs.exists(self.path("shards")) and self.fs.ls(self.path("shards")):
             raise NotAStore(f"{self.location}: has shard data but no root commit; not a store this tool made")
         g = zarr.open_group(self.location, mode="a")
         checksums = {}

@@ -27,7 +27,9 @@ class ExtractConfig:
     shards: str = setting("all", "Shards to write, e.g. 'all', '0-63' or '0-3,8,10-12' (processes under a "
                                  "launcher share them).")
     redo: bool = setting(False, "Re-check the committed shards among --shards (every byte, as `pipeline verify` "
-                                "does) and delete and redo those that fail; the sound ones are kept.")
+                                "does) and delete and redo those that fail; the sound ones are kept. A damaged "
+                                "store root (attributes, embedding, lm_head) is rebuilt when this run's settings "
+                                "are the ones it was made with (give --num-shards too).")
     num_shards: int | None = setting(None, "Shards the dataset is split into; fixed when the store is created.",
                                      default_text=f"the store's, or one per {ROWS_PER_SHARD} rows, at least {MIN_SHARDS}")
     target: str | None = setting(None, "Target model directory or hub id.", default_text="the shipped tiny target")

@@ -78,7 +78,7 @@ def run(config: ExtractConfig, log=print) -> dict:
         space.check(store, need, config.ignore_free_space, say)
         with space.stop_when_full(store, need):
             state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
-                                          target.model.get_output_embeddings().weight)
+                                          target.model.get_output_embeddings().weight, repair=config.redo)
             say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} "
                 f"({config.dtype}), linear attention: {attrs.backends.linear_attention}, attention: "
                 f"{attrs.backends.attention}, taps {taps}")
