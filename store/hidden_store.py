@@ -69,7 +69,8 @@ class HiddenStore:
             return None
         return (f"{self.location}: shards {format_ranges(older)} were committed before every chunk was written "
                 f"(2026-12-01): a chunk file deleted from them reads as zeros, not as an error; run `pipeline verify "
-                f"{self.location} --shards {format_ranges(older)}` before using them, or `--redo` them")
+                f"{self.location} --shards {format_ranges(older)}` before using them, or extract them again (delete "
+                f"their commit files, then run `pipeline extract` with the store's settings)")
 
     def redo_hint(self, shard: int) -> str:
         """What to run about a damaged shard."""
