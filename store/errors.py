@@ -51,3 +51,7 @@ class StoreCorrupt(StoreError):
     def __init__(self, damage: str, fix: str | None = None) -> None:
         self.damage, self.fix = damage, fix
         super().__init__(damage if fix is None else f"{damage}; {fix}")
+
+    def located(self, where: str | None, fix: str) -> "StoreCorrupt":
+        """The same damage, with where it lies (in parentheses after it) and what to run about it."""
+        return StoreCorrupt(self.damage if where is None else f"{self.damage} ({where})", fix)

@@ -72,6 +72,10 @@ class HiddenStore:
                 f"{self.location} --shards {format_ranges(older)}` before using them, or extract them again (delete "
                 f"their commit files, then run `pipeline extract` with the store's settings)")
 
+    def shard_damage(self, e: StoreCorrupt, shard: int, sample: int | None = None) -> StoreCorrupt:
+        """e, told which shard (and sample) it lies in and what to run about it."""
+        return e.located(f"shard {shard}" + ("" if sample is None else f", sample {sample}"), self.redo_hint(shard))
+
     def redo_hint(self, shard: int) -> str:
         """What to run about a damaged shard."""
         return (f"run `pipeline verify {self.location} --shards {shard}`, then re-extract it with the store's "
@@ -88,14 +92,11 @@ class HiddenStore:
             key = layout.commit_key("root")
             try:
                 d = self.read_json(key)
-            except StoreCorrupt as e:
-                raise StoreCorrupt(e.damage, ROOT_FIX) from None
-            if d is None:
-                raise NotAStore(f"{self.location}: not a hidden-state store (no {key})")
-            try:
+                if d is None:
+                    raise NotAStore(f"{self.location}: not a hidden-state store (no {key})")
                 self._root_commit = RootCommit.from_json(d, self.path(key))
             except StoreCorrupt as e:
-                raise StoreCorrupt(e.damage, ROOT_FIX) from None
+                raise e.located(None, ROOT_FIX) from None
         return self._root_commit
 
     @property
@@ -108,7 +109,7 @@ class HiddenStore:
                 commit_file.check_files(self.fs, self.root.rstrip("/"), root.metadata or {})
                 raw = dict(self.group("r").attrs)
             except StoreCorrupt as e:
-                raise StoreCorrupt(e.damage, ROOT_FIX) from None
+                raise e.located(None, ROOT_FIX) from None
             except Exception as e:  # noqa: BLE001 - zarr's own error on a root it cannot parse
                 raise StoreCorrupt(f"{self.path('zarr.json')}: unreadable ({type(e).__name__}: {e})",
                                    ROOT_FIX) from None
@@ -236,14 +237,14 @@ class HiddenStore:
             d = self.read_json(key)
             return None if d is None else ShardCommit.from_json(d, self.path(key))
         except StoreCorrupt as e:
-            raise StoreCorrupt(f"{e.damage} (shard {shard})", self.redo_hint(shard)) from None
+            raise self.shard_damage(e, shard) from None
 
     def check_shard_files(self, shard: int, record: ShardCommit) -> None:
         """The shard's metadata files against the checksums its commit file records (when it does)."""
         try:
             commit_file.check_files(self.fs, self.path(layout.shard_group(shard)), record.metadata or {})
         except StoreCorrupt as e:
-            raise StoreCorrupt(f"{e.damage} (shard {shard})", self.redo_hint(shard)) from None
+            raise self.shard_damage(e, shard) from None
 
     def shard_metadata(self, shard: int, arrays: list[str]) -> dict[str, int]:
         """The CRC-32 of the shard's group and array metadata files, for its commit record."""

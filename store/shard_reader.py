@@ -151,8 +151,7 @@ class ShardReader:
 
     def _damaged(self, e: StoreCorrupt, i: int | None = None) -> StoreCorrupt:
         """A failed read (of sample i), with where it is and what to run about it."""
-        where = f"shard {self.shard}" + ("" if i is None else f", sample {i}")
-        return StoreCorrupt(f"{e.damage} ({where})", self.store.redo_hint(self.shard))
+        return self.store.shard_damage(e, self.shard, i)
 
     def __iter__(self):
         for i in range(len(self)):
