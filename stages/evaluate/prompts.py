@@ -44,12 +44,16 @@ class Prompts:
         """Per ref, (its stored tokens [T] int32: prompt then completion, prompt length); no states
         read. Arrays, not lists: 4 bytes a token, not ~36 (all of a 2.5M-sample store's held-out part
         would otherwise take tens of GB)."""
-        out, reader = [], None
+        return [(reader.tokens(i), int(reader.prompt_lens[i])) for reader, i in self._walk(refs)]
+
+    def _walk(self, refs: list[Ref]) -> Iterator[tuple[ShardReader, int]]:
+        """(the reader of its shard, its index) per ref; refs in store order, so one shard's handles
+        are open at a time."""
+        reader: ShardReader | None = None
         for shard, i in refs:
             if reader is None or reader.shard != shard:
                 reader = ShardReader(self.store, shard)
-            out.append((reader.tokens(i), int(reader.prompt_lens[i])))
-        return out
+            yield reader, i
 
     def read(self, refs: list[Ref], ahead: int = 8) -> Iterator[Sample]:
         """The samples of refs, in order, read by a background thread up to `ahead` samples early."""
@@ -58,10 +62,7 @@ class Prompts:
 
         def reader() -> None:
             try:
-                current: ShardReader | None = None
-                for shard, i in refs:
-                    if current is None or current.shard != shard:
-                        current = ShardReader(self.store, shard)  # one shard's handles at a time
+                for current, i in self._walk(refs):
                     item = current[i]
                     while not stop.is_set():
                         try:
