@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,20 +59,22 @@ class CardRecord:
     caveats: tuple[str, ...]  # every serving warning, then our own notes
 
 
+def hub_id(path: str) -> str | None:
+    """The hub id of a target loaded from the hub cache ("org/name"), else None."""
+    m = HUB_CACHE.search(path)
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
 def base_model(target: TargetRecord | None) -> str | None:
     """The target's name: its hub id when it was loaded from the hub cache, else its directory's name."""
     if target is None:
         return None
-    m = HUB_CACHE.search(target.path)
-    return f"{m.group(1)}/{m.group(2)}" if m else Path(target.path).name or None
+    return hub_id(target.path) or Path(target.path).name or None
 
 
 def served_as(target: TargetRecord | None) -> str:
     """How the usage commands name the target: its hub id, else its path, else a placeholder."""
-    if target is None:
-        return "TARGET"
-    m = HUB_CACHE.search(target.path)
-    return f"{m.group(1)}/{m.group(2)}" if m else target.path
+    return "TARGET" if target is None else hub_id(target.path) or target.path
 
 
 def render(c: CardRecord) -> str:
@@ -107,7 +110,7 @@ def _target(c: CardRecord) -> list[str]:
 
 
 def _drafter(d: DrafterConfig) -> list[str]:
-    kinds = ", ".join(f"{n} x {k}" for k, n in _counts(d.layer_types))
+    kinds = ", ".join(f"{n} x {k}" for k, n in Counter(d.layer_types).items())  # in first-seen order
     rows = [("layers", d.num_hidden_layers), ("hidden size", d.hidden_size), ("MLP width", d.intermediate_size),
             ("heads / KV heads / head_dim", f"{d.num_attention_heads} / {d.num_key_value_heads} / {d.head_dim}"),
             ("block size", f"{d.block_size} (the anchor token + {d.block_size - 1} drafts)"),
@@ -119,13 +122,6 @@ def _drafter(d: DrafterConfig) -> list[str]:
     if d.input_embedding_scale != 1.0:
         rows.append(("input_embedding_scale", d.input_embedding_scale))
     return ["## Drafter", ""] + _rows(rows)
-
-
-def _counts(items) -> list[tuple[str, int]]:
-    seen: dict[str, int] = {}
-    for x in items:
-        seen[x] = seen.get(x, 0) + 1
-    return list(seen.items())
 
 
 def _training(c: CardRecord) -> list[str]:
