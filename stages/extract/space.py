@@ -68,7 +68,7 @@ class Need:
 
 
 def needed(config: ExtractConfig, store: HiddenStore, target: Target, attrs: StoreAttrs,
-                 prompt_set: prompt_sets.PromptSet, rows: dict[int, range], done: dict[int, ShardCommit]) -> Need:
+           prompt_set: prompt_sets.PromptSet, rows: dict[int, range], done: dict[int, ShardCommit]) -> Need:
     """The bytes the shards of `rows` (shard -> its dataset rows) will take: measured from the store's
     committed shards when it has some, else from the settings (the module docstring)."""
     counts = {s: len(r) for s, r in rows.items()}

@@ -50,8 +50,9 @@ class TrainConfig:
                                        parse=parse_count, default_text="2000")
     log_every: int = setting(10, "Write a metrics record every N steps.")
     workers: int = setting(2, "Data loader worker processes per training process.")
-    on_corrupt: str = setting("stop", "A sample whose store chunk fails its checksum: stop (one line naming the store, "
-                                      "shard, array and chunk, and what to run) or skip (leave it out; counted in "
+    on_corrupt: str = setting("stop", "A sample that cannot be read as committed (a chunk failing its checksum, a "
+                                      "damaged or missing file, a shard deleted under the run): stop (one line naming "
+                                      "the file, shard and sample, and what to run) or skip (leave it out; counted in "
                                       "metrics.jsonl and the final line).", choices=("stop", "skip"))
     threads: int | None = setting(None, "CPU only: intra-op threads per process. On a busy machine 1 can be much "
                                         "faster: OpenMP threads that wait on each other crawl.",

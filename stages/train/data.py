@@ -76,7 +76,7 @@ class Batch:
     hidden: torch.Tensor  # [b, T, n_taps, H] bf16, 0 past each length
     lengths: torch.Tensor  # [b] long
     refs: torch.Tensor  # [b, 2] long: (shard, index)
-    corrupt: tuple = ()  # (shard, index, why) of the rows left empty: a read failed its checksum
+    corrupt: tuple = ()  # (shard, index, why) of the rows left empty: their read failed (damaged or missing)
 
     def _map(self, fn) -> "Batch":
         values = (getattr(self, f.name) for f in fields(self))

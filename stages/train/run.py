@@ -192,8 +192,8 @@ def validate(s: Setup, config: TrainConfig) -> dict:
 
 def _loader(config: TrainConfig, batches: list, pin: bool, skipped: set):
     """Batches read and padded by --workers worker processes, in order. A sample whose read failed
-    its checksum stops the run (--on-corrupt stop: one line naming the chunk and the fix) or is left
-    out of its batch and added to `skipped` (skip)."""
+    (damaged or missing) stops the run (--on-corrupt stop: one line naming the file and the fix) or
+    is left out of its batch and added to `skipped` (skip)."""
     loader = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
                                          num_workers=config.workers, pin_memory=pin,
                                          prefetch_factor=4 if config.workers else None)
