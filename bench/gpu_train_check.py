@@ -45,7 +45,7 @@ def kernel_agreement(store_path: str, anchors: int, dtype: str) -> dict:
     model.init_weights(torch.Generator().manual_seed(0), std=0.05)
     model.to(dev)
     refs = sorted(index_samples(store, sorted(store.committed())[:2], 1024), key=lambda r: -r.length)[:4]
-    batch = StoreBatches(store_path, [refs])[0].to(dev)
+    batch = StoreBatches(store_path, [[(r,) for r in refs]])[0].to(dev)
     a, v = sample_anchors(batch.loss_mask.cpu(), anchors, torch.Generator().manual_seed(0))
     a, v, S = pad_for_compile(a, v, int(a.max()), anchors)
     a, v = a.to(dev), v.to(dev)

@@ -69,7 +69,7 @@ def measure(path: str, shards: int) -> dict:
     index_s = time.perf_counter() - t
     index_mb = rss_mb() - base
     rng = np.random.default_rng(0)
-    batches = [[refs[k] for k in rng.integers(0, len(refs), 8)] for _ in range(300)]
+    batches = [[(refs[k],) for k in rng.integers(0, len(refs), 8)] for _ in range(300)]
     data = StoreBatches(path, batches)
     base, peak = rss_mb(), 0.0
     t = time.perf_counter()

@@ -197,7 +197,7 @@ def reader(path: Path, workers: list[int]) -> dict:
         times.append(time.perf_counter() - t)
     out = {"sample_read_ms": round(1e3 * statistics.median(times), 2), "loader_MBps": {}}
     lengths = np.diff(r.offsets)
-    batches = [[Ref(0, int(i), int(lengths[i])) for i in rng.integers(0, len(r), 4)] for _ in range(48)]
+    batches = [[(Ref(0, int(i), int(lengths[i])),) for i in rng.integers(0, len(r), 4)] for _ in range(48)]
     for n in workers:
         loader = torch.utils.data.DataLoader(StoreBatches(str(path), batches), batch_size=None, num_workers=n,
                                              prefetch_factor=2)

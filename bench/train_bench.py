@@ -48,7 +48,7 @@ import stages.train.run as T  # noqa: E402
 import stages.train.step as step_module  # noqa: E402
 from pipeline.drafter import masks  # noqa: E402
 from stages.train.config import TrainConfig  # noqa: E402
-from stages.train.data import StoreBatches, epoch_batches  # noqa: E402
+from stages.train.data import StoreBatches, train_batches  # noqa: E402
 from stages.train.setup import prepare  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402
 
@@ -98,8 +98,8 @@ def timed_calls(clock: Clock, s):
     """Timing wrappers on what train_step and forward_loss call, restored on exit."""
     targets = [(step_module, "sample_anchors", "fwd_prep"), (step_module, "make_blocks", "fwd_prep"),
                (masks, "build", "fwd_prep"), (step_module, "dflash_loss", "fwd_loss"), (s.accelerator, "backward", "backward"),
-               (s.accelerator, "clip_grad_norm_", "optimizer"), (s.optimizer, "step", "optimizer"),
-               (s.optimizer, "zero_grad", "optimizer")]
+               (s.accelerator, "clip_grad_norm_", "optimizer"),
+               *[(opt, attr, "optimizer") for opt in s.optimizers for attr in ("step", "zero_grad")]]
     saved = []
     for obj, attr, name in targets:
         own = attr in vars(obj)  # module functions are restored; instance shadows are deleted
@@ -183,11 +183,12 @@ def loader_alone(s, config, n: int) -> dict:
 
 def build_in_process(s, config, n: int) -> dict:
     """What a worker spends per batch: StoreBatches[i] in this process, its shard readers opened first."""
-    mine = epoch_batches(s.train_refs, config.batch_size, config.seed, 0)[:n]
+    mine = train_batches(config, s.train_refs, 0)[:n]
     ds = StoreBatches(config.store, mine)
     for b in mine:
-        for r in b:
-            ds.reader(r.shard)
+        for row in b:
+            for r in row:
+                ds.reader(r.shard)
     t = time.perf_counter()
     for i in range(len(ds)):
         ds[i]

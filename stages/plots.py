@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def learning_curve(metrics: str | Path, png: str | Path, title: str = "") -> Path:
-    """Training loss and streak tau per step, with the held-out (eval) points, from metrics.jsonl."""
+    """Training loss and streak tau per step, with the held-out (eval) points and their replayed tau,
+    from metrics.jsonl."""
     recs = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 3.8))
     for split, style in (("train", "-"), ("eval", "o-")):
@@ -22,9 +23,13 @@ def learning_curve(metrics: str | Path, png: str | Path, title: str = "") -> Pat
         steps = [r["step"] for r in rs]
         label = "train (window mean)" if split == "train" else "held out"
         ax_loss.plot(steps, [r["loss"] for r in rs], style, label=label, markersize=4)
-        ax_tau.plot(steps, [r["tau_streak"] for r in rs], style, label=label, markersize=4)
+        ax_tau.plot(steps, [r["tau_streak"] for r in rs], style, label=label + ", streak", markersize=4)
+        replayed = [r for r in rs if "tau_replay" in r]
+        if replayed:
+            ax_tau.plot([r["step"] for r in replayed], [r["tau_replay"] for r in replayed], "s-", markersize=4,
+                        label=f"held out, replayed ({replayed[-1]['replay_prompts']} prompts)")
     ax_loss.set(xlabel="step", ylabel="weighted CE loss", title="loss")
-    ax_tau.set(xlabel="step", ylabel="tokens per round (bonus counted)", title="streak tau")
+    ax_tau.set(xlabel="step", ylabel="tokens per round (bonus counted)", title="tau: streak and replayed")
     for ax in (ax_loss, ax_tau):
         ax.grid(alpha=0.3)
         ax.legend()

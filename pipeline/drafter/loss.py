@@ -1,7 +1,8 @@
 """The DFlash loss and its metrics (SPEC §2, Training).
 
-loss = sum over labelled slots of w_k * CE_k / sum of their w_k; slot 0 (the anchor's own token)
-never has a label. Hard labels only. Two slot weightings:
+loss = sum over labelled slots of w_k * CE_k / sum of their w_k (norm "weights", SPEC), or / their
+number (norm "labels", as speculators normalises); slot 0 (the anchor's own token) never has a
+label. Hard labels only. Two slot weightings:
 
 - exp (SPEC §2, the default): w_k = exp(-(k-1)/gamma) for k >= 1.
 - dpace (D-PACE, arXiv:2605.18810): per block, each labelled slot's confidence q_k = exp(-CE_k) is
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from pipeline.drafter.blocks import IGNORE
 
 LOGITS_BYTES = 256 * 2**20  # fp32 logits of one chunk; with a bf16 lm_head the chunk's peak is about 1.5x this
+NORMS = ("weights", "labels")  # what the weighted CE of a micro-batch is divided by
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -112,21 +114,22 @@ def linear_cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tens
 @dataclass
 class LossOut:
     loss: torch.Tensor  # scalar, differentiable
-    sums: torch.Tensor  # [4 + 2B] fp32, summable across micro-batches and ranks (see `summarize`)
+    sums: torch.Tensor  # [5 + 2B] fp32, summable across micro-batches and ranks (see `summarize`)
 
 
 def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float | None,
-                dpace: float | None = None, chunk_rows: int | None = None) -> LossOut:
+                dpace: float | None = None, chunk_rows: int | None = None, norm: str = "weights") -> LossOut:
     """h: [b, N*B, H] drafter output (after its norm); labels: [b, N, B] (IGNORE = no loss);
     lm_head: [V, H] frozen. Slot weights: exp(-(k-1)/gamma), or D-PACE with smoothing alpha = dpace
-    when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES)."""
+    when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES).
+    norm: divide the weighted CE by the sum of the weights or by the number of labels (NORMS)."""
     b, n, B = labels.shape
     keep = labels != IGNORE
     h_sel = h.reshape(b, n, B, -1)[keep]  # [M, H]
     y = labels[keep]  # [M]
     ce, pred = linear_cross_entropy(h_sel, lm_head, y, chunk_rows)  # [M] fp32, [M] long
     w = _weights(ce, keep, gamma, dpace)  # [M] fp32, no grad
-    loss = (w * ce).sum() / w.sum().clamp_min(1e-12)
+    loss = (w * ce).sum() / (w.sum() if norm == "weights" else w.new_tensor(float(len(w)))).clamp_min(1e-12)
     correct = torch.zeros(b, n, B, dtype=torch.bool, device=h.device)
     correct[keep] = pred == y
     return LossOut(loss, _sums(ce.detach(), w, correct, keep))
@@ -143,8 +146,8 @@ def _weights(ce, keep, gamma, dpace) -> torch.Tensor:
 
 
 def zero_sums(block_size: int, device=None) -> torch.Tensor:
-    """An empty `LossOut.sums` accumulator: [4 + 2B] fp32."""
-    return torch.zeros(4 + 2 * block_size, device=device)
+    """An empty `LossOut.sums` accumulator: [5 + 2B] fp32."""
+    return torch.zeros(5 + 2 * block_size, device=device)
 
 
 def streaks(correct: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -159,21 +162,23 @@ def _sums(ce, w, correct, keep) -> torch.Tensor:
     per_slot_ok = (correct & keep).flatten(0, 1).sum(0).float()  # [B]
     per_slot_n = keep.flatten(0, 1).sum(0).float()  # [B]
     head = torch.stack([(w * ce).sum(), w.sum(), (streaks(correct, keep)[blocks] + 1).sum().float(),
-                        blocks.sum().float()])
+                        blocks.sum().float(), ce.sum()])
     return torch.cat([head.float(), per_slot_ok, per_slot_n])
 
 
 def summarize(sums: torch.Tensor) -> dict:
     """Totals from `LossOut.sums` (possibly added over steps and ranks) -> readable metrics.
 
-    loss: weighted CE (with the run's slot weights); tau_streak: mean over blocks of (leading
+    loss: weighted CE (with the run's slot weights, divided by their sum); ce: the plain mean CE over
+    labelled slots (comparable across slot weightings); tau_streak: mean over blocks of (leading
     correct drafts + 1), i.e. the expected tokens per round with the bonus counted; acc: per slot
     1..B-1."""
     s = sums.double().cpu().tolist()
-    B = (len(s) - 4) // 2
-    ok, n = s[4:4 + B], s[4 + B:]
+    B = (len(s) - 5) // 2
+    ok, n = s[5:5 + B], s[5 + B:]
     return {
         "loss": s[0] / s[1] if s[1] else math.nan,
+        "ce": s[4] / sum(n) if sum(n) else math.nan,
         "tau_streak": s[2] / s[3] if s[3] else math.nan,
         "acc": [round(ok[k] / n[k], 4) if n[k] else None for k in range(1, B)],
         "blocks": int(s[3]),

@@ -3,8 +3,9 @@
 
 Keys are laid out [context 0..S-1 | block 0 | block 1 | ...], queries are the block slots.
 Query slot j of block b (anchor a_b, position a_b + j) may see
-  - context key kv iff kv < a_b (strict: the anchor's own target state does not exist yet), and
-    only when the anchor is valid;
+  - context key kv iff start_b <= kv < a_b (strict: the anchor's own target state does not exist
+    yet; start_b is where the anchor's document begins in a packed row, 0 otherwise), and only when
+    the anchor is valid;
   - key slot j' of its own block and never another block; a causal layer only j' <= j;
   - with a sliding window, only keys whose position is within the window (both sides when the
     layer is not causal).
@@ -25,9 +26,10 @@ class LayerRule:
     window: int | None = None
 
 
-def allowed(b, q_idx, kv_idx, *, anchors, valid, ctx_len: int, block_size: int, rule: LayerRule):
+def allowed(b, q_idx, kv_idx, *, anchors, valid, ctx_len: int, block_size: int, rule: LayerRule, starts=None):
     """May query q_idx of batch row b attend to key kv_idx? Pure torch ops: broadcasts, and works
-    as a flex_attention mask_mod. anchors: [batch, N] long; valid: [batch, N] bool."""
+    as a flex_attention mask_mod. anchors: [batch, N] long; valid: [batch, N] bool; starts:
+    [batch, N] long, the first context key of each anchor's document (None: 0)."""
     blk = q_idx // block_size
     anchor = anchors[b, blk]
     in_ctx = kv_idx < ctx_len
@@ -37,7 +39,10 @@ def allowed(b, q_idx, kv_idx, *, anchors, valid, ctx_len: int, block_size: int, 
     k_pos = torch.where(in_ctx, kv_idx, anchor + rel % block_size)
     if rule.causal:
         same_block = same_block & (k_pos <= q_pos)
-    ok = (in_ctx & (kv_idx < anchor) & valid[b, blk]) | same_block
+    seen = in_ctx & (kv_idx < anchor) & valid[b, blk]
+    if starts is not None:
+        seen = seen & (kv_idx >= starts[b, blk])
+    ok = seen | same_block
     if rule.window is not None:
         ok = ok & (q_pos - k_pos < rule.window)
         if not rule.causal:
@@ -45,14 +50,16 @@ def allowed(b, q_idx, kv_idx, *, anchors, valid, ctx_len: int, block_size: int, 
     return ok
 
 
-def bool_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule) -> torch.Tensor:
+def bool_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,
+              starts=None) -> torch.Tensor:
     """For SDPA: [batch, 1, N*B, S + N*B] bool, True = may attend."""
     batch, n = anchors.shape
     dev = anchors.device
     q = torch.arange(n * block_size, device=dev)[None, :, None]
     kv = torch.arange(ctx_len + n * block_size, device=dev)[None, None, :]
     b = torch.arange(batch, device=dev)[:, None, None]
-    return allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)[:, None]
+    return allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule,
+                   starts=starts)[:, None]
 
 
 @dataclass
@@ -67,7 +74,8 @@ class LocalMask:
     block_size: int
 
 
-def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule) -> LocalMask:
+def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,
+               starts=None) -> LocalMask:
     batch, n = anchors.shape
     dev = anchors.device
     blk = torch.arange(n, device=dev)[None, :, None, None]
@@ -75,51 +83,57 @@ def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
     kv = torch.arange(ctx_len + block_size, device=dev)[None, None, None, :]
     kv = torch.where(kv < ctx_len, kv, kv + blk * block_size)  # local key -> its index in the dense layout
     b = torch.arange(batch, device=dev)[:, None, None, None]
-    m = allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)
+    m = allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule,
+                starts=starts)
     return LocalMask(m, block_size)
 
 
 TILE = 128  # flex_attention's sparse block: a BlockMask classifies TILE x TILE (query, key) tiles
 
 
-def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule):
+def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,
+               starts=None):
     """For flex_attention (CUDA): a BlockMask with the predicate as its mask_mod and its tiles
     classified from the block structure (tile_kinds), in time that grows with rows + tiles rather than
     rows x keys. It is the BlockMask create_block_mask(mask_mod, ...) builds from the dense mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
     n = anchors.shape[1]
-    partial, full = tile_kinds(anchors, valid, ctx_len, block_size, rule)  # [batch, n_q, n_kv] bool each
+    partial, full = tile_kinds(anchors, valid, ctx_len, block_size, rule, starts)  # [batch, n_q, n_kv] bool each
 
     def mask_mod(b, _h, q_idx, kv_idx):
-        return allowed(b, q_idx, kv_idx, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule)
+        return allowed(b, q_idx, kv_idx, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule,
+                       starts=starts)
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                     seq_lengths=(n * block_size, ctx_len + n * block_size))
 
 
-def tile_kinds(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_kinds(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule,
+               starts=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full): [batch, n_q, n_kv] bool over the TILE x TILE (query, key) tiles. Each query row
     sees two key spans (visible_spans); a tile's count of allowed pairs follows from the spans. A tile
     cut short by the query or key length is never full (create_block_mask pads it with False)."""
     n_q = -(-anchors.shape[1] * block_size // TILE)
     n_kv = -(-(ctx_len + anchors.shape[1] * block_size) // TILE)
-    starts, ends = visible_spans(anchors, valid, ctx_len, block_size, rule)  # [batch, N*B, 2] each
-    pairs = (ramp_sums(starts, n_q, n_kv) - ramp_sums(ends, n_q, n_kv)).diff(dim=-1)  # [batch, n_q, n_kv]
+    lo, hi = visible_spans(anchors, valid, ctx_len, block_size, rule, starts)  # [batch, N*B, 2] each
+    pairs = (ramp_sums(lo, n_q, n_kv) - ramp_sums(hi, n_q, n_kv)).diff(dim=-1)  # [batch, n_q, n_kv]
     full = pairs == TILE * TILE
     return (pairs > 0) & ~full, full
 
 
-def visible_spans(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule):
+def visible_spans(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule, doc_starts=None):
     """The predicate per query row as two half-open key spans, [context span, own-block span]: row
-    (b, j) sees context keys [a_b + j - window + 1, a_b) clipped to [0, S) (none if b is padded) and
+    (b, j) sees context keys [a_b + j - window + 1, a_b) clipped to [start_b, S) (none if b is
+    padded; start_b the anchor's document start, 0 without doc_starts) and
     keys S + b*B + [j - window + 1, j] (causal) or [j - window + 1, j + window) (bidirectional),
     clipped to its block. Returns starts, ends: [batch, N*B, 2] long, end >= start (empty: equal)."""
     n = anchors.shape[1]
     j = torch.arange(block_size, device=anchors.device)  # [B] slot in the block
     a = anchors[:, :, None].long()  # [batch, N, 1]
     w = rule.window
-    ctx_lo = (a + j - w + 1).clamp(min=0) if w is not None else torch.zeros_like(a + j)  # [batch, N, B]
+    first = doc_starts[:, :, None].long() if doc_starts is not None else torch.zeros_like(a)  # [batch, N, 1]
+    ctx_lo = torch.maximum(a + j - w + 1, first) if w is not None else first.expand_as(a + j)  # [batch, N, B]
     ctx_hi = torch.where(valid[:, :, None], a.clamp(max=ctx_len), 0).expand_as(ctx_lo)
     own_lo, own_hi = torch.zeros_like(j), torch.full_like(j, block_size)  # [B] slots of its own block
     if w is not None:
@@ -157,8 +171,9 @@ def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return number.contiguous(), indices.contiguous()
 
 
-def build(rules, anchors, valid, ctx_len: int, block_size: int, kind: str) -> dict:
+def build(rules, anchors, valid, ctx_len: int, block_size: int, kind: str, starts=None) -> dict:
     """One mask per distinct layer rule: {LayerRule: mask}. kind: "flex" (CUDA), "local" (SDPA per
-    block, the CPU default) or "dense" (SDPA over the whole key layout, the reference)."""
+    block, the CPU default) or "dense" (SDPA over the whole key layout, the reference). starts:
+    [batch, N] document start of each anchor, for packed rows (None: one document per row)."""
     make = {"flex": block_mask, "local": local_mask, "dense": bool_mask}[kind]
-    return {rule: make(anchors, valid, ctx_len, block_size, rule) for rule in set(rules)}
+    return {rule: make(anchors, valid, ctx_len, block_size, rule, starts) for rule in set(rules)}

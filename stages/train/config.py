@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import device as devices
+from pipeline.drafter.blocks import ANCHOR_RULES
 from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
+from pipeline.drafter.loss import NORMS
 from stages.settings import at_least, check_choices, parse_count, require, setting
+from stages.train.data import BATCHINGS
+from stages.train.optim import OPTIMIZERS, SCHEDULES
+from stages.train.step import NOISES
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
 
@@ -20,25 +25,53 @@ class TrainConfig:
     eval_shards: str | None = setting(None, "Held-out shards for validation, e.g. '56-63'.", default_text="none")
     max_steps: int | None = setting(None, "Optimizer steps; overrides --epochs.")
     epochs: int = setting(6, "Passes over the training samples.")
-    lr: float = setting(6e-4, "Peak AdamW learning rate.")
-    warmup_ratio: float = setting(0.04, "Linear warmup share of the steps; cosine decay after.")
+    lr: float = setting(6e-4, "Peak AdamW learning rate: of every parameter with --optimizer adamw, of the norms with "
+                              "muon (whose matrices take --muon-lr).")
+    warmup_ratio: float = setting(0.04, "Linear warmup share of the steps; --schedule decay after.")
+    schedule: str = setting("cosine", "Decay to 0 after the warmup: cosine or linear.", choices=SCHEDULES)
+    optimizer: str = setting("muon", "muon: Muon (torch.optim.Muon's update) over the 2-D weight matrices (fc, "
+                                     "attention, MLP) and AdamW over the norms, as speculators trains DFlash; adamw: "
+                                     "AdamW over every parameter (the SPEC recipe). The default by the recipe bench "
+                                     "(docs/training.md).", choices=OPTIMIZERS)
+    muon_lr: float | None = setting(None, "Peak Muon learning rate (--optimizer muon), its update scaled to match "
+                                          "AdamW's RMS.", default_text="10 x --lr")
+    muon_weight_decay: float = setting(0.1, "Muon weight decay (--optimizer muon).")
     grad_clip: float = setting(1.0, "Gradient norm clip (0: off).")
     weight_decay: float = setting(0.0, "AdamW weight decay.")
     block_size: int = setting(BLOCK_SIZE, "Block size B: anchor token + B-1 drafts.")
     gamma: float | None = setting(None, "Loss decay w_k = exp(-(k-1)/gamma).", default_text=_GAMMAS)
-    anchors: int = setting(512, "Blocks per sequence, resampled every step.")
-    max_length: int = setting(4096, "Tokens per sample used (longer ones are cut).")
-    batch_size: int = setting(1, "Sequences per process per micro-batch.")
+    anchors: int = setting(512, "Blocks per sample, resampled every step.")
+    anchor_rule: str = setting("pair", "Which positions may anchor a block: pair: loss_mask[a] and loss_mask[a+1] "
+                                       "(SPEC); single: loss_mask[a] (speculators).", choices=ANCHOR_RULES)
+    max_length: int = setting(4096, "Tokens per sample used (longer ones are cut); with --batching packed also "
+                                    "the tokens of a row.")
+    batch_size: int = setting(1, "Rows per process per micro-batch (a row is one sample, or several with "
+                                 "--batching packed).")
+    batching: str = setting("random", "How samples become rows and batches, from each epoch's shuffled order: "
+                                      "random: one sample a row, in the shuffled order (the default by the recipe "
+                                      "bench); bucketed: one sample a row, rows of similar length batched together "
+                                      "(little padding, but each batch's loss is normalised on its own, so batches of "
+                                      "long samples weigh as much as batches of short ones); packed: whole "
+                                        "samples concatenated into rows of up to --max-length tokens, attention and "
+                                        "labels never crossing samples, positions restarting at each, --anchors per "
+                                        "sample.", choices=BATCHINGS)
     grad_accum: int = setting(1, "Micro-batches per optimizer step.")
     seed: int = setting(0, "Seeds the initialization, data order and anchors.")
-    noise_std: float = setting(0.0, "Gaussian noise on fc's input only (never the labels).")
-    slot_weights: str = setting("exp", "Loss weight of draft slot k: exp: exp(-(k-1)/gamma) (SPEC); dpace: D-PACE "
-                                       "(arXiv:2605.18810), from the drafter's own detached confidences, the "
-                                       "default of ModelOpt and speculators.", choices=("exp", "dpace"))
+    noise_std: float = setting(0.0, "Noise on fc's input only (never the labels): the sd of --noise gaussian, the "
+                                    "half-width of --noise uniform.")
+    noise: str = setting("gaussian", "Kind of --noise-std noise: gaussian, or uniform in [-std, std] (speculators' "
+                                     "noise_std).", choices=NOISES)
+    slot_weights: str = setting("dpace", "Loss weight of draft slot k: dpace: D-PACE (arXiv:2605.18810), from the "
+                                         "drafter's own detached confidences, the default of ModelOpt and speculators "
+                                         "and of the recipe bench; exp: exp(-(k-1)/gamma) (SPEC).",
+                                choices=("dpace", "exp"))
     dpace_alpha: float = setting(0.5, "D-PACE smoothing: confidence q counts as alpha + (1-alpha) q "
                                       "(--slot-weights dpace only).")
-    anchor_budget: int | None = setting(None, "At most N blocks per micro-batch in all, drawn from the rows' "
-                                              "anchors pooled; each row still at most --anchors.", default_text="off")
+    anchor_budget: int | None = setting(None, "At most N blocks per micro-batch in all, drawn from the samples' "
+                                              "anchors pooled; each sample still at most --anchors.",
+                                        default_text="off")
+    loss_norm: str = setting("weights", "Divide a micro-batch's weighted CE by the sum of the slot weights (SPEC) or "
+                                        "by the number of labelled slots (labels, as speculators).", choices=NORMS)
     save_every: int = setting(1000, "Write OUT/step-N (what --resume continues from) every N steps, and at the end "
                                     "(0: only OUT/final).")
     keep_last: int = setting(2, "Keep the newest K step-N checkpoints: once one is written, older ones beyond K "
@@ -48,6 +81,11 @@ class TrainConfig:
     eval_samples: int | None = setting(2000, "Validate on a fixed random sample of this many held-out samples, the "
                                              "same every time ('all': every one; at 27B scale that is ~1 h a call).",
                                        parse=parse_count, default_text="2000")
+    eval_replay_prompts: int | None = setting(256, "Validation also replays greedy speculative decoding (chain "
+                                                   "drafting, evaluate.py's rule, the fp32 weights) on a fixed random "
+                                                   "sample of this many held-out prompts and reports their tau "
+                                                   "(tau_replay; 0: off, 'all': every one).", parse=parse_count,
+                                             default_text="256")
     log_every: int = setting(10, "Write a metrics record every N steps.")
     workers: int = setting(2, "Data loader worker processes per training process.")
     on_corrupt: str = setting("stop", "A sample that cannot be read as committed (a chunk failing its checksum, a "
@@ -86,8 +124,11 @@ class TrainConfig:
         check_choices(self)
         at_least(self, 1, "eval_samples", "epochs", "block_size", "anchors", "max_length", "batch_size", "grad_accum",
                  "log_every", "max_steps", "anchor_budget")
-        at_least(self, 0, "noise_std", "save_every", "keep_last", "eval_every", "workers", "grad_clip", "weight_decay")
+        at_least(self, 0, "eval_replay_prompts", "noise_std", "save_every", "keep_last", "eval_every", "workers",
+                 "grad_clip", "weight_decay", "muon_weight_decay")
         require(self, "lr", self.lr > 0, "must be positive")
+        require(self, "muon_lr", self.muon_lr is None or self.muon_lr > 0, "must be positive")
+        require(self, "muon_lr", self.muon_lr is None or self.optimizer == "muon", "is only used by --optimizer muon")
         require(self, "warmup_ratio", 0 <= self.warmup_ratio < 1, "expected 0 <= ratio < 1")
         require(self, "gamma", self.gamma is None or self.gamma > 0, "must be positive")
         require(self, "gamma", self.gamma is None or self.slot_weights == "exp", "is only used by --slot-weights exp")

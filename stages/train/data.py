@@ -1,10 +1,12 @@
 """Training data order and batches, straight from the store.
 
 `index_samples` lists the trainable samples of the chosen shards (lengths only, no hidden
-states). `epoch_batches` orders them for one epoch: shuffled by sample with a (seed, epoch)
-generator, bucketed by length so padding stays small, cut into batches, and dealt to ranks so
-each rank reads only its own part. `StoreBatches` turns a batch of sample refs into padded
-tensors; it is what DataLoader worker processes run, each with its own store handles.
+states). `epoch_batches` orders them for one epoch, shuffled by sample with a (seed, epoch)
+generator, and forms batches (BATCHINGS): rows of one sample bucketed by length so padding stays
+small, rows of one sample in random order, or packed rows that hold several whole samples each;
+then deals them to ranks so each rank reads only its own part. A batch is a list of rows, a row a
+tuple of sample refs. `StoreBatches` turns a batch into padded tensors; it is what DataLoader
+worker processes run, each with its own store handles.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
 BUCKET = 64  # batches of similar length are formed within windows of this many batches
+BATCHINGS = ("bucketed", "random", "packed")
 
 
 @dataclass(frozen=True)
@@ -54,19 +57,48 @@ def sample_refs(refs: list[Ref], n: int | None, seed: int) -> list[Ref]:
     return [refs[i] for i in np.sort(np.random.default_rng([seed, 1]).choice(len(refs), n, replace=False))]
 
 
-def epoch_batches(refs: list[Ref], batch_size: int, seed: int, epoch: int, rank: int = 0,
-                  world: int = 1) -> list[list[Ref]]:
-    """This rank's batches for one epoch; every rank gets the same number (the tail is dropped)."""
+Row = tuple[Ref, ...]  # the samples of one row, in row order
+
+
+def epoch_batches(refs: list[Ref], batch_size: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
+                  batching: str = "bucketed", row_tokens: int | None = None) -> list[list[Row]]:
+    """This rank's batches of `batch_size` rows for one epoch; every rank gets the same number (the
+    tail is dropped). bucketed: one sample a row, rows of similar length batched together (within
+    windows of BUCKET batches), the batches shuffled; random: one sample a row, in the shuffled
+    order; packed: each row takes the next samples of the shuffled order while they fit in
+    row_tokens tokens (a sample is never split: Ref.length <= row_tokens)."""
     g = np.random.default_rng([seed, epoch])
     order = g.permutation(len(refs))
-    window = batch_size * BUCKET
-    batches = []
-    for lo in range(0, len(order), window):
-        part = sorted(order[lo:lo + window], key=lambda i: refs[i].length)
-        batches += [[refs[i] for i in part[j:j + batch_size]] for j in range(0, len(part), batch_size)]
-    batches = [batches[i] for i in g.permutation(len(batches))]
+    if batching == "packed":
+        rows = packed_rows([refs[i] for i in order], row_tokens)
+    elif batching == "random":
+        rows = [(refs[i],) for i in order]
+    else:
+        rows = []
+        for lo in range(0, len(order), batch_size * BUCKET):
+            rows += [(refs[i],) for i in sorted(order[lo:lo + batch_size * BUCKET], key=lambda i: refs[i].length)]
+    batches = [rows[j:j + batch_size] for j in range(0, len(rows), batch_size)]
+    if batching == "bucketed":
+        batches = [batches[i] for i in g.permutation(len(batches))]
     per_rank = len(batches) // world
     return batches[rank * per_rank:(rank + 1) * per_rank]
+
+
+def train_batches(config, refs: list[Ref], epoch: int, rank: int = 0, world: int = 1) -> list[list[Row]]:
+    """This rank's batches of one epoch under the run's --batching (packed rows hold --max-length tokens)."""
+    return epoch_batches(refs, config.batch_size, config.seed, epoch, rank, world, config.batching, config.max_length)
+
+
+def packed_rows(refs: list[Ref], row_tokens: int) -> list[Row]:
+    """Rows of consecutive refs, each row as many as fit in row_tokens tokens."""
+    rows, row, used = [], [], 0
+    for r in refs:
+        if row and used + r.length > row_tokens:
+            rows.append(tuple(row))
+            row, used = [], 0
+        row.append(r)
+        used += r.length
+    return rows + ([tuple(row)] if row else [])
 
 
 @dataclass
@@ -74,9 +106,10 @@ class Batch:
     tokens: torch.Tensor  # [b, T] long, 0 past each length
     loss_mask: torch.Tensor  # [b, T] bool, False past each length
     hidden: torch.Tensor  # [b, T, n_taps, H] bf16, 0 past each length
-    lengths: torch.Tensor  # [b] long
-    refs: torch.Tensor  # [b, 2] long: (shard, index)
-    corrupt: tuple = ()  # (shard, index, why) of the rows left empty: their read failed (damaged or missing)
+    lengths: torch.Tensor  # [b] long: tokens of each row
+    refs: torch.Tensor  # [D, 2] long: (shard, index) of the D samples, row after row
+    starts: torch.Tensor  # [b, T] long: where each token's sample begins in its row (all 0 for one a row)
+    corrupt: tuple = ()  # (shard, index, why) of the samples left empty: their read failed (damaged or missing)
 
     def _map(self, fn) -> "Batch":
         values = (getattr(self, f.name) for f in fields(self))
@@ -92,7 +125,7 @@ class Batch:
 class StoreBatches(torch.utils.data.Dataset):
     """batches[i] -> a padded Batch. Store handles open lazily, once per worker process."""
 
-    def __init__(self, location: str, batches: list[list[Ref]]) -> None:
+    def __init__(self, location: str, batches: list[list[Row]]) -> None:
         self.location, self.batches = location, batches
         self._store: HiddenStore | None = None
         self._readers: dict[int, ShardReader] = {}
@@ -116,23 +149,44 @@ class StoreBatches(torch.utils.data.Dataset):
         return self._store
 
     def __getitem__(self, i: int) -> Batch:
-        refs = self.batches[i]
-        T, b = max(r.length for r in refs), len(refs)
+        rows = self.batches[i]
+        lengths = [sum(r.length for r in row) for row in rows]
+        T, b = max(lengths), len(rows)
         states = (len(self.store.attrs.taps), self.store.attrs.hidden_size)
         out = Batch(tokens=torch.zeros(b, T, dtype=torch.long), loss_mask=torch.zeros(b, T, dtype=torch.bool),
-                    hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16),
-                    lengths=torch.tensor([r.length for r in refs]),
-                    refs=torch.tensor([[r.shard, r.index] for r in refs]))
+                    hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16), lengths=torch.tensor(lengths),
+                    refs=torch.tensor([[r.shard, r.index] for row in rows for r in row]),
+                    starts=torch.zeros(b, T, dtype=torch.long))
         corrupt = []
-        for j, r in enumerate(refs):  # states decoded straight into the batch: no copy per sample
-            try:
-                s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, :r.length])
-            except StoreError as e:  # damaged, or deleted under the run: the row stays empty (no tokens, no
-                # loss), and the main process decides
-                out.hidden[j].zero_()
-                out.lengths[j] = 0
-                corrupt.append((r.shard, r.index, str(e)))
-                continue
-            out.tokens[j, :r.length], out.loss_mask[j, :r.length] = s.tokens, s.loss_mask
+        for j, row in enumerate(rows):
+            at = 0
+            for r in row:  # states decoded straight into the batch: no copy per sample
+                span = slice(at, at + r.length)
+                out.starts[j, span] = at
+                at += r.length
+                try:
+                    s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, span])
+                except StoreError as e:  # damaged, or deleted under the run: its span stays empty (no tokens,
+                    # no loss, seen by no other sample), and the main process decides
+                    out.hidden[j, span] = 0
+                    out.lengths[j] -= r.length
+                    corrupt.append((r.shard, r.index, str(e)))
+                    continue
+                out.tokens[j, span], out.loss_mask[j, span] = s.tokens, s.loss_mask
         out.corrupt = tuple(corrupt)
         return out
+
+
+def loader(config, batches: list, pin: bool, skipped: set):
+    """Batches read and padded by --workers worker processes, in order. A sample whose read failed
+    (damaged or missing) stops the run (--on-corrupt stop: one line naming the file and the fix) or
+    is left out of its batch and added to `skipped` (skip)."""
+    workers = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
+                                          num_workers=config.workers, pin_memory=pin,
+                                          prefetch_factor=4 if config.workers else None)
+    for batch in workers:
+        for shard, index, why in batch.corrupt:
+            if config.on_corrupt == "stop":
+                raise StoreCorrupt(why)
+            skipped.add((shard, index))
+        yield batch

@@ -17,11 +17,11 @@ from tqdm import tqdm
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
 from stages.train.config import TrainConfig
-from stages.train.data import StoreBatches, epoch_batches, sample_refs
+from stages.train.data import loader, train_batches
 from stages.train.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
-from store.errors import StoreCorrupt
+from stages.train.validation import validate
 
 INTERRUPTED = "interrupted; rerun with --resume to continue from the last step-N"
 
@@ -39,7 +39,8 @@ def _run(s: Setup, config: TrainConfig) -> dict:
     acc, out = s.accelerator, Path(config.out)
     metrics = MetricsLog(acc, out, s.start_step, s.total_steps)
     if s.eval_refs and s.start_step == 0:
-        metrics.write({"split": "eval", "step": 0, **validate(s, config)})
+        # a fresh drafter drafts nothing yet: replaying it would cost the most rounds (one a token) to show tau ~1
+        metrics.write({"split": "eval", "step": 0, **validate(s, config, replay=bool(config.init_from))})
     bar = tqdm(total=s.total_steps, initial=s.start_step, unit="step", desc="train", dynamic_ncols=True,
                disable=not acc.is_main_process)
     window, seen = Window(s), []
@@ -81,10 +82,12 @@ def train_step(s: Setup, config: TrainConfig, batches, step: int, seen: list | N
             acc.backward(out.loss)
             if acc.sync_gradients and config.grad_clip > 0:
                 acc.clip_grad_norm_(s.model.parameters(), config.grad_clip)
-            s.optimizer.step()
-            s.optimizer.zero_grad(set_to_none=True)
+            for opt in s.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         sums = sums + out.sums
-    s.scheduler.step()
+    for sched in s.schedulers:
+        sched.step()
     return sums, tokens
 
 
@@ -115,7 +118,8 @@ class Window:
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
         epoch = step * acc.gradient_accumulation_steps / s.micro_per_epoch
-        record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": s.scheduler.get_last_lr()[0], **m,
+        record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": s.schedulers[-1].get_last_lr()[0],
+                  **({"muon_lr": s.schedulers[0].get_last_lr()[0]} if len(s.schedulers) > 1 else {}), **m,
                   "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),
                   "corrupt_skipped": corrupt_skipped(s)}
         self.sums.zero_()
@@ -158,48 +162,18 @@ def done_line(summary: dict) -> str:
     ev = summary["final_eval"]
     return (f"done: {summary['steps']} steps, checkpoint {summary['out']}/final"
             + (f"; held-out loss {ev['loss']:.4f}, streak tau {ev['tau_streak']:.3f}" if ev else "")
+            + (f", replay tau {ev['tau_replay']:.3f} ({ev['replay_prompts']} prompts)" if ev and "tau_replay" in ev
+               else "")
             + (f"; {summary['corrupt_skipped']} corrupt sample(s) left out (--on-corrupt skip; run `pipeline verify`)"
                if summary.get("corrupt_skipped") else ""))
 
 
 def micro_batches(s: Setup, config: TrainConfig):
-    """This rank's micro-batches from the resume point on, through epochs, worker processes reading."""
-    m = s.start_step * config.grad_accum
-    epoch, offset = divmod(m, s.micro_per_epoch)
-    acc = s.accelerator
+    """This rank's micro-batches from the resume point on, through epochs, worker processes reading.
+    The resume point is found by walking the epochs (packed epochs differ in length)."""
+    skip, epoch, acc = s.start_step * config.grad_accum, 0, s.accelerator
     while True:
-        mine = epoch_batches(s.train_refs, config.batch_size, config.seed, epoch, acc.process_index, acc.num_processes)
-        yield from _loader(config, mine[offset:], acc.device.type == "cuda", s.skipped)
-        epoch, offset = epoch + 1, 0
-
-
-@torch.no_grad()
-def validate(s: Setup, config: TrainConfig) -> dict:
-    """Loss, streak tau and per-slot accuracy on a fixed sample of the held-out samples (--eval-samples),
-    with fixed anchors, read by loader workers; its size is in the record."""
-    acc = s.accelerator
-    s.model.eval()
-    refs = sample_refs(s.eval_refs, config.eval_samples, config.seed)
-    batches = epoch_batches(refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
-    total = zero_sums(s.drafter_config.block_size, acc.device)
-    for i, batch in enumerate(_loader(config, batches, acc.device.type == "cuda", s.skipped)):
-        batch = batch.to(acc.device)
-        gen = step_generator(config.seed, -1, i, acc.process_index, acc.device)
-        with acc.autocast():
-            total += forward_loss(s.model, s.raw, batch, s.plan, gen).sums
-    return {**summarize(acc.reduce(total, reduction="sum")), "samples": len(refs)}
-
-
-def _loader(config: TrainConfig, batches: list, pin: bool, skipped: set):
-    """Batches read and padded by --workers worker processes, in order. A sample whose read failed
-    (damaged or missing) stops the run (--on-corrupt stop: one line naming the file and the fix) or
-    is left out of its batch and added to `skipped` (skip)."""
-    loader = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
-                                         num_workers=config.workers, pin_memory=pin,
-                                         prefetch_factor=4 if config.workers else None)
-    for batch in loader:
-        for shard, index, why in batch.corrupt:
-            if config.on_corrupt == "stop":
-                raise StoreCorrupt(why)
-            skipped.add((shard, index))
-        yield batch
+        mine = train_batches(config, s.train_refs, epoch, acc.process_index, acc.num_processes)
+        if skip < len(mine):
+            yield from loader(config, mine[skip:], acc.device.type == "cuda", s.skipped)
+        skip, epoch = max(0, skip - len(mine)), epoch + 1

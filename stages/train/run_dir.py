@@ -28,7 +28,11 @@ from store.locks import LockFile
 # Fields that fix the data order and the model: a resumed run must keep them.
 RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
                 "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
-                "grad_clip", "mixed_precision", "slot_weights", "dpace_alpha", "anchor_budget")
+                "grad_clip", "mixed_precision", "slot_weights", "dpace_alpha", "anchor_budget", "batching",
+                "anchor_rule", "loss_norm", "noise", "optimizer", "muon_lr", "muon_weight_decay", "schedule")
+# What a run saved before a field existed did, where that is not the field's default today.
+BEFORE_THE_FIELD = {"slot_weights": "exp", "batching": "bucketed", "anchor_rule": "pair", "loss_norm": "weights",
+                    "noise": "gaussian", "optimizer": "adamw", "schedule": "cosine"}
 
 
 class MetricsLog:
@@ -206,8 +210,8 @@ def resume_point(config, fingerprint: str) -> tuple[Path | None, dict | None]:
 
 
 def resumable(config, previous: dict) -> None:
-    """A field a run saved before it existed had its default then."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    """A field a run saved before it existed had its behaviour then: BEFORE_THE_FIELD, else its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)} | BEFORE_THE_FIELD
     diff = [f"{flag_of(config, k)} was {previous.get(k, defaults[k])!r}, now {getattr(config, k)!r}"
             for k in RESUME_FIXED if previous.get(k, defaults[k]) != getattr(config, k)]
     if diff:

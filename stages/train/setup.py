@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,8 @@ from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
-from stages.train.data import Ref, epoch_batches, index_samples
+from stages.train.data import Ref, index_samples, train_batches
+from stages.train.optim import build_optimizers, build_schedules
 from stages.train.run_dir import claim, resume_point
 from stages.train.step import LossPlan
 from store.errors import ConfigError, StoreError
@@ -35,8 +35,8 @@ class Setup:
     accelerator: object
     model: torch.nn.Module  # as prepared by Accelerate (DDP/FSDP wrapper)
     raw: Drafter
-    optimizer: object
-    scheduler: object
+    optimizers: list  # as prepared by Accelerate (stages/train/optim.py)
+    schedulers: list  # one per optimizer
     drafter_config: DrafterConfig
     train_refs: list[Ref]
     eval_refs: list[Ref]
@@ -207,14 +207,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
     acc = make_accelerator(config)
     if previous and previous["world_size"] != acc.num_processes:
         raise ConfigError("--resume", rdir, f"saved with {previous['world_size']} processes, now {acc.num_processes}")
-    micro = len(epoch_batches(train_refs, config.batch_size, config.seed, 0, acc.process_index, acc.num_processes))
+    micro = len(train_batches(config, train_refs, 0, acc.process_index, acc.num_processes))
     if micro < config.grad_accum:
         raise ConfigError(flag_of(config, "grad_accum"), config.grad_accum,
                           f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
                           f"{config.batch_size}, {acc.num_processes} ranks)")
     total = config.max_steps or config.epochs * (micro // config.grad_accum)
     embed, lm_head = frozen_tensors(store, acc.device)  # [V, H] each, on the device
-    raw, model, opt, sched = build_model(config, acc, dc, embed, lm_head, init, total)
+    raw, model, opts, scheds = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
     if rdir is not None:
         acc.load_state(str(rdir / "training"))
@@ -231,7 +231,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
-    return Setup(accelerator=acc, model=model, raw=raw, optimizer=opt, scheduler=sched, drafter_config=dc,
+    return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
                  train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint, store_taps=attrs.taps,
                  micro_per_epoch=micro, total_steps=total, start_step=start,
@@ -249,8 +249,9 @@ def frozen_tensors(store: HiddenStore, device: torch.device) -> tuple[torch.Tens
 
 def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, init: dict | None, total: int):
     """The drafter (fp32 master weights; embed, lm_head as frozen_tensors gives them, kept without a
-    copy), AdamW and the schedule, prepared by Accelerate. The scheduler is stepped by us once per
-    optimizer step (Accelerate would step it once per process) and saved with the training state."""
+    copy), its optimizers and their schedules (optim.py), prepared by Accelerate. The schedulers are
+    stepped by us once per optimizer step (Accelerate would step them once per process) and saved
+    with the training state."""
     torch.manual_seed(config.seed)
     with torch.device(acc.device):  # parameters made on the device: no host copy of the fp32 drafter (6.9 GB at 27B)
         raw = Drafter(dc, embed, lm_head)
@@ -258,19 +259,9 @@ def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, ini
     if init is not None:
         checkpoint.load_into(raw, init)
     raw.to(acc.device)
-    opt = torch.optim.AdamW(raw.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, config.warmup_ratio))
-    model, opt = acc.prepare(raw, opt)
-    acc.register_for_checkpointing(sched)
-    return raw, model, opt, sched
-
-
-def lr_lambda(total: int, warmup_ratio: float):
-    warmup = math.ceil(total * warmup_ratio)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-    return f
+    opts = build_optimizers(config, raw)
+    scheds = build_schedules(config, opts, total)
+    model, *opts = acc.prepare(raw, *opts)
+    for sched in scheds:
+        acc.register_for_checkpointing(sched)
+    return raw, model, opts, scheds

@@ -20,14 +20,17 @@ CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
 class LossPlan:
     """The per-step constants of a run."""
 
-    anchors: int  # blocks per sequence
+    anchors: int  # blocks per document
     block_size: int
     mask_token_id: int
     gamma: float | None  # exp slot weights' decay; None with D-PACE
-    noise_std: float  # on fc's input only
+    noise_std: float  # on fc's input only: the Gaussian's sd, or the uniform's half-width
     flex: bool  # flex_attention (CUDA) or block-local SDPA (CPU)
     dpace_alpha: float | None = None  # D-PACE slot weights' smoothing; None: exp weights
     anchor_budget: int | None = None  # blocks per micro-batch in all; None: no limit
+    anchor_rule: str = "pair"  # blocks.ANCHOR_RULES
+    loss_norm: str = "weights"  # loss.NORMS
+    noise: str = "gaussian"  # NOISES
 
     @classmethod
     def of(cls, config, drafter: DrafterConfig, flex: bool) -> LossPlan:
@@ -36,7 +39,7 @@ class LossPlan:
         if config.slot_weights == "exp":
             gamma, alpha = config.gamma if config.gamma is not None else default_gamma(drafter.block_size), None
         return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
-                   config.anchor_budget)
+                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise)
 
     @property
     def width(self) -> int:
@@ -54,27 +57,49 @@ def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.de
 def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator) -> LossOut:
     """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
     batch tensors are on the model's device."""
-    anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen), budget=plan.anchor_budget)
+    starts = batch.starts if batch.starts.any() else None  # packed rows; None: one document per row
+    anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen), budget=plan.anchor_budget,
+                                    starts=None if starts is None else starts.cpu(), rule=plan.anchor_rule)
     ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
     if plan.flex:  # few distinct shapes, so the compiled kernel is not rebuilt for every batch
         anchors, valid, ctx_len = pad_for_compile(anchors, valid, ctx_len, plan.width)
     anchors, valid = anchors.to(batch.tokens.device), valid.to(batch.tokens.device)
-    blocks = make_blocks(batch.tokens, batch.loss_mask, anchors, valid, plan.block_size, plan.mask_token_id)
+    blocks = make_blocks(batch.tokens, batch.loss_mask, anchors, valid, plan.block_size, plan.mask_token_id, starts)
     hidden = batch.hidden[:, :ctx_len]  # [b, S, n_taps, H] bf16
     if hidden.shape[1] < ctx_len:  # padded keys: zeros, never visible (kv < anchor <= length)
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 0, 0, ctx_len - hidden.shape[1]))
-    ctx_pos = torch.arange(ctx_len, device=hidden.device)[None].expand(hidden.shape[0], -1)
-    noise = None
-    if plan.noise_std > 0 and model.training:
-        noise = torch.randn(hidden.shape, generator=gen, device=hidden.device) * plan.noise_std
-    mask = masks.build(raw.rules, anchors, valid, ctx_len, plan.block_size, "flex" if plan.flex else "local")
+    ctx_pos = context_positions(batch.starts, ctx_len)  # [b, S]: restarting at each document
+    noise = make_noise(plan, hidden.shape, gen, hidden.device) if plan.noise_std > 0 and model.training else None
+    mask = masks.build(raw.rules, anchors, valid, ctx_len, plan.block_size, "flex" if plan.flex else "local",
+                       None if starts is None else blocks.starts)
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
-    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha)
+    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha, norm=plan.loss_norm)
+
+
+NOISES = ("gaussian", "uniform")
+
+
+def make_noise(plan: LossPlan, shape, gen: torch.Generator, device) -> torch.Tensor:
+    """Noise for fc's input: Gaussian with sd noise_std, or uniform in [-noise_std, noise_std]
+    (speculators' AddUniformNoise)."""
+    if plan.noise == "uniform":
+        return (torch.rand(shape, generator=gen, device=device) * 2 - 1) * plan.noise_std
+    return torch.randn(shape, generator=gen, device=device) * plan.noise_std
+
+
+def context_positions(starts: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """starts: [b, T] document starts -> [b, ctx_len] positions within each token's document
+    (padded keys past T continue the count; they are never visible)."""
+    b, T = starts.shape
+    pos = torch.arange(ctx_len, device=starts.device)[None].expand(b, -1)
+    n = min(T, ctx_len)
+    return torch.cat([pos[:, :n] - starts[:, :n], pos[:, n:]], dim=1)
 
 
 def pad_for_compile(anchors, valid, ctx_len: int, n: int, multiple: int = CTX_BUCKET):
-    """Anchors padded to n (invalid), the context length rounded up to a multiple."""
-    pad = n - anchors.shape[1]
+    """Anchors padded (invalid) to a multiple of n (n itself unless a packed row holds more), the
+    context length rounded up to a multiple."""
+    pad = -(-anchors.shape[1] // n) * n - anchors.shape[1]
     if pad > 0:
         anchors = torch.nn.functional.pad(anchors, (0, pad))
         valid = torch.nn.functional.pad(valid, (0, pad))

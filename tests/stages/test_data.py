@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.train.data import Ref, StoreBatches, epoch_batches, index_samples
+from stages.train.data import BATCHINGS, Ref, StoreBatches, epoch_batches, index_samples
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
@@ -13,41 +13,83 @@ def refs(n=103):
     return [Ref(0, i, 10 + (i * 37) % 200) for i in range(n)]
 
 
-def test_order_is_deterministic_per_seed_and_epoch():
-    r = refs()
-    assert epoch_batches(r, 4, seed=1, epoch=0) == epoch_batches(r, 4, seed=1, epoch=0)
-    assert epoch_batches(r, 4, seed=1, epoch=0) != epoch_batches(r, 4, seed=1, epoch=1)
-    assert epoch_batches(r, 4, seed=1, epoch=0) != epoch_batches(r, 4, seed=2, epoch=0)
+def batches_of(batching, r, *args):
+    return epoch_batches(r, 4, *args, batching=batching, row_tokens=400)
 
 
-def test_ranks_read_disjoint_equal_parts():
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_order_is_deterministic_per_seed_and_epoch(batching):
     r = refs()
-    parts = [epoch_batches(r, 4, 0, 0, rank, 3) for rank in range(3)]
+    assert batches_of(batching, r, 1, 0) == batches_of(batching, r, 1, 0)
+    assert batches_of(batching, r, 1, 0) != batches_of(batching, r, 1, 1)
+    assert batches_of(batching, r, 1, 0) != batches_of(batching, r, 2, 0)
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_ranks_read_disjoint_equal_parts(batching):
+    r = refs()
+    parts = [batches_of(batching, r, 0, 0, rank, 3) for rank in range(3)]
     assert len({len(p) for p in parts}) == 1
-    seen = [ref for p in parts for b in p for ref in b]
-    assert len(seen) == len(set(seen)) and len(seen) >= len(r) - 3 * 4  # only the tail is dropped
+    seen = [ref for p in parts for b in p for row in b for ref in row]
+    dropped = 3 * 4 * (1 if batching != "packed" else 400 // 10)  # at most the tail of 3 ranks' batches
+    assert len(seen) == len(set(seen)) and len(seen) >= len(r) - dropped
 
 
 def test_length_bucketing_keeps_padding_small():
     r = refs(1024)
-    waste = lambda batches: sum(max(x.length for x in b) * len(b) - sum(x.length for x in b) for b in batches)
-    g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(r), generator=g).tolist()
-    random = [[r[i] for i in order[j:j + 8]] for j in range(0, len(r), 8)]
-    assert waste(epoch_batches(r, 8, 0, 0)) < 0.1 * waste(random)
+    waste = lambda batches: sum(max(x.length for (x,) in b) * len(b) - sum(x.length for (x,) in b) for b in batches)
+    assert waste(epoch_batches(r, 8, 0, 0)) < 0.1 * waste(epoch_batches(r, 8, 0, 0, batching="random"))
+
+
+def test_random_batches_follow_the_shuffled_order():
+    r = refs(64)
+    rows = [row for b in epoch_batches(r, 4, 3, 0, batching="random") for row in b]
+    assert all(len(row) == 1 for row in rows)
+    assert [x.index for (x,) in rows] == np.random.default_rng([3, 0]).permutation(64).tolist()
+
+
+def test_packed_rows_hold_whole_samples_within_the_row_budget_in_shuffled_order():
+    r = refs(200)
+    batches = epoch_batches(r, 2, 5, 0, batching="packed", row_tokens=500)
+    rows = [row for b in batches for row in b]
+    assert all(len(b) == 2 for b in batches)
+    assert all(sum(x.length for x in row) <= 500 for row in rows)
+    assert any(len(row) > 2 for row in rows)
+    order = np.random.default_rng([5, 0]).permutation(200).tolist()
+    flat = [x.index for row in rows for x in row]
+    assert flat == order[:len(flat)]  # consecutive samples of the shuffled order, none split or reordered
+    for a, b in zip(rows, rows[1:]):  # a row is closed only when the next sample does not fit
+        assert sum(x.length for x in a) + b[0].length > 500
 
 
 def test_batches_hold_exactly_the_stored_samples(small_store):
     store = HiddenStore(str(small_store))
     r = index_samples(store, [0, 1, 2, 3], max_length=30)
     assert r and all(x.length <= 30 for x in r)
-    batch = StoreBatches(str(small_store), [r[:3]])[0]
+    batch = StoreBatches(str(small_store), [[(x,) for x in r[:3]]])[0]
     for j, ref in enumerate(r[:3]):
         s = ShardReader(store, ref.shard)[ref.index]
         n = ref.length
         assert torch.equal(batch.tokens[j, :n], s.tokens[:n]) and torch.equal(batch.hidden[j, :n], s.hidden[:n])
         assert torch.equal(batch.loss_mask[j, :n], s.loss_mask[:n]) and not batch.loss_mask[j, n:].any()
         assert batch.refs[j].tolist() == [ref.shard, ref.index]
+    assert not batch.starts.any()
+
+
+def test_a_packed_row_holds_its_samples_back_to_back(small_store):
+    store = HiddenStore(str(small_store))
+    r = index_samples(store, [0, 1, 2, 3], max_length=30)[:5]
+    batch = StoreBatches(str(small_store), [[tuple(r[:3]), tuple(r[3:])]])[0]
+    assert batch.refs.tolist() == [[x.shard, x.index] for x in r]
+    for j, row in enumerate([r[:3], r[3:]]):
+        at = 0
+        for ref in row:
+            s, n = ShardReader(store, ref.shard)[ref.index], ref.length
+            span = slice(at, at + n)
+            assert torch.equal(batch.tokens[j, span], s.tokens[:n]) and torch.equal(batch.hidden[j, span], s.hidden[:n])
+            assert torch.equal(batch.loss_mask[j, span], s.loss_mask[:n]) and (batch.starts[j, span] == at).all()
+            at += n
+        assert int(batch.lengths[j]) == at and not batch.loss_mask[j, at:].any()
 
 
 def test_samples_without_a_completion_are_not_indexed(small_store):

@@ -11,14 +11,20 @@ from stages.train.config import TrainConfig
 from store.errors import ConfigError
 
 
-def test_defaults_are_todays_behaviour():
+def test_defaults_are_the_recipe_benchs_choice():
+    """docs/training.md, "Choosing the defaults": Muon, D-PACE, random batches; the rest as SPEC."""
     c = TrainConfig()
-    assert (c.slot_weights, c.anchor_budget) == ("exp", None)
+    assert (c.optimizer, c.slot_weights, c.batching, c.anchor_budget) == ("muon", "dpace", "random", None)
+    assert (c.lr, c.muon_lr, c.schedule, c.warmup_ratio, c.loss_norm, c.anchor_rule, c.noise_std) == \
+        (6e-4, None, "cosine", 0.04, "weights", "pair", 0.0)
 
 
 @pytest.mark.parametrize("over,needle", [
-    ({"slot_weights": "uniform"}, "--slot-weights uniform: expected one of exp, dpace"),
-    ({"slot_weights": "dpace", "gamma": 7.0}, "--gamma 7.0: is only used by --slot-weights exp"),
+    ({"slot_weights": "uniform"}, "--slot-weights uniform: expected one of dpace, exp"),
+    ({"gamma": 7.0}, "--gamma 7.0: is only used by --slot-weights exp"),
+    ({"batching": "sorted"}, "--batching sorted: expected one of bucketed, random, packed"),
+    ({"optimizer": "sgd"}, "--optimizer sgd: expected one of adamw, muon"),
+    ({"loss_norm": "tokens"}, "--loss-norm tokens: expected one of weights, labels"),
     ({"dpace_alpha": 0.0}, "--dpace-alpha 0.0: expected 0 < alpha <= 1"),
     ({"dpace_alpha": 1.5}, "--dpace-alpha 1.5: expected 0 < alpha <= 1"),
     ({"anchor_budget": 0}, "--anchor-budget 0: must be at least 1"),
@@ -37,7 +43,7 @@ def test_dpace_needs_no_gamma_and_plans_carry_the_options():
     dc = config(block_size=16)
     plan = LossPlan.of(TrainConfig(slot_weights="dpace", dpace_alpha=0.3, anchor_budget=40, anchors=16), dc, False)
     assert (plan.gamma, plan.dpace_alpha, plan.anchor_budget, plan.width) == (None, 0.3, 40, 16)
-    plan = LossPlan.of(TrainConfig(anchor_budget=8, anchors=16), dc, True)
+    plan = LossPlan.of(TrainConfig(anchor_budget=8, anchors=16, slot_weights="exp"), dc, True)
     assert (plan.gamma, plan.dpace_alpha, plan.width) == (7.0, None, 8)  # exp: the default gamma of B=16
 
 
@@ -45,13 +51,19 @@ def test_resume_refuses_changed_options():
     from stages.train.run_dir import resumable
 
     before = asdict(TrainConfig())
-    for over in ({"slot_weights": "dpace"}, {"dpace_alpha": 0.7}, {"anchor_budget": 64}):
+    for over in ({"slot_weights": "exp"}, {"dpace_alpha": 0.7}, {"anchor_budget": 64}, {"batching": "packed"},
+                 {"optimizer": "adamw"}, {"muon_lr": 0.01}, {"schedule": "linear"}, {"noise": "uniform"},
+                 {"loss_norm": "labels"}, {"anchor_rule": "single"}, {"muon_weight_decay": 0.0}):
         with pytest.raises(ConfigError, match="--" + next(iter(over)).replace("_", "-")):
             resumable(TrainConfig(**over), before)
-    older = {k: v for k, v in before.items() if k not in ("slot_weights", "dpace_alpha", "anchor_budget")}
-    resumable(TrainConfig(), older)  # a run saved before the options existed had their defaults
-    with pytest.raises(ConfigError, match="--slot-weights was 'exp', now 'dpace'"):
-        resumable(TrainConfig(slot_weights="dpace"), older)
+    new = ("slot_weights", "dpace_alpha", "anchor_budget", "batching", "optimizer", "muon_lr", "muon_weight_decay",
+           "schedule", "noise", "loss_norm", "anchor_rule")
+    older = {k: v for k, v in before.items() if k not in new}
+    then = {"slot_weights": "exp", "batching": "bucketed", "optimizer": "adamw"}
+    resumable(TrainConfig(**then), older)  # a run saved before the options existed: what training did then
+    with pytest.raises(ConfigError, match="--slot-weights was 'exp', now 'dpace'.*--batching was 'bucketed', now "
+                                          "'random'.*--optimizer was 'adamw', now 'muon'"):
+        resumable(TrainConfig(), older)
 
 
 def test_run_with_dpace_and_a_budget_trains_and_records_them(small_store, tmp_path):
@@ -98,7 +110,7 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, 
     dc, _ = drafter_config(config, store.attrs, None)
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
     model.init_weights(torch.Generator().manual_seed(0), std=0.1)
-    batch = StoreBatches(str(small_store), [index_samples(store, [0, 1], 200)[:3]])[0]
+    batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0, 1], 200)[:3]]])[0]
     outs = []
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -106,5 +118,114 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, 
             outs.append(forward_loss(model, model, batch, LossPlan.of(config, dc, flex),
                                      step_generator(0, 1, 0, 0, torch.device("cpu"))))
     assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
-    assert torch.equal(outs[0].sums[2:], outs[1].sums[2:])  # same blocks, labels, streaks, per-slot counts
+    assert torch.equal(outs[0].sums[2:4], outs[1].sums[2:4])  # same blocks and streaks
+    assert torch.equal(outs[0].sums[5:], outs[1].sums[5:])  # same labels and per-slot counts
+    assert torch.allclose(outs[0].sums[4], outs[1].sums[4], rtol=1e-5)  # plain CE
     assert blocks is None or outs[0].sums[3] == blocks  # with a budget: that many blocks, all labelled
+
+
+def recorded_forward(model, batch, plan, monkeypatch, anchors=None):
+    """forward_loss with its anchors (drawn, or the given ones) and the drafter's output recorded."""
+    import torch
+
+    import stages.train.step as st
+    from pipeline.drafter.blocks import sample_anchors as draw
+    from pipeline.drafter.loss import dflash_loss as loss
+
+    seen = {}
+
+    def sample(*a, **k):
+        seen["anchors"] = anchors if anchors is not None else draw(*a, **k)
+        return seen["anchors"]
+
+    monkeypatch.setattr(st, "sample_anchors", sample)
+    monkeypatch.setattr(st, "dflash_loss", lambda h, labels, *a, **k: seen.update(h=h, labels=labels)
+                        or loss(h, labels, *a, **k))
+    with torch.no_grad():
+        out = st.forward_loss(model, model, batch, plan, st.step_generator(0, 1, 0, 0, torch.device("cpu")))
+    return out, seen
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["local", "flex"])
+@pytest.mark.parametrize("over", [{}, {"layer_types": "sliding,full", "sliding_window": 6}], ids=["full", "sliding"])
+def test_a_packed_row_gives_each_sample_the_loss_it_gets_alone(small_store, monkeypatch, flex, over):
+    """Three samples packed into one row, and each alone in its own row, with the same anchors: the
+    same labels, the same drafter outputs at every block, so the same loss sums."""
+    import warnings
+
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from pipeline.drafter import attention
+    from pipeline.drafter.blocks import IGNORE
+    from pipeline.drafter.model import Drafter
+    from stages.train.data import StoreBatches, index_samples
+    from stages.train.setup import drafter_config
+    from stages.train.step import LossPlan
+    from store.hidden_store import HiddenStore
+
+    monkeypatch.setattr(attention, "compiled_flex", lambda: flex_attention)
+    store = HiddenStore(str(small_store))
+    config = TrainConfig(anchors=6, num_layers=2, batching="packed", **over)
+    dc, _ = drafter_config(config, store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
+    model.init_weights(torch.Generator().manual_seed(0), std=0.1)
+    refs = index_samples(store, [0, 1], 60)[:3]
+    plan = LossPlan.of(config, dc, flex)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed, seen = recorded_forward(model, StoreBatches(str(small_store), [[tuple(refs)]])[0], plan, monkeypatch)
+        anchors, valid = seen["anchors"]
+        at, total = 0, torch.zeros_like(packed.sums)
+        for r in refs:
+            mine = valid[0] & (anchors[0] >= at) & (anchors[0] < at + r.length)
+            own = (anchors[:, mine] - at, valid[:, mine])
+            alone, got = recorded_forward(model, StoreBatches(str(small_store), [[(r,)]])[0], plan, monkeypatch, own)
+            n = int(mine.sum())
+            sel = torch.nn.functional.pad(mine, (0, seen["labels"].shape[1] - len(mine)))  # flex pads the anchors
+            assert n > 0 and torch.equal(got["labels"][0, :n], seen["labels"][0, sel])
+            keep = got["labels"][0, :n] != IGNORE  # [n, B]
+            B = dc.block_size
+            h_alone = got["h"][0].view(-1, B, dc.hidden_size)[:n][keep]
+            h_packed = seen["h"][0].view(-1, B, dc.hidden_size)[sel][keep]
+            assert torch.allclose(h_alone, h_packed, atol=1e-5)
+            total += alone.sums
+            at += r.length
+    assert torch.allclose(total, packed.sums, rtol=1e-5)
+    assert int(total[3]) == int(valid.sum())  # every block belongs to exactly one sample
+
+
+def test_label_normalisation_divides_by_the_number_of_labels(small_store):
+    import torch
+
+    from pipeline.drafter.model import Drafter
+    from stages.train.data import StoreBatches, index_samples
+    from stages.train.setup import drafter_config
+    from stages.train.step import LossPlan, forward_loss, step_generator
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(str(small_store))
+    dc, _ = drafter_config(TrainConfig(num_layers=1), store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
+    model.init_weights(torch.Generator().manual_seed(0))
+    batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0], 200)[:2]]])[0]
+    outs = {norm: forward_loss(model, model, batch, LossPlan.of(TrainConfig(anchors=8, loss_norm=norm), dc, False),
+                               step_generator(0, 1, 0, 0, torch.device("cpu"))) for norm in ("weights", "labels")}
+    sums = outs["weights"].sums
+    labels = float(sums[5 + dc.block_size:].sum())
+    assert torch.equal(sums, outs["labels"].sums)  # same anchors, same statistics
+    assert torch.allclose(outs["weights"].loss, sums[0] / sums[1])
+    assert torch.allclose(outs["labels"].loss, sums[0] / labels)
+
+
+def test_uniform_noise_is_bounded_by_its_half_width():
+    import torch
+
+    from stages.train.step import LossPlan, make_noise
+
+    g = torch.Generator().manual_seed(0)
+    plan = LossPlan(8, 16, 0, 7.0, 0.05, False, noise="uniform")
+    x = make_noise(plan, (4000,), g, "cpu")
+    assert 0.049 < float(x.abs().max()) <= 0.05 and abs(float(x.std()) - 0.05 / 3 ** 0.5) < 2e-3
+    y = make_noise(LossPlan(8, 16, 0, 7.0, 0.05, False), (4000,), g, "cpu")
+    assert abs(float(y.std()) - 0.05) < 3e-3 and float(y.abs().max()) > 0.1  # Gaussian: sd 0.05, tails beyond it

@@ -13,9 +13,15 @@ from pipeline.drafter import checkpoint
 from store.errors import UserError
 from tests.processes import TINY, losses, train
 
+OPTIONS = ["--optimizer", "adamw", "--schedule", "linear", "--batching", "packed", "--max-length", 160, "--noise",
+           "uniform", "--slot-weights", "exp", "--loss-norm", "labels", "--anchor-rule", "single"]
 
-def test_resume_equals_uninterrupted(small_store, tmp_path):
-    common = ["--store", small_store, "--max-steps", 20, "--save-every", 10, "--noise-std", 0.05, *TINY]
+
+@pytest.mark.parametrize("recipe", [[], OPTIONS], ids=["defaults", "options"])
+def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
+    """The defaults (Muon's and AdamW's states, random batches, D-PACE) and every other option (AdamW alone, the
+    linear schedule, packed epochs, uniform noise, exp weights, label normalisation, single anchors) resume exactly."""
+    common = ["--store", small_store, "--max-steps", 20, "--save-every", 10, "--noise-std", 0.05, *TINY, *recipe]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = train([*common, "--out", straight])
     assert r.returncode == 0, r.stderr
@@ -117,7 +123,7 @@ def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
     dc, _ = drafter_config(TrainConfig(num_layers=1), store.attrs, None)
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float())
     model.init_weights(torch.Generator().manual_seed(0))
-    batch = StoreBatches(str(small_store), [index_samples(store, [0, 1], 200)[:2]])[0]
+    batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0, 1], 200)[:2]]])[0]
     hidden_before = batch.hidden.clone()
     seen = {}
     real_loss = st.dflash_loss

@@ -97,3 +97,58 @@ def test_anchor_budget_default_unchanged_and_reproducible():
     b = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=20)
     c = sample_anchors(lm, 16, torch.Generator().manual_seed(4), budget=20)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and not torch.equal(a[0], c[0])
+
+
+def packed_row():
+    """One row of three documents (starting at 0, 12 and 30), each a prompt then a completion."""
+    lm = torch.zeros(1, 50, dtype=torch.bool)
+    lm[0, 4:12] = True  # document 0: completion 4..11, up to its end
+    lm[0, 15:30] = True  # document 1: completion 15..29
+    lm[0, 33:50] = True  # document 2: completion 33..49
+    starts = torch.zeros(1, 50, dtype=torch.long)
+    starts[0, 12:30], starts[0, 30:] = 12, 30
+    return lm, starts
+
+
+def test_packed_anchors_are_counted_per_document_and_never_pair_across_one():
+    lm, starts = packed_row()
+    cand = anchor_candidates(lm[0], starts[0]).tolist()
+    assert 11 not in cand and 29 not in cand  # the next token belongs to the next document
+    assert cand == list(range(4, 11)) + list(range(15, 29)) + list(range(33, 49))
+    for seed in range(20):
+        a, v = sample_anchors(lm, 5, torch.Generator().manual_seed(seed), starts=starts)
+        row = a[0][v[0]].tolist()
+        assert row == sorted(set(row)) and set(row) <= set(cand)
+        per_doc = [sum(lo <= x < hi for x in row) for lo, hi in ((0, 12), (12, 30), (30, 50))]
+        assert per_doc == [5, 5, 5]  # each document its own --anchors
+    a, v = sample_anchors(lm, 5, torch.Generator().manual_seed(0), starts=starts, budget=7)
+    assert int(v.sum()) == 7  # a budget pools the documents' candidates
+
+
+def test_one_document_rows_draw_as_before():
+    lm = budget_rows()
+    for budget in (None, 20):
+        base = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=budget)
+        same = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=budget,
+                              starts=torch.zeros(lm.shape, dtype=torch.long))
+        assert all(torch.equal(x, y) for x, y in zip(base, same))
+
+
+def test_single_rule_anchors_every_loss_token():
+    lm = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0], dtype=torch.bool)
+    assert anchor_candidates(lm, rule="single").tolist() == [2, 3, 4, 6]
+    assert anchor_candidates(lm).tolist() == [2, 3]
+
+
+def test_packed_blocks_keep_labels_and_positions_inside_their_document():
+    lm, starts = packed_row()
+    tokens = torch.arange(100, 150)[None]
+    anchors, valid = torch.tensor([[9, 27, 33]]), torch.tensor([[True, True, True]])
+    blk = make_blocks(tokens, lm, anchors, valid, 5, MASK, starts)
+    assert blk.labels[0, 0].tolist() == [IGNORE, 110, 111, IGNORE, IGNORE]  # 12.. is document 1
+    assert blk.labels[0, 1].tolist() == [IGNORE, 128, 129, IGNORE, IGNORE]  # 30.. is document 2
+    assert blk.labels[0, 2].tolist() == [IGNORE, 134, 135, 136, 137]
+    assert blk.positions.view(3, 5)[:, 0].tolist() == [9, 15, 3]  # positions restart at each document
+    assert blk.starts.tolist() == [[0, 12, 30]]
+    alone = make_blocks(tokens[:, 30:], lm[:, 30:], anchors[:, 2:] - 30, valid[:, 2:], 5, MASK)
+    assert torch.equal(alone.labels[0, 0], blk.labels[0, 2]) and torch.equal(alone.positions[0], blk.positions[0, 10:])

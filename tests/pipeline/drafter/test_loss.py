@@ -142,9 +142,9 @@ def test_fused_loss_and_gradient_equal_the_reference(weights, rows):
     keep = labels != IGNORE
     assert torch.allclose(out.loss, ref, rtol=RTOL, atol=ATOL)
     assert torch.allclose(h1.grad, h2.grad, rtol=RTOL, atol=ATOL) and h1.grad.abs().sum() > 0
-    assert out.sums[4 + 16:].sum() == keep.sum()  # every label counted once
+    assert out.sums[5 + 16:].sum() == keep.sum()  # every label counted once
     correct = ((ref_pred == labels) & keep).flatten(0, 1).sum(0).float()
-    assert torch.equal(out.sums[4:4 + 16], correct)
+    assert torch.equal(out.sums[5:5 + 16], correct)
 
 
 def test_linear_cross_entropy_rows_match_f_cross_entropy():

@@ -9,16 +9,18 @@ import torch
 from pipeline.drafter.masks import LayerRule, allowed, block_mask, bool_mask
 
 
-def brute(anchors, valid, S, B, rule):
-    """SPEC §2 written out: key layout [context 0..S-1 | block 0 | block 1 | ...]."""
+def brute(anchors, valid, S, B, rule, starts=None):
+    """SPEC §2 written out: key layout [context 0..S-1 | block 0 | block 1 | ...]; a packed row's
+    block sees only its own document's context (from starts[b, blk])."""
     batch, n = anchors.shape
     out = torch.zeros(batch, n * B, S + n * B, dtype=torch.bool)
     for b, q, kv in itertools.product(range(batch), range(n * B), range(S + n * B)):
         blk, j = divmod(q, B)
         a = int(anchors[b, blk])
+        first = 0 if starts is None else int(starts[b, blk])
         q_pos = a + j
         if kv < S:
-            ok, k_pos = bool(valid[b, blk]) and kv < a, kv
+            ok, k_pos = bool(valid[b, blk]) and first <= kv < a, kv
         else:
             kb, jk = divmod(kv - S, B)
             ok, k_pos = kb == blk, a + jk
@@ -46,6 +48,31 @@ def test_bool_mask_equals_brute_force(rule, seed):
     valid = torch.tensor([[True, True, True], [True, True, False]])  # a padded anchor
     got = bool_mask(anchors, valid, S, B, rule)[:, 0]
     assert torch.equal(got, brute(anchors, valid, S, B, rule))
+
+
+def packed_anchors(seed, S, n, docs=(0, 4, 9)):
+    """Anchors of a packed row whose documents begin at `docs`, each anchor's document start beside it."""
+    anchors, valid = random_anchors(seed, S, n)
+    edges = torch.tensor(docs)
+    starts = edges[torch.searchsorted(edges, anchors, right=True) - 1]
+    return anchors, valid, starts
+
+
+@pytest.mark.parametrize("rule", RULES, ids=str)
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_rows_see_only_their_documents_context(rule, seed):
+    from pipeline.drafter.masks import local_mask
+
+    S, B, n = 13, 4, 6
+    anchors, valid, starts = packed_anchors(seed, S, n)
+    got = bool_mask(anchors, valid, S, B, rule, starts)[:, 0]
+    assert torch.equal(got, brute(anchors, valid, S, B, rule, starts))
+    if rule.window != 1:  # a window of 1 shows no context at all
+        assert not torch.equal(got, bool_mask(anchors, valid, S, B, rule)[:, 0])  # the documents matter
+    local = local_mask(anchors, valid, S, B, rule, starts).mask
+    for blk in range(n):
+        own = list(range(S)) + list(range(S + blk * B, S + (blk + 1) * B))
+        assert torch.equal(local[:, blk], got[:, blk * B:(blk + 1) * B][..., own])
 
 
 def test_context_bound_is_strict_and_blocks_are_isolated():
@@ -99,12 +126,12 @@ BLOCKMASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_k
                     "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
-def reference_block_mask(anchors, valid, S, B, rule):
+def reference_block_mask(anchors, valid, S, B, rule, starts=None):
     """torch's construction from the dense predicate (what masks.block_mask used to call)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, _h, q, kv):
-        return allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=S, block_size=B, rule=rule)
+        return allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=S, block_size=B, rule=rule, starts=starts)
 
     batch, n = anchors.shape
     return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=n * B, KV_LEN=S + n * B, device="cpu")
@@ -139,6 +166,18 @@ def test_block_mask_is_what_create_block_mask_builds(rule, shape):
         dense = create_mask(ours.mask_mod, 2, 1, n * B, S + n * B, device="cpu")
         assert torch.equal(dense, create_mask(ref.mask_mod, 2, 1, n * B, S + n * B, device="cpu"))
         assert torch.equal(dense, bool_mask(anchors, valid, S, B, rule))
+
+
+@pytest.mark.parametrize("rule", FLEX_RULES, ids=str)
+@pytest.mark.parametrize("shape", [(16, 40, 300), (10, 29, 257), (16, 1, 40)], ids=str)
+def test_block_mask_of_packed_rows_is_what_create_block_mask_builds(rule, shape):
+    B, n, S = shape
+    for seed in range(2):
+        anchors, valid, starts = packed_anchors(seed, S, n, docs=(0, S // 3, S // 3 + 7, S - 5))
+        ours = block_mask(anchors, valid, S, B, rule, starts)
+        ref = reference_block_mask(anchors, valid, S, B, rule, starts)
+        for name in BLOCKMASK_FIELDS:
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), name
 
 
 def tile_view(mask):

@@ -1,0 +1,138 @@
+"""The optimizers and schedules of stages/train/optim.py."""
+
+import math
+
+import pytest
+import torch
+
+from stages.train.config import TrainConfig
+from stages.train.optim import build_optimizers, build_schedules, lr_lambda, muon_split
+from store.errors import ConfigError
+from tests.drafters import config, drafter
+
+
+def test_muon_takes_every_matrix_and_adamw_the_norms():
+    m = drafter(config())
+    matrices, rest = muon_split(m)
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert {names[id(p)] for p in rest} == {n for n, p in m.named_parameters() if n.endswith("norm.weight")}
+    assert all(p.ndim == 2 for p in matrices) and any(names[id(p)] == "fc.weight" for p in matrices)
+    assert len(matrices) + len(rest) == len(list(m.parameters()))
+
+
+def test_optimizers_and_their_rates():
+    m = drafter(config())
+    (adamw,) = build_optimizers(TrainConfig(lr=3e-4, optimizer="adamw"), m)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["lr"] == 3e-4
+    muon, rest = build_optimizers(TrainConfig(lr=3e-4), m)  # the default
+    assert isinstance(muon, torch.optim.Muon) and isinstance(rest, torch.optim.AdamW)
+    assert muon.ns_dtype == torch.float32  # on CPU: no native bf16 matmul
+    assert muon.param_groups[0]["lr"] == pytest.approx(3e-3) and rest.param_groups[0]["lr"] == 3e-4
+    assert muon.param_groups[0]["weight_decay"] == 0.1 and muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    muon, _ = build_optimizers(TrainConfig(optimizer="muon", muon_lr=0.02), m)
+    assert muon.param_groups[0]["lr"] == 0.02
+    scheds = build_schedules(TrainConfig(optimizer="muon", warmup_ratio=0.2, schedule="linear"), [muon, rest], 10)
+    assert [s.get_last_lr()[0] for s in scheds] == [pytest.approx(0.01), pytest.approx(1.5e-4)]  # x (0 + 1) / 2, warming up
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_schedules_warm_up_then_decay_to_zero(schedule):
+    f = lr_lambda(100, 0.04, schedule)
+    assert [f(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0] and f(4) == 1.0 and f(100) == 0.0
+    mid = f(4 + 48)
+    assert mid == pytest.approx(0.5 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert all(f(i) >= f(i + 1) for i in range(4, 100))
+    if schedule == "linear":
+        assert f(28) == pytest.approx(0.75)
+
+
+def test_muon_flags_are_checked():
+    with pytest.raises(ConfigError, match="--muon-lr 0.01: is only used by --optimizer muon"):
+        TrainConfig(optimizer="adamw", muon_lr=0.01)
+    with pytest.raises(ConfigError, match="--muon-lr -1.0: must be positive"):
+        TrainConfig(optimizer="muon", muon_lr=-1.0)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_our_muon_in_bf16_is_torchs_and_in_fp32_close_to_it(nesterov):
+    from stages.train.optim import Muon
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 24), (24, 64), (32, 32)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    runs = {}
+    for name, make in (("torch", lambda ps: torch.optim.Muon(ps, **kw)),
+                       ("bf16", lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw)),
+                       ("fp32", lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))):
+        kw = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nesterov": nesterov}
+        ps = [torch.nn.Parameter(x.clone()) for x in start]
+        opt = make(ps)
+        for step in grads:
+            for p, gr in zip(ps, step):
+                p.grad = gr.clone()
+            opt.step()
+        runs[name] = (ps, opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(runs["torch"][0], runs["bf16"][0]))
+    assert all(torch.equal(runs["torch"][1]["state"][i]["momentum_buffer"], runs["bf16"][1]["state"][i]["momentum_buffer"])
+               for i in range(len(shapes)))
+    moved = [float((b - a).abs().max()) for a, b in zip(start, runs["torch"][0])]
+    off = [float((b - a).abs().max()) for a, b in zip(runs["torch"][0], runs["fp32"][0])]
+    assert all(o < 0.05 * m for o, m in zip(off, moved)) and any(o > 0 for o in off)
+
+
+def test_owners_balance_the_iterations_cost():
+    from stages.train.optim import owners
+
+    shapes = [(435, 128)] * 15 + [(128, 128)] * 10 + [(64, 128)] * 10 + [(128, 640)]
+    assert owners(shapes, 1) == [0] * len(shapes)
+    split = owners(shapes, 2)
+    cost = [sum(a * b * min(a, b) for (a, b), o in zip(shapes, split) if o == r) for r in (0, 1)]
+    assert set(split) == {0, 1} and max(cost) < 1.1 * min(cost)
+
+
+def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
+    """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps."""
+    import torch.distributed as dist
+
+    from stages.train.optim import Muon
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        ps, grads = _muon_problem()
+        opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
+        for step in grads:
+            for p, g in zip(ps, step):
+                p.grad = g.clone()
+            opt.step()
+        out[rank] = [p.detach().clone() for p in ps]
+    finally:
+        dist.destroy_process_group()
+
+
+def _muon_problem():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    return ps, [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+
+
+def test_muon_split_over_two_processes_equals_one_process(tmp_path):
+    """Each rank orthogonalizes its share and broadcasts it: both ranks end with exactly the weights
+    one process computes alone."""
+    import torch.multiprocessing as mp
+
+    from stages.train.optim import Muon
+
+    ps, grads = _muon_problem()
+    opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = g.clone()
+        opt.step()
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_muon_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
+        ranks = [out[0], out[1]]
+    for got in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(ps, got))
