@@ -1,0 +1,279 @@
+"""The recipe bench: how good a drafter each training recipe makes, measured as replayed tau on
+held-out prompts of the shipped tiny target, several seeds per recipe, paired against a reference.
+
+    pipeline extract --store /work/bench/hs.zarr --shards 0-63          # once: 640 prompts
+    python bench/recipe_bench.py run --store /work/bench/hs.zarr --recipes baseline,random --seeds 0,1,2 --steps 200
+    python bench/recipe_bench.py table --steps 200 --against baseline --json bench/results/recipe_200.json
+
+`run` trains one drafter per (recipe, seed) with train.py on shards 0-55 and replays it with
+evaluate.py on every prompt of the held-out shards 56-63 (80 prompts; chain and DDTree-16/64;
+fp32, see REPLAY), then keeps what it measured in RESULTS/STEPS/RECIPE/sSEED.json: the
+recipe's flags, the checkpoint's train_config, the held-out loss, streak tau and training
+validation's replayed tau, s/step, and the report's tau figures with every prompt's tau, its
+completion length and whether the completion ended in EOS or was cut at the length limit. A run
+whose file exists is not redone, so a later session adds recipes without rerunning the others.
+--jobs 2 (the default) runs two single-threaded runs side by side: both cores of the development
+machine.
+
+`table` reads the kept runs of one budget: per recipe the mean +- sd over seeds of each figure, and
+the paired difference from --against over the seeds both have, with its 95% t-interval (n - 1
+degrees of freedom) and the difference relative to the reference's mean. Tau is also given over
+the completions that end in EOS and over those cut at the length limit (the tiny target's greedy
+loops), each as the mean over those prompts.
+
+Every recipe spells out all the fields it sets (BASELINE, the defaults before the bench chose
+them, plus its own), so a recipe keeps its meaning when train.py's defaults change; `default`
+passes no recipe flag at all (whatever train.py's defaults are today) and its train_config is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "recipe_runs"
+
+# What every run shares: the README setting on the bench's store (4 rows, 64 anchors a row).
+FIXED = {"shards": "0-55", "eval_shards": "56-63", "batch_size": 4, "anchors": 64, "threads": 1, "workers": 1,
+         "save_every": 0, "log_every": 10, "eval_replay_prompts": 0}
+# The replay: every held-out prompt, chain and DDTree-16/64. fp32, not evaluate.py's default bf16: on this
+# CPU (no native bf16 matmul) bf16 replay took 4.7x as long (172 s against 37 s on 80 prompts), and the
+# two gave chain tau 1.140 and 1.137, DDTree-64 1.981 and 1.982 on the same drafter.
+REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
+# train.py's defaults before issue 20: the reference every recipe is paired against.
+BASELINE = {"batching": "bucketed", "slot_weights": "exp", "loss_norm": "weights", "anchor_rule": "pair",
+            "noise_std": 0.0, "noise": "gaussian", "layer_types": "full", "optimizer": "adamw", "lr": 6e-4,
+            "warmup_ratio": 0.04, "schedule": "cosine"}
+PACKED = {"batching": "packed", "max_length": 560, "batch_size": 1}  # ~4 samples a row, as the 4 rows of the others
+SLIDING = "sliding,sliding,sliding,sliding,full"
+PEER = {"slot_weights": "dpace", "optimizer": "muon", "noise": "uniform", "noise_std": 0.05, "lr": 1e-4,
+        "schedule": "linear", "warmup_ratio": 0.01, "loss_norm": "labels", "anchor_rule": "single"}
+RECIPES: dict[str, dict] = {
+    "baseline": {},
+    "random": {"batching": "random"},
+    "packed": PACKED,
+    "dpace": {"slot_weights": "dpace"},
+    "labels-norm": {"loss_norm": "labels"},
+    "single-anchor": {"anchor_rule": "single"},
+    "noise-uniform": {"noise": "uniform", "noise_std": 0.05},
+    "noise-gaussian": {"noise_std": 0.05},
+    "sliding-last-full": {"layer_types": SLIDING, "sliding_window": 2048},
+    "all-sliding": {"layer_types": "sliding", "sliding_window": 2048},
+    "muon": {"optimizer": "muon"},
+    "linear": {"schedule": "linear"},
+    "peer": PEER,  # speculators' DFlash defaults, as far as our flags reach
+    # Learning rates and warmup, for combinations ("muon+lr-3e-4": Muon's rate is 10 x --lr).
+    "lr-1e-4": {"lr": 1e-4},
+    "lr-3e-4": {"lr": 3e-4},
+    "lr-1e-3": {"lr": 1e-3},
+    "lr-2e-3": {"lr": 2e-3},
+    "warmup-0.01": {"warmup_ratio": 0.01},
+    "warmup-0.1": {"warmup_ratio": 0.1},
+    # Soft targets (bench/soft_target_bench.py, a prototype): beta KL to the target's distribution + (1-beta) CE.
+    "soft-0.5": {"soft_beta": 0.5},
+    "soft-1": {"soft_beta": 1.0},
+}
+METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "heldout_ce", "heldout_tau_streak",
+           "train_tau_replay", "s_per_step")
+
+
+def recipe_flags(name: str) -> dict:
+    if name == "default":
+        return {}
+    base = name.split("+")  # a+b: recipe a's fields, then b's on top
+    out = dict(BASELINE)
+    for part in base:
+        out.update(RECIPES[part])
+    return out
+
+
+def argv(fields: dict) -> list[str]:
+    return [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, soft_states: str | None) -> Path:
+    """Train and replay one (recipe, seed) unless its result is kept -> the result file."""
+    out = results / str(steps) / name / f"s{seed}.json"
+    if out.exists():
+        return out
+    run_dir = runs / str(steps) / name / f"s{seed}"
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    flags = recipe_flags(name)
+    trainer = [str(ROOT / "train.py")]
+    if "soft_beta" in flags:
+        if not soft_states:
+            raise SystemExit(f"{name}: give --soft-states (bench/soft_target_bench.py states)")
+        trainer = [str(ROOT / "bench" / "soft_target_bench.py"), "train", "--states", soft_states, "--beta",
+                   str(flags["soft_beta"]), "--"]
+    t0 = time.time()
+    train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
+             "--seed", str(seed), *argv({**FIXED, **{k: v for k, v in flags.items() if k != "soft_beta"}})]
+    _call(train, env, run_dir.parent / f"s{seed}.train.log")
+    train_s = time.time() - t0
+    report = run_dir / "report"
+    _call([sys.executable, str(ROOT / "evaluate.py"), "--store", store, "--checkpoint", str(run_dir / "final"), "--out",
+           str(report), *REPLAY], env, run_dir.parent / f"s{seed}.eval.log")
+    result = collect(store, name, seed, steps, flags, run_dir, train_s)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
+def _call(cmd: list[str], env: dict, log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        r = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {r.returncode}); see {log}")
+
+
+def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: Path, train_s: float) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    train = [r for r in records if r["split"] == "train"]
+    final = [r for r in records if r["split"] == "eval"][-1]
+    config = json.loads((run_dir / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"]
+    rep = json.loads((run_dir / "report" / "report.json").read_text())["checkpoints"][0]
+    hs = HiddenStore(store)
+    eos, readers = set(hs.attrs.eos_token_ids), {}
+    prompts = []
+    for p in rep["per_prompt"]:
+        reader = readers.setdefault(p["shard"], ShardReader(hs, p["shard"]))
+        ended = int(reader.tokens(p["index"])[-1]) in eos
+        prompts.append({"shard": p["shard"], "index": p["index"], "completion_len": p["completion_len"],
+                        "eos": ended, "tau": p["tau"], "ddtree": p["ddtree"]})
+    return {"recipe": name, "seed": seed, "steps": steps, "flags": flags, "fixed": FIXED, "train_config": config,
+            "train_seconds": round(train_s, 1),
+            "s_per_step": (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]),
+            "blocks_per_step": statistics.mean(r["blocks"] for r in train) / FIXED["log_every"],
+            "heldout_loss": final["loss"], "heldout_ce": final.get("ce"), "heldout_tau_streak": final["tau_streak"],
+            "train_tau_replay": final.get("tau_replay"),
+            "tau": rep["tau"], "tau_ci95": rep["tau_ci95"], "tau_pooled": rep["tau_pooled"],
+            "ddtree16": rep["ddtree"]["16"], "ddtree64": rep["ddtree"]["64"], "prompts": prompts}
+
+
+def figures(r: dict) -> dict:
+    """One run's METRICS (tau over EOS-ended and cut completions recomputed from its prompts)."""
+    groups = {True: [], False: []}
+    for p in r["prompts"]:
+        if p["tau"] == p["tau"]:  # not NaN
+            groups[p["eos"]].append(p["tau"])
+    extra = {"tau_eos": statistics.mean(groups[True]), "tau_cut": statistics.mean(groups[False]) if groups[False]
+             else math.nan}
+    return {k: (r.get(k) if k not in extra else extra[k]) for k in METRICS}
+
+
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def interval(diffs: list[float]) -> list[float] | None:
+    """95% t-interval of the mean of paired differences (None below 2)."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    half = T95.get(n - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(n)
+    m = statistics.mean(diffs)
+    return [m - half, m + half]
+
+
+def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
+    runs: dict[str, dict[int, dict]] = {}
+    for f in sorted((results / str(steps)).glob("*/s*.json")):
+        r = json.loads(f.read_text())
+        runs.setdefault(r["recipe"], {})[r["seed"]] = figures(r) | {"blocks_per_step": r["blocks_per_step"]}
+    return runs
+
+
+def table(results: Path, steps: int, against: str) -> dict:
+    runs = load(results, steps)
+    ref = runs.get(against, {})
+    out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
+    for name, seeds in sorted(runs.items()):
+        row = {"seeds": sorted(seeds), "flags": recipe_flags(name)}
+        common = sorted(set(seeds) & set(ref))
+        for k in METRICS + ("blocks_per_step",):
+            vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
+            row[k] = {"mean": statistics.mean(vals) if vals else None,
+                      "sd": statistics.stdev(vals) if len(vals) > 1 else None}
+            both = [s for s in common if seeds[s][k] is not None and ref[s][k] is not None]
+            if name != against and both and k in METRICS:
+                diffs = [seeds[s][k] - ref[s][k] for s in both]
+                base = statistics.mean(ref[s][k] for s in both)
+                row[k]["paired"] = {"seeds": both, "diff": statistics.mean(diffs), "ci95": interval(diffs),
+                                    "relative": statistics.mean(diffs) / base}
+        out["recipes"][name] = row
+    return out
+
+
+def markdown(t: dict) -> str:
+    cols = [("tau", "chain tau"), ("tau_pooled", "pooled"), ("ddtree16", "DDTree-16"), ("ddtree64", "DDTree-64"),
+            ("tau_eos", "tau, EOS-ended"), ("tau_cut", "tau, cut"), ("heldout_ce", "held-out CE"),
+            ("s_per_step", "s/step")]
+    head = " | ".join(c for _, c in cols)
+    lines = [f"| recipe ({t['steps']} steps) | seeds | {head} | chain tau vs {t['against']} |",
+             "|" + " --- |" * (len(cols) + 3)]
+    for name, row in t["recipes"].items():
+        cells = []
+        for k, _ in cols:
+            m, sd = row[k]["mean"], row[k]["sd"]
+            cells.append("-" if m is None else f"{m:.3f}" + (f" ± {sd:.3f}" if sd is not None else ""))
+        p = row["tau"].get("paired")
+        vs = "reference" if name == t["against"] else "-"
+        if p and p["diff"] is not None:
+            ci = p["ci95"]
+            vs = f"{p['diff']:+.3f} ({100 * p['relative']:+.1f}%)" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+        lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells) + f" | {vs} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train and replay (recipe, seed) runs not kept yet")
+    r.add_argument("--store", required=True)
+    r.add_argument("--recipes", required=True, help="comma-separated names of RECIPES, 'a+b' combinations, or default")
+    r.add_argument("--seeds", default="0,1,2")
+    r.add_argument("--steps", type=int, default=200)
+    r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--runs", default="/tmp/recipe_bench", help="where run directories go (large; not kept)")
+    r.add_argument("--results", default=str(RESULTS))
+    r.add_argument("--soft-states", help="final states for the soft-* recipes (bench/soft_target_bench.py states)")
+    t = sub.add_parser("table", help="summarize the kept runs of one budget")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--against", default="baseline")
+    t.add_argument("--results", default=str(RESULTS))
+    t.add_argument("--json", help="also write the table as JSON here")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        names = args.recipes.split(",")
+        for n in names:
+            recipe_flags(n)  # unknown names fail before anything runs
+        jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
+                                   args.soft_states) for n, s in jobs]
+            for (n, s), f in zip(jobs, futures):
+                print(f"{n} seed {s}: {f.result()}", flush=True)
+        return
+    result = table(Path(args.results), args.steps, args.against)
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
