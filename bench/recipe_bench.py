@@ -224,20 +224,26 @@ def markdown(t: dict) -> str:
             ("tau_eos", "tau, EOS-ended"), ("tau_cut", "tau, cut"), ("heldout_ce", "held-out CE"),
             ("s_per_step", "s/step")]
     head = " | ".join(c for _, c in cols)
-    lines = [f"| recipe ({t['steps']} steps) | seeds | {head} | chain tau vs {t['against']} |",
-             "|" + " --- |" * (len(cols) + 3)]
+    lines = [f"| recipe ({t['steps']} steps) | seeds | {head} | chain tau vs {t['against']} | EOS-ended vs {t['against']} |",
+             "|" + " --- |" * (len(cols) + 4)]
     for name, row in t["recipes"].items():
         cells = []
         for k, _ in cols:
             m, sd = row[k]["mean"], row[k]["sd"]
             cells.append("-" if m is None else f"{m:.3f}" + (f" ± {sd:.3f}" if sd is not None else ""))
-        p = row["tau"].get("paired")
-        vs = "reference" if name == t["against"] else "-"
-        if p and p["diff"] is not None:
-            ci = p["ci95"]
-            vs = f"{p['diff']:+.3f} ({100 * p['relative']:+.1f}%)" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
-        lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells) + f" | {vs} |")
+        vs = [_versus(row[k].get("paired"), name == t["against"]) for k in ("tau", "tau_eos")]
+        lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells + vs) + " |")
     return "\n".join(lines)
+
+
+def _versus(p: dict | None, reference: bool) -> str:
+    """A paired difference as 'diff (relative) [95% interval]'."""
+    if reference:
+        return "reference"
+    if not p or p["diff"] is None:
+        return "-"
+    ci = p["ci95"]
+    return f"{p['diff']:+.3f} ({100 * p['relative']:+.1f}%)" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
 
 
 def main() -> None:

@@ -37,9 +37,26 @@ def attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, scale: float) -> torch.Tensor:
 
 
 def _attend_local(q, k_ctx, v_ctx, k_blk, v_blk, mask: LocalMask, scale: float) -> torch.Tensor:
-    """SDPA with each block as its own batch item: its B queries against [context | its block]."""
+    """SDPA with each block as its own batch item: its B queries against [context | its block].
+
+    Rows whose blocks see less context than the padded length (rows of unequal length in a batch)
+    are attended one row at a time over the context they can see (LocalMask.contexts)."""
+    S, B = k_ctx.shape[2], mask.block_size
+    if len(set(mask.contexts)) == 1:
+        rows = [slice(None)]
+    else:
+        rows = [slice(r, r + 1) for r in range(q.shape[0])]
+    out = []
+    for r in rows:
+        c = max(mask.contexts[r])
+        m = torch.cat((mask.mask[r][..., :c], mask.mask[r][..., S:]), dim=-1)
+        out.append(_local_sdpa(q[r], k_ctx[r][:, :, :c], v_ctx[r][:, :, :c], k_blk[r], v_blk[r], m, B, scale))
+    return torch.cat(out)
+
+
+def _local_sdpa(q, k_ctx, v_ctx, k_blk, v_blk, mask: torch.Tensor, B: int, scale: float) -> torch.Tensor:
+    """q: [b, hq, N*B, d]; k/v_ctx: [b, hkv, S, d]; mask: [b, N, B, S+B] -> [b, hq, N*B, d]."""
     b, hq, Q, d = q.shape
-    B = mask.block_size
     n = Q // B
 
     def per_block(x):  # [b, h, N*B, d] -> [b, N, h, B, d]
@@ -49,5 +66,5 @@ def _attend_local(q, k_ctx, v_ctx, k_blk, v_blk, mask: LocalMask, scale: float) 
         return torch.cat((ctx[:, None].expand(b, n, *ctx.shape[1:]), per_block(blk)), dim=3).flatten(0, 1)
 
     out = F.scaled_dot_product_attention(per_block(q).flatten(0, 1), with_ctx(k_ctx, k_blk), with_ctx(v_ctx, v_blk),
-                                         attn_mask=mask.mask.flatten(0, 1)[:, None], scale=scale, enable_gqa=True)
+                                         attn_mask=mask.flatten(0, 1)[:, None], scale=scale, enable_gqa=True)
     return out.view(b, n, hq, B, d).transpose(1, 2).reshape(b, hq, Q, d)

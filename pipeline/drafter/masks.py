@@ -15,7 +15,7 @@ labels are dropped by the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,10 +68,18 @@ class LocalMask:
 
     Every key outside those is masked for block b anyway (blocks never see each other), so SDPA
     over [b*N, heads, B, S+B] computes exactly the dense result without its [N*B, N*B] part.
+    `contexts[r]` is how many context keys row r's blocks can see at most (one past the last allowed
+    one): a row's context beyond it is masked for all its blocks, so attention may leave it out.
     """
 
     mask: torch.Tensor  # [batch, N, B, S + B] bool
     block_size: int
+    contexts: list[int] = field(init=False)
+
+    def __post_init__(self):
+        seen = self.mask[..., : self.mask.shape[-1] - self.block_size].flatten(1, 2).any(1)  # [batch, S]
+        last = torch.where(seen, torch.arange(1, seen.shape[1] + 1, device=seen.device), 0).amax(1)
+        self.contexts = last.tolist()
 
 
 def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,

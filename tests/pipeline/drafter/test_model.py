@@ -93,6 +93,31 @@ def test_local_and_dense_sdpa_agree_forward_and_backward(layer_types, window):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
+                                                (("sliding_attention", "full_attention"), 2)])
+def test_local_sdpa_over_rows_of_unequal_context_is_the_dense_result(layer_types, window):
+    """Rows whose blocks see less than the padded context are attended over what they see only."""
+    m = drafter(config(layer_types=layer_types, sliding_window=window))
+    hidden, tokens = sequence()
+    anchors = torch.tensor([[2, 4, 0], [3, 8, 11]])
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    lm = torch.ones(2, len(tokens), dtype=torch.bool)
+    blk = make_blocks(torch.stack((tokens, tokens)), lm, anchors, valid, B, V - 1)
+    ctx = torch.stack((hidden[:12], hidden[:12]))
+    local = masks.build(m.rules, anchors, valid, 12, B, "local")
+    assert all(r.contexts == [4, 11] for r in local.values())  # row 0 attends over 4 of 12 keys
+    outs = []
+    for mk in (masks.build(m.rules, anchors, valid, 12, B, "dense"), local):
+        m.zero_grad()
+        h = m(ctx, blk.block_ids, torch.arange(12).expand(2, 12), blk.positions, mk)
+        (h * valid.repeat_interleave(B, 1)[..., None]).square().sum().backward()
+        outs.append((h.detach(), m.fc.weight.grad.clone(), m.layers[0].self_attn.k_proj.weight.grad.clone()))
+    keep = valid.repeat_interleave(B, 1)
+    assert torch.allclose(outs[0][0][keep], outs[1][0][keep], atol=1e-5, rtol=1e-4)
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_flex_block_mask_gives_the_sdpa_result(monkeypatch):
     """The CUDA rendering of the predicate (a flex BlockMask) computes what the CPU paths compute.
     flex has no CPU backward, so this checks the forward pass, eagerly."""
