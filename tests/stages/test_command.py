@@ -70,7 +70,7 @@ def test_configs_are_frozen_and_keyword_only(config_cls):
     (ExtractConfig, {"turns": "all"}, "--turns all: all goes with --responses dataset"),
     (TrainConfig, {"warmup_ratio": 1.5}, "--warmup-ratio 1.5: expected 0 <= ratio < 1"),
     (TrainConfig, {"lr": 0.0}, "--lr 0.0: must be positive"),
-    (TrainConfig, {"block_size": 12}, "--block-size 12: no default loss decay"),
+    (TrainConfig, {"block_size": 12, "slot_weights": "exp"}, "--block-size 12: no default loss decay"),
     (EvalConfig, {"checkpoints": ("ck",), "ddtree": (8, 0)}, "--ddtree (8, 0): budgets must be at least 1"),
     (EvalConfig, {"checkpoints": ("ck",), "max_prompts": 0}, "--max-prompts 0: must be at least 1"),
 ])

@@ -87,7 +87,7 @@ def test_store_without_lm_head(small_store, tmp_path):
     ({"eval_shards": "0-3"}, "no training shards"),
     ({"shards": " "}, "--shards ' ': is empty"),
     ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
-    ({"block_size": 12}, "no default loss decay"),
+    ({"block_size": 12, "slot_weights": "exp"}, "no default loss decay"),
     ({"layer_types": "full,sliding"}, "--layer-types"),
 ])
 def test_bad_input_is_named(small_store, tmp_path, over, needle):
