@@ -95,26 +95,26 @@ def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
     """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps."""
     import torch.distributed as dist
 
-    from stages.train.optim import Muon
-
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        ps, grads = _muon_problem()
-        opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
-        for step in grads:
-            for p, g in zip(ps, step):
-                p.grad = g.clone()
-            opt.step()
-        out[rank] = [p.detach().clone() for p in ps]
+        out[rank] = [p.detach().clone() for p in _three_muon_steps()]
     finally:
         dist.destroy_process_group()
 
 
-def _muon_problem():
+def _three_muon_steps() -> list[torch.nn.Parameter]:
+    """Seeded parameters after three Muon steps on seeded gradients (in a group: the group's split)."""
+    from stages.train.optim import Muon
+
     g = torch.Generator().manual_seed(0)
     shapes = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
     ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
-    return ps, [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return ps
 
 
 def test_muon_split_over_two_processes_equals_one_process(tmp_path):
@@ -122,14 +122,7 @@ def test_muon_split_over_two_processes_equals_one_process(tmp_path):
     one process computes alone."""
     import torch.multiprocessing as mp
 
-    from stages.train.optim import Muon
-
-    ps, grads = _muon_problem()
-    opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
-    for step in grads:
-        for p, g in zip(ps, step):
-            p.grad = g.clone()
-        opt.step()
+    ps = _three_muon_steps()
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_muon_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
