@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +12,10 @@ import numpy as np
 import pytest
 
 sys.modules.setdefault("fla", None)  # CPU tests: the PyTorch Gated DeltaNet path, always
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one xdist worker per core: one intra-op thread each
+    import torch
+
+    torch.set_num_threads(1)
 
 from pipeline import DEFAULT_PROMPTS, TINY_TARGET  # noqa: E402
 
