@@ -31,6 +31,7 @@ class LossPlan:
     anchor_rule: str = "pair"  # blocks.ANCHOR_RULES
     loss_norm: str = "weights"  # loss.NORMS
     noise: str = "gaussian"  # NOISES
+    packed: bool = False  # --batching packed: rows hold several documents (batch.starts is read)
 
     @classmethod
     def of(cls, config, drafter: DrafterConfig, flex: bool) -> LossPlan:
@@ -39,7 +40,8 @@ class LossPlan:
         if config.slot_weights == "exp":
             gamma, alpha = config.gamma if config.gamma is not None else default_gamma(drafter.block_size), None
         return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
-                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise)
+                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise,
+                   config.batching == "packed")
 
     @property
     def width(self) -> int:
@@ -57,7 +59,7 @@ def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.de
 def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator) -> LossOut:
     """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
     batch tensors are on the model's device."""
-    starts = batch.starts if batch.starts.any() else None  # packed rows; None: one document per row
+    starts = batch.starts if plan.packed else None  # [b, T] packed rows; None: one document per row
     anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen), budget=plan.anchor_budget,
                                     starts=None if starts is None else starts.cpu(), rule=plan.anchor_rule)
     ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
