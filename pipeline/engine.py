@@ -56,10 +56,16 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit((p.scheme, host + (f":{p.port}" if p.port else ""), p.path.rstrip("/"), "", ""))
 
 
+def server_root(url: str) -> str:
+    """The server's root: the URL redacted, less the OpenAI clients' `/v1` base path if given."""
+    root = redact(url)
+    return root[:-len("/v1")] if root.endswith("/v1") else root
+
+
 class Engine:
     def __init__(self, url: str, model: str | None = None, concurrency: int = 32, timeout_s: float = 600.0,
                  retries: int = 4, backoff_s: float = 1.0) -> None:
-        self.url, self.model = redact(url), model
+        self.url, self.model = server_root(url), model  # http://host:port and http://host:port/v1 alike
         self.headers = {"Content-Type": "application/json", **_auth(url)}
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.info: EngineInfo | None = None

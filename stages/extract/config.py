@@ -50,7 +50,8 @@ class ExtractConfig:
                                  "last (the final answer; earlier turns are context) or all (every assistant turn, "
                                  "the turns between them as context).", choices=("last", "all"))
     server_url: str | None = setting(None, "OpenAI-compatible server (vLLM, SGLang) serving the target, for "
-                                           "--responses server, e.g. http://127.0.0.1:8000.")
+                                           "--responses server, e.g. http://127.0.0.1:8000 (or the OpenAI "
+                                           "clients' form, http://127.0.0.1:8000/v1).")
     server_model: str | None = setting(None, "The served model to ask.", default_text="the only one served")
     concurrency: int = setting(64, "Requests in flight to the server (it batches them).")
     server_timeout_s: float = setting(600.0, "Seconds one request may take; transient failures are retried.")

@@ -37,7 +37,7 @@ def arrays(path, shard, name):
 
 def test_server_references_are_the_targets_greedy_ones(tmp_path, target, small_dataset, small_store):
     with FakeEngine(target) as engine:
-        url = engine.url.replace("http://", "http://user:secret@")
+        url = engine.url.replace("http://", "http://user:secret@") + "/v1/"  # the OpenAI clients' form
         summary = run(server_config(tmp_path / "hs.zarr", small_dataset, url), log=lambda m: None)
     store = HiddenStore(str(tmp_path / "hs.zarr"))
     assert store.attrs.engine == {"url": engine.url, "model": "tiny", "engine": "vllm", "version": "0.0-fake"}
