@@ -1,6 +1,7 @@
 """`pipeline`: extract hidden states into a store, describe it, verify it; export a drafter. (An entry point.)"""
 
 import json
+import os
 import signal
 import sys
 
@@ -62,9 +63,10 @@ def info(store: str, as_json: bool) -> None:
 @click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="Decode only this share of each shard's state chunks, chosen at random (each checked against its "
                    "own checksum in a schema-2 store); the verdict states the coverage. [default: every byte]")
-@click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Shards checked in parallel processes.")
-def verify(store: str, shard_text: str | None, sample: float | None, processes: int) -> None:
+@click.option("--processes", type=click.IntRange(min=1), default=None,
+              help="Shards checked in parallel processes (at most one per shard). [default: the cores this process "
+                   "may use]")
+def verify(store: str, shard_text: str | None, sample: float | None, processes: int | None) -> None:
     """Re-read the committed shards of STORE; check shapes, offsets, masks and checksums.
 
     Exits non-zero and names the shard on any corrupt shard, or on a shard named by --shards
@@ -75,7 +77,8 @@ def verify(store: str, shard_text: str | None, sample: float | None, processes: 
     from store.verify import verify_store
 
     with tqdm(unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
-        report = verify_store(store, shard_text, lambda _shard: bar.update(), sample, processes)
+        report = verify_store(store, shard_text, lambda _shard: bar.update(), sample,
+                              processes or len(os.sched_getaffinity(0)))
     for line in report.lines():
         log(line)
     click.echo(report.verdict())

@@ -87,7 +87,7 @@ def _results(jobs: list[tuple], store: HiddenStore, processes: int):
     if processes <= 1 or not jobs:
         yield from (_check(*job, store) for job in jobs)
         return
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
         yield from pool.map(_check, *zip(*jobs))
 
 

@@ -82,6 +82,17 @@ def test_verify_and_info_commands(monkeypatch, capsys, small_store):
     assert code == 0 and json.loads(out)["shards_done"] == 4
 
 
+def test_verify_uses_every_core_by_default(monkeypatch, capsys, small_store):
+    import os
+
+    import store.verify
+
+    asked, real = [], store.verify.verify_store
+    monkeypatch.setattr(store.verify, "verify_store", lambda *a: asked.append(a[4]) or real(*a))
+    code, out, err = run_main(monkeypatch, capsys, ["verify", str(small_store), "--shards", "0"])
+    assert code == 0 and asked == [len(os.sched_getaffinity(0))]
+
+
 def test_verify_fails_on_missing_shards(monkeypatch, capsys, tmp_path, small_store):
     store = tmp_path / "copy.zarr"
     shutil.copytree(small_store, store)
