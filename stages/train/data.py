@@ -11,17 +11,22 @@ worker processes run, each with its own store handles.
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
 from store import layout
-from store.errors import NotCommitted, StoreCorrupt, StoreError
+from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
 BUCKET = 64  # batches of similar length are formed within windows of this many batches
+PREFETCH = 4  # batches each loader worker keeps ready (in shared memory until the trainer takes them)
+SHM = "/dev/shm"  # where DataLoader workers hand batches over (Linux)
 BATCHINGS = ("bucketed", "random", "packed")
 
 
@@ -183,10 +188,35 @@ def loader(config, batches: list, pin: bool, skipped: set):
     is left out of its batch and added to `skipped` (skip)."""
     workers = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
                                           num_workers=config.workers, pin_memory=pin,
-                                          prefetch_factor=4 if config.workers else None)
+                                          prefetch_factor=PREFETCH if config.workers else None)
     for batch in workers:
         for shard, index, why in batch.corrupt:
             if config.on_corrupt == "stop":
                 raise StoreCorrupt(why)
             skipped.add((shard, index))
         yield batch
+
+
+def shared_memory_need(config, refs: list[Ref], n_taps: int, hidden_size: int, local_processes: int) -> int:
+    """Bytes of shared memory the loader workers of one node's `local_processes` training
+    processes may hold at once: each worker's PREFETCH batches of bf16 states, rows as long as
+    the longest sample (packed rows: --max-length)."""
+    if not config.workers or not refs:
+        return 0
+    row = config.max_length if config.batching == "packed" else max(r.length for r in refs)
+    batch = config.batch_size * row * n_taps * hidden_size * 2  # hidden: [b, T, n_taps, H] bf16
+    return local_processes * config.workers * PREFETCH * batch
+
+
+def check_shared_memory(config, need: int, path: str = SHM) -> None:
+    """Refuse up front, in one line, a run whose loader workers would run out of shared memory at
+    the first batches (a container's default /dev/shm is 64 MB); no check where there is none."""
+    if not need or not os.path.isdir(path):
+        return
+    free = shutil.disk_usage(path).free
+    if need > free:
+        gib = math.ceil(need / 2**30)
+        raise ConfigError("--workers", config.workers,
+                          f"the loader workers on this node may hold {need / 2**30:.1f} GiB of batches in {path}, "
+                          f"which has {free / 2**30:.1f} GiB free; give it more (docker run --shm-size={gib + 1}g, "
+                          "or a larger tmpfs) or use --workers 0 (read in the training process)")

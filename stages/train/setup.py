@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
-from stages.train.data import Ref, index_samples, train_batches
+from stages.train.data import Ref, check_shared_memory, index_samples, shared_memory_need, train_batches
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.run_dir import claim, resume_point
 from stages.train.step import LossPlan
@@ -205,6 +206,9 @@ def _prepare(config: TrainConfig, log) -> Setup:
         raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
 
     acc = make_accelerator(config)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
+    check_shared_memory(config, shared_memory_need(config, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
+                                                   local))
     if previous and previous["world_size"] != acc.num_processes:
         raise ConfigError("--resume", rdir, f"saved with {previous['world_size']} processes, now {acc.num_processes}")
     micro = len(train_batches(config, train_refs, 0, acc.process_index, acc.num_processes))

@@ -1,5 +1,7 @@
 """Training batches from the store: what is read, in which order, by which rank."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -139,3 +141,39 @@ def test_a_sample_is_read_as_its_own_span(small_store, monkeypatch):
     assert set(read) == {"offsets", "row_ids", "prompt_lens"}
     g = HiddenStore(str(small_store)).shard_arrays(1)
     assert torch.equal(torch.cat([s.tokens for s in samples]), torch.from_numpy(g["tokens"][:].astype(np.int64)))
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_the_shared_memory_need_bounds_every_batch_and_is_met_by_the_largest(small_store, batching):
+    from stages.train.config import TrainConfig
+    from stages.train.data import PREFETCH, shared_memory_need
+
+    store = HiddenStore(str(small_store))
+    config = TrainConfig(store=str(small_store), batch_size=3, max_length=60, workers=2, batching=batching)
+    r = index_samples(store, [0, 1, 2, 3], config.max_length)
+    need = shared_memory_need(config, r, len(store.attrs.taps), store.attrs.hidden_size, local_processes=8)
+    per_batch, rest = divmod(need, 8 * config.workers * PREFETCH)
+    batches = epoch_batches(r, 3, 0, 0, batching=batching, row_tokens=config.max_length)
+    sizes = [StoreBatches(str(small_store), batches)[i].hidden.nbytes for i in range(len(batches))]
+    assert rest == 0 and max(sizes) <= per_batch
+    if batching != "packed":  # rows padded to the longest sample: a full batch holding it meets the bound
+        longest = max(x.length for x in r)
+        full = [i for i, b in enumerate(batches) if len(b) == 3 and longest in [x.length for row in b for x in row]]
+        assert full and sizes[full[0]] == per_batch
+    assert shared_memory_need(dataclasses.replace(config, workers=0), r, 5, 64, 8) == 0
+
+
+def test_too_little_shared_memory_is_refused_in_one_line_naming_the_need_and_the_fix(tmp_path):
+    import shutil
+
+    from stages.train.config import TrainConfig
+    from stages.train.data import check_shared_memory
+    from store.errors import ConfigError
+
+    free = shutil.disk_usage(tmp_path).free
+    check_shared_memory(TrainConfig(workers=2), free // 2, str(tmp_path))  # fits: nothing said
+    with pytest.raises(ConfigError) as e:
+        check_shared_memory(TrainConfig(workers=2), 2 * free, str(tmp_path))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("--workers 2: ") and str(tmp_path) in line
+    assert "--shm-size=" in line and "--workers 0" in line
