@@ -2,12 +2,13 @@
 
 At 2.5M rows a dataset decoded whole is tens of GB of Python objects, in every process. A .jsonl
 file is scanned once for the byte offset of each row and a row is parsed when asked for; a
-.parquet file is memory-mapped and a row converted when asked for; a `datasets` dataset is
+.parquet file is streamed in batches of rows and a row converted when asked for; a `datasets` dataset is
 indexed as it is (Arrow underneath). A .json file (one array) has to be parsed whole.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from array import array
 from pathlib import Path
@@ -67,21 +68,51 @@ class JsonlRows:
 
 
 class ParquetRows:
-    """The rows of a .parquet file, memory-mapped, each converted when asked for."""
+    """The rows of a .parquet file, streamed in record batches: a process holds the batch it is
+    in, never a row group decoded (pyarrow writes groups of up to 1M rows: GBs at prompt sizes).
+    Rows asked for in order (a shard's rows are consecutive) are decoded once; a row before the
+    current batch restarts the stream at the start of its row group."""
+
+    BATCH = 256  # rows decoded at a time
 
     def __init__(self, path: Path) -> None:
         import pyarrow.parquet as pq
 
+        self.path = path
         try:
-            self.table = pq.read_table(path, memory_map=True)
+            self.file = pq.ParquetFile(path, memory_map=True)
         except Exception as e:
             raise DatasetError(f"--dataset {path}: cannot read parquet ({e})") from None
+        meta = self.file.metadata
+        self.starts = array("q", [0])  # first row of each row group, then the row count
+        for g in range(meta.num_row_groups):
+            self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
+        self._group, self._stream, self._batch, self._at, self._next = -1, None, None, 0, 0
 
     def __len__(self) -> int:
-        return self.table.num_rows
+        return self.starts[-1]
 
     def __getitem__(self, i: int) -> dict:
-        return self.table.slice(i, 1).to_pylist()[0]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if self._batch is None or not self._at <= i < self._at + self._batch.num_rows:
+            try:
+                self._seek(i)
+            except Exception as e:
+                self._group, self._batch = -1, None
+                raise DatasetError(f"--dataset {self.path}: cannot read row {i} ({e})") from None
+        return self._batch.slice(i - self._at, 1).to_pylist()[0]
+
+    def _seek(self, i: int) -> None:
+        """Move the stream on to the batch that holds row i."""
+        g = bisect.bisect_right(self.starts, i) - 1
+        if g != self._group or i < self._at:
+            self._group, self._next, self._batch = g, self.starts[g], None
+            self._stream = self.file.iter_batches(batch_size=self.BATCH, row_groups=[g], use_threads=False)
+        while self._batch is None or i >= self._at + self._batch.num_rows:
+            self._batch = None  # freed before the next is decoded
+            batch = next(self._stream)
+            self._batch, self._at, self._next = batch, self._next, self._next + batch.num_rows
 
 
 def _read_json(path: Path) -> list[dict]:
