@@ -8,7 +8,8 @@
 #  3. stage two: flex_attention vs the block-local SDPA path (outputs, gradients; fp32 and bf16) and
 #     a short bf16 training run (steps/s, tokens/s, peak memory) on the fla store;
 #  4. evaluate that drafter by replay and live on CUDA (fla kernels, state rollback), replay == live count;
-#  5. serial against batched replay on CUDA with a random drafter of hidden 2048 (lane-rounds/s, same rounds).
+#  5. serial against batched replay on CUDA with a random drafter of hidden 2048 (lane-rounds/s, same rounds);
+#  6. peak host RSS while a 1.1 GB target loads onto the GPU, straight onto it against host-then-move.
 # Wheels the machine lacks: bench/fetch_gpu_wheels.sh puts them in .whl/ first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,3 +38,4 @@ python3 evaluate.py --store /tmp/fla.zarr --checkpoint /tmp/gpu_run/final --shar
   --target pipeline/assets/tiny_target --device cuda --out "$out/eval" 2>&1 | tee "$out/eval.txt"
 python3 bench/replay_bench.py --device cuda --width 2048 --vocab 65536 --prompts 32 --slots 1,32 --repeat 1 \
   --json "$out/replay.json" 2>&1 | tail -5 | tee "$out/replay.txt"
+python3 bench/target_load_bench.py --device cuda --dtype bf16 --json "$out/target_load.json" 2>&1 | tail -4 | tee "$out/target_load.txt"

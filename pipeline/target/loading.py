@@ -52,11 +52,11 @@ def load(target: str, device: str | None, dtype: str, linear_attention: str) -> 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=devices.DTYPES[dtype], output_loading_info=True,
-                                                           ignore_mismatched_sizes=True)
+                                                           ignore_mismatched_sizes=True, device_map={"": dev})
     except Exception as e:
         raise TargetError(f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    weights.check_loaded(path, model, info)
-    model.to(dev).eval()
+    weights.check_loaded(path, model, info)  # each tensor was read straight onto dev, never the whole model on the host
+    model.eval()
     return Target(model, tokenizer, path, dev, devices.DTYPES[dtype], KernelRecorder(model), requested,
                   describe(model, tokenizer, path))
 
