@@ -37,6 +37,11 @@ def read(fs, path: str) -> dict | None:
             data = fh.read()
     except FileNotFoundError:
         return None
+    return parse(data, path)
+
+
+def parse(data: bytes, path: str) -> dict:
+    """The record in a commit file's bytes (read from path), seal removed and checked."""
     try:
         obj = json.loads(data)
     except ValueError as e:
@@ -68,6 +73,15 @@ def write(fs, path: str, obj: dict, local: bool) -> None:
     except BaseException:  # a full disk, a signal: no temporary file left behind
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def cat_many(fs, paths: list[str]) -> list:
+    """The bytes of each path, in order, fetched in one `fs.cat` (concurrent requests on an
+    object store); an exception in place of a file that cannot be read."""
+    if not paths:
+        return []
+    found = fs.cat(paths, on_error="return")
+    return [found[p] if p in found else found.get(fs._strip_protocol(p), FileNotFoundError(p)) for p in paths]
 
 
 def file_checksums(fs, folder: str, names: list[str]) -> dict[str, int]:

@@ -58,13 +58,15 @@ class HiddenStore:
     def exists(self) -> bool:
         return self.fs.exists(self.path(layout.commit_key("root")))
 
-    def unchecked_reads(self) -> str | None:
-        """What reading this store cannot check (a warning for the reader to print), or None."""
+    def unchecked_reads(self, records: dict[int, ShardCommit] | None = None) -> str | None:
+        """What reading this store cannot check (a warning for the reader to print), or None.
+        records: the commit records when the caller holds them (else read here)."""
         if self.attrs.schema_version < 2:
             return (f"{self.location} is a schema-1 store: its chunks carry no checksums, so damage inside a state "
                     f"or token chunk is not seen while reading (its metadata and per-sample arrays still are); run "
                     f"`pipeline verify {self.location}` before using it, or extract it again into a schema-2 store")
-        older = [s for s, record in self.commits()[0].items() if not record.every_chunk]
+        older = [s for s, record in (self.commits()[0] if records is None else records).items()
+                 if not record.every_chunk]
         if not older:
             return None
         return (f"{self.location}: shards {format_ranges(older)} were committed before every chunk was written "
@@ -278,16 +280,18 @@ class HiddenStore:
             names = self.fs.ls(self.path("_commits"), detail=False)
         except FileNotFoundError:
             return good, damaged
-        for name in names:
-            base = name.rstrip("/").rsplit("/", 1)[-1]
-            if base.endswith(".json") and base[:-5].isdigit():
-                try:
-                    rec = self.commit_record(int(base[:-5]))
-                except StoreCorrupt as e:
-                    damaged[int(base[:-5])] = e
-                    continue
-                if rec is not None:
-                    good[int(base[:-5])] = rec
+        shards = [int(b[:-5]) for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
+                  if b.endswith(".json") and b[:-5].isdigit()]
+        paths = [self.path(layout.commit_key(s)) for s in shards]
+        for shard, path, data in zip(shards, paths, commit_file.cat_many(self.fs, paths)):  # one batch of reads
+            if isinstance(data, FileNotFoundError):
+                continue  # removed since the listing
+            if isinstance(data, Exception):
+                raise data
+            try:
+                good[shard] = ShardCommit.from_json(commit_file.parse(data, path), path)
+            except StoreCorrupt as e:
+                damaged[shard] = self.shard_damage(e, shard)
         return dict(sorted(good.items())), dict(sorted(damaged.items()))
 
     def has_data(self, shard: int) -> bool:

@@ -13,6 +13,7 @@ from zarr.core.sync import sync
 from store import layout, span_reader
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
+from store.schema import ShardCommit
 
 _PER_TOKEN = ("tokens", "loss_mask", "hidden")
 
@@ -35,9 +36,10 @@ class ShardReader:
     of a schema-2 planes store are read straight from their chunk files (store/span_reader.py),
     any other layout's through zarr. One reader per thread: it reuses its decoding buffers."""
 
-    def __init__(self, store: HiddenStore, shard: int) -> None:
+    def __init__(self, store: HiddenStore, shard: int, record: ShardCommit | None = None) -> None:
+        """record: the shard's commit record when the caller has just read it (not read again)."""
         self.store, self.shard = store, shard
-        self.record = store.commit_record(shard)
+        self.record = record or store.commit_record(shard)
         if self.record is None:
             store.require_committed([shard])
         store.check_shard_files(shard, self.record)
@@ -45,13 +47,24 @@ class ShardReader:
             self._group = store.shard_arrays(shard)
         except Exception as e:  # noqa: BLE001 - zarr's own error on metadata it cannot parse
             raise self._damaged(StoreCorrupt(f"{self._path('zarr.json')}: unreadable ({type(e).__name__}: {e})"))
-        self._per_token = [self._open(name) for name in _PER_TOKEN]  # handles: metadata only
-        self.hidden = self._per_token[-1]
-        missing_is_damage = bool(self.record.every_chunk)
-        self._direct = [span_reader.for_array(store.fs, self._path(name), array, missing_is_damage)
-                        for name, array in zip(_PER_TOKEN, self._per_token)]
-        if None in self._direct:
-            self._direct = None
+
+    @functools.cached_property
+    def _per_token(self) -> list:
+        """The per-token arrays' handles (metadata only), opened on the first sample read."""
+        return [self._open(name) for name in _PER_TOKEN]
+
+    @property
+    def hidden(self):
+        return self._per_token[-1]
+
+    @functools.cached_property
+    def _direct(self) -> list | None:
+        """Direct span readers of the per-token arrays, or None when their layout is not one
+        store/span_reader.py decodes (then zarr reads them)."""
+        every = bool(self.record.every_chunk)
+        direct = [span_reader.for_array(self.store.fs, self._path(name), array, every)
+                  for name, array in zip(_PER_TOKEN, self._per_token)]
+        return None if None in direct else direct
 
     def _path(self, name: str) -> str:
         return self.store.path(f"{layout.shard_group(self.shard)}/{name}")

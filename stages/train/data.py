@@ -22,6 +22,8 @@ import torch
 from store import layout
 from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
+from store.sample_index import per_sample
+from store.schema import ShardCommit
 from store.shard_reader import ShardReader
 
 BUCKET = 64  # batches of similar length are formed within windows of this many batches
@@ -37,18 +39,27 @@ class Ref:
     length: int  # tokens used (after --max-length)
 
 
-def index_samples(store: HiddenStore, shards: list[int], max_length: int) -> list[Ref]:
+def index_samples(store: HiddenStore, shards: list[int], max_length: int,
+                  records: dict[int, ShardCommit] | None = None) -> list[Ref]:
     """Samples with at least one anchor (pipeline/drafter/blocks.py) within max_length, from the
     per-sample index: O(samples) bytes read, not the per-token mask. The first anchor of a sample
     is its first pair of loss tokens (the anchor rule, checked against `anchor_mask` in the tests),
-    so an anchor lies within n tokens iff that pair does."""
-    store.require_committed(shards)
+    so an anchor lies within n tokens iff that pair does. records: the store's commit records when
+    the caller holds them (store.committed()); every shard's arrays come in one batch of reads
+    (store/sample_index.py)."""
+    if records is None:
+        records, damaged = store.commits()
+        for s in shards:
+            if s in damaged:
+                raise damaged[s]
+    if any(s not in records for s in shards):
+        store.require_committed([s for s in shards if s not in records])
+    arrays = per_sample(store, {s: records[s] for s in shards})
     refs = []
     for shard in shards:
-        reader = ShardReader(store, shard)
-        lengths = np.diff(reader.offsets)
-        for i, (length, first) in enumerate(zip(lengths, reader.first_pairs)):
-            n = min(int(length), max_length)
+        a = arrays[shard]
+        for i, (length, first) in enumerate(zip(np.diff(a["offsets"]).tolist(), a["first_pairs"].tolist())):
+            n = min(length, max_length)
             if 0 <= first and first + 2 <= n:
                 refs.append(Ref(shard, i, n))
     return refs

@@ -21,8 +21,9 @@ from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
-from stages.train.data import Ref, check_shared_memory, index_samples, shared_memory_need, train_batches
+from stages.train.data import Ref, check_shared_memory, shared_memory_need, train_batches
 from stages.train.optim import build_optimizers, build_schedules
+from stages.train.ranks import on_main, shared_index
 from stages.train.run_dir import claim, resume_point
 from stages.train.step import LossPlan
 from store.errors import ConfigError, StoreError
@@ -76,9 +77,11 @@ def make_accelerator(config: TrainConfig):
     return acc
 
 
-def select_shards(store: HiddenStore, config: TrainConfig) -> tuple[list[int], list[int]]:
+def select_shards(store: HiddenStore, config: TrainConfig, records: dict) -> tuple[list[int], list[int]]:
+    """(training shards, held-out shards) from --shards and --eval-shards; records: the store's
+    commit records."""
     n = store.num_shards
-    committed = sorted(store.committed())
+    committed = sorted(records)
     eval_ids = parse_ranges(config.eval_shards, n, "--eval-shards") if config.eval_shards else []
     if config.shards:
         train_ids = parse_ranges(config.shards, n)
@@ -194,18 +197,17 @@ def _prepare(config: TrainConfig, log) -> Setup:
     attrs = store.attrs
     rdir, previous = resume_point(config, attrs.fingerprint)
     dc, init = drafter_config(config, attrs, rdir)
-    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.unchecked_reads()])]:
+    acc = make_accelerator(config)
+    records = on_main(acc, store.committed)  # every commit file read once, by one process
+    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.unchecked_reads(records)])]:
         log(f"warning: {line}")
-    train_ids, eval_ids = select_shards(store, config)
+    train_ids, eval_ids = select_shards(store, config, records)
     overlap = sorted(set(train_ids) & set(eval_ids))
     if overlap:
         log(f"warning: shards {format_ranges(overlap)} are in both --shards and --eval-shards")
-    train_refs = index_samples(store, train_ids, config.max_length)
-    eval_refs = index_samples(store, eval_ids, config.max_length) if eval_ids else []
+    train_refs, eval_refs = shared_index(acc, store, [train_ids, eval_ids], config.max_length, records)
     if not train_refs:
         raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
-
-    acc = make_accelerator(config)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     check_shared_memory(config, shared_memory_need(config, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
                                                    local))

@@ -177,3 +177,10 @@ def test_too_little_shared_memory_is_refused_in_one_line_naming_the_need_and_the
     line = str(e.value)
     assert "\n" not in line and line.startswith("--workers 2: ") and str(tmp_path) in line
     assert "--shm-size=" in line and "--workers 0" in line
+
+
+def test_the_index_is_the_same_from_held_records_in_the_shards_order(small_store):
+    store = HiddenStore(str(small_store))
+    alone = index_samples(store, [3, 0, 2, 1], 60)
+    assert index_samples(store, [3, 0, 2, 1], 60, records=store.committed()) == alone
+    assert [r.shard for r in alone] == sorted([r.shard for r in alone], key=[3, 0, 2, 1].index)

@@ -1,0 +1,42 @@
+"""What one process works out and every process of the run then uses: the main process decides,
+the others wait for its answer (or its error) instead of each doing the same work."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stages.train.data import Ref, index_samples
+from store.errors import UserError
+
+
+def on_main(acc, fn):
+    """fn() run on the main process alone, its result given to every process (picklable). An error
+    there is raised on every process: the main process's own, one line of it elsewhere."""
+    if acc.num_processes == 1:
+        return fn()
+    box, error = [None, None], None
+    if acc.is_main_process:
+        try:
+            box[0] = fn()
+        except Exception as e:  # noqa: BLE001 - handed to the other processes, then raised here
+            error = e
+            box[1] = (isinstance(e, UserError), str(e) or type(e).__name__)
+    torch.distributed.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[1] is not None:
+        user, text = box[1]
+        raise (UserError if user else RuntimeError)(text)
+    return box[0]
+
+
+def shared_index(acc, store, shard_lists: list[list[int]], max_length: int, records: dict) -> list[list[Ref]]:
+    """The sample index (stages/train/data.py) of each list of shards, read by the main process
+    alone and sent to the others as arrays: at 2,442 shards one process's ~10k small reads, not
+    every rank's."""
+    def build() -> list[np.ndarray]:
+        return [np.array([(r.shard, r.index, r.length) for r in index_samples(store, ids, max_length, records)],
+                         dtype=np.int64).reshape(-1, 3) if ids else np.zeros((0, 3), np.int64) for ids in shard_lists]
+
+    return [[Ref(s, i, n) for s, i, n in a.tolist()] for a in on_main(acc, build)]
