@@ -11,6 +11,7 @@ worker processes run, each with its own store handles.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -199,13 +200,24 @@ def loader(config, batches: list, pin: bool, skipped: set):
     is left out of its batch and added to `skipped` (skip)."""
     workers = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
                                           num_workers=config.workers, pin_memory=pin,
-                                          prefetch_factor=PREFETCH if config.workers else None)
+                                          prefetch_factor=PREFETCH if config.workers else None,
+                                          worker_init_fn=quiet_inherited_sessions)
     for batch in workers:
         for shard, index, why in batch.corrupt:
             if config.on_corrupt == "stop":
                 raise StoreCorrupt(why)
             skipped.add((shard, index))
         yield batch
+
+
+def quiet_inherited_sessions(_worker: int) -> None:
+    """In a forked loader worker: do not report the parent's HTTP sessions as unclosed. An object
+    store's file system (s3fs) holds an aiohttp session bound to the parent's event loop; the fork
+    copies it, nothing here can close it (the parent does, at its exit), and when the worker's
+    garbage collector frees the copy aiohttp printed "Unclosed client session" at every loader
+    start. The worker's own sessions end with the process."""
+    logging.getLogger("asyncio").addFilter(
+        lambda r: not str(r.msg).startswith(("Unclosed client session", "Unclosed connector")))
 
 
 def shared_memory_need(config, refs: list[Ref], n_taps: int, hidden_size: int, local_processes: int) -> int:
