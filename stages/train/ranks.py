@@ -31,6 +31,15 @@ def on_main(acc, fn):
     return box[0]
 
 
+def gather(acc, value) -> list:
+    """Every process's value (picklable), in rank order, on every process."""
+    if acc.num_processes == 1:
+        return [value]
+    out = [None] * acc.num_processes
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
 def shared_index(acc, store, shard_lists: list[list[int]], max_length: int, records: dict) -> list[list[Ref]]:
     """The sample index (stages/train/data.py) of each list of shards, read by the main process
     alone and sent to the others as arrays: at 2,442 shards one process's ~10k small reads, not

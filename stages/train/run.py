@@ -17,7 +17,8 @@ from tqdm import tqdm
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
 from stages.train.config import TrainConfig
-from stages.train.data import loader, train_batches
+from stages.train.data import loader
+from stages.train.position import rank_batches
 from stages.train.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
@@ -169,11 +170,11 @@ def done_line(summary: dict) -> str:
 
 
 def micro_batches(s: Setup, config: TrainConfig):
-    """This rank's micro-batches from the resume point on, through epochs, worker processes reading.
-    The resume point is found by walking the epochs (packed epochs differ in length)."""
-    skip, epoch, acc = s.start_step * config.grad_accum, 0, s.accelerator
+    """This rank's micro-batches from the run's position on (stages/train/position.py), through the
+    epochs, worker processes reading."""
+    acc, epoch = s.accelerator, s.position.epoch
     while True:
-        mine = train_batches(config, s.train_refs, epoch, acc.process_index, acc.num_processes)
-        if skip < len(mine):
-            yield from loader(config, mine[skip:], acc.device.type == "cuda", s.skipped)
-        skip, epoch = max(0, skip - len(mine)), epoch + 1
+        mine = rank_batches(config, s.train_refs, s.position, epoch, acc.process_index, acc.num_processes)
+        if mine:
+            yield from loader(config, mine, acc.device.type == "cuda", s.skipped)
+        epoch += 1

@@ -22,6 +22,7 @@ from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
 from stages.settings import flag_of
+from stages.train.position import advance
 from store.errors import ConfigError
 from store.locks import LockFile
 
@@ -56,6 +57,7 @@ class MetricsLog:
 
 
 RUN_LOCK = ".train.lock"  # held by the main process of the run writing OUT
+LAUNCH_MARK = ".launch"  # written by the main process at start-up; every rank must read it (a shared OUT)
 
 
 def claim(out: Path) -> LockFile | None:
@@ -114,8 +116,9 @@ def save_step(s, config, step: int) -> None:
     acc.save_state(str(tmp / "training"))
     export(s, config, tmp, step, atomic=False)
     if acc.is_main_process:
+        at = advance(config, s.train_refs, s.position, (step - s.start_step) * config.grad_accum, acc.num_processes)
         state = {"step": step, "total_steps": s.total_steps, "world_size": acc.num_processes,
-                 "micro_per_epoch": s.micro_per_epoch, "train_config": asdict(config),
+                 "micro_per_epoch": s.micro_per_epoch, "position": at.to_json(), "train_config": asdict(config),
                  "store_fingerprint": s.store_fingerprint}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         checkpoint.publish(tmp, final)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +24,9 @@ from stages.settings import flag_of
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, check_shared_memory, shared_memory_need, train_batches
 from stages.train.optim import build_optimizers, build_schedules
-from stages.train.ranks import on_main, shared_index
-from stages.train.run_dir import claim, resume_point
+from stages.train.position import Position, advance
+from stages.train.ranks import gather, on_main, shared_index
+from stages.train.run_dir import LAUNCH_MARK, claim, resume_point
 from stages.train.step import LossPlan
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
@@ -50,6 +52,7 @@ class Setup:
     total_steps: int
     start_step: int
     plan: LossPlan
+    position: Position = Position()  # where the data resumes (stages/train/position.py)
     skipped: set = field(default_factory=set)  # (shard, index) left out by --on-corrupt skip
     lock: object = None  # OUT's run lock (stages/train/run_dir.claim), main process only
 
@@ -195,9 +198,10 @@ def prepare(config: TrainConfig, log) -> Setup:
 def _prepare(config: TrainConfig, log) -> Setup:
     store = HiddenStore(config.store)
     attrs = store.attrs
-    rdir, previous = resume_point(config, attrs.fingerprint)
-    dc, init = drafter_config(config, attrs, rdir)
     acc = make_accelerator(config)
+    shared_out(acc, Path(config.out))
+    rdir, previous = on_main(acc, lambda: resume_point(config, attrs.fingerprint))  # one decides, all follow
+    dc, init = drafter_config(config, attrs, rdir)
     records = on_main(acc, store.committed)  # every commit file read once, by one process
     for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.unchecked_reads(records)])]:
         log(f"warning: {line}")
@@ -211,14 +215,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     check_shared_memory(config, shared_memory_need(config, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
                                                    local))
-    if previous and previous["world_size"] != acc.num_processes:
-        raise ConfigError("--resume", rdir, f"saved with {previous['world_size']} processes, now {acc.num_processes}")
     micro = len(train_batches(config, train_refs, 0, acc.process_index, acc.num_processes))
     if micro < config.grad_accum:
         raise ConfigError(flag_of(config, "grad_accum"), config.grad_accum,
                           f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
                           f"{config.batch_size}, {acc.num_processes} ranks)")
-    total = config.max_steps or config.epochs * (micro // config.grad_accum)
+    # a resumed run keeps its step count (its schedule was built for it), on any number of processes
+    total = previous["total_steps"] if previous else config.max_steps or config.epochs * (micro // config.grad_accum)
+    position = resume_position(config, train_refs, previous)
     embed, lm_head = frozen_tensors(store, acc.device)  # [V, H] each, on the device
     raw, model, opts, scheds = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
@@ -230,7 +234,9 @@ def _prepare(config: TrainConfig, log) -> Setup:
             raise ConfigError("--resume", rdir, f"already at step {start} of {total}")
     if acc.is_main_process:
         n_params = sum(p.numel() for p in raw.parameters())
-        log((f"resumed from {rdir} at step {start}\n" if rdir else "")
+        log((f"resumed from {rdir} at step {start}" + (f" (saved on {previous['world_size']} processes)" if
+                                                       previous["world_size"] != acc.num_processes else "") + "\n"
+             if rdir else "")
             + (f"--resume: no complete step-N in {config.out} yet, starting from step 0\n" if config.resume and not rdir
                else "")
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
@@ -240,8 +246,39 @@ def _prepare(config: TrainConfig, log) -> Setup:
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
                  train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint, store_taps=attrs.taps,
-                 micro_per_epoch=micro, total_steps=total, start_step=start,
+                 micro_per_epoch=micro, total_steps=total, start_step=start, position=position,
                  plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"))
+
+
+def resume_position(config: TrainConfig, refs: list[Ref], previous: dict | None) -> Position:
+    """Where the data continues: the saved position; for a checkpoint from before positions were
+    saved, its step walked on the number of processes it was saved with."""
+    if previous is None:
+        return Position()
+    if "position" in previous:
+        return Position.from_json(previous["position"])
+    return advance(config, refs, Position(), previous["step"] * config.grad_accum, previous["world_size"])
+
+
+def shared_out(acc, out: Path) -> None:
+    """Every process must see the same OUT (each writes its training state into step-N): the main
+    process writes a token there, and a rank that does not read it back stops the launch, naming OUT."""
+    if acc.num_processes == 1:
+        return
+    mark = out / LAUNCH_MARK
+
+    def write() -> str:
+        out.mkdir(parents=True, exist_ok=True)
+        token = uuid.uuid4().hex
+        mark.write_text(token)
+        return token
+
+    token = on_main(acc, write)
+    seen = mark.read_text() if mark.exists() else None
+    blind = [r for r, ok in enumerate(gather(acc, seen == token)) if not ok]
+    if blind:
+        raise ConfigError("--out", out, f"is not shared by every process: rank(s) {blind} do not see {mark} that the "
+                                        "main process wrote; put --out on a file system every node mounts")
 
 
 def frozen_tensors(store: HiddenStore, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,7 @@
 """One process decides, every process follows: on_main in a real gloo group of two."""
 
+from pathlib import Path
+
 import pytest
 
 
@@ -51,3 +53,36 @@ def test_one_process_runs_it_itself():
     assert on_main(_Acc(0, 1), lambda: 7) == 7
     with pytest.raises(ValueError):
         on_main(_Acc(0, 1), lambda: int("x"))
+
+
+def _out_rank(rank: int, path: str, outs: list, got: dict) -> None:
+    import torch.distributed as dist
+
+    from stages.train.setup import shared_out
+    from store.errors import ConfigError
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        shared_out(_Acc(rank, 2), Path(outs[rank]))
+        got[rank] = "ok"
+    except ConfigError as e:
+        got[rank] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "not-shared"])
+def test_an_out_that_not_every_process_sees_is_refused_on_every_process(tmp_path, shared):
+    """Rank 1 given another directory stands for a node that mounts OUT elsewhere, or not at all."""
+    import torch.multiprocessing as mp
+
+    outs = [str(tmp_path / "out"), str(tmp_path / ("out" if shared else "elsewhere"))]
+    with mp.Manager() as manager:
+        got = manager.dict()
+        mp.spawn(_out_rank, args=(str(tmp_path / "rendezvous"), outs, got), nprocs=2)
+        results = [got[0], got[1]]
+    if shared:
+        assert results == ["ok", "ok"]
+    else:
+        for rank, text in enumerate(results):  # both stop, each naming OUT as it was given
+            assert text.startswith(f"--out {outs[rank]}: is not shared by every process: rank(s) [1] do not see")

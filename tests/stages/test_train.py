@@ -66,6 +66,48 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
     assert seen[0] and seen[1] and not seen[0] & seen[1]  # each rank read its own part
 
 
+def launch(n: int, port: int) -> list:
+    """accelerate launch with n CPU processes (n > 1: --multi_gpu, real DDP); none for one."""
+    return [] if n == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                              str(n), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                              "--main_process_port", str(port)]
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path, before, after):
+    """Interrupted after step-4 on BEFORE processes and resumed on AFTER: it goes on from step 4 with
+    its schedule (every later step's learning rate is the uninterrupted curve's) and reads only
+    samples of the epoch the first part had not read."""
+    from stages.train.config import TrainConfig
+    from stages.train.data import index_samples
+    from stages.train.optim import lr_lambda
+    from stages.train.position import Position, rank_batches
+    from store.hidden_store import HiddenStore
+
+    # one sample a step: the 14 samples make an epoch of 14 steps on one process, 7 on two
+    common = ["--store", small_store, "--max-steps", 8, "--save-every", 4, "--audit", *TINY, "--batch-size", 1]
+    out = tmp_path / "run"
+    r = train([*common, "--out", out], launcher=launch(before, 29581 + after), stop_after=4)
+    assert r.returncode != 0 and (out / "step-4").is_dir() and not (out / "final").exists(), r.stderr
+    r = train([*common, "--out", out, "--resume"], launcher=launch(after, 29583 + after))
+    assert r.returncode == 0, r.stderr
+    assert f"at step 4 (saved on {before} processes)" in r.stderr
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = {x["step"]: x["lr"] for x in records if x["split"] == "train"}
+    f = lr_lambda(8, TrainConfig().warmup_ratio)
+    assert sorted(lrs) == list(range(1, 9))
+    assert all(math.isclose(lrs[k], lrs[1] / f(1) * f(k), rel_tol=1e-9) for k in range(5, 9))
+    audits = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in range(after)]
+    assert [a["world_size"] for a in audits] == [after] * after
+    later = [tuple(x) for a in audits for x in a["samples"]]
+    config = TrainConfig(store=str(small_store), batch_size=1)
+    refs = index_samples(HiddenStore(str(small_store)), list(range(4)), config.max_length)
+    first = {(x.shard, x.index) for r in range(before) for b in rank_batches(config, refs, Position(), 0, r, before)[:4]
+             for row in b for x in row}
+    assert len(refs) == 14 and len(first) == 4 * before
+    assert len(later) == len(set(later)) == 4 * after and not set(later) & first  # all in epoch 0
+
+
 def setup_error(small_store, tmp_path, **over) -> str:
     from stages.train.config import TrainConfig
     from stages.train.setup import prepare
