@@ -73,39 +73,42 @@ def launch(n: int, port: int) -> list:
                               "--main_process_port", str(port)]
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path, before, after):
-    """Interrupted after step-4 on BEFORE processes and resumed on AFTER: it goes on from step 4 with
-    its schedule (every later step's learning rate is the uninterrupted curve's) and reads only
-    samples of the epoch the first part had not read."""
+def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
+    """Interrupted after step-4 on 2 processes, resumed on 1 and interrupted after step-6, resumed on
+    2 to the end: each part goes on from the saved step with the schedule (every later step's
+    learning rate is the uninterrupted curve's), and the last reads only samples of the epoch the
+    earlier parts had not read."""
     from stages.train.config import TrainConfig
     from stages.train.data import index_samples
     from stages.train.optim import lr_lambda
-    from stages.train.position import Position, rank_batches
+    from stages.train.position import Position, advance, rank_batches
     from store.hidden_store import HiddenStore
 
     # one sample a step: the 14 samples make an epoch of 14 steps on one process, 7 on two
-    common = ["--store", small_store, "--max-steps", 8, "--save-every", 4, "--audit", *TINY, "--batch-size", 1]
+    common = ["--store", small_store, "--max-steps", 8, "--save-every", 2, "--audit", *TINY, "--batch-size", 1]
     out = tmp_path / "run"
-    r = train([*common, "--out", out], launcher=launch(before, 29581 + after), stop_after=4)
+    r = train([*common, "--out", out], launcher=launch(2, 29581), stop_after=4)
     assert r.returncode != 0 and (out / "step-4").is_dir() and not (out / "final").exists(), r.stderr
-    r = train([*common, "--out", out, "--resume"], launcher=launch(after, 29583 + after))
-    assert r.returncode == 0, r.stderr
-    assert f"at step 4 (saved on {before} processes)" in r.stderr
+    r = train([*common, "--out", out, "--resume"], stop_after=6)
+    assert r.returncode == 130 and "at step 4 (saved on 2 processes)" in r.stderr, r.stderr
+    r = train([*common, "--out", out, "--resume"], launcher=launch(2, 29582))
+    assert r.returncode == 0 and "at step 6 (saved on 1 processes)" in r.stderr, r.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     lrs = {x["step"]: x["lr"] for x in records if x["split"] == "train"}
     f = lr_lambda(8, TrainConfig().warmup_ratio)
     assert sorted(lrs) == list(range(1, 9))
     assert all(math.isclose(lrs[k], lrs[1] / f(1) * f(k), rel_tol=1e-9) for k in range(5, 9))
-    audits = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in range(after)]
-    assert [a["world_size"] for a in audits] == [after] * after
-    later = [tuple(x) for a in audits for x in a["samples"]]
+    audits = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in range(2)]
+    assert [a["world_size"] for a in audits] == [2, 2]
     config = TrainConfig(store=str(small_store), batch_size=1)
     refs = index_samples(HiddenStore(str(small_store)), list(range(4)), config.max_length)
-    first = {(x.shard, x.index) for r in range(before) for b in rank_batches(config, refs, Position(), 0, r, before)[:4]
-             for row in b for x in row}
-    assert len(refs) == 14 and len(first) == 4 * before
-    assert len(later) == len(set(later)) == 4 * after and not set(later) & first  # all in epoch 0
+    at4 = advance(config, refs, Position(), 4, 2)
+    earlier = [rank_batches(config, refs, Position(), 0, r, 2)[:4] for r in range(2)]
+    earlier.append(rank_batches(config, refs, at4, 0, 0, 1)[:2])
+    earlier = {(x.shard, x.index) for part in earlier for b in part for row in b for x in row}
+    later = [tuple(x) for a in audits for x in a["samples"]]
+    assert len(refs) == 14 and len(earlier) == 10
+    assert len(later) == len(set(later)) == 4 and not set(later) & earlier  # all four in epoch 0
 
 
 def setup_error(small_store, tmp_path, **over) -> str:
