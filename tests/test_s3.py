@@ -54,7 +54,7 @@ def test_extract_check_train_and_evaluate_from_s3(s3, small_dataset, tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     no_stray_lines(p.stderr)
     info = run_pipeline(["info", store])
-    assert info.returncode == 0 and "2/4 shards committed" in info.stdout, info.stdout + info.stderr
+    assert info.returncode == 0 and "2/4 done (0-1)" in info.stdout, info.stdout + info.stderr
     verify = run_pipeline(["verify", store])
     assert verify.returncode == 0 and "checked 2 committed shard(s): all good" in verify.stdout, verify.stderr
     out = tmp_path / "run"
@@ -62,7 +62,7 @@ def test_extract_check_train_and_evaluate_from_s3(s3, small_dataset, tmp_path):
                "--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2", "--eval-every", "10"])
     assert t.returncode == 0, t.stderr[-3000:]
     no_stray_lines(t.stderr)
-    done = next(line for line in t.stderr.splitlines() if line.startswith("done: "))
+    done = next(line for line in t.stdout.splitlines() if line.startswith("done: "))
     e = subprocess.run([sys.executable, "evaluate.py", "--store", store, "--checkpoint", str(out / "final"),
                         "--shards", "1", "--dtype", "fp32", "--out", str(tmp_path / "report")], cwd=REPO,
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
