@@ -106,6 +106,14 @@ def train_batches(config, refs: list[Ref], epoch: int, rank: int = 0, world: int
     return epoch_batches(refs, config.batch_size, config.seed, epoch, rank, world, config.batching, config.max_length)
 
 
+def epoch_length(config, refs: list[Ref], epoch: int) -> int:
+    """The number of batches of `epoch` in all (train_batches with one rank), without forming them
+    unless rows are packed (their count depends on the epoch's order): one row a sample otherwise."""
+    if config.batching == "packed":
+        return len(train_batches(config, refs, epoch))
+    return -(-len(refs) // config.batch_size)
+
+
 def packed_rows(refs: list[Ref], row_tokens: int) -> list[Row]:
     """Rows of consecutive refs, each row as many as fit in row_tokens tokens."""
     rows, row, used = [], [], 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.train.data import Ref, train_batches
+from stages.train.data import Ref, epoch_length, train_batches
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -54,8 +54,7 @@ def advance(config, refs: list[Ref], position: Position, micro: int, world: int)
     """The position after each of `world` ranks read `micro` more micro-batches from `position`."""
     epoch = position.epoch
     while True:
-        every = train_batches(config, refs, epoch)
-        indices = epoch_indices(position, epoch, len(every))
+        indices = epoch_indices(position, epoch, epoch_length(config, refs, epoch))
         per = len(indices) // world
         if micro < per:
             left = [i for r in range(world) for i in indices[r * per + micro:(r + 1) * per]]

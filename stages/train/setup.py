@@ -22,7 +22,7 @@ from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
-from stages.train.data import Ref, check_shared_memory, shared_memory_need, train_batches
+from stages.train.data import Ref, check_shared_memory, epoch_length, shared_memory_need
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.ranks import gather, on_main, shared_index
@@ -215,7 +215,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     check_shared_memory(config, shared_memory_need(config, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
                                                    local))
-    micro = len(train_batches(config, train_refs, 0, acc.process_index, acc.num_processes))
+    micro = epoch_length(config, train_refs, 0) // acc.num_processes  # each rank's batches of epoch 0
     if micro < config.grad_accum:
         raise ConfigError(flag_of(config, "grad_accum"), config.grad_accum,
                           f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "

@@ -184,3 +184,14 @@ def test_the_index_is_the_same_from_held_records_in_the_shards_order(small_store
     alone = index_samples(store, [3, 0, 2, 1], 60)
     assert index_samples(store, [3, 0, 2, 1], 60, records=store.committed()) == alone
     assert [r.shard for r in alone] == sorted([r.shard for r in alone], key=[3, 0, 2, 1].index)
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_an_epochs_length_is_the_number_of_its_batches(batching):
+    from stages.train.config import TrainConfig
+    from stages.train.data import epoch_length, train_batches
+
+    for n in (1, 3, 4, 103):
+        config = TrainConfig(batch_size=4, batching=batching, max_length=400)
+        assert [epoch_length(config, refs(n), e) for e in range(3)] == [len(train_batches(config, refs(n), e))
+                                                                        for e in range(3)]
