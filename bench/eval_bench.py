@@ -23,7 +23,7 @@ from pipeline import device as devices  # noqa: E402
 from pipeline.decode import live, replay  # noqa: E402
 from pipeline.target import loading  # noqa: E402
 from pipeline.target.verifier import LiveTarget  # noqa: E402
-from stages.evaluate.checks import build, load_checked  # noqa: E402
+from stages.evaluate.checks import build, check_checkpoint  # noqa: E402
 from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> None:
     devices.prepare_cpu(args.threads)
     store = HiddenStore(args.store)
     attrs = store.attrs
-    ck = load_checked(args.checkpoint, store, False, [])
+    ck = check_checkpoint(args.checkpoint, store, False, [])
     m = build(ck, store.embedding("embed_tokens"), store.embedding("lm_head"), args.device, args.dtype)
     prompts = Prompts(store, parse_ranges(args.shards, store.num_shards), None, seed=0)
     samples = list(prompts.read(prompts.refs[:args.prompts]))

@@ -32,7 +32,7 @@ from bench.report import emit  # noqa: E402
 from pipeline import device as devices  # noqa: E402
 from pipeline.decode import replay  # noqa: E402
 from pipeline.decode.batch_replay import BatchReplay  # noqa: E402
-from stages.evaluate.checks import build, load_checked  # noqa: E402
+from stages.evaluate.checks import build, check_checkpoint  # noqa: E402
 from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> None:
         ck, embed, lm_head = Released(m0), m0.embed_tokens, m0.lm_head
     else:
         store = HiddenStore(args.store)
-        ck = load_checked(args.checkpoint, store, True, [])
+        ck = check_checkpoint(args.checkpoint, store, True, [])
         prompts = Prompts(store, parse_ranges(args.shards, store.num_shards), args.prompts, seed=0)
         samples = list(prompts.read(prompts.refs))
         embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")

@@ -3,6 +3,7 @@ dtypes by name, and the CPU settings every stage applies once at start-up."""
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,13 @@ def prepare_cpu(threads: int | None = None) -> None:
     torch.set_flush_denormal(True)
     if threads:
         torch.set_num_threads(threads)
+
+
+def release(device: str) -> None:
+    """Give the memory of tensors no longer referenced back to the device (CUDA's cache holds it)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def default_threads(processes: int) -> int:

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
@@ -108,6 +108,23 @@ def load(directory: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor],
         raise DrafterError(f"{path}: unreadable ({e})") from None
     check_tensors(config, tensors, str(path))
     return config, tensors, record
+
+
+def inspect(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | None]:
+    """(config, our training record or None), with every tensor's name and shape checked against the
+    config from the weights file's header alone: as strict as `load`, without reading the weights."""
+    directory = Path(directory)
+    config, record = read_config(directory)
+    path = directory / WEIGHTS
+    if not path.exists():
+        raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise DrafterError(f"{path}: unreadable ({e})") from None
+    check_tensors(config, shapes, str(path))
+    return config, record
 
 
 def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

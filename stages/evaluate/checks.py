@@ -18,16 +18,21 @@ from store.ranges import format_ranges, parse_ranges
 
 
 @dataclass
-class Loaded:
+class Checked:
+    """A checkpoint whose config, tensor names and shapes were checked; its weights stay on disk
+    until `tensors` reads them, so several checkpoints never sit in host memory together."""
     path: str
     config: DrafterConfig
-    tensors: dict
     record: TrainingRecord | None  # None for a released checkpoint
     check: str  # how the conditioning was checked, for the report
 
+    @property
+    def tensors(self) -> dict:
+        return checkpoint.load(self.path)[1]
 
-def load_checked(path: str, store: HiddenStore, allow_mismatch: bool, warnings: list[str]) -> Loaded:
-    config, tensors, record = checkpoint.load(path)
+
+def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnings: list[str]) -> Checked:
+    config, record = checkpoint.inspect(path)
     attrs = store.attrs
     diff = store_mismatches(config, attrs)
     shape = [f"{label}: checkpoint has {diff[k][0]}, store has {diff[k][1]}" for k, label in
@@ -52,10 +57,10 @@ def load_checked(path: str, store: HiddenStore, allow_mismatch: bool, warnings: 
                         "vocabulary and mask token were checked")
     else:
         check = "store fingerprint matches"
-    return Loaded(path, config, tensors, record, check)
+    return Checked(path, config, record, check)
 
 
-def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Loaded], warnings: list[str]) -> list[int]:
+def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked], warnings: list[str]) -> list[int]:
     """--shards, else the held-out shards a checkpoint recorded, else every committed shard."""
     n = store.num_shards
     if config.shards:
@@ -76,7 +81,7 @@ def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Loaded], 
     return ids
 
 
-def build(loaded: Loaded, embed, lm_head, device: str, dtype: str) -> Drafter:
+def build(loaded: Checked, embed, lm_head, device: str, dtype: str) -> Drafter:
     """The drafter on device, its weights in dtype. embed, lm_head: [V, H] bf16 as stored; in bf16
     they are used as they are (no copy), in fp32 copied. Only parameters change dtype: the RoPE
     frequencies stay fp32."""

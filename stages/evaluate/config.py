@@ -56,6 +56,13 @@ class EvalConfig:
                                  default_text="off")
     served_python: str | None = setting(None, "The Python that has vLLM installed (its own venv), for --served.",
                                         default_text="this Python")
+    served_device: str | None = setting(None, "Device of the --served engine: cuda:N (GPU N as this process numbers "
+                                              "them; the engine sees it alone) or cpu. It starts after replay and "
+                                              "--live, once the evaluator has freed what it held, with every other "
+                                              "process of a launch gone.", default_text="this process's device")
+    served_memory: float | None = setting(None, "Share of the --served engine's GPU memory it may take (vLLM's "
+                                                "gpu_memory_utilization); refused up front when less is free.",
+                                          default_text="0.9, or what is free less 0.03")
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
     threads: int | None = setting(None, "CPU intra-op threads per process. On an idle 2-core machine batched replay ran "
                                         "1.5x faster with two than with one; while another program is busy, one can be "
@@ -69,4 +76,6 @@ class EvalConfig:
         check_choices(self)
         require(self, "ddtree", all(b >= 1 for b in self.ddtree), "budgets must be at least 1")
         require(self, "target", self.target or not self.live, "--live needs --target DIR (the store's target model)")
+        require(self, "served_memory", self.served_memory is None or 0 < self.served_memory <= 1,
+                "expected a share of the device's memory in (0, 1]")
         at_least(self, 1, "max_rounds", "max_prompts", "threads", "batch_prompts", "live_prompts")

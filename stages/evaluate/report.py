@@ -75,7 +75,7 @@ def served_text(sv: dict) -> str:
 def served_md(sv: dict) -> list[str]:
     rows = [[label, x["prompts"], f"{x['served_tau']:.3f}", f"{x['replay_tau']:.3f}", f"{x['difference']:+.2%}"]
             for label, x in (("served completion = stored", sv["agreeing"]), ("all prompts", sv["all"]))]
-    out = [f"Served by {sv['engine']} ({sv['seconds']} s): {sv['identical_completions']} of {sv['prompts']} "
+    out = [f"Served by {sv['engine']} on {sv['device']} ({sv['seconds']} s): {sv['identical_completions']} of {sv['prompts']} "
            f"completions equal the stored ones, {sv['identical_rounds']} of those with the same rounds as replay; "
            f"vLLM's own convention (accepted + 1 every step) gives {sv['vllm_convention_tau']:.3f}.", ""]
     out += md_table(["prompts", "n", "served tau", "replay tau", "served / replay - 1"], rows) + [""]
@@ -88,8 +88,9 @@ def served_md(sv: dict) -> list[str]:
 def sample_text(sample: dict) -> str:
     n, of = sample["prompts"], sample["available"]
     text = f"all {n} prompts" if n == of else f"{n} of {of} prompts (random sample, seed {sample['seed']})"
+    on = ", ".join(dict.fromkeys(sample["devices"]))
     return text + f", drafter in {sample['dtype']}" + (f", {sample['processes']} processes" if sample["processes"] > 1
-                                                        else "")
+                                                        else "") + (f" on {on}" if on else "")
 
 
 def md_table(header: list, rows: list[list]) -> list[str]:

@@ -1,9 +1,13 @@
 """Evaluate drafters by replaying greedy speculative decoding from the store.
 
-For each checkpoint: load it strictly and check its conditioning against the store (checks.py),
-replay a seeded sample of the chosen shards' prompts (chain drafting and DDTree-N for each budget,
-many prompts per forward: pipeline/decode/batch_replay.py), each process its own part, and write
-the report on rank 0 (report.py).
+First every checkpoint is checked (its config and tensor shapes, its conditioning against the
+store: checks.py). Then each in turn, one in memory at a time, is replayed on a seeded sample of
+the chosen shards' prompts (chain drafting and DDTree-N for each budget, many prompts per forward:
+pipeline/decode/batch_replay.py), each process of a launch its own part, gathered on rank 0.
+Those gathers are the launch's only collectives: the other processes then leave, and rank 0 alone
+runs --live (target load, baseline, one live run per drafter) and --served (an engine per drafter,
+on the device the evaluator has freed: engine_device.py), which take as long as they take, and
+writes the report (report.py).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from pipeline.decode.acceptance import stats
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.errors import TargetError
 from stages.evaluate import ranks, report
-from stages.evaluate.checks import build, choose_shards, load_checked
+from stages.evaluate.checks import Checked, build, check_checkpoint, choose_shards
 from stages.evaluate.config import EvalConfig
+from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
@@ -76,51 +81,73 @@ def run(config: EvalConfig, log=print) -> dict | None:
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store)
     warnings: list[str] = list(filter(None, [store.unchecked_reads()]))
-    loaded = [load_checked(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
-    shards = choose_shards(config, store, loaded, warnings)
-    for w in warnings:
-        log(f"warning: {w}")
-    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16, read once
+    checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
+    shards = choose_shards(config, store, checked, warnings)
     prompts = Prompts(store, shards, config.max_prompts, config.seed)
     if not prompts:
         raise StoreError(f"{config.store}: shards {format_ranges(shards)} hold no prompt with a completion")
+    served = _served_bench(config, store, prompts, warnings, log) if config.served else None  # checked before replay
+    for w in warnings:
+        log(f"warning: {w}")
     log(f"replaying {len(prompts)} of {prompts.available} prompts" + (f" on {proc.world} processes" if proc.world > 1
                                                                        else "") + f", drafter in {config.dtype}")
     live_refs = prompts.refs[:config.live_prompts] if config.live else []
-    bench = _live_bench(config, store, prompts, live_refs, device, warnings) if live_refs and proc.rank == 0 else None
-    served = _served_bench(config, store, prompts, warnings, log) if config.served and proc.rank == 0 else None
     keep = set(live_refs) | (set(prompts.refs) if config.served else set())
-    results = []
-    for i, x in enumerate(loaded):
-        m = build(x, embed, lm_head, device, config.dtype)
-        part = replay_part(m, prompts, prompts.part(proc.rank, proc.world), config, keep, _name(x.path, i))
-        parts = ranks.gather(proc, part)
-        if proc.rank != 0:
-            continue
-        res, kept = summarize_parts(parts, config.ddtree, prompts.available)
-        if bench is not None:
-            res["live"] = bench.run(m, [kept[r] for r in live_refs], _name(x.path, i))
-        if served is not None:
-            res["served"] = served.run(x.path, m.config.block_size, [kept[r] for r in prompts.refs])
-        results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
-                        "train_shards": x.record.train_shards if x.record else None,
-                        "step": x.record.step if x.record else None, **res})
-    rep = None
-    if proc.rank == 0:
-        sample = {"prompts": len(prompts), "available": prompts.available, "seed": config.seed,
-                  "live_prompts": len(live_refs) if config.live else None, "processes": proc.world,
-                  "dtype": config.dtype}
-        rep = report.build(config, store.attrs, format_ranges(shards), warnings, results, sample)
-        report.write(rep, Path(config.out))
+    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16, read once
+    results, kept, where = replay_all(config, proc, device, prompts, checked, keep, (embed, lm_head))
     ranks.barrier(proc)
+    ranks.leave(proc)  # the last collective is behind every process: rank 0's work below holds no one
+    if proc.rank != 0:
+        return None
+    if live_refs:
+        _live(config, store, prompts, live_refs, checked, results, kept, (embed, lm_head), device, warnings)
+    del embed, lm_head
+    devices.release(device)  # the engine below gets the device without the evaluator's tensors
+    for x, res, k in zip(checked, results, kept) if served is not None else ():
+        engine = choose_engine(config.served_device or device, config.served_memory)
+        log(f"--served engine on {engine.text()}")
+        res["served"] = served.run(x.path, x.config.block_size, [k[r] for r in prompts.refs], engine)
+    sample = {"prompts": len(prompts), "available": prompts.available, "seed": config.seed,
+              "live_prompts": len(live_refs) if config.live else None, "processes": proc.world,
+              "devices": where, "dtype": config.dtype}
+    rep = report.build(config, store.attrs, format_ranges(shards), warnings, results, sample)
+    report.write(rep, Path(config.out))
     return rep
 
 
-def _live_bench(config: EvalConfig, store: HiddenStore, prompts: Prompts, refs: list, device: str, warnings: list):
+def replay_all(config: EvalConfig, proc, device: str, prompts: Prompts, checked: list[Checked], keep: set,
+               tables) -> tuple[list[dict], list[dict], list[str]]:
+    """Each checkpoint in turn (one in memory at a time) replayed by every process on its part of
+    the prompts; the gathers here are evaluation's only collectives. On rank 0: per checkpoint its
+    results and the kept prompts' chain rounds by (shard, index), and each process's device."""
+    results, kept, where = [], [], []
+    for i, x in enumerate(checked):
+        m = build(x, *tables, device, config.dtype)
+        part = replay_part(m, prompts, prompts.part(proc.rank, proc.world), config, keep, _name(x.path, i))
+        del m
+        parts = ranks.gather(proc, {**part, "device": device})
+        if proc.rank != 0:
+            continue
+        res, rounds = summarize_parts(parts, config.ddtree, prompts.available)
+        results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
+                        "train_shards": x.record.train_shards if x.record else None,
+                        "step": x.record.step if x.record else None, **res})
+        kept.append(rounds)
+        where = [p["device"] for p in parts]
+    return results, kept, where
+
+
+def _live(config: EvalConfig, store: HiddenStore, prompts: Prompts, refs: list, checked: list[Checked],
+          results: list[dict], kept: list[dict], tables, device: str, warnings: list) -> None:
+    """--live on rank 0 alone: the target, its target-only baseline, then each drafter in turn."""
     from stages.evaluate.live import LiveBench, open_target
 
     target = open_target(config.target, store.attrs, device, config.allow_mismatch, warnings)
-    return LiveBench(target, list(prompts.read(refs)), store.attrs)
+    bench = LiveBench(target, list(prompts.read(refs)), store.attrs)
+    for x, res, rounds in zip(checked, results, kept):
+        m = build(x, *tables, device, config.dtype)
+        res["live"] = bench.run(m, [rounds[r] for r in refs], res["name"])
+        del m  # before the next is built
 
 
 def _served_bench(config: EvalConfig, store: HiddenStore, prompts: Prompts, warnings: list, log):

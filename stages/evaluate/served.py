@@ -29,6 +29,7 @@ import numpy as np
 
 from pipeline.decode.acceptance import round_tokens, summarize
 from pipeline.errors import EngineError
+from stages.evaluate.engine_device import EngineDevice
 from store.schema import StoreAttrs
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -43,21 +44,22 @@ class ServedBench:
         check_python(python)
         self.python, self.target, self.texts, self.attrs, self.log = python, target, texts, attrs, log
 
-    def request(self, drafter: str, block_size: int) -> dict:
+    def request(self, drafter: str, block_size: int, where: EngineDevice) -> dict:
         compat = self.attrs.compat
         return {"target": self.target, "drafter": str(Path(drafter).resolve()), "dtype": "bfloat16", "seed": 0,
                 "num_speculative_tokens": block_size - 1, "max_model_len": compat.max_length,
+                "gpu_memory_utilization": where.memory_share,
                 "stop_token_ids": list(self.attrs.eos_token_ids),
                 "prompts": [{"prompt": tokens[:n].tolist(), "max_tokens": compat.completion_limit(n)}
                             for tokens, n in self.texts]}
 
-    def run(self, drafter: str, block_size: int, replayed: list[Rounds]) -> dict:
-        """replayed: replay's chain rounds of the same prompts, in the same order."""
+    def run(self, drafter: str, block_size: int, replayed: list[Rounds], where: EngineDevice) -> dict:
+        """replayed: replay's chain rounds of the same prompts, in the same order; where: the engine's device."""
         t0 = time.perf_counter()
-        result = call_worker(self.python, self.request(drafter, block_size), self.log)
+        result = call_worker(self.python, self.request(drafter, block_size, where), self.log, where.env())
         seconds = time.perf_counter() - t0
         stored = [tokens[n:] for tokens, n in self.texts]
-        return {"engine": f"vllm {result['vllm']}", "seconds": round(seconds, 1),
+        return {"engine": f"vllm {result['vllm']}", "device": where.text(), "seconds": round(seconds, 1),
                 **compare(stored, result["requests"], replayed, block_size), "vllm_metrics": result["metrics"]}
 
 
@@ -72,15 +74,16 @@ def check_python(python: str) -> None:
         raise EngineError(f"--served-python {python}: vLLM is not installed there; give the Python of vLLM's venv")
 
 
-def call_worker(python: str, request: dict, log) -> dict:
-    """Run vllm_worker.py under `python`; its result, or an EngineError naming its log."""
+def call_worker(python: str, request: dict, log, env: dict | None = None) -> dict:
+    """Run vllm_worker.py under `python` (its environment: ours plus env); its result, or an
+    EngineError naming its log."""
     with tempfile.TemporaryDirectory(prefix="dflash-served-") as tmp:
         req, out, log_path = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "vllm.log"
         req.write_text(json.dumps(request))
         log(f"serving {len(request['prompts'])} prompts with vLLM ({python}), drafter {request['drafter']}")
         with log_path.open("wb") as fh:
             code = subprocess.run([python, str(WORKER), str(req), str(out)], stdout=fh, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}).returncode
         result = json.loads(out.read_text()) if out.exists() else {}
         if code != 0 or "requests" not in result:
             lines = log_path.read_text(errors="replace").strip().splitlines()

@@ -4,7 +4,9 @@ that has vLLM (usually its own venv), never imported by dflash-pipeline: stdlib 
     python vllm_worker.py REQUEST.json RESULT.json
 
 REQUEST: {"target", "drafter", "num_speculative_tokens", "max_model_len", "dtype", "seed",
-          "stop_token_ids": [..], "prompts": [{"prompt": [ids], "max_tokens": n}, ..]}
+          "gpu_memory_utilization" (null on CPU), "stop_token_ids": [..],
+          "prompts": [{"prompt": [ids], "max_tokens": n}, ..]}
+The GPU is the one CUDA_VISIBLE_DEVICES names (set by the caller).
 RESULT:  {"vllm": version, "requests": [{"token_ids", "accepted", "drafted"}, ..] in request
           order (accepted/drafted: per verify step, vLLM's per-request "detailed" metrics),
           "metrics": {name: value or [values]} (the vllm:spec_decode_* counters)}
@@ -19,12 +21,14 @@ def engine(req: dict):
     import torch
     from vllm import LLM
 
+    share = req.get("gpu_memory_utilization")
+    memory = {} if share is None else {"gpu_memory_utilization": share}
     return LLM(model=req["target"], dtype=req["dtype"], seed=req["seed"], max_model_len=req["max_model_len"],
                enable_prefix_caching=False,  # on CPU that path needs a Triton kernel; off everywhere for equal runs
                enforce_eager=not torch.cuda.is_available(), per_request_spec_decode_metrics="detailed",
                disable_log_stats=False,  # get_metrics() needs the stats
                speculative_config={"method": "dflash", "model": req["drafter"],
-                                   "num_speculative_tokens": req["num_speculative_tokens"]})
+                                   "num_speculative_tokens": req["num_speculative_tokens"]}, **memory)
 
 
 def serve(req: dict) -> dict:

@@ -1,6 +1,7 @@
 """evaluate.py: the report, conditioning checks, released checkpoints, one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -103,12 +104,12 @@ def replayed(store, tmp_path, ck, name="rep", **over) -> dict:
 def test_batched_replay_gives_every_prompt_the_serial_rounds(small_store, trained_drafter, tmp_path):
     """evaluate.py's batched replay (fp32) against the one-prompt reference, prompt by prompt."""
     from pipeline.decode import replay
-    from stages.evaluate.checks import build, load_checked
+    from stages.evaluate.checks import build, check_checkpoint
     from stages.evaluate.prompts import Prompts
 
     rep = replayed(small_store, tmp_path, trained_drafter, dtype="fp32", batch_prompts=5)
     store = HiddenStore(str(small_store))
-    m = build(load_checked(str(trained_drafter), store, False, []), store.embedding("embed_tokens"),
+    m = build(check_checkpoint(str(trained_drafter), store, False, []), store.embedding("embed_tokens"),
               store.embedding("lm_head"), "cpu", "fp32")
     prompts = Prompts(store, [0, 1, 2, 3], None, seed=0)
     got = {(p["shard"], p["index"]): p for p in rep["checkpoints"][0]["per_prompt"]}
@@ -137,7 +138,7 @@ def test_a_seeded_sample_with_its_interval(small_store, trained_drafter, tmp_pat
     other = replayed(small_store, tmp_path, trained_drafter, "c", max_prompts=6, seed=1)
     n = everything["sample"]["available"]
     assert a["sample"] == {"prompts": 6, "available": n, "seed": 0, "live_prompts": None, "processes": 1,
-                           "dtype": "bf16"}
+                           "devices": ["cpu"], "dtype": "bf16"}
     picked = [[(p["shard"], p["index"]) for p in r["checkpoints"][0]["per_prompt"]] for r in (a, again, other)]
     assert picked[0] == picked[1] != picked[2] and len(set(picked[0])) == 6
     r, full = a["checkpoints"][0], everything["checkpoints"][0]
@@ -165,11 +166,11 @@ def test_two_processes_give_the_report_of_one(small_store, trained_drafter, tmp_
 
 
 def test_bf16_drafter_uses_the_stored_embedding_and_head_without_copies(small_store, trained_drafter):
-    from stages.evaluate.checks import build, load_checked
+    from stages.evaluate.checks import build, check_checkpoint
 
     store = HiddenStore(str(small_store))
     embed, head = store.embedding("embed_tokens"), store.embedding("lm_head")
-    ck = load_checked(str(trained_drafter), store, False, [])
+    ck = check_checkpoint(str(trained_drafter), store, False, [])
     m = build(ck, embed, head, "cpu", "bf16")
     assert m.lm_head.data_ptr() == head.data_ptr() and m.embed_tokens.data_ptr() == embed.data_ptr()
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and m.rotary.inv_freq.dtype == torch.float32
@@ -187,3 +188,61 @@ def test_a_corrupt_chunk_is_never_replayed(store_copy, tmp_path):
                                            r"run `pipeline verify .* --shards 3`"):
         evaluate(store_copy, tmp_path, ck, shards="3")
     assert not (tmp_path / "rep" / "report.json").exists()
+
+
+def fake_vllm_python(tmp_path) -> str:
+    """An executable standing in for vLLM's Python (tests/fake_vllm_python.py)."""
+    path = tmp_path / "fake-vllm-python"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO}/tests/fake_vllm_python.py" "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_rank_0s_extra_work_holds_no_other_process_in_a_collective(small_store, trained_drafter, tmp_path):
+    """--live and --served on rank 0 alone, under a launch whose collectives give up after 6 s; the
+    engine takes 15 s (as vLLM loading a 27B target takes minutes), so a process waiting for rank 0
+    in a collective aborts the launch, as it did before every collective came first."""
+    from pipeline import TINY_TARGET
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAKE_VLLM_SECONDS": "15"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "tests.short_timeout", "6", "--store", str(small_store), "--checkpoint",
+                        str(trained_drafter), "--shards", "0-3", "--ddtree", "none", "--max-prompts", "all", "--live",
+                        "--live-prompts", "4", "--target", str(TINY_TARGET), "--served", "vllm", "--served-python",
+                        fake_vllm_python(tmp_path), "--out", str(tmp_path / "rep")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["sample"]["processes"] == 2 and rep["sample"]["devices"] == ["cpu", "cpu"]
+    c = rep["checkpoints"][0]
+    assert c["live"]["prompts_equal_to_replay"] == 4 and c["served"]["prompts"] == rep["sample"]["prompts"]
+    assert c["served"]["device"] == "cpu" and c["served"]["vllm_metrics"]["gpu_memory_utilization"] is None
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "2 processes on cpu" in md and "Served by vllm fake on cpu" in md
+
+
+def test_one_checkpoint_at_a_time_is_in_memory(small_store, trained_drafter, tmp_path, monkeypatch):
+    """Three checkpoints: each is checked up front without reading its weights, and each drafter
+    built (replay, then --live) is gone before the next is built."""
+    import gc
+    import weakref
+
+    from pipeline import TINY_TARGET
+    from pipeline.drafter import checkpoint as ck
+    from stages.evaluate import run as evaluation
+
+    built, loads, real_build, real_load = [], [], evaluation.build, ck.load
+
+    def build(*a, **k):
+        gc.collect()
+        assert all(r() is None for r in built), "an earlier drafter is still alive"
+        m = real_build(*a, **k)
+        built.append(weakref.ref(m))
+        return m
+
+    monkeypatch.setattr(evaluation, "build", build)
+    monkeypatch.setattr(ck, "load", lambda path: loads.append(path) or real_load(path))
+    rep = evaluate(small_store, tmp_path, trained_drafter, trained_drafter, trained_drafter, shards="0-3",
+                   live=True, live_prompts=2, target=str(TINY_TARGET))
+    assert len(built) == 6 and len(loads) == 6  # replay then live, each reading its weights then
+    assert [c["live"]["prompts_equal_to_replay"] for c in rep["checkpoints"]] == [2, 2, 2]

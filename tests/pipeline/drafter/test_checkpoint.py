@@ -36,6 +36,9 @@ def tamper(tmp_path, edit) -> str:
     save_file(tensors, str(path))
     with pytest.raises(DrafterError) as e:
         checkpoint.load(tmp_path / "ck")
+    with pytest.raises(DrafterError) as header:
+        checkpoint.inspect(tmp_path / "ck")
+    assert str(header.value) == str(e.value)  # the weights file's header alone is as strict as loading it
     return str(e.value)
 
 
