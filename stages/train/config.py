@@ -116,6 +116,10 @@ class TrainConfig:
                                           "Its architecture and block size are used; size flags are ignored.")
     resume: str | None = setting(None, "Continue from OUT's latest step-N (bare flag) or from the given step "
                                        "directory.", click={"is_flag": False, "flag_value": "latest"})
+    grad_comm: str = setting("fp32", "Precision of the gradients' all-reduce between processes: fp32, or bf16 (half "
+                                     "the bytes between nodes; each process's gradients rounded to bf16 and summed in "
+                                     "bf16). The metrics log gives the bytes a step (docs/performance.md).",
+                             choices=("fp32", "bf16"))
     mixed_precision: str = setting("auto", "auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.",
                                    choices=("auto", "bf16", "no"))
     audit: bool = setting(False, "Write OUT/audit/rank-N.json: world size, samples read, parameter hash.")

@@ -49,6 +49,7 @@ class Muon(torch.optim.Muon):
     def __init__(self, params, *, ns_dtype: torch.dtype, **kw) -> None:
         super().__init__(params, **kw)
         self.ns_dtype = ns_dtype
+        self.broadcast_bytes = 0  # updates broadcast so far (each rank sends its share, receives the rest)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -73,6 +74,7 @@ class Muon(torch.optim.Muon):
         if world > 1:
             for u, owner in zip(updates, mine):
                 torch.distributed.broadcast(u, src=owner)
+            self.broadcast_bytes += sum(u.numel() * u.element_size() for u in updates)
         for (p, group, _), u in zip(todo, updates):
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(u, alpha=-group["lr"] * rms_ratio(group["adjust_lr_fn"], p.shape))

@@ -18,6 +18,7 @@ from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
 from stages.train.config import TrainConfig
 from stages.train.data import loader
+from stages.train.optim import Muon
 from stages.train.position import rank_batches
 from stages.train.run_dir import MetricsLog, export, save_step, write_audit
 from stages.train.setup import Setup, prepare
@@ -109,10 +110,18 @@ class Window:
         self.s = s
         self.sums = zero_sums(s.drafter_config.block_size, s.accelerator.device)
         self.tokens, self.t0 = 0, time.perf_counter()
+        self.steps, self.sent0 = 0, self.sent()
+
+    def sent(self) -> dict[str, int]:
+        """This process's bytes between processes so far: the gradients' all-reduce, Muon's broadcast."""
+        muon = [o for o in (getattr(o, "optimizer", o) for o in self.s.optimizers) if isinstance(o, Muon)]
+        return {"grad_comm_bytes_per_step": self.s.grad_comm.bytes,
+                "muon_broadcast_bytes_per_step": sum(o.broadcast_bytes for o in muon)} if self.s.grad_comm else {}
 
     def add(self, sums: torch.Tensor, tokens: int) -> None:
         self.sums += sums
         self.tokens += tokens
+        self.steps += 1
 
     def flush(self, step: int) -> dict:
         s, acc = self.s, self.s.accelerator
@@ -123,8 +132,11 @@ class Window:
                   **({"muon_lr": s.schedulers[0].get_last_lr()[0]} if len(s.schedulers) > 1 else {}), **m,
                   "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),
                   "corrupt_skipped": corrupt_skipped(s)}
+        now = self.sent()
+        record.update({k: (v - self.sent0[k]) // max(1, self.steps) for k, v in now.items()})
         self.sums.zero_()
         self.tokens, self.t0 = 0, time.perf_counter()
+        self.steps, self.sent0 = 0, now
         return record
 
 

@@ -23,6 +23,7 @@ from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, check_shared_memory, epoch_length, shared_memory_need
+from stages.train.grad_comm import GradComm, install, step_bytes
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.ranks import gather, on_main, shared_index
@@ -55,6 +56,7 @@ class Setup:
     position: Position = Position()  # where the data resumes (stages/train/position.py)
     skipped: set = field(default_factory=set)  # (shard, index) left out by --on-corrupt skip
     lock: object = None  # OUT's run lock (stages/train/run_dir.claim), main process only
+    grad_comm: GradComm | None = None  # the gradients' all-reduce and its byte count; None alone
 
 
 def make_accelerator(config: TrainConfig):
@@ -242,12 +244,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
-            + f"; {total} steps on {acc.num_processes} process(es), {acc.device}")
+            + f"; {total} steps on {acc.num_processes} process(es), {acc.device}"
+            + (f"; gradients all-reduced in {config.grad_comm}, {step_bytes(raw, config.grad_comm) / 1e9:.3g} GB a "
+               "step per process" if acc.num_processes > 1 else ""))
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
                  train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint, store_taps=attrs.taps,
                  micro_per_epoch=micro, total_steps=total, start_step=start, position=position,
-                 plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"))
+                 plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"), grad_comm=install(model, config.grad_comm))
 
 
 def resume_position(config: TrainConfig, refs: list[Ref], previous: dict | None) -> Position:

@@ -54,16 +54,33 @@ def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
 
 
 def test_two_process_ddp_on_cpu(small_store, tmp_path):
+    """Real DDP on 2 processes, the gradients all-reduced in fp32 and in bf16 (--grad-comm): each
+    optimizer step all-reduces every trainable gradient once (not once per micro-batch), 4 or 2
+    bytes each, and broadcasts Muon's updates, as the metrics log counts them; both processes end
+    with the same parameters."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29571"]
-    r = train(["--store", small_store, "--out", tmp_path / "ddp", "--max-steps", 3, "--audit", *TINY],
-              launcher=launcher)
-    assert r.returncode == 0, r.stderr
-    ranks = [json.loads((tmp_path / "ddp" / "audit" / f"rank-{i}.json").read_text()) for i in (0, 1)]
-    assert [x["world_size"] for x in ranks] == [2, 2]
-    assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]  # gradients were all-reduced
-    seen = [{tuple(s) for s in x["samples"]} for x in ranks]
-    assert seen[0] and seen[1] and not seen[0] & seen[1]  # each rank read its own part
+    hashes = {}
+    for comm, size in (("fp32", 4), ("bf16", 2)):
+        out = tmp_path / comm
+        r = train(["--store", small_store, "--out", out, "--max-steps", 3, "--audit", "--grad-comm", comm, *TINY,
+                   "--grad-accum", 2, "--batch-size", 1], launcher=launcher)  # 12 of the 14 samples: one epoch
+        assert r.returncode == 0, r.stderr
+        ranks = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in (0, 1)]
+        assert [x["world_size"] for x in ranks] == [2, 2]
+        assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]  # gradients were all-reduced
+        seen = [{tuple(s) for s in x["samples"]} for x in ranks]
+        assert seen[0] and seen[1] and not seen[0] & seen[1]  # each rank read its own part
+        tensors = checkpoint.load(out / "final")[1]
+        trainable, matrices = sum(v.numel() for v in tensors.values()), sum(v.numel() for v in tensors.values()
+                                                                            if v.dim() == 2)
+        steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [m["grad_comm_bytes_per_step"] for m in steps if m["split"] == "train"] == [trainable * size] * 3
+        # Muon's updates of the matrices (Newton-Schulz in fp32 on CPU), each broadcast by its owner
+        assert [m["muon_broadcast_bytes_per_step"] for m in steps if m["split"] == "train"] == [matrices * 4] * 3
+        assert f"gradients all-reduced in {comm}, {trainable * size / 1e9:.3g} GB a step" in r.stdout + r.stderr
+        hashes[comm] = ranks[0]["param_sha256"]
+    assert hashes["fp32"] != hashes["bf16"]  # the bf16 sum rounded: it really ran
 
 
 def launch(n: int, port: int) -> list:
