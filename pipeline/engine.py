@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -69,7 +70,10 @@ class Engine:
         self.headers = {"Content-Type": "application/json", **_auth(url)}
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.info: EngineInfo | None = None
+        self.concurrency = concurrency
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="engine")
+        self._timing = threading.Lock()
+        self.requests, self.request_s = 0, 0.0  # completions answered, and their summed latency
 
     # -- setup -----------------------------------------------------------------------------
     def connect(self) -> EngineInfo:
@@ -117,6 +121,15 @@ class Engine:
     def complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> list[int] | None:
         if max_tokens <= 0:
             return []
+        t0 = time.perf_counter()
+        try:
+            return self._complete(prompt, max_tokens, stop_ids)
+        finally:
+            with self._timing:
+                self.requests += 1
+                self.request_s += time.perf_counter() - t0
+
+    def _complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> list[int] | None:
         if self.info is not None and self.info.engine == "sglang":
             body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens,
                                                              "stop_token_ids": stop_ids}}

@@ -9,7 +9,7 @@ import sys
 import time
 
 from pipeline.cli import main
-from stages.extract.run import Extractor
+from stages.extract.extractor import Extractor
 
 PAUSE_AFTER = int(sys.argv.pop(1))
 _finish = Extractor.finish

@@ -43,7 +43,8 @@ def setup(tmp_path_factory):
 def served(setup, drafter, name: str) -> dict:
     rep = evaluate(EvalConfig(store=str(setup["store"]), checkpoints=(str(drafter),), shards="2",
                               out=str(setup["root"] / name), ddtree=(), served="vllm", served_python=setup["python"],
-                              allow_mismatch=True), log=print)
+                              allow_mismatch=True, served_memory=0.5), log=print)  # of NUMA node 0's 11.8 GiB here:
+    # vLLM's own 0.92 is refused whenever the page cache holds more than a few GiB of that node
     return rep["checkpoints"][0]["served"]
 
 
@@ -59,6 +60,7 @@ def test_served_tau_equals_replay_tau_on_the_agreeing_prompts(setup):
     assert abs(sv["agreeing"]["difference"]) < TOLERANCE
     assert sv["identical_rounds"] >= 0.7 * sv["identical_completions"]
     assert sv["vllm_metrics"]["vllm:spec_decode_num_drafts"] > 0
+    assert sv["device"] == "cpu, share 0.50 of host memory"
 
 
 def test_vllm_refuses_exactly_the_kv_layout_we_predict(setup, tmp_path):

@@ -95,13 +95,18 @@ def publish(tmp: Path, directory: Path) -> None:
         os.replace(tmp, directory)
 
 
-def load(directory: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], TrainingRecord | None]:
-    """(config, tensors, our training record or None) from a checkpoint directory; strict."""
-    directory = Path(directory)
-    config, record = read_config(directory)
-    path = directory / WEIGHTS
+def _opened(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | None, Path]:
+    """A checkpoint's config, record and weights file, which must exist."""
+    config, record = read_config(Path(directory))
+    path = Path(directory) / WEIGHTS
     if not path.exists():
         raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})")
+    return config, record, path
+
+
+def load(directory: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], TrainingRecord | None]:
+    """(config, tensors, our training record or None) from a checkpoint directory; strict."""
+    config, record, path = _opened(directory)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
@@ -113,11 +118,7 @@ def load(directory: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor],
 def inspect(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | None]:
     """(config, our training record or None), with every tensor's name and shape checked against the
     config from the weights file's header alone: as strict as `load`, without reading the weights."""
-    directory = Path(directory)
-    config, record = read_config(directory)
-    path = directory / WEIGHTS
-    if not path.exists():
-        raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})")
+    config, record, path = _opened(directory)
     try:
         with safe_open(str(path), framework="pt") as f:
             shapes = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}

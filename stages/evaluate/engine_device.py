@@ -3,7 +3,8 @@ when it starts (after the evaluator has freed what it no longer needs), and name
 
 A GPU is given as this process numbers them (cuda:N); the engine is started with
 CUDA_VISIBLE_DEVICES naming that one GPU of the node, so it sees it as its only device. vLLM refuses
-to start when less than its share is free, so the share is checked here first, in one line.
+to start when less than its share is free, so the share is checked here first, in one line. On
+CPU, vLLM reads the share as one of host memory; it is passed when given, else vLLM's default.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ GIB = 2 ** 30
 class EngineDevice:
     device: str  # "cpu", or "cuda:N" as this process numbers GPUs
     gpu: str | None = None  # the node's GPU as CUDA_VISIBLE_DEVICES names it; None on CPU
-    memory_share: float | None = None  # vLLM's gpu_memory_utilization; None on CPU
+    memory_share: float | None = None  # vLLM's gpu_memory_utilization; None: vLLM's default (on CPU)
     free_gib: float | None = None  # free on the device when the engine started
     total_gib: float | None = None
 
@@ -35,7 +36,7 @@ class EngineDevice:
 
     def text(self) -> str:
         if self.gpu is None:
-            return self.device
+            return self.device + (f", share {self.memory_share:.2f} of host memory" if self.memory_share else "")
         return (f"{self.device} (GPU {self.gpu} of the node), share {self.memory_share:.2f} of {self.total_gib:.1f} "
                 f"GiB, {self.free_gib:.1f} GiB free at start")
 
@@ -59,8 +60,8 @@ def default_share(free: int, total: int) -> float:
 def choose(device: str, share: float | None) -> EngineDevice:
     """The engine's device ('cpu' or 'cuda[:N]') and memory share (None: the default above), checked
     against what is free on it now."""
-    if not device.startswith("cuda"):
-        return EngineDevice(device)
+    if not device.startswith("cuda"):  # vLLM's CPU backend reads the share as one of host memory
+        return EngineDevice(device, memory_share=share)
     index = torch.device(device).index or 0
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index >= seen:

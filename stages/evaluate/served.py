@@ -87,11 +87,21 @@ def call_worker(python: str, request: dict, log, env: dict | None = None) -> dic
         result = json.loads(out.read_text()) if out.exists() else {}
         if code != 0 or "requests" not in result:
             lines = log_path.read_text(errors="replace").strip().splitlines()
-            tail = [x for x in lines if re.match(r"\w*(Error|Exception)\b", x)][:1] or lines[-1:] or ["no output"]
+            tail = first_error(lines) or lines[-1:] or ["no output"]
             kept = Path(tempfile.gettempdir()) / f"dflash-served-{os.getpid()}.log"
             os.replace(log_path, kept)
             raise EngineError(f"--served vllm: {result.get('error') or tail[0]} (exit {code}; log {kept})")
     return result
+
+
+def first_error(lines: list[str]) -> list[str]:
+    """The root cause in an engine's log: the first 'SomethingError: message' (its worker processes
+    log it, prefixed, before the main process raises a generic exception); else the first exception."""
+    for pattern in (r"\b(\w+Error: \S.*)", r"\b(\w*Exception: \S.*)"):
+        found = [m.group(1) for m in map(re.compile(pattern).search, lines) if m]
+        if found:
+            return found[:1]
+    return []
 
 
 def served_rounds(tokens: list[int], accepted: list[int]) -> Rounds:

@@ -44,4 +44,14 @@ def _lines(s: dict) -> list[str]:
         f"backend: linear attention {s['backends']['linear_attention']}, attention {s['backends']['attention']}; "
         f"time in generate {t['generate_s']:.1f}s, capture {t['capture_s']:.1f}s, prepare {t['prepare_s']:.1f}s, "
         f"waiting on the writer {t['stall_s']:.2f}s",
-    ]
+    ] + ([server_line(s["server"])] if "server" in s else [])
+
+
+def server_line(v: dict) -> str:
+    """The reference server's use, and the --concurrency to give it when the target waited on it."""
+    line = (f"server: {v['requests']} requests, {v['mean_request_s']:.2f}s each, up to {v['concurrency']} in flight; "
+            f"the target waited {v['waited_s']:.1f}s of {v['loop_s']:.1f}s for references")
+    if v["waited_s"] > 0.05 * v["loop_s"] and v["needed_in_flight"] > v["concurrency"]:
+        line += (f"; keeping it busy needs about {v['needed_in_flight']} in flight: --concurrency "
+                 f"{v['needed_in_flight']} (if the server is already at its limit, add servers instead)")
+    return line

@@ -24,9 +24,11 @@ def test_the_default_share_is_vllms_unless_less_is_free():
     assert default_share(3 * GIB, 141 * GIB) < 0.05  # then choose() refuses it
 
 
-def test_on_cpu_the_engine_gets_no_gpu_and_no_share():
+def test_on_cpu_the_engine_gets_no_gpu_and_the_share_only_when_given():
     e = choose("cpu", None)
-    assert e == EngineDevice("cpu") and e.env() == {} and e.text() == "cpu"
+    assert e == EngineDevice("cpu") and e.env() == {} and e.text() == "cpu"  # vLLM's own default
+    e = choose("cpu", 0.5)  # vLLM's CPU backend: a share of host memory
+    assert e.memory_share == 0.5 and e.env() == {} and e.text() == "cpu, share 0.50 of host memory"
 
 
 def test_a_gpu_this_process_does_not_see_is_one_line():

@@ -69,3 +69,15 @@ def test_a_python_without_vllm_is_refused_before_any_replay(tmp_path):
 def test_a_worker_that_dies_names_its_log(tmp_path):
     with pytest.raises(EngineError, match=r"exit 1; log .*dflash-served-\d+\.log"):
         call_worker("/bin/false", {"prompts": [], "drafter": "d"}, lambda m: None)
+
+
+def test_the_engines_root_cause_is_named_not_its_generic_exception():
+    from stages.evaluate.served import first_error
+
+    log = ["INFO starting", "(VllmWorker-0 pid=8032) ERROR [multiproc_executor.py:953]     raise ValueError(",
+           "(VllmWorker-0 pid=8032) ERROR [multiproc_executor.py:953] ValueError: Available memory on node 0 "
+           "(7.81/11.84 GiB) on startup is less than desired CPU memory utilization (0.92, 10.89 GiB).",
+           "Exception: WorkerProc initialization failed due to an exception in a background process.",
+           "RuntimeError: Engine core initialization failed. See root cause above."]
+    assert first_error(log) == [log[2].split("] ")[1]]
+    assert first_error(log[3:4]) == log[3:4] and first_error(["no trace here"]) == []

@@ -103,3 +103,45 @@ def test_a_server_dying_mid_run_leaves_committed_shards_and_a_rerun_completes(tm
     assert summary["shards_skipped"] == done and list(HiddenStore(str(path)).committed()) == [0, 1, 2, 3]
     for shard in range(4):
         assert np.array_equal(arrays(path, shard, "hidden"), arrays(small_store, shard, "hidden"))
+
+
+def test_requests_stay_in_flight_across_shard_boundaries(tmp_path, target, small_dataset, monkeypatch):
+    """With a server, the batches in flight never drop at a shard's end: the next shard's first
+    requests are sent while this shard's last batches are captured (each shard still committed,
+    as the first test checks, sample for sample)."""
+    from stages.extract.extractor import Extractor
+
+    events, start, finish = [], Extractor.start, Extractor.finish
+    monkeypatch.setattr(Extractor, "start", lambda self, rows, writer: events.append(("start", writer.shard))
+                        or start(self, rows, writer))
+    monkeypatch.setattr(Extractor, "finish", lambda self, batch, writer, bar, shard: events.append(("finish", shard))
+                        or finish(self, batch, writer, bar, shard))
+    with FakeEngine(target) as engine:
+        run(server_config(tmp_path / "hs.zarr", small_dataset, engine.url), log=lambda m: None)  # concurrency 4
+    ahead = -(-4 // SMALL["batch_size"])  # batches kept in flight beyond the one being captured
+    total, started, done = sum(e == "start" for e, _ in events), 0, 0
+    assert len({s for _, s in events}) == 4 and total > 4  # every shard, several batches
+    for kind, shard in events:
+        if kind == "start":
+            started += 1
+            continue
+        assert started - done == min(ahead + 1, total - done), (events, done)  # no drain at any shard's end
+        done += 1
+    last_finish = {s: i for i, (e, s) in enumerate(events) if e == "finish"}
+    first_start = {s: min(i for i, (e, t) in enumerate(events) if e == "start" and t == s) for s in last_finish}
+    assert all(first_start[s + 1] < last_finish[s] for s in range(3))
+
+
+def test_the_summary_sizes_concurrency_to_the_capture_rate():
+    from types import SimpleNamespace
+
+    from stages.extract.run import server_use
+    from stages.extract.summary import server_line
+
+    engine = SimpleNamespace(requests=100, request_s=50.0, concurrency=4)  # 0.5 s a request
+    use = server_use(engine, {"generate_s": 10.0, "loop_s": 20.0})  # 100 references in 10 s of not waiting
+    assert use == {"requests": 100, "mean_request_s": 0.5, "concurrency": 4, "waited_s": 10.0, "loop_s": 20.0,
+                   "needed_in_flight": 5}  # 0.5 s x 10 a second
+    assert "keeping it busy needs about 5 in flight: --concurrency 5" in server_line(use)
+    calm = server_use(engine, {"generate_s": 0.1, "loop_s": 20.0})
+    assert "keeping it busy" not in server_line(calm) and "waited 0.1s of 20.0s" in server_line(calm)
