@@ -103,10 +103,11 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
         _live(config, store, prompts, live_refs, checked, results, kept, (embed, lm_head), device, warnings)
     del embed, lm_head
     devices.release(device)  # the engine below gets the device without the evaluator's tensors
-    for x, res, k in zip(checked, results, kept) if served is not None else ():
-        engine = choose_engine(config.served_device or device, config.served_memory)
-        log(f"--served engine on {engine.text()}")
-        res["served"] = served.run(x.path, x.config.block_size, [k[r] for r in prompts.refs], engine)
+    if served is not None:
+        for x, res, rounds in zip(checked, results, kept):
+            engine = choose_engine(config.served_device or device, config.served_memory)  # what is free now
+            log(f"--served engine on {engine.text()}")
+            res["served"] = served.run(x.path, x.config.block_size, [rounds[r] for r in prompts.refs], engine)
     sample = {"prompts": len(prompts), "available": prompts.available, "seed": config.seed,
               "live_prompts": len(live_refs) if config.live else None, "processes": proc.world,
               "devices": where, "dtype": config.dtype}
