@@ -19,14 +19,14 @@ from store.errors import StoreCorrupt
 SEAL = "self_crc32"
 
 
-def _canonical(obj: dict) -> bytes:
+def canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
 def seal(obj: dict) -> dict:
     """obj with its seal added."""
     body = {k: v for k, v in obj.items() if k != SEAL}
-    return {**body, SEAL: zlib.crc32(_canonical(body))}
+    return {**body, SEAL: zlib.crc32(canonical(body))}
 
 
 def read(fs, path: str) -> dict | None:
@@ -50,22 +50,26 @@ def parse(data: bytes, path: str) -> dict:
         raise StoreCorrupt(f"{path}: damaged commit file (JSON {type(obj).__name__}, expected an object)")
     if SEAL in obj:
         stored = obj.pop(SEAL)
-        if stored != zlib.crc32(_canonical(obj)):
+        if stored != zlib.crc32(canonical(obj)):
             raise StoreCorrupt(f"{path}: damaged commit file (its content fails its {SEAL} checksum)")
     return obj
 
 
 def write(fs, path: str, obj: dict, local: bool) -> None:
-    """Write obj, sealed, atomically: a temporary name then a rename (local), else one put."""
-    data = json.dumps(seal(obj), indent=1, sort_keys=True, default=str)
+    """Write obj, sealed, atomically (put_atomic)."""
+    put_atomic(fs, path, json.dumps(seal(obj), indent=1, sort_keys=True, default=str).encode(), local)
+
+
+def put_atomic(fs, path: str, data: bytes, local: bool) -> None:
+    """Write data so that no reader ever sees part of it: a temporary name then a rename (local),
+    else one put."""
     if not local:
-        with fs.open(path, "w") as fh:
-            fh.write(data)
+        fs.pipe_file(path, data)
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w") as fh:
+        with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

@@ -14,6 +14,7 @@
       _commits/root.json           written last when the root is complete
       _commits/00003.json          written last when shard 3 is complete: stats + checksums
       _locks/00003.lock            held while a process writes shard 3
+      _index/samples-<state>.npz   a cache of the commit records and per-sample index (store/index_file.py)
 
 A shard without its commit file is not part of the store, whatever its arrays hold.
 """

@@ -63,6 +63,7 @@ def test_extract_check_train_and_evaluate_from_s3(s3, small_dataset, tmp_path):
     assert t.returncode == 0, t.stderr[-3000:]
     no_stray_lines(t.stderr)
     done = next(line for line in t.stdout.splitlines() if line.startswith("done: "))
+    assert "sample index of 2 shards built" in t.stderr and f"saved to {store}/_index/samples-" in t.stderr, t.stderr
     e = subprocess.run([sys.executable, "evaluate.py", "--store", store, "--checkpoint", str(out / "final"),
                         "--shards", "1", "--dtype", "fp32", "--out", str(tmp_path / "report")], cwd=REPO,
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
@@ -73,9 +74,10 @@ def test_extract_check_train_and_evaluate_from_s3(s3, small_dataset, tmp_path):
     assert f"replay tau {tau:.3f}" in done  # the replay from S3 equals training's own
 
 
-def test_a_killed_extraction_rerun_gives_the_identical_store(s3, small_dataset):
+def test_a_killed_extraction_rerun_gives_the_identical_store(s3, small_dataset, tmp_path):
     whole, killed = "s3://bucket/whole.zarr", "s3://bucket/killed.zarr"
-    assert run_pipeline(extract_args(whole, small_dataset, "0-3")).returncode == 0
+    p = run_pipeline(extract_args(whole, small_dataset, "0-3"))
+    assert p.returncode == 0 and f"saved to {whole}/_index/samples-" in p.stdout, p.stdout  # complete: index saved
     proc = pipeline_proc(extract_args(killed, small_dataset, "0-3"), pause_after=3)  # inside shard 1
     deadline = time.time() + 300
     while time.time() < deadline and "PAUSED" not in proc.stderr.readline():
@@ -86,3 +88,6 @@ def test_a_killed_extraction_rerun_gives_the_identical_store(s3, small_dataset):
     assert p.returncode == 0, p.stderr[-2000:]
     no_stray_lines(p.stderr)
     assert_stores_equal(whole, killed)
+    again = train(["--store", whole, "--shards", "0-2", "--eval-shards", "3", "--out", tmp_path / "run", "--max-steps",
+                   "1", "--workers", "0", "--anchors", "16", "--num-layers", "1", "--batch-size", "2"])
+    assert again.returncode == 0 and "sample index of 4 shards read from" in again.stderr, again.stderr[-2000:]

@@ -25,8 +25,8 @@ from stages.extract.config import ExtractConfig, default_num_shards
 from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
 from stages.extract.summary import finish_summary
-from store import layout
-from store.errors import ConfigError
+from store import index_file, layout
+from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import parse_ranges
 from store.schema import StoreAttrs
@@ -89,7 +89,18 @@ def run(config: ExtractConfig, log=print) -> dict:
         job.summary["server"] = server_use(engine, job.summary["timing"])
     job.summary["wall_s"] = time.perf_counter() - t_start
     job.summary["process"] = {"rank": process.rank, "world": process.world}
-    return finish_summary(store, job.summary)
+    summary = finish_summary(store, job.summary)
+    if summary["shards_done"] == summary["num_shards"]:  # complete: training's first launch reads one index file
+        summary["index"] = saved_index(store)
+    return summary
+
+
+def saved_index(store: HiddenStore) -> str:
+    """Build and save the index file of the store's commits (store/index_file.py); what happened."""
+    try:
+        return index_file.load(store)[1]
+    except StoreError as e:  # another process's damaged shard: training names it when it reads it
+        return f"sample index not built ({e})"
 
 
 def server_use(engine: Engine, timing: dict) -> dict:

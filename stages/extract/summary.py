@@ -44,7 +44,7 @@ def _lines(s: dict) -> list[str]:
         f"backend: linear attention {s['backends']['linear_attention']}, attention {s['backends']['attention']}; "
         f"time in generate {t['generate_s']:.1f}s, capture {t['capture_s']:.1f}s, prepare {t['prepare_s']:.1f}s, "
         f"waiting on the writer {t['stall_s']:.2f}s",
-    ] + ([server_line(s["server"])] if "server" in s else [])
+    ] + ([server_line(s["server"])] if "server" in s else []) + ([s["index"]] if "index" in s else [])
 
 
 def server_line(v: dict) -> str:

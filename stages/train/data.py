@@ -55,7 +55,12 @@ def index_samples(store: HiddenStore, shards: list[int], max_length: int,
                 raise damaged[s]
     if any(s not in records for s in shards):
         store.require_committed([s for s in shards if s not in records])
-    arrays = per_sample(store, {s: records[s] for s in shards})
+    return refs_of(per_sample(store, {s: records[s] for s in shards}), shards, max_length)
+
+
+def refs_of(arrays: dict[int, dict[str, np.ndarray]], shards: list[int], max_length: int) -> list[Ref]:
+    """The samples of `shards` with an anchor within max_length (see index_samples), from their
+    per-sample arrays: shard -> {offsets: [N+1], first_pairs: [N]}."""
     refs = []
     for shard in shards:
         a = arrays[shard]

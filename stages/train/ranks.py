@@ -3,10 +3,8 @@ the others wait for its answer (or its error) instead of each doing the same wor
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from stages.train.data import Ref, index_samples
 from store.errors import UserError
 
 
@@ -38,14 +36,3 @@ def gather(acc, value) -> list:
     out = [None] * acc.num_processes
     torch.distributed.all_gather_object(out, value)
     return out
-
-
-def shared_index(acc, store, shard_lists: list[list[int]], max_length: int, records: dict) -> list[list[Ref]]:
-    """The sample index (stages/train/data.py) of each list of shards, read by the main process
-    alone and sent to the others as arrays: at 2,442 shards one process's ~10k small reads, not
-    every rank's."""
-    def build() -> list[np.ndarray]:
-        return [np.array([(r.shard, r.index, r.length) for r in index_samples(store, ids, max_length, records)],
-                         dtype=np.int64).reshape(-1, 3) if ids else np.zeros((0, 3), np.int64) for ids in shard_lists]
-
-    return [[Ref(s, i, n) for s, i, n in a.tolist()] for a in on_main(acc, build)]

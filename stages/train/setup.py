@@ -22,13 +22,14 @@ from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.settings import flag_of
 from stages.train.config import TrainConfig
-from stages.train.data import Ref, check_shared_memory, epoch_length, shared_memory_need
+from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
 from stages.train.grad_comm import GradComm, install, step_bytes
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
-from stages.train.ranks import gather, on_main, shared_index
+from stages.train.ranks import gather, on_main
 from stages.train.run_dir import LAUNCH_MARK, claim, resume_point
 from stages.train.step import LossPlan
+from store import index_file
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
@@ -204,14 +205,18 @@ def _prepare(config: TrainConfig, log) -> Setup:
     shared_out(acc, Path(config.out))
     rdir, previous = on_main(acc, lambda: resume_point(config, attrs.fingerprint))  # one decides, all follow
     dc, init = drafter_config(config, attrs, rdir)
-    records = on_main(acc, store.committed)  # every commit file read once, by one process
+    index, where = on_main(acc, lambda: index_file.load(store))  # by one process: the index file, else every shard's
+    records = index.records
+    if acc.is_main_process:
+        log(where)
     for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.unchecked_reads(records)])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config, records)
     overlap = sorted(set(train_ids) & set(eval_ids))
     if overlap:
         log(f"warning: shards {format_ranges(overlap)} are in both --shards and --eval-shards")
-    train_refs, eval_refs = shared_index(acc, store, [train_ids, eval_ids], config.max_length, records)
+    store.require_committed([s for s in train_ids + eval_ids if s not in records])
+    train_refs, eval_refs = (refs_of(index.arrays, ids, config.max_length) for ids in (train_ids, eval_ids))
     if not train_refs:
         raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)

@@ -4,8 +4,9 @@ exactly what the undamaged store holds, or raises one line naming the damaged fi
 Each file of a small extracted store (root metadata and attributes, the embedding and lm_head
 chunks, commit files, every array's metadata and chunks, the shard index inside a state file) is
 damaged in turn (bytes flipped, cut short, emptied, deleted) and everything training and evaluation
-read is read back: the root attributes, the embedding and lm_head, each shard's commit record,
-per-sample arrays and every sample's tokens, loss mask and states.
+read is read back: the root attributes, the embedding and lm_head, the index file's content (every
+commit record and per-sample index), each shard's commit record, per-sample arrays and every
+sample's tokens, loss mask and states.
 """
 
 import shutil
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from store import index_file
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
@@ -25,6 +27,8 @@ def read_everything(location: str, shards: list[int]) -> dict:
     store = HiddenStore(location)
     store.require_committed(shards)
     out = {"attrs": store.attrs, "embed_tokens": store.embedding("embed_tokens"), "lm_head": store.embedding("lm_head")}
+    index, _ = index_file.load(store)  # training's start-up: the index file (here, damaged in turn too) or the shards
+    out["index"] = [index.records, index.arrays]
     for shard in shards:
         reader = ShardReader(store, shard)
         out[shard] = [reader.record, reader.offsets, reader.prompt_lens, reader.row_ids, reader.first_pairs]
@@ -99,7 +103,9 @@ def test_damage_to_any_file_is_an_error_naming_it_or_changes_nothing(small_store
     shards = [0, 1, 2, 3] if schema == 2 else [0, 1]
     clean = read_everything(str(store), shards)
     kept, errors, wrong, unseen = [], [], [], []
-    for key in files(store):
+    # the index file first: damage to a commit file that leaves it readable is a new state, whose
+    # index file replaces this one
+    for key in sorted(files(store), key=lambda k: not k.startswith(index_file.FOLDER)):
         path = store / key
         original = path.read_bytes()
         for kind in KINDS:
