@@ -11,7 +11,8 @@ fingerprint, so a changed dataset cannot silently shift rows between shards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, replace
 
 from pipeline import row_sources
 from pipeline.errors import DatasetError
@@ -25,14 +26,33 @@ class Fields:
     messages: str = "messages"
     prompt: str = "prompt"
     response: str = "response"
+    template_kwargs: str | None = None  # a field holding the row's own chat-template arguments
+
+
+TOOLS_FIELD = "tools"  # a row's tool schemas (a list, or its JSON text), given to the chat template
 
 
 @dataclass(frozen=True)
 class Row:
     index: int
-    messages: tuple  # chat turns for the prompt, each {"role", "content"}
+    messages: tuple  # chat turns for the prompt, each {"role", "content"} (+ tool_calls, reasoning_content)
     response: str | None  # the dataset's own assistant answer, if any
     response_ids: tuple[int, ...] | None = None  # the answer as token ids (an engine's, generated offline)
+    answer: dict | None = None  # the assistant turn `response` is the content of, as the dataset gives it
+    tools: tuple = ()  # the row's tool schemas
+    template_kwargs: dict = field(default_factory=dict)  # the row's own chat-template arguments
+
+    def conversation(self) -> tuple:
+        """The prompt's turns and the answer turn after them."""
+        return self.messages + ((self.answer,) if self.answer is not None else ())
+
+    def per_turn(self) -> list[Row]:
+        """One row per assistant turn (--turns split): the turns before it as the prompt, it as the
+        answer, so each is rendered as the last turn, as the model produces it."""
+        turns = self.conversation()
+        return [replace(self, messages=turns[:j], response=m["content"], response_ids=self.response_ids
+                        if j == len(turns) - 1 else None, answer=m)
+                for j, m in enumerate(turns) if m["role"] == "assistant"]
 
 
 class PromptSet:
@@ -59,7 +79,7 @@ class PromptSet:
     def by_length(self, rows) -> list[int]:
         """rows ordered by the length of their prompt text (stable): batches of similar lengths pad
         little in generation and capture."""
-        return sorted(rows, key=lambda i: sum(len(str(m["content"])) for m in self.row(i).messages))
+        return sorted(rows, key=lambda i: sum(len(str(m.get("content") or "")) for m in self.row(i).messages))
 
     def check(self, rows) -> None:
         """Parse every row of `rows` now (before any model loads); the first bad one is named."""
@@ -70,18 +90,21 @@ class PromptSet:
         rec = self.records[i]
         f = self.fields
         ids = self._ids(i, rec)
+        extra = {"tools": self._json(i, rec, TOOLS_FIELD, list, ()), "template_kwargs": self._json(
+            i, rec, f.template_kwargs, dict, {}) if f.template_kwargs else {}}
         turns_field = f.messages if f.messages in rec else SHAREGPT_FIELD if SHAREGPT_FIELD in rec else None
         if turns_field is not None:
             msgs = self._turns(i, turns_field, rec[turns_field])
             last_assistant = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
             if last_assistant is None:
-                return Row(i, tuple(msgs), None, ids)
-            return Row(i, tuple(msgs[:last_assistant]), msgs[last_assistant]["content"], ids)
+                return Row(i, tuple(msgs), None, ids, **extra)
+            answer = msgs[last_assistant]
+            return Row(i, tuple(msgs[:last_assistant]), answer["content"], ids, answer, **extra)
         if f.prompt in rec:
             prompt = rec[f.prompt]
             if not isinstance(prompt, str):
                 raise DatasetError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
-            return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response), ids)
+            return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response), ids, **extra)
         raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
                            f"nor {f.prompt!r} (fields present: {sorted(rec)})")
 
@@ -96,6 +119,21 @@ class PromptSet:
             raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is not a list of token ids (ints >= 0)")
         return tuple(ids)
 
+    def _json(self, i: int, rec: dict, name: str, kind: type, empty):
+        """The row's field `name` as a `kind` (list or dict; JSON text of one is parsed), or empty."""
+        value = rec.get(name)
+        if value is None or value == "":
+            return empty
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is text but not JSON ({e})") from None
+        if not isinstance(value, kind):
+            raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is {type(value).__name__}, expected "
+                               f"{'a list' if kind is list else 'an object'} (or its JSON text)")
+        return tuple(value) if kind is list else value
+
     def _turns(self, i: int, field: str, turns) -> list[dict]:
         """A row's turns as {"role", "content"}, from either style."""
         where = f"dataset {self.source}: row {i} field {field!r}"
@@ -103,8 +141,8 @@ class PromptSet:
             raise DatasetError(f"{where} is not a list of turns")
         out = []
         for j, t in enumerate(turns):
-            if "role" in t and "content" in t:
-                out.append(t)
+            if "role" in t and ("content" in t or t.get("tool_calls")):
+                out.append({**t, "content": ""} if t.get("content") is None and t.get("tool_calls") else t)
             elif "from" in t and "value" in t:
                 if t["from"] not in SHAREGPT_ROLES:
                     raise DatasetError(f"{where} turn {j}: 'from' is {t['from']!r}, expected one of "
@@ -116,9 +154,10 @@ class PromptSet:
         return out
 
     def describe(self) -> dict:
-        return {"source": self.source, "rows": len(self), "sha256": self.sha256,
-                "fields": {"messages": self.fields.messages, "prompt": self.fields.prompt,
-                           "response": self.fields.response}}
+        fields = {"messages": self.fields.messages, "prompt": self.fields.prompt, "response": self.fields.response}
+        if self.fields.template_kwargs:  # recorded only when given: older stores' fingerprints stay theirs
+            fields["template_kwargs"] = self.fields.template_kwargs
+        return {"source": self.source, "rows": len(self), "sha256": self.sha256, "fields": fields}
 
 
 def load(source: str, fields: Fields = Fields(), split: str = "train") -> PromptSet:

@@ -14,23 +14,15 @@ carries the loss.
 
 from __future__ import annotations
 
+from pipeline.chat_template import Chat, answer_text
 from pipeline.errors import DatasetError
 
 
-def text(tokenizer, messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False)
-
-
-def render(tokenizer, messages, generation_prompt: bool) -> list[int]:
-    """The chat template applied to messages, as token ids (the template writes its own specials)."""
-    return tokenizer(text(tokenizer, messages, generation_prompt), add_special_tokens=False).input_ids
-
-
-def answer_spans(tokenizer, messages, prompt: list[int], eos_ids: list[int],
-                 where: str) -> list[tuple[int, int]]:
+def answer_spans(chat: Chat, messages, prompt: list[int], eos_ids: list[int]) -> list[tuple[int, int]]:
     """[(start, end)) token spans of every assistant turn of messages (the prompt's turns) within
-    prompt, the ids `render(tokenizer, messages, True)` gave; where: the row, named in errors."""
-    full = text(tokenizer, messages, generation_prompt=True)
+    prompt, the ids `chat.ids(messages, True)` gave."""
+    tokenizer, where = chat.tokenizer, chat.where
+    full = chat.text(messages, generation_prompt=True)
     if not getattr(tokenizer, "is_fast", False):
         raise DatasetError(f"{where}: --turns all needs a fast tokenizer (character offsets); use --turns last")
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -40,13 +32,11 @@ def answer_spans(tokenizer, messages, prompt: list[int], eos_ids: list[int],
     for j, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, upto = text(tokenizer, messages[:j], True), text(tokenizer, messages[:j + 1], False)
-        answer = upto[len(before):]
-        cut = max((answer.rfind(e) + len(e) for e in ends_of_turn if e in answer), default=len(answer))
-        answer = answer[:cut]
-        if not upto.startswith(before) or not full.startswith(before + answer):
+        before = chat.text(messages[:j], True)
+        answer = answer_text(chat, messages[:j], message, ends_of_turn)
+        if not full.startswith(before + answer):
             raise DatasetError(f"{where}: the chat template renders assistant turn {j} differently once later "
-                               "turns follow, so its tokens cannot be found in the prompt; use --turns last")
+                               "turns follow, so its tokens cannot be found in the prompt; use --turns split (or last)")
         a, b = len(before), len(before) + len(answer)
         inside = [k for k, (s, e) in enumerate(encoded.offset_mapping) if s < b and e > a]
         if inside:

@@ -54,11 +54,11 @@ def load(store: HiddenStore) -> tuple[StoreIndex, str]:
     if key is not None:
         found = read(store, key)
         if found is not None:
-            return found, f"sample index of {len(found.records):,} shards read from {_shown(store, key)}"
+            return found, f"sample index of {_shards(len(found.records))} read from {_shown(store, key)}"
     t = time.perf_counter()
     records = store.committed()
     index = StoreIndex(records, per_sample(store, records, NAMES))
-    built = f"sample index of {len(records):,} shards built from their files in {time.perf_counter() - t:.1f} s"
+    built = f"sample index of {_shards(len(records))} built from their files in {time.perf_counter() - t:.1f} s"
     if key is None:
         return index, f"{built} (this file system's listing names no file versions: no index file is kept)"
     if state(store) != key:
@@ -90,6 +90,10 @@ def state(store: HiddenStore) -> str | None:
 
 def file_key(key: str) -> str:
     return f"{FOLDER}/samples-{key}.npz"
+
+
+def _shards(n: int) -> str:
+    return f"{n:,} shard" + ("" if n == 1 else "s")
 
 
 def _shown(store: HiddenStore, key: str) -> str:

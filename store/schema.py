@@ -53,8 +53,9 @@ class Compat:
     shard_tokens: int
     compression_level: int
     references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
-    turns: str | None = None  # "all": earlier assistant turns carry the loss too (None: the last turn only)
+    turns: str | None = None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
     codec: str | None = None  # the states' codec (store/layout.py); None in schema 1: blosc
+    chat_template_kwargs: dict | None = None  # --chat-template-kwargs (None: none given)
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""

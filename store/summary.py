@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
+
+TURNS = {"all": ", every assistant turn", "split": ", a sample per assistant turn"}  # compat.turns, as info shows it
 
 
 def summarize(store: HiddenStore) -> dict:
@@ -54,7 +58,11 @@ def summarize(store: HiddenStore) -> dict:
             "device": attrs.device,
             "dtype": attrs.dtype,
             "dataset": attrs.dataset.source,
-            "responses": attrs.compat.responses + (", every assistant turn" if attrs.compat.turns == "all" else ""),
+            "responses": attrs.compat.responses + TURNS.get(attrs.compat.turns, "") + (
+                f"; chat template arguments {json.dumps(attrs.compat.chat_template_kwargs)}"
+                if attrs.compat.chat_template_kwargs else "") + (
+                f"; each row's own from field {attrs.compat.dataset_fields['template_kwargs']!r}"
+                if "template_kwargs" in attrs.compat.dataset_fields else ""),
             "versions": attrs.versions,
             "layout": (f"schema {attrs.schema_version}, codec {attrs.compat.codec or 'blosc'} level "
                        f"{attrs.compat.compression_level}{'' if attrs.compat.codec else ' (no chunk checksums)'}, "

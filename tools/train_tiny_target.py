@@ -31,15 +31,40 @@ sys.path.insert(0, str(Path(__file__).parent))
 import stdlib_corpus  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+# ChatML. Beyond what the model was trained on (plain turns, rendered exactly as before), the
+# template renders what a reasoning model with tools sees, so that every extraction feature runs on
+# it: a tools block (a system turn listing the `tools` given to the template), an assistant turn's
+# `reasoning_content` as <think>...</think> and its `tool_calls` as <tool_call> blocks, role `tool`
+# as a <tool_response>, and `enable_thinking=False` as an empty think block after the generation
+# prompt. As Qwen3's templates do, reasoning is rendered only in turns after the last user turn
+# (dropped from history), which is what `--turns split` exists for.
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- set no_thinking = enable_thinking is defined and enable_thinking is false %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- generation %}"
+    "{%- if loop.index0 > ns.last_user and (message.get('reasoning_content') or no_thinking) %}"
+    "{{- '<think>\\n' + (message.get('reasoning_content') or '') + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '<tool_call>\\n' + ((call['function'] if 'function' in call else call) | tojson) + '\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}"
+    "{%- endgeneration %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>' }}"
     "{%- else %}{{- message['content'] + '<|im_end|>' }}{%- endif %}"
     "{{- '\\n' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if no_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pipeline import DEFAULT_PROMPTS, TINY_TARGET
 from pipeline import device as devices
 from pipeline.target.taps import DEFAULT_NUM_TAPS
-from stages.settings import at_least, check_choices, fill, require, setting
+from stages.settings import at_least, check_choices, fill, flag_of, require, setting
 from store import layout
+from store.errors import ConfigError
 
 # Shards of a new store unless --num-shards says otherwise: one per ROWS_PER_SHARD rows, at least
 # MIN_SHARDS. A shard is the unit of work, of commit and of retry, so it stays small at any scale
@@ -47,8 +49,18 @@ class ExtractConfig:
                                            "the dataset's own assistant turn.",
                              choices=("regenerate", "server", "dataset"))
     turns: str = setting("last", "With --responses dataset, which assistant turns of a multi-turn row carry the loss: "
-                                 "last (the final answer; earlier turns are context) or all (every assistant turn, "
-                                 "the turns between them as context).", choices=("last", "all"))
+                                 "last (the final answer; earlier turns are context), all (every assistant turn in "
+                                 "one sample, the turns between them as context) or split (one sample per assistant "
+                                 "turn, each rendered as the last turn: for templates that drop reasoning from "
+                                 "history).", choices=("last", "all", "split"))
+    chat_template_kwargs: str | None = setting(
+        None, "Arguments for the chat template at every rendering (prompts, --turns, answers), as a JSON object, "
+              "e.g. '{\"enable_thinking\": false}'. Recorded in the store (part of its fingerprint).",
+        default_text="none")
+    template_kwargs_field: str | None = setting(
+        None, "Field holding a row's own chat-template arguments (an object or its JSON text), applied over "
+              "--chat-template-kwargs, so one store can mix modes (thinking on and off); the summary counts rows per "
+              "mode.", default_text="none")
     server_url: str | None = setting(None, "OpenAI-compatible server (vLLM, SGLang) serving the target, for "
                                            "--responses server, e.g. http://127.0.0.1:8000 (or the OpenAI "
                                            "clients' form, http://127.0.0.1:8000/v1).")
@@ -103,7 +115,7 @@ class ExtractConfig:
         at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards",
                  "concurrency", "writer_threads")
         require(self, "turns", self.turns == "last" or self.responses == "dataset",
-                "all goes with --responses dataset (regenerated answers exist only for the last turn)")
+                f"{self.turns} goes with --responses dataset (regenerated answers exist only for the last turn)")
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         fill(self, "compression_level", layout.DEFAULT_LEVELS[self.codec] if self.compression_level is None
              else self.compression_level)
@@ -111,3 +123,14 @@ class ExtractConfig:
         require(self, "compression_level", lo <= self.compression_level <= hi, f"{self.codec} levels run {lo} to {hi}")
         require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,
                 f"must be a multiple of --chunk-tokens {self.chunk_tokens}")
+        try:
+            args = json.loads(self.chat_template_kwargs or "{}")
+        except ValueError as e:
+            raise ConfigError(flag_of(self, "chat_template_kwargs"), self.chat_template_kwargs,
+                              f"is not JSON ({e})") from None
+        require(self, "chat_template_kwargs", isinstance(args, dict),
+                "must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+
+    def template_args(self) -> dict:
+        """--chat-template-kwargs as a dict."""
+        return json.loads(self.chat_template_kwargs or "{}")

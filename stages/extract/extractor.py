@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -15,8 +15,9 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from pipeline import chat_template, turns
 from pipeline import prompts as prompt_sets
-from pipeline import turns
+from pipeline.chat_template import Chat
 from pipeline.engine import Engine
 from pipeline.errors import DatasetError, TargetError
 from pipeline.target.model import Target
@@ -37,6 +38,7 @@ class Prepared(NamedTuple):
     limit: int
     row: prompt_sets.Row
     answers: tuple[tuple[int, int], ...] = ()
+    chat: Chat | None = None  # how the row renders (its template arguments)
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Extractor:
         self.summary = {
             "store": config.store, "shards_written": [], "shards_skipped": [], "shards_left": {}, "samples": 0,
             "tokens": 0, "records": [],
-            "batches": 0, "skipped": {r: 0 for r in layout.SKIP_REASONS}, "truncated": 0,
+            "batches": 0, "skipped": {r: 0 for r in layout.SKIP_REASONS}, "truncated": 0, "template_modes": Counter(),
             "timing": {"prepare_s": 0.0, "generate_s": 0.0, "capture_s": 0.0, "stall_s": 0.0, "writer_busy_s": 0.0},
         }
 
@@ -244,39 +246,49 @@ class Extractor:
         return [ready[i] for i in keep], torch.cat([parts[i] for i in keep]) if keep else hidden[:0]
 
     def prepare(self, rows: list[int], writer: ShardWriter) -> list[Prepared]:
-        """Each usable row rendered; skips are counted."""
-        c, tok = self.config, self.target.tokenizer
-        ready = []
+        """Each usable sample rendered: a row's, or with --turns split one per assistant turn;
+        skips are counted (per sample)."""
+        c, ready = self.config, []
         for i in rows:
             row = self.prompt_set.row(i)
-            if not row.messages or not any(str(m["content"]).strip() for m in row.messages):
-                writer.skip("empty_prompt")
-                continue
-            if c.responses == "dataset" and row.response is None and row.response_ids is None:
-                writer.skip("missing_response")
-                continue
-            prompt = turns.render(tok, row.messages, generation_prompt=True)
-            if len(prompt) >= c.max_length:
-                writer.skip("prompt_too_long")
-                continue
-            answers = () if c.turns == "last" else tuple(turns.answer_spans(
-                tok, row.messages, prompt, self.target.eos_ids, f"dataset {self.prompt_set.source}: row {i}"))
-            ready.append(Prepared(i, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row, answers))
+            chat = chat_template.for_row(self.target.tokenizer, row, c.template_args(), self.prompt_set.source)
+            self.summary["template_modes"][chat_template.mode(chat.kwargs)] += 1
+            for sample in row.per_turn() if c.turns == "split" else [row]:
+                prepared = self.prepared(sample, chat, writer)
+                if prepared is not None:
+                    ready.append(prepared)
         return ready
+
+    def prepared(self, row: prompt_sets.Row, chat: Chat, writer: ShardWriter) -> Prepared | None:
+        c = self.config
+        if not row.messages or not any(str(m.get("content") or "").strip() for m in row.messages):
+            writer.skip("empty_prompt")
+            return None
+        if c.responses == "dataset" and row.response is None and row.response_ids is None:
+            writer.skip("missing_response")
+            return None
+        chat_template.check(chat, row.conversation())
+        prompt = chat.ids(row.messages, generation_prompt=True)
+        if len(prompt) >= c.max_length:
+            writer.skip("prompt_too_long")
+            return None
+        answers = tuple(turns.answer_spans(chat, row.messages, prompt, self.target.eos_ids)) if c.turns == "all" else ()
+        return Prepared(row.index, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row, answers,
+                        chat)
 
     def complete(self, ready) -> list[list[int]]:
         """Greedy completions from the target, or the dataset's own responses cut to each limit: its
         token ids verbatim when it has them, else its text tokenized, plus EOS."""
         if self.config.responses == "regenerate":
             return self.target.generate([r.prompt for r in ready], [r.limit for r in ready])
-        return [self.dataset_response(r.row, r.limit) for r in ready]
+        return [self.dataset_response(r.row, r.limit, r.chat) for r in ready]
 
-    def dataset_response(self, row, limit: int) -> list[int]:
+    def dataset_response(self, row: prompt_sets.Row, limit: int, chat: Chat) -> list[int]:
         if row.response_ids is not None:
             bad = [t for t in row.response_ids if t >= self.target.vocab_size]
             if bad:
                 raise DatasetError(f"dataset {self.prompt_set.source}: row {row.index} response ids hold {bad[0]}, "
                                    f"outside the target's vocabulary (0-{self.target.vocab_size - 1})")
             return list(row.response_ids[:limit])
-        tok, eos = self.target.tokenizer, self.target.eos_ids[0]
-        return (tok(row.response, add_special_tokens=False).input_ids + [eos])[:limit]
+        answer = row.answer or {"role": "assistant", "content": row.response}
+        return chat_template.answer_ids(chat, row.messages, answer, self.target.eos_ids)[:limit]

@@ -29,7 +29,8 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
         shard_tokens=config.shard_tokens, compression_level=config.compression_level, codec=config.codec,
-        references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns)
+        references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns,
+        chat_template_kwargs=config.template_args() or None)
     return StoreAttrs(
         fingerprint=fingerprint.sha256_json(to_json(compat)), compat=compat,
         extract={**asdict(config), "server_url": redact(config.server_url) if config.server_url else None,

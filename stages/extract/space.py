@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from math import ceil
 from pathlib import Path
 
+from pipeline import chat_template
 from pipeline import prompts as prompt_sets
-from pipeline import turns
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from store.errors import StoreError
@@ -110,9 +110,10 @@ def tokens_per_row(config: ExtractConfig, target: Target, prompt_set: prompt_set
     total = 0
     for i in rows:
         row = prompt_set.row(i)
-        if not row.messages or not any(str(m["content"]).strip() for m in row.messages):
+        if not row.messages or not any(str(m.get("content") or "").strip() for m in row.messages):
             continue
-        n = len(turns.render(target.tokenizer, row.messages, generation_prompt=True))
+        chat = chat_template.for_row(target.tokenizer, row, config.template_args(), prompt_set.source)
+        n = len(chat.ids(row.messages, generation_prompt=True))
         if n < config.max_length:
             total += n + completion_limit(config.max_new_tokens, config.max_length, n)
     return total / len(rows) if rows else 0.0

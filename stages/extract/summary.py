@@ -44,7 +44,15 @@ def _lines(s: dict) -> list[str]:
         f"backend: linear attention {s['backends']['linear_attention']}, attention {s['backends']['attention']}; "
         f"time in generate {t['generate_s']:.1f}s, capture {t['capture_s']:.1f}s, prepare {t['prepare_s']:.1f}s, "
         f"waiting on the writer {t['stall_s']:.2f}s",
-    ] + ([server_line(s["server"])] if "server" in s else []) + ([s["index"]] if "index" in s else [])
+    ] + ([server_line(s["server"])] if "server" in s else []) + modes_line(s["template_modes"]) + (
+        [s["index"]] if "index" in s else [])
+
+
+def modes_line(modes: dict) -> list[str]:
+    """Rows per set of chat-template arguments, when any were given (none: no line)."""
+    if set(modes) <= {"{}"}:
+        return []
+    return ["chat template arguments: " + "; ".join(f"{k} {n} row(s)" for k, n in sorted(modes.items()))]
 
 
 def server_line(v: dict) -> str:
