@@ -30,6 +30,8 @@ class Fields:
 
 
 TOOLS_FIELD = "tools"  # a row's tool schemas (a list, or its JSON text), given to the chat template
+# token rows: stored as given, no template (PromptSet._token_row)
+INPUT_IDS, LOSS_MASK, PROMPT_IDS = "input_ids", "loss_mask", "prompt_ids"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Row:
     answer: dict | None = None  # the assistant turn `response` is the content of, as the dataset gives it
     tools: tuple = ()  # the row's tool schemas
     template_kwargs: dict = field(default_factory=dict)  # the row's own chat-template arguments
+    prompt_ids: tuple[int, ...] | None = None  # a token row's prompt, stored as given (no template)
+    prompt_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of a token row's prompt carrying the loss
 
     def conversation(self) -> tuple:
         """The prompt's turns and the answer turn after them."""
@@ -49,6 +53,8 @@ class Row:
     def per_turn(self) -> list[Row]:
         """One row per assistant turn (--turns split): the turns before it as the prompt, it as the
         answer, so each is rendered as the last turn, as the model produces it."""
+        if self.prompt_ids is not None:
+            return [self]  # a token row is one sample, its loss mask as given
         turns = self.conversation()
         return [replace(self, messages=turns[:j], response=m["content"], response_ids=self.response_ids
                         if j == len(turns) - 1 else None, answer=m)
@@ -64,10 +70,11 @@ class PromptSet:
         self.source = source
         self.fields = fields
         self.sha256 = sha256
-        if records and not {fields.messages, SHAREGPT_FIELD, fields.prompt} & set(records[0]):
+        if records and not {fields.messages, SHAREGPT_FIELD, fields.prompt, INPUT_IDS, PROMPT_IDS} & set(records[0]):
             raise DatasetError(
                 f"dataset {source}: row 0 has neither field {fields.messages!r} ({SHAREGPT_FIELD!r}) nor "
-                f"{fields.prompt!r} (fields present: {sorted(records[0])}); set --messages-field or --prompt-field")
+                f"{fields.prompt!r} nor token ids ({INPUT_IDS!r}, {PROMPT_IDS!r}) (fields present: "
+                f"{sorted(records[0])}); set --messages-field or --prompt-field")
 
     def __len__(self) -> int:
         return len(self.records)
@@ -77,9 +84,9 @@ class PromptSet:
         return range(shard * n // num_shards, (shard + 1) * n // num_shards)
 
     def by_length(self, rows) -> list[int]:
-        """rows ordered by the length of their prompt text (stable): batches of similar lengths pad
-        little in generation and capture."""
-        return sorted(rows, key=lambda i: sum(len(str(m.get("content") or "")) for m in self.row(i).messages))
+        """rows ordered by the length of their prompt text, or ids for token rows (stable): batches
+        of similar lengths pad little in generation and capture."""
+        return sorted(rows, key=lambda i: prompt_size(self.row(i)))
 
     def check(self, rows) -> None:
         """Parse every row of `rows` now (before any model loads); the first bad one is named."""
@@ -92,6 +99,8 @@ class PromptSet:
         ids = self._ids(i, rec)
         extra = {"tools": self._json(i, rec, TOOLS_FIELD, list, ()), "template_kwargs": self._json(
             i, rec, f.template_kwargs, dict, {}) if f.template_kwargs else {}}
+        if INPUT_IDS in rec or PROMPT_IDS in rec:
+            return self._token_row(i, rec, ids, extra)
         turns_field = f.messages if f.messages in rec else SHAREGPT_FIELD if SHAREGPT_FIELD in rec else None
         if turns_field is not None:
             msgs = self._turns(i, turns_field, rec[turns_field])
@@ -108,9 +117,10 @@ class PromptSet:
         raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
                            f"nor {f.prompt!r} (fields present: {sorted(rec)})")
 
-    def _ids(self, i: int, rec: dict) -> tuple[int, ...] | None:
-        """The row's response as token ids, from `<response field>_ids` (e.g. `response_ids`), if any."""
-        name = f"{self.fields.response}_ids"
+    def _ids(self, i: int, rec: dict, name: str | None = None) -> tuple[int, ...] | None:
+        """The row's field `name` as token ids, if any; by default the response's, from `<response
+        field>_ids` (e.g. `response_ids`)."""
+        name = name or f"{self.fields.response}_ids"
         ids = rec.get(name)
         if ids is None:
             return None
@@ -118,6 +128,22 @@ class PromptSet:
                                                 for t in ids):
             raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is not a list of token ids (ints >= 0)")
         return tuple(ids)
+
+    def _token_row(self, i: int, rec: dict, response_ids, extra: dict) -> Row:
+        """A row given as token ids, as an agent's rollouts are recorded: `input_ids` with a
+        `loss_mask` (the last run of 1s is the answer, earlier runs carry the loss inside the
+        prompt, tokens after the last run are left out), or `prompt_ids` with `<response>_ids`."""
+        if PROMPT_IDS in rec:
+            return Row(i, (), None, response_ids, prompt_ids=self._ids(i, rec, PROMPT_IDS) or (), **extra)
+        ids, mask = self._ids(i, rec, INPUT_IDS) or (), rec.get(LOSS_MASK)
+        if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+            raise DatasetError(f"dataset {self.source}: row {i} field {LOSS_MASK!r} must be a list of 0 and 1 as long "
+                               f"as {INPUT_IDS!r} ({len(ids)} ids)")
+        runs = loss_runs(mask)
+        if not runs:
+            return Row(i, (), None, None, prompt_ids=ids, **extra)
+        (start, end), earlier = runs[-1], tuple(runs[:-1])
+        return Row(i, (), None, ids[start:end], prompt_ids=ids[:start], prompt_spans=earlier, **extra)
 
     def _json(self, i: int, rec: dict, name: str, kind: type, empty):
         """The row's field `name` as a `kind` (list or dict; JSON text of one is parsed), or empty."""
@@ -158,6 +184,24 @@ class PromptSet:
         if self.fields.template_kwargs:  # recorded only when given: older stores' fingerprints stay theirs
             fields["template_kwargs"] = self.fields.template_kwargs
         return {"source": self.source, "rows": len(self), "sha256": self.sha256, "fields": fields}
+
+
+def prompt_size(row: Row) -> int:
+    if row.prompt_ids is not None:
+        return len(row.prompt_ids)
+    return sum(len(str(m.get("content") or "")) for m in row.messages)
+
+
+def loss_runs(mask: list) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s in a 0/1 list."""
+    runs, start = [], None
+    for k, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
 
 
 def load(source: str, fields: Fields = Fields(), split: str = "train") -> PromptSet:

@@ -28,6 +28,8 @@ from store.locks import LockFile
 from store.schema import ShardCommit, completion_limit
 from store.shard_writer import ShardWriter
 
+TOKEN_ROWS = "token ids (no template)"  # rows given as ids, not rendered: their mode in the summary's count
+
 
 class Prepared(NamedTuple):
     """A usable row, rendered: its prompt ids, its completion limit, and with --turns all the spans
@@ -252,7 +254,7 @@ class Extractor:
         for i in rows:
             row = self.prompt_set.row(i)
             chat = chat_template.for_row(self.target.tokenizer, row, c.template_args(), self.prompt_set.source)
-            self.summary["template_modes"][chat_template.mode(chat.kwargs)] += 1
+            self.summary["template_modes"][chat_template.mode(chat.kwargs) if row.prompt_ids is None else TOKEN_ROWS] += 1
             for sample in row.per_turn() if c.turns == "split" else [row]:
                 prepared = self.prepared(sample, chat, writer)
                 if prepared is not None:
@@ -261,20 +263,32 @@ class Extractor:
 
     def prepared(self, row: prompt_sets.Row, chat: Chat, writer: ShardWriter) -> Prepared | None:
         c = self.config
-        if not row.messages or not any(str(m.get("content") or "").strip() for m in row.messages):
+        token_row = row.prompt_ids is not None
+        if not (row.prompt_ids if token_row else any(str(m.get("content") or "").strip() for m in row.messages)):
             writer.skip("empty_prompt")
             return None
         if c.responses == "dataset" and row.response is None and row.response_ids is None:
             writer.skip("missing_response")
             return None
-        chat_template.check(chat, row.conversation())
-        prompt = chat.ids(row.messages, generation_prompt=True)
+        if token_row:  # as given: no template; the loss runs inside it as given
+            prompt, answers = self.in_vocabulary(list(row.prompt_ids), row, "prompt"), row.prompt_spans
+        else:
+            chat_template.check(chat, row.conversation())
+            prompt = chat.ids(row.messages, generation_prompt=True)
+            answers = tuple(turns.answer_spans(chat, row.messages, prompt, self.target.eos_ids)) if c.turns == "all" else ()
         if len(prompt) >= c.max_length:
             writer.skip("prompt_too_long")
             return None
-        answers = tuple(turns.answer_spans(chat, row.messages, prompt, self.target.eos_ids)) if c.turns == "all" else ()
         return Prepared(row.index, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row, answers,
                         chat)
+
+    def in_vocabulary(self, ids: list[int], row: prompt_sets.Row, what: str) -> list[int]:
+        """ids, refused naming the row when one lies outside the target's vocabulary."""
+        bad = [t for t in ids if t >= self.target.vocab_size]
+        if bad:
+            raise DatasetError(f"dataset {self.prompt_set.source}: row {row.index} {what} ids hold {bad[0]}, "
+                               f"outside the target's vocabulary (0-{self.target.vocab_size - 1})")
+        return ids
 
     def complete(self, ready) -> list[list[int]]:
         """Greedy completions from the target, or the dataset's own responses cut to each limit: its
@@ -285,10 +299,6 @@ class Extractor:
 
     def dataset_response(self, row: prompt_sets.Row, limit: int, chat: Chat) -> list[int]:
         if row.response_ids is not None:
-            bad = [t for t in row.response_ids if t >= self.target.vocab_size]
-            if bad:
-                raise DatasetError(f"dataset {self.prompt_set.source}: row {row.index} response ids hold {bad[0]}, "
-                                   f"outside the target's vocabulary (0-{self.target.vocab_size - 1})")
-            return list(row.response_ids[:limit])
+            return self.in_vocabulary(list(row.response_ids), row, "response")[:limit]
         answer = row.answer or {"role": "assistant", "content": row.response}
         return chat_template.answer_ids(chat, row.messages, answer, self.target.eos_ids)[:limit]

@@ -52,7 +52,7 @@ def modes_line(modes: dict) -> list[str]:
     """Rows per set of chat-template arguments, when any were given (none: no line)."""
     if set(modes) <= {"{}"}:
         return []
-    return ["chat template arguments: " + "; ".join(f"{k} {n} row(s)" for k, n in sorted(modes.items()))]
+    return ["rows per chat-template mode: " + "; ".join(f"{k}: {n}" for k, n in sorted(modes.items()))]
 
 
 def server_line(v: dict) -> str:

@@ -170,6 +170,38 @@ def test_response_ids_from_an_engine_are_stored_verbatim(tmp_path, target):
                           responses="dataset", **SMALL), log=lambda m: None)
 
 
+def test_token_rows_are_stored_exactly_as_given(tmp_path, target):
+    """An agent's rollout recorded as ids: input_ids with its loss mask (the last run of 1s is the
+    answer, earlier runs keep the loss inside the prompt), or prompt_ids with response_ids; no
+    template, the target's agreement counted on the answers."""
+    from pipeline.errors import DatasetError
+
+    tok = target.tokenizer
+    chat = tok("<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    answer = tok("    return a + b<|im_end|>", add_special_tokens=False).input_ids
+    tool = tok("\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    ids = chat + answer + tool + answer + [7, 8]  # two answers, then tokens after the last one
+    mask = [0] * len(chat) + [1] * len(answer) + [0] * len(tool) + [1] * len(answer) + [0, 0]
+    rows = [{"input_ids": ids, "loss_mask": mask}, {"prompt_ids": chat, "response_ids": answer}]
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = run(ExtractConfig(store=str(tmp_path / "t.zarr"), dataset=str(data), shards="0", num_shards=1,
+                                responses="dataset", **{**SMALL, "max_length": 400}), log=lambda m: None)
+    got = {s.row_id: s for s in samples(tmp_path / "t.zarr")}
+    assert got[0].tokens.tolist() == ids[:-2] and got[0].loss_mask.tolist() == mask[:-2]
+    assert got[0].prompt_len == len(chat) + len(answer) + len(tool)
+    assert got[1].tokens.tolist() == chat + answer and got[1].prompt_len == len(chat)
+    assert got[1].loss_mask.tolist() == [0] * len(chat) + [1] * len(answer)
+    assert summary["template_modes"] == {"token ids (no template)": 2} and summary["agreement"]["tokens"] == 2 * len(answer)
+    for bad, problem in [({"prompt_ids": [1, 99999], "response_ids": [5]}, "row 0 prompt ids hold 99999, outside"),
+                         ({"input_ids": [5, 6, 7], "loss_mask": [0, 1]}, "row 0 field 'loss_mask' must be a list of 0 "
+                                                                        "and 1 as long as 'input_ids' \\(3 ids\\)")]:
+        data.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(DatasetError, match=problem):
+            run(ExtractConfig(store=str(tmp_path / "bad.zarr"), dataset=str(data), shards="0", num_shards=1,
+                              responses="dataset", **SMALL), log=lambda m: None)
+
+
 def multi_turn_rows() -> list[dict]:
     """Conversations of two to three exchanges built from the shipped prompts, answers included."""
     rows = []

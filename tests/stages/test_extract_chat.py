@@ -61,7 +61,7 @@ def test_template_arguments_reach_the_prompts_the_record_and_info(tmp_path, targ
     assert attrs.fingerprint != HiddenStore(str(tmp_path / "plain.zarr")).attrs.fingerprint
     assert 'chat template arguments {"enable_thinking": false}' in info_render(summarize(HiddenStore(str(tmp_path / "off.zarr"))))
     assert off["template_modes"] == {'{"enable_thinking": false}': 2}
-    assert 'chat template arguments: {"enable_thinking": false} 2 row(s)' in render(off)
+    assert 'rows per chat-template mode: {"enable_thinking": false}: 2' in render(off)
 
 
 def test_a_rows_own_arguments_mix_modes_in_one_store_and_are_counted(tmp_path, target):
