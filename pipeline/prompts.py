@@ -27,6 +27,7 @@ class Fields:
     prompt: str = "prompt"
     response: str = "response"
     template_kwargs: str | None = None  # a field holding the row's own chat-template arguments
+    category: str | None = None  # a field holding the row's label (a benchmark, a source), stored per sample
 
 
 TOOLS_FIELD = "tools"  # a row's tool schemas (a list, or its JSON text), given to the chat template
@@ -45,6 +46,7 @@ class Row:
     template_kwargs: dict = field(default_factory=dict)  # the row's own chat-template arguments
     prompt_ids: tuple[int, ...] | None = None  # a token row's prompt, stored as given (no template)
     prompt_spans: tuple[tuple[int, int], ...] = ()  # [start, end) runs of a token row's prompt carrying the loss
+    category: str | None = None  # the row's label from Fields.category ("" when the row has none)
 
     def conversation(self) -> tuple:
         """The prompt's turns and the answer turn after them."""
@@ -98,7 +100,7 @@ class PromptSet:
         f = self.fields
         ids = self._ids(i, rec)
         extra = {"tools": self._json(i, rec, TOOLS_FIELD, list, ()), "template_kwargs": self._json(
-            i, rec, f.template_kwargs, dict, {}) if f.template_kwargs else {}}
+            i, rec, f.template_kwargs, dict, {}) if f.template_kwargs else {}, "category": self._label(i, rec)}
         if INPUT_IDS in rec or PROMPT_IDS in rec:
             return self._token_row(i, rec, ids, extra)
         turns_field = f.messages if f.messages in rec else SHAREGPT_FIELD if SHAREGPT_FIELD in rec else None
@@ -128,6 +130,19 @@ class PromptSet:
                                                 for t in ids):
             raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is not a list of token ids (ints >= 0)")
         return tuple(ids)
+
+    def _label(self, i: int, rec: dict) -> str | None:
+        """The row's category label (text or a number; "" when absent), or None with no category field."""
+        name = self.fields.category
+        if not name:
+            return None
+        value = rec.get(name)
+        if value is None:
+            return ""
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is {type(value).__name__}, expected "
+                               "a label (text or a number)")
+        return str(value)
 
     def _token_row(self, i: int, rec: dict, response_ids, extra: dict) -> Row:
         """A row given as token ids, as an agent's rollouts are recorded: `input_ids` with a
@@ -181,8 +196,9 @@ class PromptSet:
 
     def describe(self) -> dict:
         fields = {"messages": self.fields.messages, "prompt": self.fields.prompt, "response": self.fields.response}
-        if self.fields.template_kwargs:  # recorded only when given: older stores' fingerprints stay theirs
-            fields["template_kwargs"] = self.fields.template_kwargs
+        for name in ("template_kwargs", "category"):  # recorded only when given: older stores' fingerprints stay
+            if getattr(self.fields, name):
+                fields[name] = getattr(self.fields, name)
         return {"source": self.source, "rows": len(self), "sha256": self.sha256, "fields": fields}
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import types
 import typing
 from dataclasses import dataclass
@@ -57,6 +59,12 @@ class Compat:
     codec: str | None = None  # the states' codec (store/layout.py); None in schema 1: blosc
     chat_template_kwargs: dict | None = None  # --chat-template-kwargs (None: none given)
 
+    def conditioning(self) -> str:
+        """SHA-256 of the settings that decide what state a token gets (CONDITIONING), not which
+        tokens are stored: stores that share it can be replayed by each other's drafters."""
+        body = {k: v for k, v in to_json(self).items() if k in CONDITIONING}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""
         return completion_limit(self.max_new_tokens, self.max_length, prompt_len)
@@ -65,6 +73,13 @@ class Compat:
         """{field: (mine, theirs)} for every field that differs."""
         a, b = to_json(self), to_json(other)
         return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+# The Compat fields a token's stored state depends on (the target, how it ran, where the taps are, the
+# token space): two stores that agree on them condition a drafter alike, whatever their data, template,
+# lengths, responses or codec.
+CONDITIONING = ("target_fingerprint", "model_class", "tokenizer_sha256", "taps", "mask_token_id", "dtype",
+                "device_type", "linear_attention", "attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +203,14 @@ class ShardCommit:
     # missing chunk file is damage rather than zeros.
     metadata: dict | None = None
     every_chunk: bool | None = None
+    # --category-field: {"labels": the distinct labels, "codes": per sample (in sample order) the index of its
+    # label}; None when no category field was given
+    categories: dict | None = None
     run: dict = dataclasses.field(default_factory=dict)
+
+    def category(self, index: int) -> str | None:
+        """Sample `index`'s label (None: the shard records none)."""
+        return None if self.categories is None else self.categories["labels"][self.categories["codes"][index]]
 
     def to_json(self) -> dict:
         d = to_json(self)

@@ -61,6 +61,7 @@ class ShardWriter:
         self.loss_mask: list[np.ndarray] = []
         self.prompt_lens: list[int] = []
         self.row_ids: list[int] = []
+        self.categories: list[str | None] = []
         self.stall_s = 0.0  # time the model thread waited for the writer
         self.busy_s = 0.0  # time the writer thread spent not waiting for states (its pool's time apart)
         self._crc = 0
@@ -92,9 +93,11 @@ class ShardWriter:
 
     # -- model thread ----------------------------------------------------------------------
     def add(self, row_id: int, prompt: list[int], completion: list[int], truncated: bool,
-            answers: tuple[tuple[int, int], ...] = ()) -> None:
+            answers: tuple[tuple[int, int], ...] = (), category: str | None = None) -> None:
         """Record one sample's ids; its hidden states come in the batch passed to `add_hidden`.
-        answers: [start, end) spans inside the prompt that carry the loss too (earlier assistant turns)."""
+        answers: [start, end) spans inside the prompt that carry the loss too (earlier assistant turns);
+        category: the sample's label (given for every sample of a shard or for none)."""
+        self.categories.append(category)
         ids = np.asarray(prompt + completion, dtype=np.int32)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for a, b in answers:
@@ -172,7 +175,7 @@ class ShardWriter:
                     **{k: list(v.shape) for k, v in arrays.items()}},
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
             writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
-            agreement=self.stats.agreement, run=run,
+            agreement=self.stats.agreement, run=run, categories=_categories(self.categories),
             bytes=self.store.shard_bytes(self.shard),
             metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]), every_chunk=True)
         self.store.write_commit(record)
@@ -287,3 +290,13 @@ class ShardWriter:
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+
+def _categories(per_sample: list[str | None]) -> dict | None:
+    """The commit record's categories: the distinct labels (in order of first use) and each sample's code."""
+    if not per_sample or per_sample[0] is None:
+        assert all(c is None for c in per_sample), "labels for some samples only"
+        return None
+    labels = list(dict.fromkeys(per_sample))
+    code = {label: k for k, label in enumerate(labels)}
+    return {"labels": labels, "codes": [code[c] for c in per_sample]}

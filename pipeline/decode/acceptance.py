@@ -10,6 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+# Context-length buckets of a round (its context: the tokens up to and including the block's start),
+# as tau is reported per bucket: < 1k, 1k-4k, 4k-16k, >= 16k tokens.
+CONTEXT_EDGES = (1024, 4096, 16384)
+CONTEXT_LABELS = ("<1k", "1k-4k", "4k-16k", ">=16k")
+
+
+def context_bucket(start: int) -> int:
+    """The bucket of a round whose block starts at position `start` (its context: start + 1 tokens)."""
+    return sum(start + 1 >= edge for edge in CONTEXT_EDGES)
+
 
 def accepted(drafts: Sequence[int], target: Sequence[int]) -> int:
     """Leading drafts equal to the target's greedy tokens (compared only as far as both go)."""
@@ -55,6 +65,14 @@ def stats(per_prompt: list[tuple[int, int]], hist: list[int], population: int | 
         "prompts": len(means),
         "tokens": tokens,
     }
+
+
+def group_tau(per_prompt: list[tuple[int, int]], population: int | None = None) -> dict:
+    """tau and its 95% interval over a group of prompts: per_prompt (rounds, tokens) of each."""
+    means = [t / r for r, t in per_prompt if r]
+    tau = sum(means) / len(means) if means else float("nan")
+    return {"prompts": len(means), "rounds": sum(r for r, _ in per_prompt), "tau": tau,
+            "tau_ci95": ci95(means, tau, population)}
 
 
 def ci95(values: list[float], mean: float, population: int | None = None) -> list[float] | None:

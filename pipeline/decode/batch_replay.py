@@ -14,13 +14,13 @@ the histogram of accepted drafts per policy (the chain's rounds too for the prom
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pipeline.decode import ddtree
-from pipeline.decode.acceptance import accepted, round_tokens
+from pipeline.decode.acceptance import CONTEXT_LABELS, accepted, context_bucket, round_tokens
 from pipeline.drafter import masks
 from pipeline.drafter.model import Drafter
 from store.shard_reader import Sample
@@ -38,6 +38,9 @@ class PromptCounts:
     rounds: list[int]
     tokens: list[int]
     chain_rounds: list[tuple[int, int]] | None = None  # (accepted, committed) per round, when kept
+    # per policy and context bucket (acceptance.CONTEXT_EDGES): rounds, and tokens committed in them
+    context_rounds: list[list[int]] = field(default_factory=list)
+    context_tokens: list[list[int]] = field(default_factory=list)
 
     def tau(self, lane: int) -> float:
         """Mean tokens per round of policy `lane` (NaN without a round)."""
@@ -120,8 +123,10 @@ class BatchReplay:
         self.cache.fill(slot, s.hidden)
         self.start[slot] = P
         self.active[slot] = P < T - 1
+        buckets = len(CONTEXT_LABELS)
         self.counts[slot] = PromptCounts(s.shard, s.index, s.row_id, P, T - P, [0] * self.P, [0] * self.P,
-                                         [] if (s.shard, s.index) in self.keep else None)
+                                         [] if (s.shard, s.index) in self.keep else None,
+                                         [[0] * buckets for _ in range(self.P)], [[0] * buckets for _ in range(self.P)])
 
     @torch.no_grad()
     def _round(self) -> list[int]:
@@ -143,6 +148,8 @@ class BatchReplay:
         n = round_tokens(acc, T - 1 - start)
         c.rounds[lane] += 1
         c.tokens[lane] += n
+        c.context_rounds[lane][context_bucket(start)] += 1
+        c.context_tokens[lane][context_bucket(start)] += n
         self.histogram[lane][min(acc, self.B - 1)] += 1
         if lane == 0 and c.chain_rounds is not None:
             c.chain_rounds.append((acc, n))

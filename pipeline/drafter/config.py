@@ -38,6 +38,7 @@ class TrainingRecord:
     store: str | None = None
     store_taps: tuple[int, ...] | None = None
     train_config: dict | None = None  # the TrainConfig of the run, as a record
+    store_conditioning: str | None = None  # Compat.conditioning() of the store (None: recorded before it existed)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,8 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
     problems = [f"{label}: checkpoint {diff[k][0]}, store {diff[k][1]}" for k, label in
                 (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
     fp = record.store_fingerprint if record else None
-    if fp is not None and fp != attrs.fingerprint:
+    other_data = fp is not None and fp != attrs.fingerprint and record.store_conditioning == attrs.compat.conditioning()
+    if fp is not None and fp != attrs.fingerprint and not other_data:
         problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
                         "(different target, taps, backend, tokenizer or data)")
     if problems and not allow_mismatch:
@@ -55,6 +56,9 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
         check = "released checkpoint: taps, hidden size, vocabulary and mask token match; store fingerprint not checked"
         warnings.append(f"{path} carries no store fingerprint (a released checkpoint): only taps, hidden size, "
                         "vocabulary and mask token were checked")
+    elif other_data:
+        check = (f"conditioning matches (target, kernels, dtype, taps, tokenizer); trained on another store's data "
+                 f"(fingerprint {fp[:12]}, this store {attrs.fingerprint[:12]})")
     else:
         check = "store fingerprint matches"
     return Checked(path, config, record, check)

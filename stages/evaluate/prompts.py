@@ -27,6 +27,9 @@ class Prompts:
             refs += [(shard, int(i)) for i in keep]
             lengths += n[keep].tolist()
         self.available = len(refs)
+        records = {s: store.commit_record(s) for s in shards}
+        # each available prompt's label (--category-field at extraction), when its shard records them
+        self.category = {r: label for r in refs if (label := records[r[0]].category(r[1])) is not None}
         pick = np.arange(len(refs))
         if limit is not None and limit < len(refs):
             pick = np.sort(np.random.default_rng(seed).choice(len(refs), limit, replace=False))

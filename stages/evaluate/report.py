@@ -27,6 +27,11 @@ CONVENTIONS = {
     "per_slot": "share of rounds whose k-th draft was accepted (accepted >= k), k = 1..B-1",
     "ddtree": "DDTree-N: tree drafting with a node budget of N nodes (not N tokens); tau as above, "
               "tokens per round = accepted nodes + 1 <= min(N, B-1) + 1",
+    "per_category": "tau per label of extraction's --category-field: the mean over that label's replayed prompts, "
+                    "its interval corrected for sampling from that label's available prompts",
+    "per_context": "tau per context-length bucket of the rounds (the tokens up to the block's start: <1k, 1k-4k, "
+                   "4k-16k, >=16k): per prompt its tokens per round over its rounds in the bucket, then the mean over "
+                   "the prompts with a chain round there; the interval is not corrected for sampling",
     "replay": "greedy speculative decoding replayed from the stored states and the stored greedy completion; "
               "rounds start at the first completion token (produced by the prefill)",
 }
@@ -52,17 +57,40 @@ def table(rep: dict) -> list[list[str]]:
     return rows
 
 
-def console(rep: dict) -> str:
-    rows = table(rep)
+GROUPS = (("per_category", "category"), ("per_context", "context"))  # result key, column name
+
+
+def group_table(rep: dict, key: str, column: str) -> list[list[str]]:
+    """Rows of tau per group (groups.py) of every checkpoint, chain and DDTree each with its interval;
+    [] when no checkpoint has such groups."""
+    budgets = rep["ddtree_budgets"]
+    rows = [[r["name"], name, str(g["prompts"]), f"{g['tau']:.3f} {_ci(g['tau_ci95'])}",
+             *[f"{g['ddtree'][str(b)]:.3f} {_ci(g['ddtree_ci95'][str(b)])}" for b in budgets]]
+            for r in rep["checkpoints"] for name, g in r.get(key, {}).items()]
+    return [["checkpoint", column, "prompts", "tau (95% CI)", *[f"DDTree-{b} tau (95% CI)" for b in budgets]],
+            *rows] if rows else []
+
+
+def _ci(ci) -> str:
+    return f"({ci[0]:.3f}-{ci[1]:.3f})" if ci else "(-)"
+
+
+def text_table(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned console lines, a rule under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
+
+
+def console(rep: dict) -> str:
     head = [f"WARNING: {w}" for w in rep["warnings"]]
     served = [f"{r['name']}: {served_text(r['served'])}" for r in rep["checkpoints"] if "served" in r]
+    groups = [line for key, column in GROUPS if (rows := group_table(rep, key, column))
+              for line in [f"tau by {column}:", *text_table(rows)]]
     return "\n".join(head + [f"replay of {rep['store']} shards {rep['shards']}, {sample_text(rep['sample'])}; tau = "
-                             "mean over prompts of tokens per round (bonus counted); DDTree-N = node budget N", *lines,
-                             *served])
+                             "mean over prompts of tokens per round (bonus counted); DDTree-N = node budget N",
+                             *text_table(table(rep)), *groups, *served])
 
 
 def served_text(sv: dict) -> str:
@@ -107,7 +135,11 @@ def markdown(rep: dict) -> str:
         out += [f"Live decoding with the target ran on the first {rep['sample']['live_prompts']} prompts of the "
                 "sample.", ""]
     rows = table(rep)
-    out += md_table(rows[0], rows[1:]) + ["", "## Conventions", ""]
+    out += md_table(rows[0], rows[1:]) + [""]
+    for key, column in GROUPS:
+        if rows := group_table(rep, key, column):
+            out += [f"tau by {column}:", ""] + md_table(rows[0], rows[1:]) + [""]
+    out += ["## Conventions", ""]
     out += [f"- **{k}**: {v}" for k, v in rep["conventions"].items()] + [""]
     for r in rep["checkpoints"]:
         out += [f"## {r['name']}", "", f"- path: `{r['path']}`", f"- conditioning: {r['check']}",

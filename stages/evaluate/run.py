@@ -22,7 +22,7 @@ from pipeline import device as devices
 from pipeline.decode.acceptance import stats
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.errors import TargetError
-from stages.evaluate import ranks, report
+from stages.evaluate import groups, ranks, report
 from stages.evaluate.checks import Checked, build, check_checkpoint, choose_shards
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
@@ -42,9 +42,10 @@ def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, 
     return {"counts": counts, "histogram": engine.histogram, "seconds": time.perf_counter() - t0}
 
 
-def summarize_parts(parts: list[dict], budgets: tuple[int, ...], population: int) -> tuple[dict, dict]:
+def summarize_parts(parts: list[dict], budgets: tuple[int, ...], prompts: Prompts) -> tuple[dict, dict]:
     """The ranks' parts -> (the checkpoint's results, chain rounds of the kept prompts by (shard, index))."""
     counts = sorted((c for p in parts for c in p["counts"]), key=lambda c: (c.shard, c.index))
+    population = prompts.available
     B = len(parts[0]["histogram"][0])
 
     def policy(lane: int) -> dict:
@@ -62,6 +63,8 @@ def summarize_parts(parts: list[dict], budgets: tuple[int, ...], population: int
                            "completion_len": c.completion_len, "rounds": c.rounds[0],
                            "tau": c.tau(0), "ddtree": {str(b): c.tau(1 + i) for i, b in enumerate(budgets)}}
                           for c in counts]}
+    out["per_category"] = groups.by_category(counts, budgets, prompts.category)
+    out["per_context"] = groups.by_context(counts, budgets)
     return out, {(c.shard, c.index): c.chain_rounds for c in counts if c.chain_rounds is not None}
 
 
@@ -129,7 +132,7 @@ def replay_all(config: EvalConfig, proc, device: str, prompts: Prompts, checked:
         parts = ranks.gather(proc, {**part, "device": device})
         if proc.rank != 0:
             continue
-        res, rounds = summarize_parts(parts, config.ddtree, prompts.available)
+        res, rounds = summarize_parts(parts, config.ddtree, prompts)
         results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
                         "train_shards": x.record.train_shards if x.record else None,
                         "step": x.record.step if x.record else None, **res})

@@ -53,6 +53,9 @@ class ExtractConfig:
                                  "one sample, the turns between them as context) or split (one sample per assistant "
                                  "turn, each rendered as the last turn: for templates that drop reasoning from "
                                  "history).", choices=("last", "all", "split"))
+    category_field: str | None = setting(
+        None, "Field holding a row's label (its benchmark, source or domain: text or a number), stored per sample; "
+              "evaluate.py then reports tau per label.", default_text="none")
     chat_template_kwargs: str | None = setting(
         None, "Arguments for the chat template at every rendering (prompts, --turns, answers), as a JSON object, "
               "e.g. '{\"enable_thinking\": false}'. Recorded in the store (part of its fingerprint).",

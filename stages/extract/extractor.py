@@ -215,7 +215,8 @@ class Extractor:
                 writer.agree(*agreement)
             for r, completion in kept:
                 ended = bool(completion) and completion[-1] in self.target.eos_ids
-                writer.add(r.row_id, r.prompt, completion, truncated=not ended, answers=r.answers)
+                writer.add(r.row_id, r.prompt, completion, truncated=not ended, answers=r.answers,
+                           category=r.row.category)
             if kept:
                 writer.add_hidden(hidden)
             self.summary["tokens"] += len(hidden)

@@ -54,7 +54,8 @@ def run(config: ExtractConfig, log=print) -> dict:
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
     store = HiddenStore(config.store)
     prompt_set = prompt_sets.load(config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field,
-                                                                     config.response_field, config.template_kwargs_field),
+                                                                     config.response_field, config.template_kwargs_field,
+                                                                     config.category_field),
                                   config.split)
     shard_ids, num_shards = resolve_shards(config, store, len(prompt_set))
     check_rows(prompt_set, shard_ids, num_shards)

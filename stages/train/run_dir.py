@@ -84,7 +84,8 @@ def kept(record: dict, start: int, total: int) -> bool:
 
 
 def training_record(s, config, step: int) -> TrainingRecord:
-    return TrainingRecord(store_fingerprint=s.store_fingerprint, store=config.store, store_taps=s.store_taps,
+    return TrainingRecord(store_fingerprint=s.store_fingerprint, store_conditioning=s.store_conditioning,
+                          store=config.store, store_taps=s.store_taps,
                           train_shards=s.train_shards_text, eval_shards=s.eval_shards_text, step=step,
                           train_config=asdict(config))
 

@@ -49,6 +49,7 @@ class Setup:
     train_shards_text: str
     eval_shards_text: str
     store_fingerprint: str
+    store_conditioning: str
     store_taps: tuple[int, ...]
     micro_per_epoch: int
     total_steps: int
@@ -254,7 +255,8 @@ def _prepare(config: TrainConfig, log) -> Setup:
                "step per process" if acc.num_processes > 1 else ""))
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
                  train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
-                 eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint, store_taps=attrs.taps,
+                 eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
+                 store_conditioning=attrs.compat.conditioning(), store_taps=attrs.taps,
                  micro_per_epoch=micro, total_steps=total, start_step=start, position=position,
                  plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"), grad_comm=install(model, config.grad_comm))
 

@@ -63,6 +63,18 @@ def test_other_store_is_refused_unless_allowed(small_store, tmp_path):
     assert (tmp_path / "rep" / "report.md").read_text().splitlines()[2].startswith("> **WARNING:** MISMATCH")
 
 
+def test_another_stores_data_of_the_same_conditioning_is_replayed(small_store, tmp_path):
+    """A checkpoint trained on another store: accepted when that store's conditioning (target,
+    kernels, dtype, taps, tokenizer) is this one's, refused when it is not."""
+    same = HiddenStore(str(small_store)).attrs.compat.conditioning()
+    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same)
+    rep = evaluate(small_store, tmp_path, ck)
+    assert rep["warnings"] == [] and rep["checkpoints"][0]["check"].startswith("conditioning matches")
+    other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64, store_conditioning="1" * 64)
+    with pytest.raises(DrafterError, match="not trained on this store's conditioning.*store fingerprint"):
+        evaluate(small_store, tmp_path, other)
+
+
 def test_overlap_with_training_shards_warns(small_store, tmp_path):
     ck = our_checkpoint(small_store, tmp_path / "ck")
     rep = evaluate(small_store, tmp_path, ck, shards="1-3")
