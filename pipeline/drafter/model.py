@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipeline.drafter.attention import attend
 from pipeline.drafter.config import DrafterConfig
@@ -143,6 +144,9 @@ class Drafter(nn.Module):
         # Frozen target tensors: [V, H], never saved (non-persistent), never trained, never copied.
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        # Training at long context (--grad-checkpoint): each layer's activations are recomputed in the
+        # backward pass instead of kept; the same numbers, less memory, about one more forward of the layers.
+        self.checkpoint_layers = False
 
     @property
     def rules(self) -> list[LayerRule]:
@@ -185,8 +189,10 @@ class Drafter(nn.Module):
         """The block stream through every layer, attending to the given context K/V -> [b, Q, H] normed."""
         x = self.embed(block_ids)
         rope_blk = self.rotary(block_positions)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer, kv in zip(self.layers, kv_ctx):
-            x = layer(x, kv, rope_blk, masks)
+            x = checkpoint(layer, x, kv, rope_blk, masks, use_reentrant=False) if recompute else layer(
+                x, kv, rope_blk, masks)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,10 @@ class TrainConfig:
                                      "the bytes between nodes; each process's gradients rounded to bf16 and summed in "
                                      "bf16). The metrics log gives the bytes a step (docs/performance.md).",
                              choices=("fp32", "bf16"))
+    grad_checkpoint: bool = setting(False, "Recompute each drafter layer's activations in the backward pass instead "
+                                           "of keeping them: the same gradients with less memory per sample, for about "
+                                           "a third more compute (for --max-length 8k-16k: docs/training.md, Long "
+                                           "context).")
     mixed_precision: str = setting("auto", "auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.",
                                    choices=("auto", "bf16", "no"))
     audit: bool = setting(False, "Write OUT/audit/rank-N.json: world size, samples read, parameter hash.")

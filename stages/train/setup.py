@@ -313,6 +313,7 @@ def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, ini
     if init is not None:
         checkpoint.load_into(raw, init)
     raw.to(acc.device)
+    raw.checkpoint_layers = config.grad_checkpoint
     opts = build_optimizers(config, raw)
     scheds = build_schedules(config, opts, total)
     model, *opts = acc.prepare(raw, *opts)

@@ -387,3 +387,18 @@ def test_a_non_finite_loss_stops_before_the_weights_naming_step_and_samples(smal
     shard, index = calls[2][0]
     assert f"step 3, micro-batch 0: the loss is nan, not finite; the batch held shard {shard} sample {index}" in str(e.value)
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-2"]  # nothing saved after it
+
+
+def test_grad_checkpoint_trains_the_same_drafter(small_store, tmp_path):
+    """--grad-checkpoint recomputes the layers in the backward: 3 steps give parameters equal bit for
+    bit to the run that keeps the activations."""
+    hashes = []
+    for extra in ([], ["--grad-checkpoint"]):
+        out = tmp_path / ("ckpt" if extra else "kept")
+        r = train(["--store", small_store, "--out", out, "--max-steps", 3, "--audit", "--eval-shards", "3", *TINY,
+                   *extra])
+        assert r.returncode == 0, r.stderr
+        hashes.append(json.loads((out / "audit" / "rank-0.json").read_text())["param_sha256"])
+        assert json.loads((out / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"][
+            "grad_checkpoint"] == bool(extra)
+    assert hashes[0] == hashes[1]

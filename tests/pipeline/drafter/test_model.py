@@ -135,3 +135,44 @@ def test_flex_block_mask_gives_the_sdpa_result(monkeypatch):
         outs = {kind: run_blocks(m, hidden, tokens, [4, 7, 7, 13], kind=kind) for kind in ("flex", "dense", "local")}
     assert torch.allclose(outs["flex"], outs["dense"], atol=1e-5)
     assert torch.allclose(outs["local"], outs["dense"], atol=1e-5)
+
+
+def _grads(m, hidden, tokens, anchors):
+    """Parameter gradients of a training-style forward (all anchors at once) under a fixed loss."""
+    anchors_t = torch.tensor([anchors])
+    valid = torch.ones_like(anchors_t, dtype=torch.bool)
+    blk = make_blocks(tokens[None], torch.ones(1, len(tokens), dtype=torch.bool), anchors_t, valid, B, V - 1)
+    S = int(anchors_t.max())
+    mk = masks.build(m.rules, anchors_t, valid, S, B, "local")
+    m.zero_grad()
+    out = m(hidden[None, :S], blk.block_ids, torch.arange(S)[None], blk.positions, mk)
+    (out.float() ** 2).mean().backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
+                                                (("sliding_attention", "full_attention"), 3)])
+def test_recomputed_layers_give_the_same_gradients(layer_types, window):
+    """--grad-checkpoint: the layers' activations recomputed in the backward give every gradient bit
+    for bit (the same operations in the same order, on CPU)."""
+    m = drafter(config(layer_types=layer_types, sliding_window=window)).train()
+    hidden, tokens = sequence()
+    kept = _grads(m, hidden, tokens, [4, 6, 11, 12])
+    m.checkpoint_layers = True
+    again = _grads(m, hidden, tokens, [4, 6, 11, 12])
+    assert kept.keys() == again.keys() and all(torch.equal(kept[n], again[n]) for n in kept)
+
+
+def test_a_sliding_layer_sees_no_context_beyond_its_window_at_a_far_anchor():
+    """Long context with sliding layers: at an anchor far past the window, the states older than the
+    window change nothing; one inside it does."""
+    window, anchor = 6, 40
+    m = drafter(config(layer_types=("sliding_attention",) * 2, sliding_window=window))
+    hidden, tokens = sequence(T=48)
+    base = run_blocks(m, hidden, tokens, [anchor], ctx_len=anchor)
+    old = hidden.clone()
+    old[:anchor - window + 1] = 5.0  # every position at least `window` before the block's first slot
+    assert torch.equal(run_blocks(m, old, tokens, [anchor], ctx_len=anchor), base)
+    near = hidden.clone()
+    near[anchor - window + 1] = 5.0  # the oldest position the block's first slot still sees
+    assert not torch.allclose(run_blocks(m, near, tokens, [anchor], ctx_len=anchor)[0, 0], base[0, 0])
