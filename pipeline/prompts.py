@@ -60,7 +60,7 @@ class Row:
         turns = self.conversation()
         return [replace(self, messages=turns[:j], response=m["content"], response_ids=self.response_ids
                         if j == len(turns) - 1 else None, answer=m)
-                for j, m in enumerate(turns) if m["role"] == "assistant"]
+                for j, m in enumerate(turns) if m["role"] == "assistant"] or [self]  # no answer: skipped as such
 
 
 class PromptSet:

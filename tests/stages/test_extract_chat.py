@@ -110,12 +110,12 @@ def test_turns_split_stores_each_answer_as_the_last_turn(tmp_path, target):
     the row; --turns split stores one sample per answer, each with its thinking block."""
     second = {"role": "assistant", "content": "    return a - b", "reasoning_content": "Subtract."}
     turns = [USER, THOUGHT, {"role": "user", "content": "def sub(a, b):"}, second]
-    data = write(tmp_path, [{"messages": turns}, {"messages": [USER, THOUGHT]}])
+    data = write(tmp_path, [{"messages": turns}, {"messages": [USER, THOUGHT]}, {"messages": [USER]}])
     common = dict(dataset=data, shards="0", num_shards=1, responses="dataset", **LONG)
     with pytest.raises(DatasetError, match="row 0: the chat template renders assistant turn 1 differently .* --turns split"):
         run(ExtractConfig(store=str(tmp_path / "all.zarr"), turns="all", **common), log=lambda m: None)
     summary = run(ExtractConfig(store=str(tmp_path / "split.zarr"), turns="split", **common), log=lambda m: None)
-    assert summary["samples"] == 3
+    assert summary["samples"] == 3 and summary["skipped"]["missing_response"] == 1  # the row without an answer
     got = samples(tmp_path / "split.zarr")
     assert [s.row_id for s in got] == [0, 0, 1]
     decode = target.tokenizer.decode
