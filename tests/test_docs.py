@@ -42,3 +42,27 @@ def test_flag_tables_state_the_configs_defaults(doc, config_cls):
     assert len(checked) >= 8, rows
     wrong = {flag: rows[flag] for flag in checked if not reads_as(fields[flag], rows[flag])}
     assert wrong == {}
+
+
+def mapped_files(doc: str) -> set[str]:
+    """Every file the code map of doc names: `dir/a.py`, and a bare `b.py` after it in the same
+    row as dir/b.py."""
+    names = set()
+    for line in doc.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for name in re.findall(r"`([\w./]+\.py)`", line):
+            if "/" in name:
+                folder = name.rsplit("/", 1)[0]
+            names.add(name if "/" in name or not folder else f"{folder}/{name}")
+    return names
+
+
+def test_every_production_module_is_in_the_code_map():
+    from tests.test_layers import production_files
+
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    missing = [p.relative_to(REPO).as_posix() for p in production_files(REPO)
+               if p.name != "__init__.py" and p.relative_to(REPO).as_posix() not in mapped_files(doc)]
+    assert missing == [], f"docs/architecture.md's code map lacks {missing}"

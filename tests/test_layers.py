@@ -7,7 +7,8 @@ and production code carries no test hooks.
     pipeline/target/, pipeline/drafter/     2    the two models (neither imports the other),
     pipeline/decode/                        3    decoding with both
     stages/ settings, command, plots        4  what the runs share,
-    stages/extract/, train/, evaluate/      5    the three runs (none imports another)
+    stages/extract/, train/, evaluate/,     5    the three runs and export (none imports another)
+           export/
     train.py, evaluate.py, pipeline/cli.py,
     pipeline/__main__.py                    6  entry points: parse, build the config, run; at most
                                                40 lines per command they define
@@ -22,7 +23,7 @@ import pytest
 from tests.conftest import REPO
 
 ENTRY = {"train.py", "evaluate.py", "pipeline/cli.py", "pipeline/__main__.py"}
-SIBLINGS = {"pipeline.target", "pipeline.drafter", "stages.extract", "stages.train", "stages.evaluate"}
+SIBLINGS = {"pipeline.target", "pipeline.drafter", "stages.extract", "stages.train", "stages.evaluate", "stages.export"}
 LINES_PER_COMMAND = 40
 
 
