@@ -14,14 +14,21 @@ from store.errors import ConfigError
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, flag: str | None = None, default_text: str | None = None,
-            choices: tuple | None = None, parse=None, click: dict | None = None) -> dataclasses.Field:
+            choices: tuple | None = None, parse=None, click: dict | None = None, resume: str | None = None,
+            drafter: str | None = None) -> dataclasses.Field:
     """A config field. flag: the option's name when it is not `--field-name`; default_text: how the
     default reads in --help when the value itself says little (None meaning "auto"); choices: the
     allowed values; parse: text -> value, for fields a single option string cannot hold as is;
-    click: any further click.option arguments."""
+    click: any further click.option arguments. Roles: resume="fixed": a resumed run must keep the
+    value (training); drafter: the DrafterConfig field the value sets, when given (training)."""
     meta = {"help": help, "flag": flag, "default_text": default_text, "choices": choices, "parse": parse,
-            "click": click or {}}
+            "click": click or {}, "resume": resume, "drafter": drafter}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def with_role(config_cls, role: str) -> dict[str, str]:
+    """{field name: its role's value} for the fields of config_cls that carry `role` (setting's roles)."""
+    return {f.name: f.metadata[role] for f in dataclasses.fields(config_cls) if f.metadata.get(role)}
 
 
 def flag_of(config, name: str) -> str:

@@ -18,35 +18,38 @@ _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    store: str = setting("hs.zarr", "Hidden-state store (path or fsspec URL).")
+    store: str = setting("hs.zarr", "Hidden-state store (path or fsspec URL).", resume="fixed")
     out: str = setting("runs/drafter", "Run directory.")
     shards: str | None = setting(None, "Training shards, e.g. '0-55'.",
-                                 default_text="every committed shard not in --eval-shards")
-    eval_shards: str | None = setting(None, "Held-out shards for validation, e.g. '56-63'.", default_text="none")
-    max_steps: int | None = setting(None, "Optimizer steps; overrides --epochs.")
-    epochs: int = setting(6, "Passes over the training samples.")
+                                 default_text="every committed shard not in --eval-shards", resume="fixed")
+    eval_shards: str | None = setting(None, "Held-out shards for validation, e.g. '56-63'.", default_text="none",
+                                      resume="fixed")
+    max_steps: int | None = setting(None, "Optimizer steps; overrides --epochs.", resume="fixed")
+    epochs: int = setting(6, "Passes over the training samples.", resume="fixed")
     lr: float = setting(6e-4, "Peak AdamW learning rate: of every parameter with --optimizer adamw, of the norms with "
-                              "muon (whose matrices take --muon-lr).")
-    warmup_ratio: float = setting(0.04, "Linear warmup share of the steps; --schedule decay after.")
-    schedule: str = setting("cosine", "Decay to 0 after the warmup: cosine or linear.", choices=SCHEDULES)
+                              "muon (whose matrices take --muon-lr).", resume="fixed")
+    warmup_ratio: float = setting(0.04, "Linear warmup share of the steps; --schedule decay after.", resume="fixed")
+    schedule: str = setting("cosine", "Decay to 0 after the warmup: cosine or linear.", choices=SCHEDULES,
+                            resume="fixed")
     optimizer: str = setting("muon", "muon: Muon (torch.optim.Muon's update) over the 2-D weight matrices (fc, "
                                      "attention, MLP) and AdamW over the norms, as speculators trains DFlash; adamw: "
                                      "AdamW over every parameter (the SPEC recipe). The default by the recipe bench "
-                                     "(docs/training.md).", choices=OPTIMIZERS)
+                                     "(docs/training.md).", choices=OPTIMIZERS, resume="fixed")
     muon_lr: float | None = setting(None, "Peak Muon learning rate (--optimizer muon), its update scaled to match "
-                                          "AdamW's RMS.", default_text="10 x --lr")
-    muon_weight_decay: float = setting(0.1, "Muon weight decay (--optimizer muon).")
-    grad_clip: float = setting(1.0, "Gradient norm clip (0: off).")
-    weight_decay: float = setting(0.0, "AdamW weight decay.")
-    block_size: int = setting(BLOCK_SIZE, "Block size B: anchor token + B-1 drafts.")
-    gamma: float | None = setting(None, "Loss decay w_k = exp(-(k-1)/gamma).", default_text=_GAMMAS)
-    anchors: int = setting(512, "Blocks per sample, resampled every step.")
+                                          "AdamW's RMS.", default_text="10 x --lr", resume="fixed")
+    muon_weight_decay: float = setting(0.1, "Muon weight decay (--optimizer muon).", resume="fixed")
+    grad_clip: float = setting(1.0, "Gradient norm clip (0: off).", resume="fixed")
+    weight_decay: float = setting(0.0, "AdamW weight decay.", resume="fixed")
+    block_size: int = setting(BLOCK_SIZE, "Block size B: anchor token + B-1 drafts.", resume="fixed")
+    gamma: float | None = setting(None, "Loss decay w_k = exp(-(k-1)/gamma).", default_text=_GAMMAS, resume="fixed")
+    anchors: int = setting(512, "Blocks per sample, resampled every step.", resume="fixed")
     anchor_rule: str = setting("pair", "Which positions may anchor a block: pair: loss_mask[a] and loss_mask[a+1] "
-                                       "(SPEC); single: loss_mask[a] (speculators).", choices=ANCHOR_RULES)
+                                       "(SPEC); single: loss_mask[a] (speculators).", choices=ANCHOR_RULES,
+                               resume="fixed")
     max_length: int = setting(4096, "Tokens per sample used (longer ones are cut); with --batching packed also "
-                                    "the tokens of a row.")
+                                    "the tokens of a row.", resume="fixed")
     batch_size: int = setting(1, "Rows per process per micro-batch (a row is one sample, or several with "
-                                 "--batching packed).")
+                                 "--batching packed).", resume="fixed")
     batching: str = setting("random", "How samples become rows and batches, from each epoch's shuffled order: "
                                       "random: one sample a row, in the shuffled order (the default by the recipe "
                                       "bench); bucketed: one sample a row, rows of similar length batched together "
@@ -54,24 +57,25 @@ class TrainConfig:
                                       "long samples weigh as much as batches of short ones); packed: whole "
                                         "samples concatenated into rows of up to --max-length tokens, attention and "
                                         "labels never crossing samples, positions restarting at each, --anchors per "
-                                        "sample.", choices=BATCHINGS)
-    grad_accum: int = setting(1, "Micro-batches per optimizer step.")
-    seed: int = setting(0, "Seeds the initialization, data order and anchors.")
+                                        "sample.", choices=BATCHINGS, resume="fixed")
+    grad_accum: int = setting(1, "Micro-batches per optimizer step.", resume="fixed")
+    seed: int = setting(0, "Seeds the initialization, data order and anchors.", resume="fixed")
     noise_std: float = setting(0.0, "Noise on fc's input only (never the labels): the sd of --noise gaussian, the "
-                                    "half-width of --noise uniform.")
+                                    "half-width of --noise uniform.", resume="fixed")
     noise: str = setting("gaussian", "Kind of --noise-std noise: gaussian, or uniform in [-std, std] (speculators' "
-                                     "noise_std).", choices=NOISES)
+                                     "noise_std).", choices=NOISES, resume="fixed")
     slot_weights: str = setting("dpace", "Loss weight of draft slot k: dpace: D-PACE (arXiv:2605.18810), from the "
                                          "drafter's own detached confidences, the default of ModelOpt and speculators "
                                          "and of the recipe bench; exp: exp(-(k-1)/gamma) (SPEC).",
-                                choices=("dpace", "exp"))
+                                choices=("dpace", "exp"), resume="fixed")
     dpace_alpha: float = setting(0.5, "D-PACE smoothing: confidence q counts as alpha + (1-alpha) q "
-                                      "(--slot-weights dpace only).")
+                                      "(--slot-weights dpace only).", resume="fixed")
     anchor_budget: int | None = setting(None, "At most N blocks per micro-batch in all, drawn from the samples' "
                                               "anchors pooled; each sample still at most --anchors.",
-                                        default_text="off")
+                                        default_text="off", resume="fixed")
     loss_norm: str = setting("weights", "Divide a micro-batch's weighted CE by the sum of the slot weights (SPEC) or "
-                                        "by the number of labelled slots (labels, as speculators).", choices=NORMS)
+                                        "by the number of labelled slots (labels, as speculators).", choices=NORMS,
+                             resume="fixed")
     save_every: int = setting(1000, "Write OUT/step-N (what --resume continues from) every N steps, and at the end "
                                     "(0: only OUT/final).")
     keep_last: int = setting(2, "Keep the newest K step-N checkpoints: once one is written, older ones beyond K "
@@ -95,17 +99,21 @@ class TrainConfig:
     threads: int | None = setting(None, "CPU only: intra-op threads per process. On a busy machine 1 can be much "
                                         "faster: OpenMP threads that wait on each other crawl.",
                                   default_text=devices.THREADS_AUTO)
-    num_layers: int | None = setting(None, "Drafter layers.", default_text=str(NUM_LAYERS))
-    num_heads: int | None = setting(None, "Query heads.", default_text="from the store's hidden size")
+    num_layers: int | None = setting(None, "Drafter layers.", default_text=str(NUM_LAYERS), drafter="num_hidden_layers")
+    num_heads: int | None = setting(None, "Query heads.", default_text="from the store's hidden size",
+                                    drafter="num_attention_heads")
     num_kv_heads: int | None = setting(
-        None, "Key/value heads.", default_text="heads / 4; the target's full-attention KV heads where vLLM needs them")
+        None, "Key/value heads.", default_text="heads / 4; the target's full-attention KV heads where vLLM needs them",
+        drafter="num_key_value_heads")
     head_dim: int | None = setting(
-        None, "Head dimension.", default_text="128, or hidden/4 below 1024; the target's where vLLM needs it")
-    intermediate_size: int | None = setting(None, "MLP width.", default_text="3.4 x hidden, rounded to 64")
+        None, "Head dimension.", default_text="128, or hidden/4 below 1024; the target's where vLLM needs it",
+        drafter="head_dim")
+    intermediate_size: int | None = setting(None, "MLP width.", default_text="3.4 x hidden, rounded to 64",
+                                            drafter="intermediate_size")
     layer_types: str | None = setting(None, "'full', 'sliding', or one per layer, e.g. "
                                             "'sliding,sliding,sliding,sliding,full'.",
                                       default_text="--drafter-config's, else full")
-    sliding_window: int | None = setting(None, "Window of sliding layers (positions).")
+    sliding_window: int | None = setting(None, "Window of sliding layers (positions).", drafter="sliding_window")
     rope_theta: float | None = setting(None, "RoPE base.",
                                        default_text=f"--drafter-config's, else {ROPE_THETA:.0e}".replace("e+0", "e"))
     mask_token_id: int | None = setting(None, "Mask token for the draft slots.", default_text="the store's")
@@ -125,7 +133,7 @@ class TrainConfig:
                                            "a third more compute (for --max-length 8k-16k: docs/training.md, Long "
                                            "context).")
     mixed_precision: str = setting("auto", "auto: bf16 autocast with fp32 master weights on GPU, fp32 on CPU.",
-                                   choices=("auto", "bf16", "no"))
+                                   choices=("auto", "bf16", "no"), resume="fixed")
     audit: bool = setting(False, "Write OUT/audit/rank-N.json: world size, samples read, parameter hash.")
 
     def __post_init__(self) -> None:

@@ -21,16 +21,14 @@ from pathlib import Path
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
-from stages.settings import flag_of
+from stages.settings import flag_of, with_role
+from stages.train.config import TrainConfig
 from stages.train.position import advance
 from store.errors import ConfigError
 from store.locks import LockFile
 
 # Fields that fix the data order and the model: a resumed run must keep them.
-RESUME_FIXED = ("store", "shards", "eval_shards", "seed", "batch_size", "grad_accum", "max_length", "anchors",
-                "block_size", "gamma", "lr", "warmup_ratio", "weight_decay", "noise_std", "epochs", "max_steps",
-                "grad_clip", "mixed_precision", "slot_weights", "dpace_alpha", "anchor_budget", "batching",
-                "anchor_rule", "loss_norm", "noise", "optimizer", "muon_lr", "muon_weight_decay", "schedule")
+RESUME_FIXED = tuple(with_role(TrainConfig, "resume"))  # what a resumed run must keep: setting(..., resume="fixed")
 # What a run saved before a field existed did, where that is not the field's default today.
 BEFORE_THE_FIELD = {"slot_weights": "exp", "batching": "bucketed", "anchor_rule": "pair", "loss_norm": "weights",
                     "noise": "gaussian", "optimizer": "adamw", "schedule": "cosine"}

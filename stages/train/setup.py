@@ -20,7 +20,7 @@ from pipeline.drafter.config import DrafterConfig, default_sizes, read_config, s
 from pipeline.drafter.consumers import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
-from stages.settings import flag_of
+from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
 from stages.train.grad_comm import GradComm, install, step_bytes
@@ -138,10 +138,8 @@ def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
     else:
         arch = default_sizes(attrs.hidden_size)
         arch.update(layer_types=("full_attention",) * arch["num_hidden_layers"])
-    flags = {"num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-             "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-             "intermediate_size": config.intermediate_size, "sliding_window": config.sliding_window}
-    arch.update({k: v for k, v in flags.items() if v is not None})
+    given = {target: getattr(config, name) for name, target in with_role(TrainConfig, "drafter").items()}
+    arch.update({k: v for k, v in given.items() if v is not None})
     if config.num_heads is not None and config.num_kv_heads is None:
         arch["num_key_value_heads"] = max(1, config.num_heads // 4)
     if config.layer_types is not None or len(arch["layer_types"]) != arch["num_hidden_layers"]:

@@ -130,3 +130,21 @@ def test_pruned_run_keeps_the_newest_two_and_resumes_exactly(small_store, tmp_pa
     a, b = checkpoint.load(straight / "final")[1], checkpoint.load(resumed / "final")[1]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert list(itertools.chain(straight.glob(".*"), resumed.glob(".*"))) == []
+
+
+def test_field_roles_come_from_the_settings():
+    """What a resume must keep and which flags size the drafter are said where each field is made
+    (setting(..., resume=, drafter=)): the run's own output and worker count may change on resume, and
+    every drafter role names a DrafterConfig field."""
+    import dataclasses
+
+    from pipeline.drafter.config import DrafterConfig
+    from stages.settings import with_role
+    from stages.train.config import TrainConfig
+    from stages.train.run_dir import RESUME_FIXED
+
+    assert {"store", "lr", "seed", "batch_size", "schedule"} <= set(RESUME_FIXED)
+    assert not {"out", "workers", "resume", "save_every", "grad_checkpoint"} & set(RESUME_FIXED)
+    roles = with_role(TrainConfig, "drafter")
+    assert roles["num_layers"] == "num_hidden_layers" and len(roles) == 6
+    assert set(roles.values()) <= {f.name for f in dataclasses.fields(DrafterConfig)}
