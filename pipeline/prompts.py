@@ -202,6 +202,13 @@ class PromptSet:
         return {"source": self.source, "rows": len(self), "sha256": self.sha256, "fields": fields}
 
 
+def has_prompt(row: Row) -> bool:
+    """The row gives the target something to read: prompt ids, or a turn with text."""
+    if row.prompt_ids is not None:
+        return bool(row.prompt_ids)
+    return any(str(m.get("content") or "").strip() for m in row.messages)
+
+
 def prompt_size(row: Row) -> int:
     if row.prompt_ids is not None:
         return len(row.prompt_ids)

@@ -20,16 +20,16 @@ class Prompts:
     def __init__(self, store: HiddenStore, shards: list[int], limit: int | None, seed: int) -> None:
         self.store = store
         refs, lengths = [], []
+        self.category = {}  # each available prompt's label (--category-field at extraction), when its shard has them
         for shard in shards:
             reader = ShardReader(store, shard)  # a completion follows every prompt (pipeline verify checks it)
             n = np.diff(reader.offsets)
             keep = np.flatnonzero(n > reader.prompt_lens)
             refs += [(shard, int(i)) for i in keep]
             lengths += n[keep].tolist()
+            if reader.record.categories is not None:
+                self.category.update({(shard, int(i)): reader.record.category(int(i)) for i in keep})
         self.available = len(refs)
-        records = {s: store.commit_record(s) for s in shards}
-        # each available prompt's label (--category-field at extraction), when its shard records them
-        self.category = {r: label for r in refs if (label := records[r[0]].category(r[1])) is not None}
         pick = np.arange(len(refs))
         if limit is not None and limit < len(refs):
             pick = np.sort(np.random.default_rng(seed).choice(len(refs), limit, replace=False))

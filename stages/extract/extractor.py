@@ -264,14 +264,13 @@ class Extractor:
 
     def prepared(self, row: prompt_sets.Row, chat: Chat, writer: ShardWriter) -> Prepared | None:
         c = self.config
-        token_row = row.prompt_ids is not None
-        if not (row.prompt_ids if token_row else any(str(m.get("content") or "").strip() for m in row.messages)):
+        if not prompt_sets.has_prompt(row):
             writer.skip("empty_prompt")
             return None
         if c.responses == "dataset" and row.response is None and row.response_ids is None:
             writer.skip("missing_response")
             return None
-        if token_row:  # as given: no template; the loss runs inside it as given
+        if row.prompt_ids is not None:  # a token row, as given: no template; the loss runs inside it as given
             prompt, answers = self.in_vocabulary(list(row.prompt_ids), row, "prompt"), row.prompt_spans
         else:
             chat_template.check(chat, row.conversation())

@@ -110,13 +110,10 @@ def tokens_per_row(config: ExtractConfig, target: Target, prompt_set: prompt_set
     total = 0
     for i in rows:
         row = prompt_set.row(i)
-        if row.prompt_ids is not None:
-            n = len(row.prompt_ids)
-        elif any(str(m.get("content") or "").strip() for m in row.messages):
-            n = len(chat_template.for_row(target.tokenizer, row, config.template_args(), prompt_set.source).ids(
-                row.messages, generation_prompt=True))
-        else:
+        if not prompt_sets.has_prompt(row):
             continue
+        n = len(row.prompt_ids) if row.prompt_ids is not None else len(chat_template.for_row(
+            target.tokenizer, row, config.template_args(), prompt_set.source).ids(row.messages, generation_prompt=True))
         if n < config.max_length:
             total += n + completion_limit(config.max_new_tokens, config.max_length, n)
     return total / len(rows) if rows else 0.0
