@@ -41,26 +41,32 @@ class TrainingRecord:
     store_conditioning: str | None = None  # Compat.conditioning() of the store (None: recorded before it existed)
 
 
+def architecture(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING) -> dataclasses.Field:
+    """A DrafterConfig field of the architecture: what a new drafter takes from a --drafter-config
+    (the store gives the rest: sizes it must match, taps, vocabulary, mask token)."""
+    return field(default=default, default_factory=default_factory, metadata={"architecture": True})
+
+
 @dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
     hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    intermediate_size: int = architecture()
+    num_hidden_layers: int = architecture()
+    num_attention_heads: int = architecture()
+    num_key_value_heads: int = architecture()
+    head_dim: int = architecture()
     vocab_size: int
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int | None  # None when a released config does not say
-    layer_types: tuple[str, ...]
-    sliding_window: int | None = None
-    is_causal: bool | None = None  # None: sliding layers causal, full layers bidirectional
-    rms_norm_eps: float = 1e-6
-    rope_parameters: dict = field(default_factory=lambda: DrafterConfig.default_rope())
-    max_position_embeddings: int = 40960
-    input_embedding_scale: float = 1.0
+    layer_types: tuple[str, ...] = architecture()
+    sliding_window: int | None = architecture(None)
+    is_causal: bool | None = architecture(None)  # None: sliding layers causal, full layers bidirectional
+    rms_norm_eps: float = architecture(1e-6)
+    rope_parameters: dict = architecture(default_factory=lambda: DrafterConfig.default_rope())
+    max_position_embeddings: int = architecture(40960)
+    input_embedding_scale: float = architecture(1.0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(t) for t in self.target_layer_ids))
@@ -158,6 +164,11 @@ class DrafterConfig:
             max_position_embeddings=int(get("max_position_embeddings", default["max_position_embeddings"])),
             input_embedding_scale=float(get("input_embedding_scale", default["input_embedding_scale"], inner=True)),
         )
+
+
+def architecture_fields() -> tuple[str, ...]:
+    """The DrafterConfig fields declared with `architecture()`, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(DrafterConfig) if f.metadata.get("architecture"))
 
 
 def _defaults(cls) -> dict:

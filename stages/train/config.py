@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 from pipeline import device as devices
 from pipeline.drafter.blocks import ANCHOR_RULES
-from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA, default_gamma
+from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA
 from pipeline.drafter.loss import NORMS
 from stages.settings import at_least, check_choices, parse_count, require, setting
 from stages.train.data import BATCHINGS
 from stages.train.optim import OPTIMIZERS, SCHEDULES
-from stages.train.step import NOISES
+from stages.train.step import NOISES, slot_gamma
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
 
@@ -152,5 +152,5 @@ class TrainConfig:
         for name in ("shards", "eval_shards"):
             require(self, name, getattr(self, name) is None or bool(getattr(self, name).strip()),
                     "is empty: give a range such as '0-55', or leave the flag out")
-        if self.gamma is None and self.init_from is None and self.slot_weights == "exp":
-            default_gamma(self.block_size)  # a block size without a default needs --gamma
+        if self.init_from is None:  # with --init-from the checkpoint's block size decides, at setup (LossPlan.of)
+            slot_gamma(self, self.block_size)  # a block size without a default gamma needs --gamma

@@ -36,9 +36,8 @@ class LossPlan:
     @classmethod
     def of(cls, config, drafter: DrafterConfig, flex: bool) -> LossPlan:
         """From the TrainConfig and the drafter's config (an --init-from checkpoint's block size)."""
-        gamma, alpha = None, config.dpace_alpha  # --slot-weights dpace
-        if config.slot_weights == "exp":
-            gamma, alpha = config.gamma if config.gamma is not None else default_gamma(drafter.block_size), None
+        gamma = slot_gamma(config, drafter.block_size)
+        alpha = None if config.slot_weights == "exp" else config.dpace_alpha
         return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
                    config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise,
                    config.batching == "packed")
@@ -47,6 +46,16 @@ class LossPlan:
     def width(self) -> int:
         """The most blocks a row can get."""
         return min(self.anchors, self.anchor_budget or self.anchors)
+
+
+def slot_gamma(config, block_size: int) -> float | None:
+    """The decay of --slot-weights exp for a drafter of this block size: --gamma, else the block size's
+    default (a ConfigError naming --block-size when it has none); None with D-PACE. The one place it
+    is resolved: TrainConfig checks it with --block-size, the loss plan takes it with the drafter's
+    (with --init-from, the checkpoint's)."""
+    if config.slot_weights != "exp":
+        return None
+    return config.gamma if config.gamma is not None else default_gamma(block_size)
 
 
 def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:

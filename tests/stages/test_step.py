@@ -47,6 +47,23 @@ def test_dpace_needs_no_gamma_and_plans_carry_the_options():
     assert (plan.gamma, plan.dpace_alpha, plan.width) == (7.0, None, 8)  # exp: the default gamma of B=16
 
 
+def test_gamma_is_resolved_once_for_the_check_and_the_plan():
+    """slot_gamma: --gamma, else the default of the block size (the config's when checking, the
+    drafter's in the plan, so an --init-from checkpoint's decides); None with D-PACE."""
+    from stages.train.step import LossPlan, slot_gamma
+    from tests.drafters import config
+
+    assert slot_gamma(TrainConfig(), 16) is None and slot_gamma(TrainConfig(slot_weights="exp"), 8) == 4.0
+    assert slot_gamma(TrainConfig(slot_weights="exp", gamma=2.5), 12) == 2.5
+    with pytest.raises(ConfigError, match="--block-size 12: no default loss decay"):
+        TrainConfig(slot_weights="exp", block_size=12)
+    warm = TrainConfig(slot_weights="exp", block_size=12, init_from="ckpt")  # the checkpoint's size decides
+    assert warm.gamma is None  # the config holds what was given: a resumed run compares it (RESUME_FIXED)
+    assert LossPlan.of(warm, config(block_size=8), False).gamma == 4.0
+    with pytest.raises(ConfigError, match="--block-size 12: no default loss decay"):
+        LossPlan.of(TrainConfig(slot_weights="exp", init_from="ckpt"), config(block_size=12), False)
+
+
 def test_resume_refuses_changed_options():
     from stages.train.run_dir import resumable
 
