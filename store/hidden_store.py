@@ -24,6 +24,7 @@ from store import commit_file, layout
 from store.errors import NotAStore, NotCommitted, StoreCorrupt, StoreError, StoreMismatch
 from store.locks import HOST, LockFile
 from store.ranges import format_ranges
+from store.read_checks import ReadChecks, read_checks
 from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
@@ -58,21 +59,10 @@ class HiddenStore:
     def exists(self) -> bool:
         return self.fs.exists(self.path(layout.commit_key("root")))
 
-    def unchecked_reads(self, records: dict[int, ShardCommit] | None = None) -> str | None:
-        """What reading this store cannot check (a warning for the reader to print), or None.
-        records: the commit records when the caller holds them (else read here)."""
-        if self.attrs.schema_version < 2:
-            return (f"{self.location} is a schema-1 store: its chunks carry no checksums, so damage inside a state "
-                    f"or token chunk is not seen while reading (its metadata and per-sample arrays still are); run "
-                    f"`pipeline verify {self.location}` before using it, or extract it again into a schema-2 store")
-        older = [s for s, record in (self.commits()[0] if records is None else records).items()
-                 if not record.every_chunk]
-        if not older:
-            return None
-        return (f"{self.location}: shards {format_ranges(older)} were committed before every chunk was written "
-                f"(2026-12-01): a chunk file deleted from them reads as zeros, not as an error; run `pipeline verify "
-                f"{self.location} --shards {format_ranges(older)}` before using them, or extract them again (delete "
-                f"their commit files, then run `pipeline extract` with the store's settings)")
+    def read_checks(self, records: dict[int, ShardCommit] | None = None) -> ReadChecks:
+        """What reading this store checks (store/read_checks.py); records: the commit records of the
+        shards asked about (default: every committed one)."""
+        return read_checks(self.location, self.attrs, self.root_commit, self.commits()[0] if records is None else records)
 
     def shard_damage(self, e: StoreCorrupt, shard: int, sample: int | None = None) -> StoreCorrupt:
         """e, told which shard (and sample) it lies in and what to run about it."""
@@ -191,7 +181,7 @@ class HiddenStore:
             bits = layout.to_bits(w.detach().to("cpu", torch.bfloat16))
             rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
             g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
-                           compressors=layout.hidden_codecs(attrs.compat.codec or "blosc", attrs.compat.compression_level),
+                           compressors=layout.hidden_codecs(attrs.compat.compression_level),
                            fill_value=0, overwrite=True)[:] = bits
             checksums[name] = layout.crc32(bits)
         g.attrs.put(to_json(attrs))
@@ -205,6 +195,10 @@ class HiddenStore:
             raise StoreMismatch(f"{self.location} is a schema-{self.attrs.schema_version} store (an earlier "
                                 f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
                                 f"go into a new store (schema {SCHEMA_VERSION})")
+        if self.attrs.compat.codec != layout.CODEC:
+            raise StoreMismatch(f"{self.location} holds states coded with {self.attrs.compat.codec} (the retired "
+                                f"--codec option): training and evaluation still read it, but new shards go into a "
+                                f"new store ({layout.CODEC})")
         diff = self.attrs.compat.differences(compat)
         if diff:
             detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))

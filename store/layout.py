@@ -40,12 +40,13 @@ ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, 
                 "prompt_lens": np.int32, "row_ids": np.int64, "first_pairs": np.int32}
 TOKEN_CHUNK = 1 << 16  # elements per chunk of the per-token arrays: a sample's span decodes little
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected", "nonfinite")
-# The hidden states' codec: "planes" (schema 2: this package's byte-plane codec, store/codec.py,
-# high plane zstd at the level, low plane LZ4) or "blosc" (schema 1's: blosc zstd, byte shuffle).
-# Every chunk of a schema-2 store ends in a crc32c checksum that every read verifies.
-CODECS = ("planes", "blosc")
-DEFAULT_LEVELS = {"planes": 1, "blosc": 3}
-LEVELS = {"planes": PLANE_LEVELS, "blosc": (0, 9)}
+# The hidden states' codec, recorded in compat.codec: "planes", this package's byte-plane codec
+# (store/codec.py: high plane zstd at the level, low plane LZ4), each chunk ending in a crc32c that
+# every read verifies. Older stores may hold "blosc" (blosc zstd, byte shuffle, no checksum; schema 1
+# and the retired `--codec blosc`), which zarr reads; store/read_checks.py says what each allows.
+CODEC = "planes"
+DEFAULT_LEVEL = 1
+LEVELS = PLANE_LEVELS
 
 
 def shard_name(shard: int) -> str:
@@ -60,10 +61,8 @@ def commit_key(shard: int | str) -> str:
     return f"_commits/{shard if isinstance(shard, str) else shard_name(shard)}.json"
 
 
-def hidden_codecs(codec: str, level: int) -> list:
+def hidden_codecs(level: int) -> list:
     """The codec chain of bf16 bits (states, embedding, lm_head); lossless."""
-    if codec == "blosc":
-        return [BloscCodec(cname="zstd", clevel=level, shuffle=BloscShuffle.shuffle, typesize=2)]
     return [Bf16Planes(level=level, low="lz4"), Crc32cCodec()]
 
 
@@ -81,10 +80,9 @@ def first_pairs(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
-def small_codecs(codec: str) -> list:
+def small_codecs() -> list:
     """The codec chain of the per-token and per-sample integer arrays."""
-    blosc = BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle)
-    return [blosc] if codec == "blosc" else [blosc, Crc32cCodec()]
+    return [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle), Crc32cCodec()]
 
 
 def to_bits(x: torch.Tensor) -> np.ndarray:

@@ -36,8 +36,9 @@ def per_sample(store: HiddenStore, records: dict[int, ShardCommit],
                names: tuple[str, ...] = ("offsets", "first_pairs")) -> dict[int, dict[str, np.ndarray]]:
     """shard -> {name: its array}, for every shard of records (its commit record), in one batch
     of reads; shards another layout or a failed check leaves out are read by ShardReader."""
-    keys = {(s, n, f): store.path(f"{layout.shard_group(s)}/{n}/{f}")
-            for s, rec in records.items() for n in names if n in rec.shapes for f in ("zarr.json", "c/0")}
+    direct = store.read_checks(records).direct_reads  # else every shard goes through ShardReader (zarr)
+    keys = {(s, n, f): store.path(f"{layout.shard_group(s)}/{n}/{f}") for s, rec in records.items()
+            for n in names if direct and n in rec.shapes for f in ("zarr.json", "c/0")}
     blobs = commit_file.cat_many(store.fs, list(keys.values()))
     got = dict(zip(keys, blobs))
     out = {}

@@ -1,8 +1,8 @@
 """The store's records, typed: the root attributes (`StoreAttrs`) and each shard's commit file
 (`ShardCommit`). Extraction builds them, every reader gets them from `HiddenStore`; nothing else
-reads these JSON keys. The JSON is documented in docs/store.md. Fields added since schema 1 have the
-default None, meaning "not recorded", and are left out of the JSON while None, so schema-1 stores
-load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
+reads these JSON keys. The JSON is documented in docs/store.md. Fields added after format revision 1
+(store/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
+while None, so older stores load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
 schema-1 stores are read-only (`HiddenStore.check_compatible`).
 """
 
@@ -20,6 +20,7 @@ from store.errors import NotAStore, StoreCorrupt
 
 KIND = "dflash-hidden-states"
 SCHEMA_VERSION = 2  # 2: byte-plane codec with a checksum per chunk (1: blosc, read-only now)
+FORMAT_REVISION = 4  # what this version writes; the revisions, and what each lets a reader check: store/read_checks.py
 TAP_MEANING = "tap k = output of decoder layer k (0-based) = Hugging Face hidden_states[k+1]"
 
 
@@ -94,18 +95,17 @@ class TargetRecord:
     weights_sha256: dict  # file name -> SHA-256
     tokenizer_sha256: str
     chat_template_sha256: str
-    # Recorded since strict target loading (absent, so None / {}, in stores written before): the
-    # tokenizer class transformers actually built (for qwen3_5 checkpoints its own, whatever
+    # The tokenizer class transformers actually built (for qwen3_5 checkpoints its own, whatever
     # tokenizer_class says), and the checkpoint tensors the text model knowingly leaves unused
-    # ({pattern: count}: vision tower, MTP heads).
+    # ({pattern: count}: vision tower, MTP heads); None in some revision-1 stores.
     tokenizer_class: str | None = None
     non_text_tensors: dict | None = None
-    # Recorded since drafter export (None in stores written before): the target's context length,
-    # which a drafter's config.json carries for serving engines to size its rotary cache.
+    # The target's context length, which a drafter's config.json carries for serving engines to size
+    # its rotary cache (None in revision-1 stores and some of revision 2).
     max_position_embeddings: int | None = None
-    # Recorded since served evaluation (None before): the kind of each layer ("full_attention",
-    # "linear_attention", ...) and the KV layout of the full-attention layers, which vLLM caches a
-    # drafter's layers beside.
+    # The kind of each layer ("full_attention", "linear_attention", ...) and the KV layout of the
+    # full-attention layers, which vLLM caches a drafter's layers beside (None in revision-1 stores and
+    # some of revision 2).
     layer_types: tuple[str, ...] | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -165,6 +165,7 @@ class StoreAttrs:
     layout: LayoutRecord
     versions: dict  # package -> version
     engine: dict | None = None  # --responses server: url (no credentials), model, engine, version
+    format_revision: int | None = None  # FORMAT_REVISION of the writer that made the root (None: before revision 4)
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> StoreAttrs:
@@ -192,15 +193,15 @@ class ShardCommit:
     checksums: dict  # array name -> CRC-32 of its C-order bytes; "algorithm" says so
     writer: dict  # the writer thread's timing
     # {"matches", "tokens"}: completion tokens equal to the target's own argmax at the position
-    # before (None: not checked, or a store written before the check existed)
+    # before (None: not checked, or not recorded: some revision-1 stores)
     agreement: dict | None = None
     # {"shard": all of the shard's files, "hidden": its states} in bytes, measured once at commit
-    # (None: a store written before they were recorded; `pipeline info` then walks the files)
+    # (None: not recorded, in some revision-2 stores and all of revision 1; `pipeline info` then walks the files)
     bytes: dict | None = None
-    # Recorded since every read checks the files zarr parses (None in stores written before): the
-    # CRC-32 of each metadata file of the shard, by path inside it ("zarr.json", "hidden/zarr.json",
-    # ...), and whether every chunk file was written, all-fill-value chunks included, so that a
-    # missing chunk file is damage rather than zeros.
+    # From format revision 3 (None in shards committed before): the CRC-32 of each metadata file of
+    # the shard, by path inside it ("zarr.json", "hidden/zarr.json", ...), and whether every chunk
+    # file was written, all-fill-value chunks included, so that a missing chunk file is damage
+    # rather than zeros.
     metadata: dict | None = None
     every_chunk: bool | None = None
     # --category-field: {"labels": the distinct labels, "codes": per sample (in sample order) the index of its
@@ -231,7 +232,7 @@ class RootCommit:
     host: str
     fingerprint: str  # the root attributes' fingerprint, repeated: the two must agree
     checksums: dict  # "embed_tokens", "lm_head" -> CRC-32 of the array's C-order bytes
-    metadata: dict | None = None  # CRC-32 of each root metadata file (the attributes among them); see ShardCommit
+    metadata: dict | None = None  # CRC-32 of each root metadata file (the attributes among them); from revision 3
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> RootCommit:
@@ -240,7 +241,7 @@ class RootCommit:
 
 def to_json(record) -> dict:
     """A record as plain JSON types (tuples become lists); fields that are None where None is their
-    default (added since schema 1, not recorded) are left out."""
+    default (added after revision 1, not recorded) are left out."""
     return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)
             if not (f.default is None and getattr(record, f.name) is None)}
 

@@ -59,10 +59,12 @@ class ShardReader:
 
     @functools.cached_property
     def _direct(self) -> list | None:
-        """Direct span readers of the per-token arrays, or None when their layout is not one
-        store/span_reader.py decodes (then zarr reads them)."""
-        every = bool(self.record.every_chunk)
-        direct = [span_reader.for_array(self.store.fs, self._path(name), array, every)
+        """Direct span readers of the per-token arrays, or None when the store's layout has none
+        (store/read_checks.py) or its arrays are not one store/span_reader.py decodes (then zarr reads them)."""
+        checks = self.store.read_checks({self.shard: self.record})
+        if not checks.direct_reads:
+            return None
+        direct = [span_reader.for_array(self.store.fs, self._path(name), array, checks.every_chunk(self.shard))
                   for name, array in zip(_PER_TOKEN, self._per_token)]
         return None if None in direct else direct
 

@@ -48,14 +48,13 @@ class ShardStats:
 
 class ShardWriter:
     def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
-                 chunk_tokens: int, shard_tokens: int, codec: str = "planes", level: int | None = None,
+                 chunk_tokens: int, shard_tokens: int, level: int | None = None,
                  max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
-        self.codec = codec
-        codecs = layout.hidden_codecs(codec, layout.DEFAULT_LEVELS[codec] if level is None else level)
+        codecs = layout.hidden_codecs(layout.DEFAULT_LEVEL if level is None else level)
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -86,7 +85,7 @@ class ShardWriter:
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
             compressors=codecs, fill_value=0, config=_EVERY_CHUNK)
         self._queue: queue.Queue = queue.Queue()
-        self._planes = codecs[0] if codec == "planes" else None  # whole shard files are encoded here
+        self._planes = codecs[0]  # whole shard files are encoded here, not by zarr
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()
@@ -161,7 +160,7 @@ class ShardWriter:
         for name, data in arrays.items():
             self.group.create_array(name, shape=data.shape, dtype=data.dtype,
                                     chunks=(max(1, min(len(data), layout.TOKEN_CHUNK)),),
-                                    compressors=layout.small_codecs(self.codec), fill_value=0,
+                                    compressors=layout.small_codecs(), fill_value=0,
                                     config=_EVERY_CHUNK)[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
@@ -230,18 +229,13 @@ class ShardWriter:
             self._start_file()
 
     def _start_file(self) -> None:
-        """The next whole shard file: its chunks to the pool (planes), or through zarr now (blosc)."""
+        """The next whole shard file: its chunks to the pool."""
         start, end = self._cut, self._cut + self.shard_tokens
         with self._room:
             self._in_flight += self.shard_tokens
-        if self._planes is None:
-            self.hidden.resize((end, self.n_taps, self.hidden_size))
-            self.hidden[start:end] = self._pop(self.shard_tokens)
-            self._wrote(self.shard_tokens)
-        else:
-            chunks = [self._pop(self.chunk_tokens) for _ in range(self.shard_tokens // self.chunk_tokens)]
-            self._encoding.append((start // self.shard_tokens,
-                                   [self._pool.submit(shard_file.encode_chunk, self._planes, c) for c in chunks]))
+        chunks = [self._pop(self.chunk_tokens) for _ in range(self.shard_tokens // self.chunk_tokens)]
+        self._encoding.append((start // self.shard_tokens,
+                               [self._pool.submit(shard_file.encode_chunk, self._planes, c) for c in chunks]))
         self._cut = end
 
     def _write_encoded(self, wait: bool) -> None:

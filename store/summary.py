@@ -13,6 +13,7 @@ TURNS = {"all": ", every assistant turn", "split": ", a sample per assistant tur
 def summarize(store: HiddenStore) -> dict:
     attrs = store.attrs
     committed = store.committed()
+    checks = store.read_checks(committed)
     n_taps, hidden = len(attrs.taps), attrs.hidden_size
     tokens = sum(m.tokens for m in committed.values())
     skipped: dict[str, int] = {}
@@ -65,8 +66,9 @@ def summarize(store: HiddenStore) -> dict:
                 if "template_kwargs" in attrs.compat.dataset_fields else ""),
             "versions": attrs.versions,
             "layout": (f"schema {attrs.schema_version}, codec {attrs.compat.codec or 'blosc'} level "
-                       f"{attrs.compat.compression_level}{'' if attrs.compat.codec else ' (no chunk checksums)'}, "
-                       f"chunks of {attrs.layout.chunk_tokens} tokens in files of {attrs.layout.shard_tokens}"),
+                       f"{attrs.compat.compression_level}, chunks of {attrs.layout.chunk_tokens} tokens in files of "
+                       f"{attrs.layout.shard_tokens}"),
+            "checks": checks.describe(),
         },
     }
 
@@ -84,6 +86,7 @@ def render(s: dict) -> str:
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
         f"layout       {p['layout']}",
+        f"checks       {p['checks']}",
         f"target       {p['target']} ({p['model_class']}; tokenizer {p['tokenizer_class'] or 'not recorded'})",
         f"             unused non-text tensors: {fmt_counts(p['non_text_tensors'])}",
         f"             fingerprint {p['target_fingerprint'][:16]}...",

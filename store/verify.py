@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from store import layout
+from store import layout, span_reader
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
@@ -23,6 +23,7 @@ class Report:
     missing: list[int] = field(default_factory=list)  # expected but not committed
     partial: list[int] = field(default_factory=list)  # data without a commit file (redone on rerun)
     chunks: list[int] = field(default_factory=lambda: [0, 0])  # state chunks decoded, of how many
+    whole: bool = False  # a sample was asked for, but the layout has no chunk checksums: every byte was checked
 
     @property
     def ok(self) -> bool:
@@ -41,6 +42,8 @@ class Report:
     def verdict(self) -> str:
         decoded, total = self.chunks
         coverage = "" if decoded == total else f" (states: {decoded} of {total} chunks decoded, {decoded / total:.1%})"
+        if self.whole:
+            coverage = " (every byte: this layout has no chunk checksums to sample)"
         return f"checked {len(self.checked)} committed shard(s){coverage}: " + (
             "all good" if self.ok else f"{len(self.problems)} corrupt, {len(self.missing)} missing")
 
@@ -59,10 +62,14 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
     """Check the root and the `expected` shards (default: every committed one); expected shards
     that are not committed count as missing. sample: the share of state chunks to decode, chosen
     at random (None: every byte, and each whole array against its commit checksum); processes:
-    shards checked in parallel. progress: called with each shard id once it is checked."""
+    shards checked in parallel. progress: called with each shard id once it is checked. A layout
+    without chunk checksums (store/read_checks.py) is checked whole whatever `sample` says: a
+    sampled chunk of it that decodes proves nothing."""
     committed, damaged = store.commits()
     todo = [s for s in (expected if expected is not None else committed) if s in committed]
     report = Report()
+    if sample is not None and not store.read_checks({s: committed[s] for s in todo}).chunk_checksums:
+        report.whole, sample = True, None
     jobs = [(store.location, s, committed[s], sample) for s in todo]
     for shard, (problems, chunks) in zip(todo, _results(jobs, store, processes)):
         report.checked.append(shard)
@@ -143,13 +150,19 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
     if "first_pairs" in small and not problems and not np.array_equal(
             small["first_pairs"], layout.first_pairs(small["loss_mask"], small["offsets"])):
         problems.append("first_pairs does not match the loss mask")
-    hidden_problems, chunks = _check_hidden(arrays["hidden"], record.checksums.get("hidden"), sample, shard)
+    spans = None
+    if sample is not None:  # chunk checksums: read straight from the chunk files, a missing one damage
+        checks = store.read_checks({shard: record})
+        spans = span_reader.for_array(store.fs, store.path(f"{layout.shard_group(shard)}/hidden"), arrays["hidden"],
+                                      checks.every_chunk(shard)) if checks.direct_reads else None
+    hidden_problems, chunks = _check_hidden(arrays["hidden"], record.checksums.get("hidden"), sample, shard, spans)
     return problems + hidden_problems, chunks
 
 
-def _check_hidden(arr, checksum: int | None, sample: float | None, seed: int) -> tuple[list[str], tuple[int, int]]:
+def _check_hidden(arr, checksum: int | None, sample: float | None, seed: int,
+                  spans=None) -> tuple[list[str], tuple[int, int]]:
     """Every chunk decoded and the whole array's CRC-32 compared, or (sample) a random share of the
-    chunks decoded, each against its own crc32c in a schema-2 store."""
+    chunks decoded, each against its own crc32c; spans: the direct reader of arr (else zarr reads)."""
     step = arr.chunks[0]
     total = -(-int(arr.shape[0]) // step)
     if sample is None:
@@ -162,7 +175,10 @@ def _check_hidden(arr, checksum: int | None, sample: float | None, seed: int) ->
     picks = sorted(np.random.default_rng(seed).permutation(total)[:max(1, round(sample * total))]) if total else []
     for k in picks:
         try:
-            arr[k * step:(k + 1) * step]
+            if spans is not None:
+                spans.read(k * step, min((k + 1) * step, int(arr.shape[0])))
+            else:
+                arr[k * step:(k + 1) * step]
         except Exception as e:  # noqa: BLE001
             return [f"hidden: chunk {k} (tokens {k * step}-{(k + 1) * step - 1}) unreadable ({type(e).__name__}: {e})"], \
                 (len(picks), total)

@@ -83,7 +83,7 @@ def run(config: EvalConfig, log=print) -> dict | None:
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store)
-    warnings: list[str] = list(filter(None, [store.unchecked_reads()]))
+    warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, checked, warnings)
     prompts = Prompts(store, shards, config.max_prompts, config.seed)

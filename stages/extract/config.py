@@ -84,12 +84,9 @@ class ExtractConfig:
     mask_token_id: int | None = setting(None, "Drafter mask token.", default_text="the tokenizer's mask token")
     chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
     shard_tokens: int = setting(4096, "Tokens per zarr shard file (a multiple of --chunk-tokens).")
-    codec: str = setting("planes", "How states are compressed (lossless): planes = the high bytes zstd, the low "
-                                   "bytes LZ4, a crc32c per chunk (this package's zarr codec); blosc = blosc zstd "
-                                   "with byte shuffle, no checksum (schema 1's layout).", choices=layout.CODECS)
-    compression_level: int | None = setting(None, "zstd level: of the high bytes for planes (-7 to 22), of "
-                                                  "everything for blosc (0-9).",
-                                            default_text=", ".join(f"{v} for {k}" for k, v in layout.DEFAULT_LEVELS.items()))
+    compression_level: int = setting(layout.DEFAULT_LEVEL, "zstd level of the states' high bytes (%d to %d; the low "
+                                                           "bytes are LZ4, and every chunk ends in a crc32c)."
+                                     % layout.LEVELS)
     agreement: bool = setting(True, "Run the capture forward on to the target's lm_head along each completion and "
                                     "record how often the completion token is the target's own argmax (per shard and "
                                     "in `pipeline info`; ~100% for regenerated references, lower for another engine "
@@ -120,10 +117,8 @@ class ExtractConfig:
         require(self, "turns", self.turns == "last" or self.responses == "dataset",
                 f"{self.turns} goes with --responses dataset (regenerated answers exist only for the last turn)")
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
-        fill(self, "compression_level", layout.DEFAULT_LEVELS[self.codec] if self.compression_level is None
-             else self.compression_level)
-        lo, hi = layout.LEVELS[self.codec]
-        require(self, "compression_level", lo <= self.compression_level <= hi, f"{self.codec} levels run {lo} to {hi}")
+        lo, hi = layout.LEVELS
+        require(self, "compression_level", lo <= self.compression_level <= hi, f"levels run {lo} to {hi}")
         require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,
                 f"must be a multiple of --chunk-tokens {self.chunk_tokens}")
         try:

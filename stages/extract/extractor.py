@@ -141,7 +141,7 @@ class Extractor:
                 return None
             c = self.config
             job.writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
-                                     c.shard_tokens, c.codec, c.compression_level,
+                                     c.shard_tokens, c.compression_level,
                                      max_held_bytes=int(c.writer_memory_gb * 2**30), threads=c.writer_threads)
         except BaseException:
             job.release()

@@ -12,7 +12,16 @@ from pipeline.prompts import PromptSet
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from store import layout
-from store.schema import SCHEMA_VERSION, Backends, Compat, DatasetRecord, LayoutRecord, StoreAttrs, to_json
+from store.schema import (
+    FORMAT_REVISION,
+    SCHEMA_VERSION,
+    Backends,
+    Compat,
+    DatasetRecord,
+    LayoutRecord,
+    StoreAttrs,
+    to_json,
+)
 
 PACKAGES = ("torch", "transformers", "flash-linear-attention", "triton", "zarr", "numcodecs", "dflash-pipeline")
 
@@ -28,7 +37,7 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         responses=config.responses, max_new_tokens=config.max_new_tokens, max_length=config.max_length,
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
-        shard_tokens=config.shard_tokens, compression_level=config.compression_level, codec=config.codec,
+        shard_tokens=config.shard_tokens, compression_level=config.compression_level, codec=layout.CODEC,
         references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None)
     return StoreAttrs(
@@ -41,8 +50,8 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         dataset=DatasetRecord(**described, split=config.split), backends=backends, device=str(target.device),
         dtype=config.dtype, layout=LayoutRecord(chunk_tokens=config.chunk_tokens, shard_tokens=config.shard_tokens,
                                                 compressor=[c.to_dict() for c in layout.hidden_codecs(
-                                                    config.codec, config.compression_level)]),
-        versions=versions(), engine=asdict(engine) if engine else None)
+                                                    config.compression_level)]),
+        versions=versions(), engine=asdict(engine) if engine else None, format_revision=FORMAT_REVISION)
 
 
 def versions() -> dict:

@@ -41,8 +41,8 @@ from store.summary import human_bytes
 
 # Stored bytes of bf16 states over their raw bytes, on the conservative side of what was measured
 # (docs/performance.md, "The store layout"): planes 0.504 on the tiny target's store (1.98x) and
-# 0.651 at 27B width without shared prefixes (1.54x); blosc 0.554 and 0.736.
-STORED_FRACTION = {"planes": 0.70, "blosc": 0.80}
+# 0.651 at 27B width without shared prefixes (1.54x).
+STORED_FRACTION = 0.70
 SMALL_BYTES_PER_TOKEN = 5  # tokens (int32) and loss_mask (uint8), stored as they are at worst
 SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs
 HEADROOM = 1.2  # on the bytes per row measured from committed shards
@@ -77,7 +77,7 @@ def needed(config: ExtractConfig, store: HiddenStore, target: Target, attrs: Sto
         return need
     root = 0 if store.exists() else 2 * attrs.vocab_size * attrs.hidden_size * 2  # embed_tokens + lm_head, bf16
     per_row = tokens_per_row(config, target, prompt_set, spread(list(rows.values()), SAMPLED_ROWS))
-    return from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, config.codec, root)
+    return from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, root)
 
 
 def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Need | None:
@@ -92,11 +92,10 @@ def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Nee
                 f"+{HEADROOM - 1:.0%}")
 
 
-def from_limits(rows: dict[int, int], tokens_per_row: float, n_taps: int, hidden_size: int, codec: str,
-                root_raw: int) -> Need:
+def from_limits(rows: dict[int, int], tokens_per_row: float, n_taps: int, hidden_size: int, root_raw: int) -> Need:
     """rows: shard to write -> its dataset rows; tokens_per_row: prompt + completion at its limit, a
     mean; root_raw: raw bytes of the embedding and lm_head of a store this run creates (else 0)."""
-    frac = STORED_FRACTION[codec]
+    frac = STORED_FRACTION
     per_token = n_taps * hidden_size * 2 * frac + SMALL_BYTES_PER_TOKEN
     per_row = tokens_per_row * per_token + SMALL_BYTES_PER_ROW
     return Need({s: ceil(per_row * n) for s, n in rows.items()}, ceil(root_raw * frac),

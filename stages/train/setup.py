@@ -16,7 +16,7 @@ import torch
 
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
-from pipeline.drafter.config import DrafterConfig, default_sizes, read_config, store_mismatches
+from pipeline.drafter.config import DrafterConfig, architecture_fields, default_sizes, read_config, store_mismatches
 from pipeline.drafter.consumers import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
@@ -131,10 +131,7 @@ def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
     from the store's hidden size, then the flags that were given."""
     if config.drafter_config:
         base, _ = read_config(config.drafter_config)
-        arch = {k: getattr(base, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                              "head_dim", "intermediate_size", "layer_types", "sliding_window",
-                                              "is_causal", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
-                                              "input_embedding_scale")}
+        arch = {k: getattr(base, k) for k in architecture_fields()}
     else:
         arch = default_sizes(attrs.hidden_size)
         arch.update(layer_types=("full_attention",) * arch["num_hidden_layers"])
@@ -208,7 +205,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
     records = index.records
     if acc.is_main_process:
         log(where)
-    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.unchecked_reads(records)])]:
+    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning()])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config, records)
     overlap = sorted(set(train_ids) & set(eval_ids))

@@ -65,8 +65,7 @@ def test_configs_are_frozen_and_keyword_only(config_cls):
 @pytest.mark.parametrize("config_cls,over,message", [
     (ExtractConfig, {"chunk_tokens": 0}, "--chunk-tokens 0: must be at least 1"),
     (ExtractConfig, {"shard_tokens": 100, "chunk_tokens": 32}, "--shard-tokens 100: must be a multiple of --chunk-tokens 32"),
-    (ExtractConfig, {"compression_level": 23}, "--compression-level 23: planes levels run -7 to 22"),
-    (ExtractConfig, {"codec": "blosc", "compression_level": 12}, "--compression-level 12: blosc levels run 0 to 9"),
+    (ExtractConfig, {"compression_level": 23}, "--compression-level 23: levels run -7 to 22"),
     (ExtractConfig, {"turns": "all"}, "--turns all: all goes with --responses dataset"),
     (TrainConfig, {"warmup_ratio": 1.5}, "--warmup-ratio 1.5: expected 0 <= ratio < 1"),
     (TrainConfig, {"lr": 0.0}, "--lr 0.0: must be positive"),

@@ -191,7 +191,7 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
     config = ExtractConfig(store=str(tmp_path / "new.zarr"), dataset=str(small_dataset), num_shards=4, **SMALL)
     fresh = space.needed(config, HiddenStore(config.store), target, store.attrs, prompt_set, rows, {})
     assert real < sum(fresh.shards.values()) < 3 * real, (fresh, real)
-    assert fresh.root == int(2 * 4096 * 128 * 2 * space.STORED_FRACTION["planes"]) + 1
+    assert fresh.root == int(2 * 4096 * 128 * 2 * space.STORED_FRACTION) + 1
     assert fresh.basis.endswith("tokens per row at the length limits x 5 taps x 128 x 2 bytes, stored at 0.70 of "
                                 "raw bf16")
     measured = space.needed(config, store, target, store.attrs, prompt_set, rows, committed)

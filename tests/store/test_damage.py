@@ -89,7 +89,7 @@ SCHEMA1 = Path(__file__).parents[1] / "data" / "schema1_store"
 
 def unchecked_in_schema1(key: str) -> bool:
     """What schema 1 (no chunk checksums, commit-file seals or metadata checksums) cannot see: a
-    per-token chunk changed or gone (the readers' warning says so: `HiddenStore.unchecked_reads`),
+    per-token chunk changed or gone (the readers' warning says so: `ReadChecks.warning`),
     a root attribute or a commit file's note (a time, a host) changed into another valid value (a
     change to the counts, shapes or checksums contradicts the arrays, and is seen)."""
     return (key == "zarr.json" or key.startswith("_commits/")

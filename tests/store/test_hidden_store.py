@@ -78,9 +78,9 @@ def test_readers_are_warned_of_what_they_cannot_check(store_copy):
     import dataclasses
 
     store = HiddenStore(str(store_copy))
-    assert store.unchecked_reads() is None  # every shard written today: nothing unchecked
+    assert store.read_checks().warning() is None  # every shard written today: nothing unchecked
     for shard in (1, 2):  # as a shard committed before every chunk was written
         store.write_commit(dataclasses.replace(store.commit_record(shard), every_chunk=None, metadata=None))
-    warning = HiddenStore(str(store_copy)).unchecked_reads()
-    assert "shards 1-2 were committed before every chunk was written" in warning
+    warning = HiddenStore(str(store_copy)).read_checks().warning()
+    assert "shards 1-2 were committed before format revision 3 wrote every chunk" in warning
     assert f"pipeline verify {store_copy} --shards 1-2" in warning

@@ -98,7 +98,7 @@ def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, small_st
     writer.commit(None, run={})
     bits = layout.to_bits(torch.cat(parts))
     ref = zarr.create_array(str(tmp_path / "ref.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(8, TAPS, H),
-                            shards=(32, TAPS, H), compressors=layout.hidden_codecs("planes", 1), fill_value=0)
+                            shards=(32, TAPS, H), compressors=layout.hidden_codecs(1), fill_value=0)
     ref[:] = bits
     ours = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c"
     files = sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())

@@ -1,0 +1,82 @@
+"""What reading a store verifies, derived from its layout in one place: every reader (ShardReader,
+the sample index), `pipeline info` and `pipeline verify` ask `read_checks` rather than looking at
+schema numbers and codec names themselves, so a new layout is added here and nowhere else.
+
+The format's revisions (a root records its own as `format_revision` from revision 4 on; an older
+root is read as the revision its records show, `revision_of`):
+
+  1  schema 1: states blosc zstd; no chunk checksums, no first_pairs. Read-only.
+  2  schema 2: states in the byte-plane codec, a crc32c ending every state and token chunk that
+     every read verifies; first_pairs; the `--codec blosc` option still wrote schema 2 without
+     chunk checksums.
+  3  commit files sealed by their own checksum and holding the CRC-32 of every metadata file zarr
+     parses; every chunk written, all-zero ones included, so a missing chunk file is damage
+     (`every_chunk` in a shard's commit file).
+  4  the revision recorded on the root; states always byte-plane coded (`--codec` retired).
+
+A store can hold shards of several revisions (a later extraction adds shards to an earlier root),
+so what holds per shard is read from its commit file, not from the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from store.ranges import format_ranges
+from store.schema import RootCommit, ShardCommit, StoreAttrs
+
+
+@dataclass(frozen=True)
+class ReadChecks:
+    """What reading the store (or the shards asked about) can check."""
+
+    location: str
+    revision: int  # the root's format revision
+    schema: int
+    chunk_checksums: bool  # every state and token chunk ends in a crc32c that every read verifies
+    direct_reads: bool  # spans are read straight from their chunk files (store/span_reader.py), else by zarr
+    zero_filled: tuple[int, ...]  # shards whose missing chunk files read as zeros (committed before revision 3)
+
+    def every_chunk(self, shard: int) -> bool:
+        """Whether a missing chunk file of `shard` is damage (every chunk of it was written)."""
+        return self.chunk_checksums and shard not in self.zero_filled
+
+    def describe(self) -> str:
+        """One line for `pipeline info`."""
+        if not self.chunk_checksums:
+            return f"format revision {self.revision}: no chunk checksums (whole-array checksums only)"
+        partial = f", except shards {format_ranges(self.zero_filled)}" if self.zero_filled else ""
+        return f"format revision {self.revision}: a checksum per chunk, every chunk written{partial}"
+
+    def warning(self) -> str | None:
+        """What reading cannot check, as a warning for the reader to print; None when everything is."""
+        if not self.chunk_checksums:
+            layout = (f"a schema-{self.schema} store" if self.schema < 2
+                      else f"a format-revision-{self.revision} store written with --codec blosc")
+            return (f"{self.location} is {layout}: its chunks carry no checksums, so damage inside a state or token "
+                    f"chunk is not seen while reading (its metadata and per-sample arrays still are); run "
+                    f"`pipeline verify {self.location}` before using it, or extract it again into a new store")
+        if not self.zero_filled:
+            return None
+        shards = format_ranges(self.zero_filled)
+        return (f"{self.location}: shards {shards} were committed before format revision 3 wrote every chunk: a chunk "
+                f"file deleted from them reads as zeros, not as an error; run `pipeline verify {self.location} --shards "
+                f"{shards}` before using them, or extract them again (delete their commit files, then run `pipeline "
+                f"extract` with the store's settings)")
+
+
+def revision_of(attrs: StoreAttrs, root: RootCommit) -> int:
+    """The root's format revision: recorded, or read from what its records hold."""
+    if attrs.format_revision is not None:
+        return attrs.format_revision
+    if attrs.schema_version < 2:
+        return 1
+    return 2 if root.metadata is None else 3
+
+
+def read_checks(location: str, attrs: StoreAttrs, root: RootCommit, records: dict[int, ShardCommit]) -> ReadChecks:
+    """What reading the shards of `records` checks, for the store at `location`."""
+    planes = attrs.schema_version >= 2 and attrs.compat.codec == "planes"
+    return ReadChecks(location=location, revision=revision_of(attrs, root), schema=attrs.schema_version, chunk_checksums=planes,
+                      direct_reads=planes,
+                      zero_filled=tuple(s for s, r in sorted(records.items()) if planes and not r.every_chunk))
