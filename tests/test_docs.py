@@ -1,47 +1,74 @@
-"""The flag tables in docs/ state the same defaults as the config dataclasses (the one source), and
-README's commands use flags that exist."""
+"""The tables in docs/ that restate the code are generated from it (tools/doc_tables.py) and must be
+current: every flag table row is the flag, default and help of a config field (or of an option a
+command adds), every option of every stage is in exactly one table, and the serving-consumers table
+is pipeline.drafter.consumers.CONSUMERS. Also: every production module is in the code map."""
 
-import dataclasses
+import importlib.util
 import re
+import shutil
 
 import pytest
 
-from stages.evaluate.config import EvalConfig
-from stages.settings import flag_of
-from stages.train.config import TrainConfig
 from tests.conftest import REPO
 
-ROW = re.compile(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]+) \|", re.M)
+
+@pytest.fixture(scope="module")
+def doc_tables():
+    spec = importlib.util.spec_from_file_location("doc_tables", REPO / "tools" / "doc_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def documented(doc: str) -> dict[str, str]:
-    """{flag: default as written} from the rows of doc's `| flag | default | meaning |` tables."""
-    return {flag: default.strip() for flag, default in ROW.findall((REPO / "docs" / doc).read_text())}
+def test_generated_tables_are_current(doc_tables):
+    stale = doc_tables.stale()
+    assert stale == [], "\n".join(stale)
 
 
-def reads_as(field: dataclasses.Field, text: str) -> bool:
-    text = text.replace("`", "")
-    if field.metadata.get("default_text"):
-        return text == field.metadata["default_text"]
-    if field.default is None:
-        return text == "none"
-    if field.default is False:
-        return text == "off"
-    if isinstance(field.default, tuple):
-        return text == ",".join(map(str, field.default))
-    if isinstance(field.default, (int, float)):
-        return float(text) == field.default
-    return text == str(field.default)
+def test_every_option_of_every_stage_is_in_one_table(doc_tables):
+    problems = doc_tables.coverage()
+    assert problems == [], "\n".join(problems)
 
 
-@pytest.mark.parametrize("doc,config_cls", [("training.md", TrainConfig), ("evaluation.md", EvalConfig)])
-def test_flag_tables_state_the_configs_defaults(doc, config_cls):
-    rows = documented(doc)
-    fields = {flag_of(config_cls, f.name): f for f in dataclasses.fields(config_cls)}
-    checked = [flag for flag in rows if flag in fields and fields[flag].default is not dataclasses.MISSING]
-    assert len(checked) >= 8, rows
-    wrong = {flag: rows[flag] for flag in checked if not reads_as(fields[flag], rows[flag])}
-    assert wrong == {}
+def test_the_consumers_table_is_generated(doc_tables):
+    """(A stage with no flag table fails the test above.)"""
+    from pipeline.drafter.consumers import CONSUMERS
+
+    doc = (REPO / "docs" / "training.md").read_text()
+    assert [m.group(1) for m, _ in doc_tables.tables(doc)].count("consumers") == 1
+    assert all(f"| {doc_tables.cell(c.name)} |" in doc for c in CONSUMERS)
+
+
+@pytest.fixture
+def docs_copy(doc_tables, tmp_path):
+    """docs/*.md copied and regenerated, so these tests see only their own edits."""
+    shutil.copytree(REPO / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("img"))
+    for path in doc_tables.docs(tmp_path):
+        path.write_text(doc_tables.render(path.read_text()))
+    return tmp_path
+
+
+def test_a_row_edited_by_hand_is_named(doc_tables, docs_copy):
+    path = docs_copy / "docs" / "training.md"
+    path.write_text(path.read_text().replace("| `--epochs INTEGER` | 6 |", "| `--epochs INTEGER` | 7 |"))
+    assert doc_tables.stale(docs_copy) == [
+        "docs/training.md: the table under <!-- flags: train --max-steps --epochs --lr --warmup-ratio --schedule "
+        "--optimizer --muon-lr --muon-weight-decay --grad-clip --weight-decay --grad-accum --seed --grad-comm "
+        "--mixed-precision --> is out of date; run `python tools/doc_tables.py`"]
+    path.write_text(doc_tables.render(path.read_text()))
+    assert doc_tables.stale(docs_copy) == []
+
+
+def test_a_flag_missing_from_the_markers_or_unknown_is_named(doc_tables, docs_copy):
+    path = docs_copy / "docs" / "training.md"
+    text = path.read_text()
+    path.write_text(text.replace(" --audit -->", " -->"))
+    assert doc_tables.coverage(docs_copy) == [
+        "train: --audit in no table (add them to a <!-- flags: train ... --> marker, then run "
+        "`python tools/doc_tables.py`)"]
+    path.write_text(text.replace(" --audit -->", " --audit --no-such-flag -->"))
+    assert doc_tables.coverage(docs_copy) == ["train: no option --no-such-flag (remove it from its marker)"]
+    assert doc_tables.stale(docs_copy) == ["docs/training.md: train has no option --no-such-flag"]
 
 
 def mapped_files(doc: str) -> set[str]:

@@ -1,0 +1,202 @@
+"""The tables in docs/*.md that restate the code, generated from it between marker comments.
+
+    python tools/doc_tables.py           # rewrite every such table in place
+    python tools/doc_tables.py --check   # change nothing; exit 1 naming each table that differs
+
+A flag table lists a command's options as `--help` does: the flag and its metavar, the default (the
+field's default_text, else its value) and the field's help text, from the stage's config dataclass
+(stages/settings.py `setting`); options a command adds itself (`--json`) come from click.
+
+    <!-- flags: extract -->                every option of the stage, in --help order
+    <!-- flags: train --store --out -->    these options, in this order; the tables of a stage
+                                           together list each of its options exactly once
+    ...
+    <!-- /flags -->
+
+    <!-- consumers -->                     pipeline.drafter.consumers.CONSUMERS, one row each
+    ...
+    <!-- /consumers -->
+
+tests/test_docs.py fails when a table differs from what this would write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"^<!-- (flags|consumers)(?::\s*(.*?))? -->\n(.*?)^<!-- /\1 -->$", re.M | re.S)
+COMMAND = "python tools/doc_tables.py"
+
+
+def stages() -> dict:
+    """{stage: (click command, its config dataclass)}: every command whose options come from a config."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import evaluate
+    import train
+    from pipeline.cli import cli
+    from stages.evaluate.config import EvalConfig
+    from stages.export.config import ExportConfig
+    from stages.extract.config import ExtractConfig
+    from stages.train.config import TrainConfig
+
+    return {"extract": (cli.commands["extract"], ExtractConfig), "train": (train.main, TrainConfig),
+            "evaluate": (evaluate.main, EvalConfig), "export": (cli.commands["export"], ExportConfig)}
+
+
+def cell(text: str) -> str:
+    """Text as one markdown table cell: pipes escaped, `<` kept from reading as a tag."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "\\<")
+
+
+def default_of(option, field: dataclasses.Field | None, ctx) -> str:
+    """The default as the docs state it: the field's default_text when it has one, else the value."""
+    if field is not None and field.metadata.get("default_text"):
+        return field.metadata["default_text"]
+    value = option.get_default(ctx, call=False) if field is None else field.default
+    if value is dataclasses.MISSING or option.required:
+        return "required, repeatable" if option.multiple else "required"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def flag_rows(stage: str) -> dict[str, str]:
+    """{flag: its table row} for every option of a stage, in --help order."""
+    import click
+
+    known = stages()
+    if stage not in known:
+        raise ValueError(f"no stage {stage!r} (one of {', '.join(known)})")
+    command, config_cls = known[stage]
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    ctx = click.Context(command)
+    rows = {}
+    for option in command.params:
+        if not isinstance(option, click.Option) or option.hidden:
+            continue
+        field = fields.get(option.name)
+        usage = option.get_help_record(ctx)[0]
+        meaning = field.metadata["help"] if field is not None else option.help or ""
+        rows[option.opts[0]] = f"| `{cell(usage)}` | {cell(default_of(option, field, ctx))} | {cell(meaning)} |"
+    return rows
+
+
+def flag_table(stage: str, flags: list[str]) -> str:
+    rows = flag_rows(stage)
+    unknown = [f for f in flags if f not in rows]
+    if unknown:
+        raise ValueError(f"{stage} has no option {', '.join(unknown)}")
+    return "\n".join(["| flag | default | meaning |", "| --- | --- | --- |"] + [rows[f] for f in flags or rows])
+
+
+def consumer_table() -> str:
+    from pipeline.drafter.consumers import CONSUMERS
+
+    def yes(b: bool) -> str:
+        return "yes" if b else "no"
+
+    lines = ["| consumer | sliding_attention layers | our rule on every layer | applies input_embedding_scale |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {cell(c.name)} | {cell(c.sliding)} | {yes(c.same_rule)} | {yes(c.applies_embedding_scale)} |"
+              for c in CONSUMERS]
+    return "\n".join(lines)
+
+
+def tables(text: str) -> list[tuple[re.Match, str]]:
+    """(marker match, the body it should hold) for each generated table of a doc's text."""
+    out = []
+    for m in MARKER.finditer(text):
+        kind, args = m.group(1), (m.group(2) or "?").split()
+        table = flag_table(args[0], args[1:]) if kind == "flags" else consumer_table()
+        out.append((m, f"\n{table}\n\n"))
+    return out
+
+
+def render(text: str) -> str:
+    """text with every generated table rewritten."""
+    for m, body in reversed(tables(text)):
+        start, end = m.span(3)
+        text = text[:start] + body + text[end:]
+    return text
+
+
+def docs(root: Path = REPO) -> list[Path]:
+    return sorted((root / "docs").glob("*.md"))
+
+
+def stale(root: Path = REPO) -> list[str]:
+    """One line per table under root/docs that differs from what would be generated."""
+    out = []
+    for path in docs(root):
+        try:
+            found = tables(path.read_text())
+        except ValueError as e:
+            out.append(f"{path.relative_to(root)}: {e}")
+            continue
+        for m, body in found:
+            if m.group(3) != body:
+                name = m.group(0).splitlines()[0]
+                out.append(f"{path.relative_to(root)}: the table under {name} is out of date; run `{COMMAND}`")
+    return out
+
+
+def coverage(root: Path = REPO) -> list[str]:
+    """Problems with the flag tables as a whole: a stage's option in no table or in two, a stage with no table."""
+    listed: dict[str, list[str]] = {stage: [] for stage in stages()}
+    for path in docs(root):
+        for m in MARKER.finditer(path.read_text()):
+            if m.group(1) == "flags":
+                stage, *flags = (m.group(2) or "?").split()
+                if stage not in listed:
+                    return [f"{path.relative_to(root)}: {m.group(0).splitlines()[0]} names no stage of "
+                            f"{', '.join(listed)}"]
+                listed[stage] += flags or list(flag_rows(stage))
+    problems = []
+    for stage, flags in listed.items():
+        every = list(flag_rows(stage))
+        missing = [f for f in every if f not in flags]
+        twice = sorted({f for f in flags if flags.count(f) > 1})
+        unknown = [f for f in flags if f not in every]
+        if not flags:
+            problems.append(f"{stage}: no table (add <!-- flags: {stage} --> ... <!-- /flags --> to a doc)")
+        if missing:
+            problems.append(f"{stage}: {', '.join(missing)} in no table (add them to a <!-- flags: {stage} ... --> "
+                            f"marker, then run `{COMMAND}`)")
+        if twice:
+            problems.append(f"{stage}: {', '.join(twice)} listed by more than one table")
+        if unknown:
+            problems.append(f"{stage}: no option {', '.join(unknown)} (remove it from its marker)")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    problems = coverage()
+    if "--check" in argv:
+        problems += stale()
+    else:
+        for path in docs():
+            text = path.read_text()
+            try:
+                new = render(text)
+            except ValueError as e:
+                problems.append(f"{path.relative_to(REPO)}: {e}")
+                continue
+            if new != text:
+                path.write_text(new)
+                print(f"rewrote {path.relative_to(REPO)}")
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
