@@ -23,7 +23,7 @@ from pipeline import device as devices  # noqa: E402
 from pipeline.decode import live, replay  # noqa: E402
 from pipeline.target import loading  # noqa: E402
 from pipeline.target.verifier import LiveTarget  # noqa: E402
-from stages.evaluate.checks import build, check_checkpoint  # noqa: E402
+from stages.evaluate.conditioning import build, check_checkpoint  # noqa: E402
 from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402

@@ -47,12 +47,13 @@ def build(location: str, like: str, lengths: list[int]) -> None:
     from store.hidden_store import HiddenStore
     from store.schema import to_json
     from store.shard_writer import ShardWriter
+    from store.store_writer import StoreWriter
 
     src = HiddenStore(like)
     compat = dataclasses.replace(src.attrs.compat, num_shards=len(lengths))
     attrs = dataclasses.replace(src.attrs, num_shards=len(lengths), compat=compat,
                                 fingerprint=fingerprint.sha256_json(to_json(compat)))
-    store = HiddenStore(location)
+    store = StoreWriter(location)
     store.create_or_check(attrs, src.embedding("embed_tokens"), src.embedding("lm_head"))
     g = torch.Generator().manual_seed(0)
     for shard, n in enumerate(lengths):

@@ -33,10 +33,10 @@ def build(path: Path, shards: int) -> None:
     import torch
 
     from store import layout
-    from store.hidden_store import HiddenStore
     from store.shard_writer import ShardWriter
+    from store.store_writer import StoreWriter
 
-    store = HiddenStore(str(path))
+    store = StoreWriter(str(path))
     path.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
     for shard in range(shards):

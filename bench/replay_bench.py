@@ -32,7 +32,7 @@ from bench.report import emit  # noqa: E402
 from pipeline import device as devices  # noqa: E402
 from pipeline.decode import replay  # noqa: E402
 from pipeline.decode.batch_replay import BatchReplay  # noqa: E402
-from stages.evaluate.checks import build, check_checkpoint  # noqa: E402
+from stages.evaluate.conditioning import build, check_checkpoint  # noqa: E402
 from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402
@@ -97,7 +97,7 @@ def synthetic(width: int, vocab: int, n: int, length: int = 96):
 
 
 class Released:
-    """A drafter made in memory, in the shape checks.build expects of a loaded checkpoint."""
+    """A drafter made in memory, in the shape conditioning.build expects of a loaded checkpoint."""
 
     def __init__(self, m) -> None:
         self.config, self.tensors = m.config, {k: v.bfloat16() for k, v in m.state_dict().items()}

@@ -38,12 +38,13 @@ def build(location: str, like: str, shards: int) -> None:
     from store.hidden_store import HiddenStore
     from store.schema import to_json
     from store.shard_writer import ShardWriter
+    from store.store_writer import StoreWriter
 
     src = HiddenStore(like)
     compat = dataclasses.replace(src.attrs.compat, num_shards=shards)
     attrs = dataclasses.replace(src.attrs, num_shards=shards, compat=compat,
                                 fingerprint=fingerprint.sha256_json(to_json(compat)))
-    store = HiddenStore(location)
+    store = StoreWriter(location)
     store.create_or_check(attrs, src.embedding("embed_tokens"), src.embedding("lm_head"))
     g = torch.Generator().manual_seed(0)
     n_taps, width = len(attrs.taps), attrs.hidden_size

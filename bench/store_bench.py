@@ -51,6 +51,7 @@ from bench.report import emit  # noqa: E402
 from store import span_reader  # noqa: E402
 from store.codec import Bf16Planes  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
+from store.store_writer import StoreWriter  # noqa: E402
 
 LAYOUTS = {
     "blosc zstd-3 byte shuffle (today)": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle,
@@ -159,7 +160,7 @@ def writer(x: np.ndarray, codec: str, threads: int, tmp: Path, producer_mb_s: fl
     batch_bytes = batch * x[0].nbytes
     path = tmp / f"writer-{codec}.zarr"
     path.mkdir(exist_ok=True)
-    store = HiddenStore(str(path))
+    store = StoreWriter(str(path))
     w = ShardWriter(store, 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
                     threads=threads, max_held_bytes=2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40)
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 reads these JSON keys. The JSON is documented in docs/store.md. Fields added after format revision 1
 (store/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
 while None, so older stores load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
-schema-1 stores are read-only (`HiddenStore.check_compatible`).
+schema-1 stores are read-only (`StoreWriter.check_compatible`).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import zarr
 
 from store import layout, shard_file
 from store.errors import StoreError
-from store.hidden_store import HiddenStore
 from store.schema import ShardCommit
+from store.store_writer import StoreWriter
 
 _DONE = object()
 # Every chunk is written, all-fill-value ones too (zarr skips those by default), so that a reader
@@ -47,7 +47,7 @@ class ShardStats:
 
 
 class ShardWriter:
-    def __init__(self, store: HiddenStore, shard: int, n_taps: int, hidden_size: int,
+    def __init__(self, store: StoreWriter, shard: int, n_taps: int, hidden_size: int,
                  chunk_tokens: int, shard_tokens: int, level: int | None = None,
                  max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)

@@ -1,7 +1,7 @@
 """The tables in docs/ that restate the code are generated from it (tools/doc_tables.py) and must be
 current: every flag table row is the flag, default and help of a config field (or of an option a
 command adds), every option of every stage is in exactly one table, and the serving-consumers table
-is pipeline.drafter.consumers.CONSUMERS. Also: every production module is in the code map."""
+is pipeline.drafter.serving_engines.CONSUMERS. Also: every production module is in the code map."""
 
 import importlib.util
 import re
@@ -32,7 +32,7 @@ def test_every_option_of_every_stage_is_in_one_table(doc_tables):
 
 def test_the_consumers_table_is_generated(doc_tables):
     """(A stage with no flag table fails the test above.)"""
-    from pipeline.drafter.consumers import CONSUMERS
+    from pipeline.drafter.serving_engines import CONSUMERS
 
     doc = (REPO / "docs" / "training.md").read_text()
     assert [m.group(1) for m, _ in doc_tables.tables(doc)].count("consumers") == 1

@@ -5,7 +5,7 @@ default config, then serves it: several minutes).
 What it holds: the default drafter derived from the store is one vLLM serves (its KV layout is the
 target's full-attention one); on the prompts whose served completion equals the stored one, served
 tau (replay's convention) is within TOLERANCE of replay tau; a drafter whose KV layout vLLM cannot
-group is refused by vLLM exactly when `consumers.vllm_kv_problem` says so."""
+group is refused by vLLM exactly when `serving_engines.vllm_kv_problem` says so."""
 
 import dataclasses
 
@@ -13,8 +13,8 @@ import pytest
 
 from pipeline import TINY_TARGET
 from pipeline.drafter import checkpoint
-from pipeline.drafter.consumers import vllm_kv_problem
 from pipeline.drafter.model import Drafter
+from pipeline.drafter.serving_engines import vllm_kv_problem
 from pipeline.errors import EngineError
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.run import run as evaluate

@@ -12,6 +12,8 @@ and production code carries no test hooks.
     train.py, evaluate.py, pipeline/cli.py,
     pipeline/__main__.py                    6  entry points: parse, build the config, run; at most
                                                40 lines per command they define
+
+A store is opened to write (store.store_writer) by extraction alone; every other room reads it.
 """
 
 import ast
@@ -25,6 +27,7 @@ from tests.conftest import REPO
 ENTRY = {"train.py", "evaluate.py", "pipeline/cli.py", "pipeline/__main__.py"}
 SIBLINGS = {"pipeline.target", "pipeline.drafter", "stages.extract", "stages.train", "stages.evaluate", "stages.export"}
 LINES_PER_COMMAND = 40
+WRITER, WRITERS = "store.store_writer", {"store", "stages.extract"}  # the rooms that may open a store to write
 
 
 def room(module: str) -> tuple[str, int]:
@@ -78,6 +81,8 @@ def violations(root: Path) -> list[str]:
                 continue
             if their_rank > my_rank or (their_rank == my_rank and my_rank in (2, 5)):
                 bad.append(f"{rel}:{line} imports {target} ({their_room} is not below {my_room})")
+            if (target == WRITER or target.startswith(WRITER + ".")) and my_room not in WRITERS:
+                bad.append(f"{rel}:{line} imports {target} (only extraction writes a store)")
         text = path.read_text()
         lines, commands = len(text.splitlines()), max(1, len(re.findall(r"^@[\w.]*command\(", text, re.M)))
         if rel in ENTRY and lines > LINES_PER_COMMAND * commands:
@@ -97,6 +102,9 @@ def test_the_house_holds():
     ("pipeline/drafter/x.py", "def f():\n    from pipeline.target import taps\n", "pipeline/drafter/x.py:2"),
     ("pipeline/target/x.py", "import stages.settings\n", "imports stages.settings"),
     ("stages/train/x.py", "from stages.evaluate.run import run\n", "stages/train/x.py:1"),
+    ("stages/export/x.py", "from stages.train import run_dir\n", "stages/export/x.py:1"),
+    ("stages/evaluate/x.py", "from store.store_writer import StoreWriter\n", "only extraction writes a store"),
+    ("pipeline/x.py", "import store.store_writer\n", "only extraction writes a store"),
     ("stages/extract/x.py", "import os\nV = os.environ.get('DFLASH_TEST_STOP')\n", "test hook"),
     ("train.py", "\n" * 41, "entry point of 41 lines for 1 command(s)"),
     ("pipeline/cli.py", "@cli.command()\ndef a(): pass\n" * 2 + "\n" * 77, "entry point of 81 lines for 2 command(s)"),

@@ -13,7 +13,7 @@ field's default_text, else its value) and the field's help text, from the stage'
     ...
     <!-- /flags -->
 
-    <!-- consumers -->                     pipeline.drafter.consumers.CONSUMERS, one row each
+    <!-- consumers -->                     pipeline.drafter.serving_engines.CONSUMERS, one row each
     ...
     <!-- /consumers -->
 
@@ -99,7 +99,7 @@ def flag_table(stage: str, flags: list[str]) -> str:
 
 
 def consumer_table() -> str:
-    from pipeline.drafter.consumers import CONSUMERS
+    from pipeline.drafter.serving_engines import CONSUMERS
 
     def yes(b: bool) -> str:
         return "yes" if b else "no"

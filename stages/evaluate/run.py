@@ -1,7 +1,7 @@
 """Evaluate drafters by replaying greedy speculative decoding from the store.
 
 First every checkpoint is checked (its config and tensor shapes, its conditioning against the
-store: checks.py). Then each in turn, one in memory at a time, is replayed on a seeded sample of
+store: conditioning.py). Then each in turn, one in memory at a time, is replayed on a seeded sample of
 the chosen shards' prompts (chain drafting and DDTree-N for each budget, many prompts per forward:
 pipeline/decode/batch_replay.py), each process of a launch its own part, gathered on rank 0.
 Those gathers are the launch's only collectives: the other processes then leave, and rank 0 alone
@@ -23,7 +23,7 @@ from pipeline.decode.acceptance import stats
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.errors import TargetError
 from stages.evaluate import groups, ranks, report
-from stages.evaluate.checks import Checked, build, check_checkpoint, choose_shards
+from stages.evaluate.conditioning import Checked, build, check_checkpoint, choose_shards
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.drafter import checkpoint, consumers
+from pipeline.drafter import checkpoint, serving_engines
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatches
 from pipeline.errors import DrafterError
 from stages.export.card import CardRecord, Measured, render
@@ -41,7 +41,7 @@ def run(source: str, out: str, config: ExportConfig, log=print) -> dict:
     notes: list[str] = []
     attrs, skipped = _open_store(config, record, drafter, notes)
     measured = _measured(config, src, record, attrs, notes) if config.report else None
-    caveats = consumers.serving_warnings(drafter, attrs.target if attrs else None)
+    caveats = serving_engines.serving_warnings(drafter, attrs.target if attrs else None)
     if attrs is not None and not attrs.target.layer_types:
         notes.append("vLLM KV-cache groups not checked: the store predates recording the target's layer types")
     if skipped:

@@ -18,15 +18,15 @@ from tqdm import tqdm
 from pipeline import chat_template, turns
 from pipeline import prompts as prompt_sets
 from pipeline.chat_template import Chat
-from pipeline.engine import Engine
 from pipeline.errors import DatasetError, TargetError
+from pipeline.reference_server import ReferenceServer
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from store import layout
-from store.hidden_store import HiddenStore
 from store.locks import LockFile
 from store.schema import ShardCommit, completion_limit
 from store.shard_writer import ShardWriter
+from store.store_writer import StoreWriter
 
 TOKEN_ROWS = "token ids (no template)"  # rows given as ids, not rendered: their mode in the summary's count
 
@@ -73,8 +73,8 @@ class Extractor:
     With a server, the completions of the next batches (of this shard or the next) are in flight
     while one is captured."""
 
-    def __init__(self, config: ExtractConfig, store: HiddenStore, target: Target, taps: list[int],
-                 prompt_set: prompt_sets.PromptSet, num_shards: int, engine: Engine | None = None) -> None:
+    def __init__(self, config: ExtractConfig, store: StoreWriter, target: Target, taps: list[int],
+                 prompt_set: prompt_sets.PromptSet, num_shards: int, engine: ReferenceServer | None = None) -> None:
         self.config, self.store, self.target, self.taps = config, store, target, taps
         self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
         self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight

@@ -7,8 +7,8 @@ import sys
 from dataclasses import asdict
 
 from pipeline import fingerprint
-from pipeline.engine import EngineInfo, redact
 from pipeline.prompts import PromptSet
+from pipeline.reference_server import ServerInfo, redact
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from store import layout
@@ -27,7 +27,7 @@ PACKAGES = ("torch", "transformers", "flash-linear-attention", "triton", "zarr",
 
 
 def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id: int, num_shards: int,
-                prompt_set: PromptSet, backends: Backends, engine: EngineInfo | None) -> StoreAttrs:
+                prompt_set: PromptSet, backends: Backends, engine: ServerInfo | None) -> StoreAttrs:
     described = prompt_set.describe()
     compat = Compat(
         schema_version=SCHEMA_VERSION, target_fingerprint=target.record.fingerprint,

@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from pipeline import device as devices
 from pipeline import prompts as prompt_sets
-from pipeline.engine import Engine
+from pipeline.reference_server import ReferenceServer
 from pipeline.target import loading
 from pipeline.target.model import Target
 from pipeline.target.taps import parse_taps
-from stages.extract import space
+from stages.extract import disk_space
 from stages.extract.config import ExtractConfig, default_num_shards
 from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
@@ -30,6 +30,7 @@ from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import parse_ranges
 from store.schema import StoreAttrs
+from store.store_writer import StoreWriter
 from store.verify import verify
 
 INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
@@ -52,7 +53,7 @@ def run(config: ExtractConfig, log=print) -> dict:
     t_start = time.perf_counter()
     process = devices.Process.from_env()
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
-    store = HiddenStore(config.store)
+    store = StoreWriter(config.store)
     prompt_set = prompt_sets.load(config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field,
                                                                      config.response_field, config.template_kwargs_field,
                                                                      config.category_field),
@@ -66,10 +67,10 @@ def run(config: ExtractConfig, log=print) -> dict:
         damaged = {s: e for s, e in damaged.items() if s in shard_ids}
         if damaged and not config.redo:
             raise next(iter(damaged.values()))
-        need = space.needed(config, store, target, attrs, prompt_set,
+        need = disk_space.needed(config, store, target, attrs, prompt_set,
                             {s: prompt_set.shard_rows(s, num_shards) for s in shard_ids if s not in done}, done)
-        space.check(store, need, config.ignore_free_space, say)
-        with space.stop_when_full(store, need):
+        disk_space.check(store, need, config.ignore_free_space, say)
+        with disk_space.stop_when_full(store, need):
             state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
                                           target.model.get_output_embeddings().weight, repair=config.redo)
             say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} "
@@ -105,7 +106,7 @@ def saved_index(store: HiddenStore) -> str:
         return f"sample index not built ({e})"
 
 
-def server_use(engine: Engine, timing: dict) -> dict:
+def server_use(engine: ReferenceServer, timing: dict) -> dict:
     """How the run used the reference server, and the --concurrency that would have kept the target
     busy: requests in flight = a request's latency x the rate the loop takes references at when it
     does not wait (Little's law)."""
@@ -116,7 +117,7 @@ def server_use(engine: Engine, timing: dict) -> dict:
             "waited_s": round(waited, 2), "loop_s": round(loop, 2), "needed_in_flight": math.ceil(mean * rate)}
 
 
-def redo_corrupt(store: HiddenStore, shards: list[int], say) -> list[int]:
+def redo_corrupt(store: StoreWriter, shards: list[int], say) -> list[int]:
     """--redo: each committed shard checked under its lock (every byte); a corrupt one is deleted, so
     this run writes it again. Returns the deleted shards."""
     deleted = []
@@ -143,18 +144,18 @@ def check_rows(prompt_set: prompt_sets.PromptSet, shard_ids: list[int], num_shar
         prompt_set.check(prompt_set.shard_rows(shard, num_shards))
 
 
-def connect(config: ExtractConfig, say) -> Engine | None:
+def connect(config: ExtractConfig, say) -> ReferenceServer | None:
     """The reference server of --responses server, checked before the target loads (a wrong URL or
     model fails in seconds)."""
     if config.responses != "server":
         return None
-    engine = Engine(config.server_url, config.server_model, config.concurrency, config.server_timeout_s)
+    engine = ReferenceServer(config.server_url, config.server_model, config.concurrency, config.server_timeout_s)
     say(f"references from {engine.connect().identity} at {engine.info.url}")
     return engine
 
 
 def open_target(config: ExtractConfig, process: devices.Process, prompt_set: prompt_sets.PromptSet,
-                num_shards: int, engine: Engine | None) -> tuple[Target, list[int], StoreAttrs]:
+                num_shards: int, engine: ReferenceServer | None) -> tuple[Target, list[int], StoreAttrs]:
     """The target on this process's device, its taps and mask token checked, the kernels probed,
     and the store attributes this run writes or must match."""
     target = loading.load(config.target, process.device(config.device), config.dtype, config.linear_attention)

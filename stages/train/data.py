@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from store import layout
-from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError
+from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError, redo_hint
 from store.hidden_store import HiddenStore
 from store.sample_index import per_sample
 from store.schema import ShardCommit
@@ -169,7 +169,7 @@ class StoreBatches(torch.utils.data.Dataset):
                 self._readers[shard] = ShardReader(self.store, shard)
             except NotCommitted:  # it was committed when the run indexed it
                 raise StoreCorrupt(f"{self.store.path(layout.commit_key(shard))}: gone since the run started (shard "
-                                   f"{shard} was deleted or cleared under it)", self.store.redo_hint(shard)) from None
+                                   f"{shard} was deleted or cleared under it)", redo_hint(self.location, shard)) from None
         return self._readers[shard]
 
     @property

@@ -81,31 +81,31 @@ def kept(record: dict, start: int, total: int) -> bool:
     return 0 < start and record["step"] <= start
 
 
-def training_record(s, config, step: int) -> TrainingRecord:
-    return TrainingRecord(store_fingerprint=s.store_fingerprint, store_conditioning=s.store_conditioning,
-                          store=config.store, store_taps=s.store_taps,
-                          train_shards=s.train_shards_text, eval_shards=s.eval_shards_text, step=step,
+def training_record(setup, config, step: int) -> TrainingRecord:
+    return TrainingRecord(store_fingerprint=setup.store_fingerprint, store_conditioning=setup.store_conditioning,
+                          store=config.store, store_taps=setup.store_taps,
+                          train_shards=setup.train_shards_text, eval_shards=setup.eval_shards_text, step=step,
                           train_config=asdict(config))
 
 
-def export(s, config, directory: Path, step: int, atomic: bool = True) -> None:
+def write_drafter(setup, config, directory: Path, step: int, atomic: bool = True) -> None:
     """The drafter in the released layout (bf16), written by the main process: atomically into
     DIRECTORY, or into an existing directory the caller publishes itself."""
-    state = s.accelerator.get_state_dict(s.model)
-    if s.accelerator.is_main_process:
+    state = setup.accelerator.get_state_dict(setup.model)
+    if setup.accelerator.is_main_process:
         if atomic:  # what a killed run left of an earlier write of DIRECTORY (this run holds OUT's lock)
             for stale in [*directory.parent.glob(f".{directory.name}.tmp*"),
                           *directory.parent.glob(f".{directory.name}.old*")]:
                 shutil.rmtree(stale, ignore_errors=True)
         write = checkpoint.save if atomic else checkpoint.write
-        write(directory, s.drafter_config, state, training_record(s, config, step))
-    s.accelerator.wait_for_everyone()
+        write(directory, setup.drafter_config, state, training_record(setup, config, step))
+    setup.accelerator.wait_for_everyone()
 
 
-def save_step(s, config, step: int) -> None:
+def save_step(setup, config, step: int) -> None:
     """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizer, scheduler, RNG),
     built in a temporary directory and published by a rename."""
-    acc = s.accelerator
+    acc = setup.accelerator
     final = Path(config.out) / f"step-{step}"
     tmp = final.with_name(f".step-{step}.tmp")
     if acc.is_main_process:
@@ -113,12 +113,12 @@ def save_step(s, config, step: int) -> None:
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     acc.save_state(str(tmp / "training"))
-    export(s, config, tmp, step, atomic=False)
+    write_drafter(setup, config, tmp, step, atomic=False)
     if acc.is_main_process:
-        at = advance(config, s.train_refs, s.position, (step - s.start_step) * config.grad_accum, acc.num_processes)
-        state = {"step": step, "total_steps": s.total_steps, "world_size": acc.num_processes,
-                 "micro_per_epoch": s.micro_per_epoch, "position": at.to_json(), "train_config": asdict(config),
-                 "store_fingerprint": s.store_fingerprint}
+        at = advance(config, setup.train_refs, setup.position, (step - setup.start_step) * config.grad_accum, acc.num_processes)
+        state = {"step": step, "total_steps": setup.total_steps, "world_size": acc.num_processes,
+                 "micro_per_epoch": setup.micro_per_epoch, "position": at.to_json(), "train_config": asdict(config),
+                 "store_fingerprint": setup.store_fingerprint}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         checkpoint.publish(tmp, final)
         prune_steps(Path(config.out), step, config.keep_last)
@@ -159,17 +159,17 @@ def prune_steps(out: Path, newest: int, keep: int) -> list[Path]:
     return doomed
 
 
-def write_audit(s, out: Path, seen: list[list[int]]) -> None:
+def write_audit(setup, out: Path, seen: list[list[int]]) -> None:
     """OUT/audit/rank-N.json: what this rank read and a hash of its parameters (checks a DDP run)."""
     digest = hashlib.sha256()
-    for name, p in sorted(s.raw.named_parameters()):
+    for name, p in sorted(setup.raw.named_parameters()):
         digest.update(name.encode())
         digest.update(p.detach().float().cpu().numpy().tobytes())
     d = out / "audit"
     d.mkdir(parents=True, exist_ok=True)
-    rec = {"rank": s.accelerator.process_index, "world_size": s.accelerator.num_processes,
+    rec = {"rank": setup.accelerator.process_index, "world_size": setup.accelerator.num_processes,
            "samples": seen, "param_sha256": digest.hexdigest()}
-    (d / f"rank-{s.accelerator.process_index}.json").write_text(json.dumps(rec) + "\n")
+    (d / f"rank-{setup.accelerator.process_index}.json").write_text(json.dumps(rec) + "\n")
 
 
 def latest_step(out: Path) -> Path | None:

@@ -17,8 +17,8 @@ import torch
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import DrafterConfig, architecture_fields, default_sizes, read_config, store_mismatches
-from pipeline.drafter.consumers import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.drafter.model import Drafter
+from pipeline.drafter.serving_engines import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.errors import DrafterError
 from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
@@ -155,7 +155,7 @@ def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
 
 def servable_in_vllm(dc: DrafterConfig, target) -> DrafterConfig:
     """The default sizes, with the target's full-attention KV layout (KV heads, head_dim) when vLLM
-    would not cache the drafter's layers in one group otherwise (consumers.vllm_kv_problem). The
+    would not cache the drafter's layers in one group otherwise (serving_engines.vllm_kv_problem). The
     query heads keep about the hidden size."""
     layout = kv_layout(target)
     if layout is None or vllm_kv_problem(dc, target) is None:

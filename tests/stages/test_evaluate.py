@@ -116,7 +116,7 @@ def replayed(store, tmp_path, ck, name="rep", **over) -> dict:
 def test_batched_replay_gives_every_prompt_the_serial_rounds(small_store, trained_drafter, tmp_path):
     """evaluate.py's batched replay (fp32) against the one-prompt reference, prompt by prompt."""
     from pipeline.decode import replay
-    from stages.evaluate.checks import build, check_checkpoint
+    from stages.evaluate.conditioning import build, check_checkpoint
     from stages.evaluate.prompts import Prompts
 
     rep = replayed(small_store, tmp_path, trained_drafter, dtype="fp32", batch_prompts=5)
@@ -178,7 +178,7 @@ def test_two_processes_give_the_report_of_one(small_store, trained_drafter, tmp_
 
 
 def test_bf16_drafter_uses_the_stored_embedding_and_head_without_copies(small_store, trained_drafter):
-    from stages.evaluate.checks import build, check_checkpoint
+    from stages.evaluate.conditioning import build, check_checkpoint
 
     store = HiddenStore(str(small_store))
     embed, head = store.embedding("embed_tokens"), store.embedding("lm_head")

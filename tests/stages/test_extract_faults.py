@@ -15,13 +15,14 @@ import torch
 import zarr
 
 from pipeline.errors import TargetError
-from stages.extract import space
+from stages.extract import disk_space
 from stages.extract.config import ExtractConfig
 from stages.extract.run import run
 from stages.extract.summary import render
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
+from store.store_writer import StoreWriter
 from store.verify import verify
 from tests.conftest import SMALL, assert_stores_equal, small_rows
 from tests.processes import cli_args
@@ -50,9 +51,9 @@ class DiskFull:
 
 
 def fail_state_files(monkeypatch, fault: DiskFull) -> None:
-    """Whole state files, written by the writer thread (HiddenStore.write_pieces): half the file
+    """Whole state files, written by the writer thread (StoreWriter.write_pieces): half the file
     reaches the disk, then ENOSPC."""
-    real = HiddenStore.write_pieces
+    real = StoreWriter.write_pieces
 
     def write_pieces(self, key, pieces):
         if fault.hit(key):
@@ -60,7 +61,7 @@ def fail_state_files(monkeypatch, fault: DiskFull) -> None:
             raise fault.error(self.path(key))
         return real(self, key, pieces)
 
-    monkeypatch.setattr(HiddenStore, "write_pieces", write_pieces)
+    monkeypatch.setattr(StoreWriter, "write_pieces", write_pieces)
 
 
 def fail_zarr_writes(monkeypatch, fault: DiskFull) -> None:
@@ -79,7 +80,7 @@ def fail_zarr_writes(monkeypatch, fault: DiskFull) -> None:
 
 def fail_commit_file(monkeypatch, fault: DiskFull) -> None:
     """The commit file: its temporary file is left torn, the rename never happens."""
-    real = HiddenStore.write_json
+    real = StoreWriter.write_json
 
     def write_json(self, key, obj):
         if fault.hit(key):
@@ -87,7 +88,7 @@ def fail_commit_file(monkeypatch, fault: DiskFull) -> None:
             raise fault.error(self.path(key))
         return real(self, key, obj)
 
-    monkeypatch.setattr(HiddenStore, "write_json", write_json)
+    monkeypatch.setattr(StoreWriter, "write_json", write_json)
 
 
 FAULTS = {
@@ -99,8 +100,8 @@ FAULTS = {
 }
 
 
-def without_shard(store: Path, shard: int) -> HiddenStore:
-    s = HiddenStore(str(store))
+def without_shard(store: Path, shard: int) -> StoreWriter:
+    s = StoreWriter(str(store))
     s.clear_shard(shard)
     return s
 
@@ -144,7 +145,7 @@ def test_a_full_disk_is_found_however_it_is_wrapped():
         except OSError as e:
             raise RuntimeError("writer for shard 3 failed") from e
     except RuntimeError as wrapped:
-        assert space.full_disk(wrapped) is full
+        assert disk_space.full_disk(wrapped) is full
     quota = OSError(errno.EDQUOT, "Disk quota exceeded")
     try:
         try:
@@ -152,14 +153,14 @@ def test_a_full_disk_is_found_however_it_is_wrapped():
         except OSError:
             raise KeyError("while writing")  # an implicit context, as a handler that fails leaves it
     except KeyError as wrapped:
-        assert space.full_disk(wrapped) is quota
-    assert space.full_disk(OSError(errno.EACCES, "denied")) is None
-    assert space.full_disk(RuntimeError("other")) is None
+        assert disk_space.full_disk(wrapped) is quota
+    assert disk_space.full_disk(OSError(errno.EACCES, "denied")) is None
+    assert disk_space.full_disk(RuntimeError("other")) is None
 
 
 def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path, small_dataset, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: usage(10 << 20, (10 << 20) - 3000, 3000))
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: usage(10 << 20, (10 << 20) - 3000, 3000))
     path = tmp_path / "new" / "hs.zarr"
     config = dict(store=str(path), dataset=str(small_dataset), shards="0", num_shards=4, **SMALL)
     with pytest.raises(StoreError) as e:
@@ -189,12 +190,12 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
     prompt_set = prompts.load(str(small_dataset))
     rows = {s: prompt_set.shard_rows(s, 4) for s in committed}
     config = ExtractConfig(store=str(tmp_path / "new.zarr"), dataset=str(small_dataset), num_shards=4, **SMALL)
-    fresh = space.needed(config, HiddenStore(config.store), target, store.attrs, prompt_set, rows, {})
+    fresh = disk_space.needed(config, HiddenStore(config.store), target, store.attrs, prompt_set, rows, {})
     assert real < sum(fresh.shards.values()) < 3 * real, (fresh, real)
-    assert fresh.root == int(2 * 4096 * 128 * 2 * space.STORED_FRACTION) + 1
+    assert fresh.root == int(2 * 4096 * 128 * 2 * disk_space.STORED_FRACTION) + 1
     assert fresh.basis.endswith("tokens per row at the length limits x 5 taps x 128 x 2 bytes, stored at 0.70 of "
                                 "raw bf16")
-    measured = space.needed(config, store, target, store.attrs, prompt_set, rows, committed)
+    measured = disk_space.needed(config, store, target, store.attrs, prompt_set, rows, committed)
     assert real < measured.total < 1.5 * real and measured.root == 0
     assert "per row measured over 4 committed shard(s), +20%" in measured.basis
     assert measured.left({0, 1}) == measured.shards[2] + measured.shards[3]
@@ -202,8 +203,8 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
 
 def test_free_space_is_checked_only_on_local_paths():
     lines = []
-    need = space.Need({0: 5 << 30}, 0, "a test")
-    space.check(HiddenStore("memory://nowhere/hs.zarr"), need, False, lines.append)
+    need = disk_space.Need({0: 5 << 30}, 0, "a test")
+    disk_space.check(HiddenStore("memory://nowhere/hs.zarr"), need, False, lines.append)
     assert lines == [("space: 1 shard(s) to write need about 5.0 GiB (a test); memory://nowhere/hs.zarr is not a "
                       "local path, free space not checked")]
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import stages.extract.run as extract_run
-from pipeline.engine import Engine
 from pipeline.errors import EngineError
+from pipeline.reference_server import ReferenceServer
 from stages.extract.config import ExtractConfig
 from stages.extract.run import run
 from store.errors import StoreMismatch
@@ -21,7 +21,7 @@ from tests.fake_engine import FakeEngine
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(extract_run, "Engine", functools.partial(Engine, backoff_s=0.01))
+    monkeypatch.setattr(extract_run, "ReferenceServer", functools.partial(ReferenceServer, backoff_s=0.01))
 
 
 def server_config(path, dataset, url, shards="0-3", **over):

@@ -229,7 +229,7 @@ def test_the_default_drafter_is_one_vllm_serves_beside_the_stores_target(small_s
     """The tiny target: 2 full-attention layers (2 KV heads x 32) beside 6 linear ones. heads / 4 = 1 KV
     head would put the drafter's 5 layers in 3 of vLLM's KV-cache groups (refused); the default takes
     the target's layout. A layout the user chose is kept, and setup says vLLM will refuse it."""
-    from pipeline.drafter.consumers import vllm_kv_problem
+    from pipeline.drafter.serving_engines import vllm_kv_problem
     from stages.train.config import TrainConfig
     from stages.train.setup import fresh_config, prepare
     from store.hidden_store import HiddenStore

@@ -10,6 +10,7 @@ from stages.extract.run import run
 from store.errors import NotAStore, NotCommitted, StoreMismatch
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
+from store.store_writer import StoreWriter
 from store.verify import verify
 from tests.conftest import SMALL
 
@@ -77,7 +78,7 @@ def test_bytes_on_disk_while_another_process_writes(store_copy):
 def test_readers_are_warned_of_what_they_cannot_check(store_copy):
     import dataclasses
 
-    store = HiddenStore(str(store_copy))
+    store = StoreWriter(str(store_copy))
     assert store.read_checks().warning() is None  # every shard written today: nothing unchecked
     for shard in (1, 2):  # as a shard committed before every chunk was written
         store.write_commit(dataclasses.replace(store.commit_record(shard), every_chunk=None, metadata=None))

@@ -10,6 +10,7 @@ import pytest
 from store import index_file, layout, sample_index
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
+from store.store_writer import StoreWriter
 
 
 def _equal(a: index_file.StoreIndex, b: index_file.StoreIndex) -> bool:
@@ -50,7 +51,7 @@ def test_the_second_load_reads_one_file_and_gives_what_the_shards_give(store_cop
 
 
 def test_a_new_commit_is_a_new_state_and_the_old_file_goes(store_copy):
-    store = HiddenStore(str(store_copy))
+    store = StoreWriter(str(store_copy))
     record = store.commit_record(3)
     (store_copy / layout.commit_key(3)).unlink()
     shard_3_gone, _ = index_file.load(store)
@@ -65,7 +66,7 @@ def test_a_new_commit_is_a_new_state_and_the_old_file_goes(store_copy):
 
 def test_a_rewritten_commit_file_is_a_new_state(store_copy):
     """Same name, same size, other content: the listing's inode and modification time differ."""
-    store = HiddenStore(str(store_copy))
+    store = StoreWriter(str(store_copy))
     index_file.load(store)
     old = index_file.state(store)
     path = store_copy / layout.commit_key(2)

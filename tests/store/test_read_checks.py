@@ -11,6 +11,7 @@ from store.errors import StoreMismatch
 from store.hidden_store import HiddenStore
 from store.read_checks import ReadChecks
 from store.schema import FORMAT_REVISION
+from store.store_writer import StoreWriter
 from store.summary import render, summarize
 from store.verify import verify
 
@@ -55,13 +56,13 @@ def test_older_layouts_say_what_reading_cannot_check(tmp_path, src, revision, sc
 
 
 def test_a_blosc_store_takes_no_new_shards(tmp_path):
-    store = copied(BLOSC, tmp_path)
+    store = StoreWriter(copied(BLOSC, tmp_path).location)
     with pytest.raises(StoreMismatch, match="coded with blosc .* new shards go into a new store"):
         store.check_compatible(store.attrs.compat)
 
 
 def test_shards_committed_before_every_chunk_was_written_are_named(store_copy):
-    store = HiddenStore(str(store_copy))
+    store = StoreWriter(str(store_copy))
     for shard in (0, 2, 3):
         store.write_commit(dataclasses.replace(store.commit_record(shard), every_chunk=None, metadata=None))
     checks = HiddenStore(str(store_copy)).read_checks()

@@ -6,20 +6,20 @@ import time
 import pytest
 import torch
 
-from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
+from store.store_writer import StoreWriter
 
 TAPS, H = 2, 16
 TOKEN_BYTES = TAPS * H * 2
 
 
-def fresh_store(tmp_path, small_store) -> HiddenStore:
+def fresh_store(tmp_path, small_store) -> StoreWriter:
     import shutil
 
     path = tmp_path / "copy.zarr"
     shutil.copytree(small_store, path)
-    return HiddenStore(str(path))
+    return StoreWriter(str(path))
 
 
 def batches(n: int, tokens: int = 20):
@@ -47,13 +47,13 @@ def test_states_round_trip_bit_for_bit(tmp_path, small_store):
 
 def test_held_states_stay_within_the_byte_bound(tmp_path, small_store, monkeypatch):
     store = fresh_store(tmp_path, small_store)
-    real_write = HiddenStore.write_pieces
+    real_write = StoreWriter.write_pieces
 
     def slow_write(self, key, pieces):  # a disk slower than the model
         time.sleep(0.05)
         real_write(self, key, pieces)
 
-    monkeypatch.setattr(HiddenStore, "write_pieces", slow_write)
+    monkeypatch.setattr(StoreWriter, "write_pieces", slow_write)
     limit = 50 * TOKEN_BYTES  # two and a half batches of 20 tokens
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=4, shard_tokens=8, max_held_bytes=limit)
     seen = []
@@ -72,7 +72,7 @@ def test_a_failed_write_surfaces_and_nothing_is_committed(tmp_path, small_store,
     def broken_write(self, key, pieces):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(HiddenStore, "write_pieces", broken_write)
+    monkeypatch.setattr(StoreWriter, "write_pieces", broken_write)
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=4, shard_tokens=8, max_held_bytes=30 * TOKEN_BYTES)
     with pytest.raises(RuntimeError, match="No space left on device"):
         write(writer, batches(20))

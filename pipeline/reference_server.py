@@ -36,7 +36,7 @@ PROBE = "def probe(x):\n    return [x, 'probe']  # vocabulary check"
 
 
 @dataclass(frozen=True)
-class EngineInfo:
+class ServerInfo:
     """What the store records about the references' source."""
 
     url: str  # without credentials
@@ -63,20 +63,20 @@ def server_root(url: str) -> str:
     return root[:-len("/v1")] if root.endswith("/v1") else root
 
 
-class Engine:
+class ReferenceServer:
     def __init__(self, url: str, model: str | None = None, concurrency: int = 32, timeout_s: float = 600.0,
                  retries: int = 4, backoff_s: float = 1.0) -> None:
         self.url, self.model = server_root(url), model  # http://host:port and http://host:port/v1 alike
         self.headers = {"Content-Type": "application/json", **_auth(url)}
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.info: EngineInfo | None = None
+        self.info: ServerInfo | None = None
         self.concurrency = concurrency
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="engine")
         self._timing = threading.Lock()
         self.requests, self.request_s = 0, 0.0  # completions answered, and their summed latency
 
     # -- setup -----------------------------------------------------------------------------
-    def connect(self) -> EngineInfo:
+    def connect(self) -> ServerInfo:
         """Find the served model (the one asked for, or the only one) and which engine serves it."""
         served = self._get("/v1/models").get("data", [])
         models = [m["id"] for m in served]
@@ -89,7 +89,7 @@ class Engine:
             raise EngineError(f"--server-model {self.model}: {redact(self.url)} serves {models}, not it")
         owner = next((m.get("owned_by") for m in served if m["id"] == self.model), None)
         engine = owner if owner in ("vllm", "sglang") else "openai-compatible"
-        self.info = EngineInfo(redact(self.url), self.model, engine, self._version(engine))
+        self.info = ServerInfo(redact(self.url), self.model, engine, self._version(engine))
         return self.info
 
     def _version(self, engine: str) -> str | None:

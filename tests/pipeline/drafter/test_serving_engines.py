@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pipeline.drafter.consumers import serving_warnings, vllm_kv_problem
+from pipeline.drafter.serving_engines import serving_warnings, vllm_kv_problem
 from store.schema import TargetRecord
 from tests.drafters import config
 

@@ -1,0 +1,161 @@
+"""A store opened to write, which extraction alone gets: the root created once or checked against
+this run's settings (rebuilt under --redo when damaged), shards cleared, written and committed.
+
+Commit files are written last and atomically (a temporary name, then a rename; on object stores a
+single put), so a reader or a rerun only trusts what was finished. Locks need a POSIX file
+system; on object stores each process must be given disjoint shard ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from store import commit_file, layout
+from store.errors import NotAStore, StoreCorrupt, StoreError, StoreMismatch
+from store.hidden_store import HiddenStore
+from store.locks import HOST, LockFile
+from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
+
+ROOT_LOCK_TIMEOUT_S = 3600.0
+ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
+
+
+class StoreWriter(HiddenStore):
+    """The read view, plus what writing a store takes."""
+
+    # -- files -----------------------------------------------------------------------------
+    def write_json(self, key: str, obj: dict) -> None:
+        """Write a commit file (sealed, atomically)."""
+        commit_file.write(self.fs, self.path(key), obj, self.local)
+
+    def lock(self, name: str) -> LockFile | None:
+        return LockFile(Path(self.path(f"_locks/{name}.lock"))) if self.local else None
+
+    # -- root ------------------------------------------------------------------------------
+    def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor,
+                        repair: bool = False) -> str:
+        """Create the root once (under a lock), or check an existing root matches `attrs.compat`;
+        with repair, a damaged root made with these settings is rebuilt first.
+
+        Returns "created", "opened" or "rebuilt". embed, lm_head: [V, H] bf16.
+        """
+        lock = self.lock("root")
+        if lock is not None:
+            try:
+                lock.acquire(ROOT_LOCK_TIMEOUT_S)
+            except TimeoutError as e:
+                raise StoreError(f"{self.location}: timed out waiting for the root lock ({e})") from None
+        try:
+            if self.exists():
+                damage = self.root_damage() if repair else None
+                if damage is not None:
+                    self._rebuild(attrs, embed, lm_head, damage)
+                    return "rebuilt"
+                self.check_compatible(attrs.compat)
+                return "opened"
+            self._create(attrs, embed, lm_head)
+            return "created"
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def root_damage(self) -> str | None:
+        """What is wrong with the root (its attributes, metadata, embedding, lm_head), or None."""
+        try:
+            self.attrs
+            for name in ("embed_tokens", "lm_head"):
+                self.embedding(name)
+        except StoreCorrupt as e:
+            return e.damage
+        return None
+
+    def _rebuild(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, damage: str) -> None:
+        """Write the root again from this run, whose fingerprint must be the one the damaged root
+        still shows (in its commit file or its attributes): the shards were made with these settings."""
+        shown = set()
+        for read in (lambda: self.read_json(layout.commit_key("root"))["fingerprint"],
+                     lambda: json.loads(self.fs.cat_file(self.path("zarr.json")))["attributes"]["fingerprint"]):
+            try:
+                shown.add(read())
+            except Exception:  # noqa: BLE001 - a damaged copy shows nothing
+                pass
+        if attrs.fingerprint not in shown:
+            why = (f"the store was made with other settings (fingerprint {', '.join(f[:12] for f in sorted(shown))}, "
+                   f"this run {attrs.fingerprint[:12]})" if shown
+                   else "no fingerprint is left to check this run against")
+            raise StoreMismatch(f"{self.location}: the root is damaged ({damage}) and cannot be rebuilt from this "
+                                f"run: {why}")
+        for key in ("target", "zarr.json"):
+            if self.fs.exists(self.path(key)):
+                self.fs.rm(self.path(key), recursive=True)
+        for cached in ("_attrs", "_root_commit"):
+            self.__dict__.pop(cached, None)
+        self._create(attrs, embed, lm_head, over_shards=True)
+
+    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, over_shards: bool = False) -> None:
+        if not over_shards and self.fs.exists(self.path("shards")) and self.fs.ls(self.path("shards")):
+            raise NotAStore(f"{self.location}: has shard data but no root commit; not a store this tool made")
+        g = zarr.open_group(self.location, mode="a")
+        checksums = {}
+        for name, w in (("embed_tokens", embed), ("lm_head", lm_head)):
+            bits = layout.to_bits(w.detach().to("cpu", torch.bfloat16))
+            rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
+            g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
+                           compressors=layout.hidden_codecs(attrs.compat.compression_level),
+                           fill_value=0, overwrite=True)[:] = bits
+            checksums[name] = layout.crc32(bits)
+        g.attrs.put(to_json(attrs))
+        folder = self.root.rstrip("/")
+        record = RootCommit(time=time.time(), host=HOST, fingerprint=attrs.fingerprint, checksums=checksums,
+                            metadata=commit_file.file_checksums(self.fs, folder, list(ROOT_METADATA)))
+        self.write_json(layout.commit_key("root"), to_json(record))
+
+    def check_compatible(self, compat: Compat) -> None:
+        if self.attrs.schema_version < SCHEMA_VERSION:
+            raise StoreMismatch(f"{self.location} is a schema-{self.attrs.schema_version} store (an earlier "
+                                f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
+                                f"go into a new store (schema {SCHEMA_VERSION})")
+        if self.attrs.compat.codec != layout.CODEC:
+            raise StoreMismatch(f"{self.location} holds states coded with {self.attrs.compat.codec} (the retired "
+                                f"--codec option): training and evaluation still read it, but new shards go into a "
+                                f"new store ({layout.CODEC})")
+        diff = self.attrs.compat.differences(compat)
+        if diff:
+            detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))
+            raise StoreMismatch(f"{self.location} was made with a different target/taps/config, refusing to add shards "
+                                f"({detail})")
+
+    # -- shards ----------------------------------------------------------------------------
+    def shard_metadata(self, shard: int, arrays: list[str]) -> dict[str, int]:
+        """The CRC-32 of the shard's group and array metadata files, for its commit record."""
+        names = ["zarr.json", *(f"{a}/zarr.json" for a in arrays)]
+        return commit_file.file_checksums(self.fs, self.path(layout.shard_group(shard)), names)
+
+    def write_commit(self, record: ShardCommit) -> None:
+        """Commit a shard: its record, written last and atomically."""
+        self.write_json(layout.commit_key(record.shard), record.to_json())
+
+    def clear_shard(self, shard: int) -> None:
+        """Remove a shard's arrays and commit file (a rerun redoes it from scratch)."""
+        for key in (layout.commit_key(shard), layout.shard_group(shard)):
+            if self.fs.exists(self.path(key)):
+                self.fs.rm(self.path(key), recursive=True)
+
+    def write_pieces(self, key: str, pieces: list) -> None:
+        """Write a file made of byte pieces, in order (no joined copy)."""
+        path = self.path(key)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(path, "wb") as fh:
+            for piece in pieces:
+                fh.write(piece)
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
