@@ -1,0 +1,140 @@
+"""`dflash.fp8_e4m3`: bf16 states kept as FP8 (e4m3) values with one power-of-two scale per group.
+
+The store's fp8 hidden format (issue 24). `quantize` rounds bf16 states, per token and tap (a group
+is the last axis, H values), to e4m3 x 2^k: k is the smallest exponent that keeps the group's largest
+magnitude within e4m3's 448, so no value saturates; values below e4m3's smallest subnormal at that
+scale (2^(k-9)) become zero. A power of two, not amax / 448, so that every quantized value is a bf16
+exactly and decoding is a table lookup, bit-exact.
+
+The codec is lossless on quantized values (it refuses anything else: quantize first), so every
+checksum the store keeps of a shard's states holds for what reading returns. Encoded chunk:
+uint32 little-endian G (groups), G int8 exponents k, then a zstd frame of the G x group e4m3 bytes.
+Decoding: value = e4m3(byte) * 2^k, as bf16 bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+from numcodecs import Zstd
+from zarr.abc.codec import BytesBytesCodec
+from zarr.core.common import parse_named_configuration
+from zarr.registry import register_codec
+
+NAME = "dflash.fp8_e4m3"
+K_RANGE = (-120, 120)  # the scale exponents kept (a group whose largest value is below 2^-113 uses -120)
+_HEADER = np.dtype("<u4")
+
+
+def exponents(bits: torch.Tensor) -> torch.Tensor:
+    """bits: [..., group] int16 (bf16 bits). The smallest k with max |x| / 2^k <= 448, as int16
+    [..., 1]: from the largest magnitude's bf16 exponent E and mantissa M, k = E - 135, plus one
+    when 1.M > 1.75 (448 = 1.75 x 2^8)."""
+    mag = (bits & 0x7FFF).amax(-1, keepdim=True)
+    k = (mag >> 7) - 135 + ((mag & 0x7F) > 0x60).to(torch.int16)
+    return k.clamp(*K_RANGE)
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., group] bf16 -> the same shape, bf16 values e4m3 x 2^k with one k per group. NaN and
+    Inf stay non-finite, so a finiteness check after it still sees them."""
+    assert x.dtype == torch.bfloat16, x.dtype
+    k = exponents(x.view(torch.int16)).float()
+    scaled = (x.float() * torch.exp2(-k)).to(torch.float8_e4m3fn)
+    return (scaled.float() * torch.exp2(k)).to(torch.bfloat16)
+
+
+def _table() -> np.ndarray:
+    """[65536] uint16: index (k + 128) << 8 | byte -> bf16 bits of e4m3(byte) * 2^k."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values[torch.isnan(values)] = 0  # 0x7f, 0xff: never written
+    scales = torch.exp2(torch.arange(256, dtype=torch.float32) - 128)
+    table = (scales[:, None] * values[None, :]).to(torch.bfloat16)
+    return table.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
+
+
+@dataclass(frozen=True)
+class Fp8E4m3(BytesBytesCodec):
+    is_fixed_size = False
+    group: int  # values sharing one scale: the states' hidden size
+    level: int = 1  # zstd level of the e4m3 bytes
+
+    def __post_init__(self) -> None:
+        if self.group < 1:
+            raise ValueError(f"{NAME}: group {self.group}, expected at least 1")
+
+    @classmethod
+    def from_dict(cls, data):
+        _, config = parse_named_configuration(data, NAME)
+        return cls(**config)
+
+    def to_dict(self):
+        return {"name": NAME, "configuration": {"group": self.group, "level": self.level}}
+
+    def validate(self, *, shape, dtype, chunk_grid) -> None:
+        if dtype.to_native_dtype().itemsize != 2 or shape[-1] % self.group:
+            raise ValueError(f"{NAME} takes bf16 bits (2-byte values) in groups of {self.group}, not {dtype} {shape}")
+
+    @cached_property
+    def _zstd(self) -> Zstd:
+        return Zstd(level=self.level)
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        return _table()
+
+    def pack(self, data: np.ndarray) -> bytes:
+        """data: the chunk's bytes, little-endian bf16 bits of quantized values."""
+        return b"".join(self.pack_parts(data))
+
+    def pack_parts(self, data: np.ndarray) -> list:
+        """The encoded chunk as its pieces (joined: `pack`'s bytes)."""
+        bits = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(-1, self.group))
+        k = exponents(bits)
+        e4m3 = (bits.view(torch.bfloat16).float() * torch.exp2(-k.float())).to(torch.float8_e4m3fn)
+        codes = e4m3.view(torch.uint8).numpy()
+        ks = k.to(torch.int8).numpy().reshape(-1)
+        if not np.array_equal(self.decode_codes(codes, ks), bits.numpy().view(np.uint16)):
+            raise ValueError(f"{NAME}: values that are not e4m3 x 2^k per group of {self.group} (store.fp8_codec."
+                             "quantize them first)")
+        return [np.array([len(ks)], _HEADER).tobytes(), ks.tobytes(), self._zstd.encode(codes)]
+
+    def decode_codes(self, codes: np.ndarray, ks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """codes: [G, group] uint8 e4m3 bytes, ks: [G] int8 -> [G, group] uint16 bf16 bits (into out)."""
+        index = (ks.astype(np.int16) + 128).astype(np.uint16)[:, None] << 8 | codes
+        return np.take(self._table, index, out=out)
+
+    def codes(self, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """An encoded chunk (uint8) -> its e4m3 bytes [G, group] and exponents [G]."""
+        groups = int(data[:4].view(_HEADER)[0])
+        ks = data[4:4 + groups].view(np.int8)
+        codes = np.frombuffer(self._zstd.decode(data[4 + groups:]), np.uint8)
+        if len(codes) != groups * self.group:
+            raise ValueError(f"{NAME}: {len(codes)} bytes for {groups} groups of {self.group}")
+        return codes.reshape(groups, self.group), ks
+
+    def unpack(self, data: np.ndarray) -> np.ndarray:
+        """data: an encoded chunk (uint8). Returns the chunk's bytes (uint8), bf16 bits little-endian."""
+        return self.decode_codes(*self.codes(data)).reshape(-1).view(np.uint8)
+
+    def _encode_sync(self, chunk_bytes, chunk_spec):
+        return chunk_spec.prototype.buffer.from_bytes(self.pack(chunk_bytes.as_numpy_array()))
+
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        return chunk_spec.prototype.buffer.from_array_like(self.unpack(chunk_bytes.as_numpy_array()))
+
+    async def _encode_single(self, chunk_bytes, chunk_spec):
+        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
+
+    async def _decode_single(self, chunk_bytes, chunk_spec):
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
+        raise NotImplementedError
+
+
+register_codec(NAME, Fp8E4m3)

@@ -1,0 +1,67 @@
+"""The fp8 hidden format: quantization error within e4m3's, no saturation, and a codec that is
+bit-exact on quantized states (through zarr too) and refuses anything else."""
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.codecs import Crc32cCodec
+
+from store.fp8_codec import Fp8E4m3, exponents, quantize
+from store.layout import from_bits, to_bits
+
+H = 64
+
+
+def states(tokens: int = 40, taps: int = 3) -> torch.Tensor:
+    """Heavy-tailed bf16 states with the rows a store meets: a zero row, a tiny one, a huge one, -0."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, taps, H, generator=g) * torch.exp(torch.randn(H, generator=g))
+    x[:, :, :2] *= 300  # massive channels
+    x[0, 0] = 0
+    x[1, 1] = x[1, 1] * 1e-30
+    x[2, 2] = x[2, 2] * 1e30
+    x[3, 0, 5] = -0.0
+    return x.to(torch.bfloat16)
+
+
+def test_quantized_values_stay_within_e4m3_rounding_and_never_saturate():
+    x = states()
+    q = quantize(x)
+    k = exponents(x.view(torch.int16)).float()
+    scale = torch.exp2(k)
+    err = (q.float() - x.float()).abs()
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value (normals) or 2^-10 x scale (subnormals)
+    assert bool((err <= torch.maximum(x.float().abs() * 2**-4, scale * 2**-10)).all())
+    assert bool((q.float().abs() <= 448 * scale).all())
+    assert torch.equal(quantize(q), q)  # idempotent: quantizing what is stored changes nothing
+
+
+def test_the_codec_round_trips_quantized_states_bit_exact():
+    q = to_bits(quantize(states()))
+    codec = Fp8E4m3(group=H)
+    encoded = np.frombuffer(codec.pack(q.view(np.uint8)), np.uint8)
+    assert np.array_equal(codec.unpack(encoded).view(np.uint16).reshape(q.shape), q)
+    assert len(encoded) < q.nbytes * 0.6  # one byte a value at most, and entropy coded
+
+
+def test_the_codec_refuses_states_that_were_not_quantized():
+    with pytest.raises(ValueError, match="quantize them first"):
+        Fp8E4m3(group=H).pack(to_bits(states()).view(np.uint8))
+
+
+def test_non_finite_states_stay_non_finite():
+    x = states()
+    x[4, 0, 7], x[5, 1, 3] = float("nan"), float("inf")
+    q = quantize(x)
+    assert not bool(q[4, 0, 7].isfinite()) and not bool(q[5, 1, 3].isfinite())
+
+
+def test_plain_zarr_reads_and_writes_through_the_codec(tmp_path):
+    q = to_bits(quantize(states()))
+    a = zarr.create_array(str(tmp_path / "hidden"), shape=q.shape, chunks=(16, 3, H), dtype=np.uint16,
+                          compressors=[Fp8E4m3(group=H), Crc32cCodec()], fill_value=0)
+    a[:] = q
+    back = zarr.open_array(str(tmp_path / "hidden"), mode="r")[:]
+    assert np.array_equal(back, q)
+    assert torch.equal(from_bits(back), quantize(states()))
