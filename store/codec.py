@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 from numcodecs import LZ4, Zstd
@@ -31,9 +32,43 @@ LEVELS = (-7, 22)  # the zstd levels of the high-byte plane
 _HEADER = np.dtype("<u4")
 
 
-@dataclass(frozen=True)
-class Bf16Planes(BytesBytesCodec):
+class PackedCodec(BytesBytesCodec):
+    """A zarr codec of this package whose subclass packs and unpacks a chunk's bytes (numpy):
+    zarr's sync and async entry points, run in threads (zstd and LZ4 release the GIL)."""
+
     is_fixed_size = False
+    name: ClassVar[str]
+
+    def pack(self, data: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def unpack(self, data: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, data):
+        _, config = parse_named_configuration(data, cls.name)
+        return cls(**config)
+
+    def _encode_sync(self, chunk_bytes, chunk_spec):
+        return chunk_spec.prototype.buffer.from_bytes(self.pack(chunk_bytes.as_numpy_array()))
+
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        return chunk_spec.prototype.buffer.from_array_like(self.unpack(chunk_bytes.as_numpy_array()))
+
+    async def _encode_single(self, chunk_bytes, chunk_spec):  # chunks in parallel
+        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
+
+    async def _decode_single(self, chunk_bytes, chunk_spec):
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Bf16Planes(PackedCodec):
+    name: ClassVar[str] = NAME
     level: int = 1  # zstd level of the high-byte plane
     low: str = "lz4"  # the low-byte plane: "lz4" or "raw"
 
@@ -42,11 +77,6 @@ class Bf16Planes(BytesBytesCodec):
             raise ValueError(f"{NAME}: low plane {self.low!r}, expected one of {LOW_PLANES}")
         if not LEVELS[0] <= self.level <= LEVELS[1]:
             raise ValueError(f"{NAME}: zstd level {self.level}, expected {LEVELS[0]} to {LEVELS[1]}")
-
-    @classmethod
-    def from_dict(cls, data):
-        _, config = parse_named_configuration(data, NAME)
-        return cls(**config)
 
     def to_dict(self):
         return {"name": NAME, "configuration": {"level": self.level, "low": self.low}}
@@ -98,21 +128,6 @@ class Bf16Planes(BytesBytesCodec):
         if len(low) != len(high):
             raise ValueError(f"{NAME}: planes of {len(high)} and {len(low)} bytes")
         return high, low
-
-    def _encode_sync(self, chunk_bytes, chunk_spec):
-        return chunk_spec.prototype.buffer.from_bytes(self.pack(chunk_bytes.as_numpy_array()))
-
-    def _decode_sync(self, chunk_bytes, chunk_spec):
-        return chunk_spec.prototype.buffer.from_array_like(self.unpack(chunk_bytes.as_numpy_array()))
-
-    async def _encode_single(self, chunk_bytes, chunk_spec):  # zstd and LZ4 release the GIL: chunks in parallel
-        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
-
-    async def _decode_single(self, chunk_bytes, chunk_spec):
-        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-    def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
-        raise NotImplementedError
 
 
 def interleave(high: np.ndarray, low: np.ndarray, out: np.ndarray) -> None:

@@ -14,16 +14,16 @@ Decoding: value = e4m3(byte) * 2^k, as bf16 bits.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
 from numcodecs import Zstd
-from zarr.abc.codec import BytesBytesCodec
-from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
+
+from store.codec import PackedCodec
 
 NAME = "dflash.fp8_e4m3"
 K_RANGE = (-120, 120)  # the scale exponents kept (a group whose largest value is below 2^-113 uses -120)
@@ -58,19 +58,14 @@ def _table() -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Fp8E4m3(BytesBytesCodec):
-    is_fixed_size = False
+class Fp8E4m3(PackedCodec):
+    name: ClassVar[str] = NAME
     group: int  # values sharing one scale: the states' hidden size
     level: int = 1  # zstd level of the e4m3 bytes
 
     def __post_init__(self) -> None:
         if self.group < 1:
             raise ValueError(f"{NAME}: group {self.group}, expected at least 1")
-
-    @classmethod
-    def from_dict(cls, data):
-        _, config = parse_named_configuration(data, NAME)
-        return cls(**config)
 
     def to_dict(self):
         return {"name": NAME, "configuration": {"group": self.group, "level": self.level}}
@@ -120,21 +115,6 @@ class Fp8E4m3(BytesBytesCodec):
     def unpack(self, data: np.ndarray) -> np.ndarray:
         """data: an encoded chunk (uint8). Returns the chunk's bytes (uint8), bf16 bits little-endian."""
         return self.decode_codes(*self.codes(data)).reshape(-1).view(np.uint8)
-
-    def _encode_sync(self, chunk_bytes, chunk_spec):
-        return chunk_spec.prototype.buffer.from_bytes(self.pack(chunk_bytes.as_numpy_array()))
-
-    def _decode_sync(self, chunk_bytes, chunk_spec):
-        return chunk_spec.prototype.buffer.from_array_like(self.unpack(chunk_bytes.as_numpy_array()))
-
-    async def _encode_single(self, chunk_bytes, chunk_spec):
-        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
-
-    async def _decode_single(self, chunk_bytes, chunk_spec):
-        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-    def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
-        raise NotImplementedError
 
 
 register_codec(NAME, Fp8E4m3)
