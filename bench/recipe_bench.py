@@ -15,6 +15,12 @@ whose file exists is not redone, so a later session adds recipes without rerunni
 --jobs 2 (the default) runs two single-threaded runs side by side: both cores of the development
 machine.
 
+The hidden formats (issue 24): train on an fp8 store and replay on the bf16 store of the same prompts
+(how such a drafter is served), then replay the same drafters on the fp8 store:
+
+    python bench/recipe_bench.py run --store fp8.zarr --train-tag fp8 --replay-store bf16.zarr --recipes default
+    python bench/recipe_bench.py run --store fp8.zarr --train-tag fp8 --label fp8-on-fp8 --recipes default
+
 `table` reads the kept runs of one budget: per recipe the mean +- sd over seeds of each figure, and
 the paired difference from --against over the seeds both have, with its 95% t-interval (n - 1
 degrees of freedom) and the difference relative to the reference's mean. Tau is also given over
@@ -100,15 +106,42 @@ def argv(fields: dict) -> list[str]:
     return [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, soft_states: str | None) -> Path:
-    """Train and replay one (recipe, seed) unless its result is kept -> the result file."""
-    out = results / str(steps) / name / f"s{seed}.json"
+def tagged(name: str, tag: str) -> str:
+    return f"{name}@{tag}" if tag else name
+
+
+def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, soft_states: str | None,
+            replay_store: str | None = None, train_tag: str = "", label: str = "") -> Path:
+    """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
+    the training store in the run directory, label the result (default: train_tag); a finished training
+    of the same recipe, seed and train_tag is replayed again rather than redone (replay_store: another
+    store of the same prompts, such as the bf16 store of an fp8-trained drafter)."""
+    out = results / str(steps) / tagged(name, label or train_tag) / f"s{seed}.json"
     if out.exists():
         return out
-    run_dir = runs / str(steps) / name / f"s{seed}"
+    run_dir = runs / str(steps) / tagged(name, train_tag) / f"s{seed}"
+    done = run_dir / "train_seconds.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not done.exists():
+        train_s = train_one(store, name, seed, steps, run_dir, env, soft_states)
+        done.write_text(f"{train_s}\n")
+    train_s = float(done.read_text())
+    report = run_dir / f"report-{label or train_tag or 'own'}"
+    replay_store = replay_store or store
+    _call([sys.executable, str(ROOT / "evaluate.py"), "--store", replay_store, "--checkpoint", str(run_dir / "final"),
+           "--out", str(report), *REPLAY], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
+    result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
+                     train_s)
+    result |= {"train_store": store, "replay_store": replay_store}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return out
+
+
+def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict, soft_states: str | None) -> float:
+    """Train one (recipe, seed) into run_dir (from scratch) -> seconds taken."""
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     flags = recipe_flags(name)
     trainer = [str(ROOT / "train.py")]
     if "soft_beta" in flags:
@@ -120,14 +153,7 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
              "--seed", str(seed), *argv({**FIXED, **{k: v for k, v in flags.items() if k != "soft_beta"}})]
     _call(train, env, run_dir.parent / f"s{seed}.train.log")
-    train_s = time.time() - t0
-    report = run_dir / "report"
-    _call([sys.executable, str(ROOT / "evaluate.py"), "--store", store, "--checkpoint", str(run_dir / "final"), "--out",
-           str(report), *REPLAY], env, run_dir.parent / f"s{seed}.eval.log")
-    result = collect(store, name, seed, steps, flags, run_dir, train_s)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    return out
+    return time.time() - t0
 
 
 def _call(cmd: list[str], env: dict, log: Path) -> None:
@@ -138,7 +164,8 @@ def _call(cmd: list[str], env: dict, log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {r.returncode}); see {log}")
 
 
-def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: Path, train_s: float) -> dict:
+def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: Path, report: Path,
+            train_s: float) -> dict:
     sys.path.insert(0, str(ROOT))
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
@@ -147,7 +174,7 @@ def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: 
     train = [r for r in records if r["split"] == "train"]
     final = [r for r in records if r["split"] == "eval"][-1]
     config = json.loads((run_dir / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"]
-    rep = json.loads((run_dir / "report" / "report.json").read_text())["checkpoints"][0]
+    rep = json.loads((report / "report.json").read_text())["checkpoints"][0]
     hs = HiddenStore(store)
     eos, readers = set(hs.attrs.eos_token_ids), {}
     prompts = []
@@ -163,7 +190,7 @@ def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: 
             "heldout_loss": final["loss"], "heldout_ce": final.get("ce"), "heldout_tau_streak": final["tau_streak"],
             "train_tau_replay": final.get("tau_replay"),
             "tau": rep["tau"], "tau_ci95": rep["tau_ci95"], "tau_pooled": rep["tau_pooled"],
-            "ddtree16": rep["ddtree"]["16"], "ddtree64": rep["ddtree"]["64"], "prompts": prompts}
+            "ddtree16": rep["ddtree"]["16"], "ddtree64": rep["ddtree"]["64"], "check": rep["check"], "prompts": prompts}
 
 
 def figures(r: dict) -> dict:
@@ -194,7 +221,7 @@ def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
     runs: dict[str, dict[int, dict]] = {}
     for f in sorted((results / str(steps)).glob("*/s*.json")):
         r = json.loads(f.read_text())
-        runs.setdefault(r["recipe"], {})[r["seed"]] = figures(r) | {"blocks_per_step": r["blocks_per_step"]}
+        runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {"blocks_per_step": r["blocks_per_step"]}
     return runs
 
 
@@ -203,7 +230,7 @@ def table(results: Path, steps: int, against: str) -> dict:
     ref = runs.get(against, {})
     out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
     for name, seeds in sorted(runs.items()):
-        row = {"seeds": sorted(seeds), "flags": recipe_flags(name)}
+        row = {"seeds": sorted(seeds), "flags": recipe_flags(name.split("@")[0])}
         common = sorted(set(seeds) & set(ref))
         for k in METRICS + ("blocks_per_step",):
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
@@ -258,6 +285,9 @@ def main() -> None:
     r.add_argument("--runs", default="/tmp/recipe_bench", help="where run directories go (large; not kept)")
     r.add_argument("--results", default=str(RESULTS))
     r.add_argument("--soft-states", help="final states for the soft-* recipes (bench/soft_target_bench.py states)")
+    r.add_argument("--replay-store", help="replay on this store of the same prompts (default: --store)")
+    r.add_argument("--train-tag", default="", help="names the training store: runs are kept as RECIPE@TAG")
+    r.add_argument("--label", default="", help="results are kept as RECIPE@LABEL (default: --train-tag)")
     t = sub.add_parser("table", help="summarize the kept runs of one budget")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--against", default="baseline")
@@ -271,7 +301,7 @@ def main() -> None:
         jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
-                                   args.soft_states) for n, s in jobs]
+                                   args.soft_states, args.replay_store, args.train_tag, args.label) for n, s in jobs]
             for (n, s), f in zip(jobs, futures):
                 print(f"{n} seed {s}: {f.result()}", flush=True)
         return

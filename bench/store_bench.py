@@ -147,10 +147,11 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
     return out
 
 
-def writer(x: np.ndarray, codec: str, threads: int, tmp: Path, producer_mb_s: float | None = None) -> dict:
-    """The extractor's ShardWriter on x (16 passes), as fast as it takes batches of 256 tokens or
-    fed at producer_mb_s with room for two shard files (the default --writer-memory-gb is 4 GiB,
-    about 20 at 27B width): MB/s until committed, and the producer's stall."""
+def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_mb_s: float | None = None) -> dict:
+    """The extractor's ShardWriter on x (16 passes; fp8: x already rounded, as the capture hands it
+    over), as fast as it takes batches of 256 tokens or fed at producer_mb_s with room for two shard
+    files (the default --writer-memory-gb is 4 GiB, about 20 at 27B width): MB/s (of raw bf16) until
+    committed, and the producer's stall."""
     import torch
 
     from store.shard_writer import ShardWriter
@@ -158,11 +159,11 @@ def writer(x: np.ndarray, codec: str, threads: int, tmp: Path, producer_mb_s: fl
     states = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     batch = 256
     batch_bytes = batch * x[0].nbytes
-    path = tmp / f"writer-{codec}.zarr"
+    path = tmp / f"writer-{hidden_format}.zarr"
     path.mkdir(exist_ok=True)
     store = StoreWriter(str(path))
     w = ShardWriter(store, 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
-                    threads=threads, max_held_bytes=2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40)
+                    threads=threads, hidden_format=hidden_format, max_held_bytes=2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40)
     t0 = time.perf_counter()
     for k in range(16 * len(x) // batch):
         if producer_mb_s:
@@ -232,11 +233,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.wide_tokens:
             for codec in ("planes",):  # blosc, retired as a write option, was measured before (bench/results)
-                r = {"as fast as it takes": writer(w, codec, args.threads, Path(tmp)),
-                     "at 500 MB/s": writer(w, codec, args.threads, Path(tmp), producer_mb_s=500)}
+                r = {"as fast as it takes": writer(w, "bf16", args.threads, Path(tmp)),
+                     "at 500 MB/s": writer(w, "bf16", args.threads, Path(tmp), producer_mb_s=500)}
                 print(f"ShardWriter, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
                 result.setdefault("writer", {})[codec] = r
-                r = reader(Path(tmp) / f"writer-{codec}.zarr", sorted({1, args.threads}))
+                r = reader(Path(tmp) / "writer-bf16.zarr", sorted({1, args.threads}))
                 print(f"ShardReader, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
                 result.setdefault("reader", {})[codec] = r
         for label, (d, off) in data.items():

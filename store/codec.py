@@ -40,6 +40,12 @@ class PackedCodec(BytesBytesCodec):
     name: ClassVar[str]
 
     def pack(self, data: np.ndarray) -> bytes:
+        """data: the chunk's bytes (uint8). Returns the encoded chunk."""
+        return b"".join(self.pack_parts(data))
+
+    def pack_parts(self, data: np.ndarray) -> list:
+        """The encoded chunk as the pieces it is made of (joined, they are `pack`'s bytes), so a
+        writer can hand them to the file without another copy."""
         raise NotImplementedError
 
     def unpack(self, data: np.ndarray) -> np.ndarray:
@@ -93,13 +99,8 @@ class Bf16Planes(PackedCodec):
     def _low(self) -> LZ4 | None:
         return LZ4(acceleration=1) if self.low == "lz4" else None
 
-    def pack(self, data: np.ndarray) -> bytes:
-        """data: the chunk's bytes, little-endian 2-byte values."""
-        return b"".join(self.pack_parts(data))
-
     def pack_parts(self, data: np.ndarray) -> list:
-        """The encoded chunk as the pieces it is made of (joined, they are `pack`'s bytes), so a
-        writer can hand them to the file without another copy."""
+        """data: the chunk's bytes, little-endian 2-byte values."""
         pairs = data.reshape(-1, 2)
         high = self._high.encode(np.ascontiguousarray(pairs[:, 1]))
         low = np.ascontiguousarray(pairs[:, 0])

@@ -23,11 +23,12 @@ import torch
 from numcodecs import Zstd
 from zarr.registry import register_codec
 
-from store.codec import PackedCodec
+from store.codec import LEVELS, PackedCodec
 
 NAME = "dflash.fp8_e4m3"
 K_RANGE = (-120, 120)  # the scale exponents kept (a group whose largest value is below 2^-113 uses -120)
 _HEADER = np.dtype("<u4")
+_ROW_LOOKUP = 1024  # groups at least this wide are decoded a group at a time
 
 
 def exponents(bits: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,8 @@ class Fp8E4m3(PackedCodec):
     def __post_init__(self) -> None:
         if self.group < 1:
             raise ValueError(f"{NAME}: group {self.group}, expected at least 1")
+        if not LEVELS[0] <= self.level <= LEVELS[1]:
+            raise ValueError(f"{NAME}: zstd level {self.level}, expected {LEVELS[0]} to {LEVELS[1]}")
 
     def to_dict(self):
         return {"name": NAME, "configuration": {"group": self.group, "level": self.level}}
@@ -82,12 +85,8 @@ class Fp8E4m3(PackedCodec):
     def _table(self) -> np.ndarray:
         return _table()
 
-    def pack(self, data: np.ndarray) -> bytes:
-        """data: the chunk's bytes, little-endian bf16 bits of quantized values."""
-        return b"".join(self.pack_parts(data))
-
     def pack_parts(self, data: np.ndarray) -> list:
-        """The encoded chunk as its pieces (joined: `pack`'s bytes)."""
+        """data: the chunk's bytes, little-endian bf16 bits of quantized values."""
         bits = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(-1, self.group))
         k = exponents(bits)
         e4m3 = (bits.view(torch.bfloat16).float() * torch.exp2(-k.float())).to(torch.float8_e4m3fn)
@@ -99,15 +98,27 @@ class Fp8E4m3(PackedCodec):
         return [np.array([len(ks)], _HEADER).tobytes(), ks.tobytes(), self._zstd.encode(codes)]
 
     def decode_codes(self, codes: np.ndarray, ks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """codes: [G, group] uint8 e4m3 bytes, ks: [G] int8 -> [G, group] uint16 bf16 bits (into out)."""
-        index = (ks.astype(np.int16) + 128).astype(np.uint16)[:, None] << 8 | codes
-        return np.take(self._table, index, out=out)
+        """codes: [G, group] uint8 e4m3 bytes, ks: [G] int8 -> [G, group] uint16 bf16 bits (into out).
+        Wide groups look up their scale's 256 table entries, a group at a time (twice the speed of
+        one lookup over a joined index at hidden 5120); narrow ones, where a loop would cost more
+        than it saves, take the joined index."""
+        if self.group < _ROW_LOOKUP:
+            index = (ks.astype(np.int16) + 128).astype(np.uint16)[:, None] << 8 | codes
+            return np.take(self._table, index, out=out)
+        out = np.empty(codes.shape, np.uint16) if out is None else out
+        rows = self._table.reshape(256, 256)
+        for g, k in enumerate(ks.tolist()):
+            np.take(rows[k + 128], codes[g], out=out[g])
+        return out
 
-    def codes(self, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """An encoded chunk (uint8) -> its e4m3 bytes [G, group] and exponents [G]."""
+    def codes(self, data: np.ndarray, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """An encoded chunk (uint8) -> its e4m3 bytes [G, group] and exponents [G]. into: a uint8
+        array of the chunk's values to decode the bytes into (a reader reuses it from chunk to chunk)."""
         groups = int(data[:4].view(_HEADER)[0])
         ks = data[4:4 + groups].view(np.int8)
-        codes = np.frombuffer(self._zstd.decode(data[4 + groups:]), np.uint8)
+        frame = data[4 + groups:]
+        codes = (np.frombuffer(self._zstd.decode(frame), np.uint8) if into is None
+                 else self._zstd.decode(frame, out=into))
         if len(codes) != groups * self.group:
             raise ValueError(f"{NAME}: {len(codes)} bytes for {groups} groups of {self.group}")
         return codes.reshape(groups, self.group), ks

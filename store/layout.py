@@ -4,7 +4,7 @@
       zarr.json                    root group; attributes = provenance (store/schema.py)
       target/embed_tokens          [V, H] uint16 (bf16 bits), the target's input embedding
       target/lm_head               [V, H] uint16 (bf16 bits), the target's output projection
-      shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens
+      shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens; bf16 planes or fp8
       shards/00003/tokens          [T] int32     prompt + completion ids of every sample
       shards/00003/loss_mask       [T] uint8     1 exactly on completion tokens
       shards/00003/offsets         [N+1] int64   sample i is tokens offsets[i]:offsets[i+1]
@@ -29,6 +29,7 @@ from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
 from store.codec import LEVELS as PLANE_LEVELS
 from store.codec import Bf16Planes
+from store.fp8_codec import Fp8E4m3
 
 HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
 SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
@@ -44,7 +45,12 @@ SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_r
 # (store/codec.py: high plane zstd at the level, low plane LZ4), each chunk ending in a crc32c that
 # every read verifies. Older stores may hold "blosc" (blosc zstd, byte shuffle, no checksum; schema 1
 # and the retired `--codec blosc`), which zarr reads; store/read_checks.py says what each allows.
-CODEC = "planes"
+# A store's states come in one hidden format, fixed when it is created (compat.hidden_format): bf16, the
+# target's states bit for bit ("planes"), or fp8, each rounded to e4m3 x 2^k with one k per token and tap
+# (store/fp8_codec.py, "fp8": about half the bytes, and conditioning of its own).
+HIDDEN_FORMATS = ("bf16", "fp8")
+FORMAT_CODECS = {"bf16": "planes", "fp8": "fp8"}
+CODEC = FORMAT_CODECS["bf16"]
 DEFAULT_LEVEL = 1
 LEVELS = PLANE_LEVELS
 
@@ -64,6 +70,15 @@ def commit_key(shard: int | str) -> str:
 def hidden_codecs(level: int) -> list:
     """The codec chain of bf16 bits (states, embedding, lm_head); lossless."""
     return [Bf16Planes(level=level, low="lz4"), Crc32cCodec()]
+
+
+def state_codecs(level: int, hidden_format: str, hidden_size: int) -> list:
+    """The codec chain of a shard's `hidden` array in `hidden_format`; lossless on what it is given
+    (fp8: states already rounded by fp8_codec.quantize)."""
+    if hidden_format == "fp8":
+        return [Fp8E4m3(group=hidden_size, level=level), Crc32cCodec()]
+    assert hidden_format == "bf16", hidden_format
+    return hidden_codecs(level)
 
 
 def first_pairs(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -12,7 +12,8 @@ root is read as the revision its records show, `revision_of`):
   3  commit files sealed by their own checksum and holding the CRC-32 of every metadata file zarr
      parses; every chunk written, all-zero ones included, so a missing chunk file is damage
      (`every_chunk` in a shard's commit file).
-  4  the revision recorded on the root; states always byte-plane coded (`--codec` retired).
+  4  the revision recorded on the root; states always byte-plane coded (`--codec` retired), or, in a
+     store made with `--hidden-format fp8`, fp8 coded (`dflash.fp8_e4m3`, checksummed alike).
 
 A store can hold shards of several revisions (a later extraction adds shards to an earlier root),
 so what holds per shard is read from its commit file, not from the root.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from store import layout
 from store.ranges import format_ranges
 from store.schema import RootCommit, ShardCommit, StoreAttrs
 
@@ -76,7 +78,7 @@ def revision_of(attrs: StoreAttrs, root: RootCommit) -> int:
 
 def read_checks(location: str, attrs: StoreAttrs, root: RootCommit, records: dict[int, ShardCommit]) -> ReadChecks:
     """What reading the shards of `records` checks, for the store at `location`."""
-    planes = attrs.schema_version >= 2 and attrs.compat.codec == "planes"
+    planes = attrs.schema_version >= 2 and attrs.compat.codec in layout.FORMAT_CODECS.values()
     return ReadChecks(location=location, revision=revision_of(attrs, root), schema=attrs.schema_version, chunk_checksums=planes,
                       direct_reads=planes,
                       zero_filled=tuple(s for s, r in sorted(records.items()) if planes and not r.every_chunk))

@@ -59,12 +59,22 @@ class Compat:
     turns: str | None = None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
     codec: str | None = None  # the states' codec (store/layout.py); None in schema 1: blosc
     chat_template_kwargs: dict | None = None  # --chat-template-kwargs (None: none given)
+    hidden_format: str | None = None  # "fp8": states rounded to e4m3 x 2^k per token and tap (None: bf16, as captured)
+
+    @property
+    def states(self) -> str:
+        """The hidden format of the states: "bf16" or "fp8" (store/layout.py HIDDEN_FORMATS)."""
+        return self.hidden_format or "bf16"
 
     def conditioning(self) -> str:
         """SHA-256 of the settings that decide what state a token gets (CONDITIONING), not which
         tokens are stored: stores that share it can be replayed by each other's drafters."""
         body = {k: v for k, v in to_json(self).items() if k in CONDITIONING}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def as_format(self, hidden_format: str) -> Compat:
+        """These settings with the states in another hidden format ("bf16" or "fp8")."""
+        return dataclasses.replace(self, hidden_format=None if hidden_format == "bf16" else hidden_format)
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""
@@ -77,10 +87,10 @@ class Compat:
 
 
 # The Compat fields a token's stored state depends on (the target, how it ran, where the taps are, the
-# token space): two stores that agree on them condition a drafter alike, whatever their data, template,
-# lengths, responses or codec.
+# token space, and the hidden format, since fp8 rounds every state): two stores that agree on them
+# condition a drafter alike, whatever their data, template, lengths, responses or lossless codec.
 CONDITIONING = ("target_fingerprint", "model_class", "tokenizer_sha256", "taps", "mask_token_id", "dtype",
-                "device_type", "linear_attention", "attention")
+                "device_type", "linear_attention", "attention", "hidden_format")
 
 
 @dataclass(frozen=True, kw_only=True)

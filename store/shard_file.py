@@ -1,7 +1,7 @@
 """Whole zarr shard files of the states, encoded here instead of through zarr's codec pipeline.
 
 A schema-2 `hidden` array is zarr's sharding codec over `chunk_tokens`-token chunks, each encoded
-by `dflash.bf16_planes` then `crc32c`, with the shard index (little-endian uint64 offset and
+by `dflash.bf16_planes` (or `dflash.fp8_e4m3`) then `crc32c`, with the shard index (little-endian uint64 offset and
 length per chunk, then its crc32c) at the end of the file. For a shard file whose every chunk is
 full, this module writes exactly those bytes (a test checks them against zarr's own, byte for
 byte) straight from the source array: no copy of a chunk before it is compressed, no joined
@@ -14,13 +14,13 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
-from store.codec import Bf16Planes
+from store.codec import PackedCodec
 
 _INDEX = np.dtype("<u8")
 _CRC = np.dtype("<u4")
 
 
-def encode_chunk(codec: Bf16Planes, chunk: np.ndarray) -> list:
+def encode_chunk(codec: PackedCodec, chunk: np.ndarray) -> list:
     """One chunk, [chunk_tokens, n_taps, H] uint16 C-contiguous: its encoded pieces, checksum last."""
     parts = codec.pack_parts(chunk.reshape(-1).view(np.uint8))
     crc = 0

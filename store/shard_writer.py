@@ -48,13 +48,15 @@ class ShardStats:
 
 class ShardWriter:
     def __init__(self, store: StoreWriter, shard: int, n_taps: int, hidden_size: int,
-                 chunk_tokens: int, shard_tokens: int, level: int | None = None,
+                 chunk_tokens: int, shard_tokens: int, level: int | None = None, hidden_format: str = "bf16",
                  max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
+        """hidden_format: the store's (layout.HIDDEN_FORMATS); fp8 states come already rounded
+        (fp8_codec.quantize, by the capture), and their codec refuses any that are not."""
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
-        codecs = layout.hidden_codecs(layout.DEFAULT_LEVEL if level is None else level)
+        codecs = layout.state_codecs(layout.DEFAULT_LEVEL if level is None else level, hidden_format, hidden_size)
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -85,7 +87,7 @@ class ShardWriter:
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
             compressors=codecs, fill_value=0, config=_EVERY_CHUNK)
         self._queue: queue.Queue = queue.Queue()
-        self._planes = codecs[0]  # whole shard files are encoded here, not by zarr
+        self._codec = codecs[0]  # whole shard files are encoded here, not by zarr
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()
@@ -235,7 +237,7 @@ class ShardWriter:
             self._in_flight += self.shard_tokens
         chunks = [self._pop(self.chunk_tokens) for _ in range(self.shard_tokens // self.chunk_tokens)]
         self._encoding.append((start // self.shard_tokens,
-                               [self._pool.submit(shard_file.encode_chunk, self._planes, c) for c in chunks]))
+                               [self._pool.submit(shard_file.encode_chunk, self._codec, c) for c in chunks]))
         self._cut = end
 
     def _write_encoded(self, wait: bool) -> None:

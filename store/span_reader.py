@@ -7,7 +7,8 @@ of a shard file for the states), each checked against its crc32c before it is de
 states' byte planes are interleaved once, straight into the output:
   - per-token arrays: chunks of little-endian values, blosc, then crc32c (layout.small_codecs);
   - states: zarr shard files (index at the end, itself checksummed) of chunks encoded with
-    `dflash.bf16_planes`, then crc32c (layout.hidden_codecs; store/shard_file.py writes them).
+    `dflash.bf16_planes` or `dflash.fp8_e4m3`, then crc32c (layout.state_codecs; store/shard_file.py
+    writes them); fp8 bytes are looked up as bf16 bits straight into the output.
 `for_array` returns None for any other layout (schema 1, the blosc codec), which zarr reads.
 """
 
@@ -25,6 +26,7 @@ from zarr.codecs.sharding import ShardingCodecIndexLocation
 
 from store.codec import Bf16Planes, interleave
 from store.errors import StoreCorrupt
+from store.fp8_codec import Fp8E4m3
 
 _MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)
 _INDEX_CACHE = 256  # shard-file indexes kept per array (260 bytes each at 16 chunks a file)
@@ -60,7 +62,7 @@ def for_array(fs, path: str, array: zarr.Array, missing_is_damage: bool = False)
 def _plane_shards(sharding: ShardingCodec, meta) -> bool:
     inner, index = sharding.codecs, sharding.index_codecs
     return (sharding.index_location == ShardingCodecIndexLocation.end
-            and len(inner) == 3 and _little(inner[0]) and isinstance(inner[1], Bf16Planes)
+            and len(inner) == 3 and _little(inner[0]) and isinstance(inner[1], (Bf16Planes, Fp8E4m3))
             and isinstance(inner[2], Crc32cCodec) and len(index) == 2 and _little(index[0])
             and isinstance(index[1], Crc32cCodec) and meta.dtype.to_native_dtype().itemsize == 2
             and tuple(sharding.chunk_shape[1:]) == tuple(meta.shape[1:]))
@@ -139,7 +141,8 @@ class ChunkSpans(SpanReader):
 
 
 class ShardSpans(SpanReader):
-    """A sharded array of bf16 bits: each shard file's chunks encoded by `dflash.bf16_planes`."""
+    """A sharded array of bf16 bits: each shard file's chunks encoded by `dflash.bf16_planes` or
+    `dflash.fp8_e4m3`."""
 
     def __init__(self, fs, path: str, array: zarr.Array, missing_is_damage: bool) -> None:
         sharding = array.metadata.codecs[0]
@@ -168,8 +171,14 @@ class ShardSpans(SpanReader):
             self._fill(out, key if index is None else f"{key}, chunk {k}")
             return
         data = self._checked(self._read_range(key, offset, length), f"{key}, chunk {k}")
-        planes = _buffer("planes", 2 * self.chunk_rows * self.row_values).reshape(2, -1)
-        high, low = self.codec.planes(data, into=planes)
+        values = self.chunk_rows * self.row_values
+        if isinstance(self.codec, Fp8E4m3):
+            codes, ks = self.codec.codes(data, into=_buffer("codes", values))
+            per_row = self.row_values // self.codec.group  # scale groups per row: one a tap
+            first, n = first_row * per_row, len(out) * per_row
+            self.codec.decode_codes(codes[first:first + n], ks[first:first + n], out=out.reshape(n, -1))
+            return
+        high, low = self.codec.planes(data, into=_buffer("planes", 2 * values).reshape(2, -1))
         first, n = first_row * self.row_values, out.size
         interleave(high[first:first + n], low[first:first + n], out)
 

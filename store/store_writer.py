@@ -121,7 +121,7 @@ class StoreWriter(HiddenStore):
             raise StoreMismatch(f"{self.location} is a schema-{self.attrs.schema_version} store (an earlier "
                                 f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
                                 f"go into a new store (schema {SCHEMA_VERSION})")
-        if self.attrs.compat.codec != layout.CODEC:
+        if self.attrs.compat.codec not in layout.FORMAT_CODECS.values():
             raise StoreMismatch(f"{self.location} holds states coded with {self.attrs.compat.codec} (the retired "
                                 f"--codec option): training and evaluation still read it, but new shards go into a "
                                 f"new store ({layout.CODEC})")

@@ -57,6 +57,18 @@ def small_store(tmp_path_factory, small_dataset) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def fp8_store(tmp_path_factory, small_dataset) -> Path:
+    """small_store's shards extracted again with --hidden-format fp8."""
+    from stages.extract.config import ExtractConfig
+    from stages.extract.run import run
+
+    path = tmp_path_factory.mktemp("stores") / "fp8.zarr"
+    run(ExtractConfig(store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, hidden_format="fp8",
+                      **SMALL), log=lambda m: None)
+    return path
+
+
 def damage_states(store: Path, shard: int, n: int = 256) -> Path:
     """Flip n bytes in the middle of the first state chunk file of a committed shard; returns the file."""
     chunk = sorted(p for p in (store / f"shards/{shard:05d}/hidden/c").rglob("*") if p.is_file())[0]

@@ -78,14 +78,17 @@ class Target:
         return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
     @torch.inference_mode()
-    def capture(self, seqs: list[list[int]], taps: list[int], prompt_lens: list[int] | None = None):
+    def capture(self, seqs: list[list[int]], taps: list[int], prompt_lens: list[int] | None = None, *,
+                rounding=None):
         """Tap outputs for each sequence, concatenated along tokens.
 
         Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order. Right padding:
         every real token sees only real tokens before it (causal model). The forward stops after
         the last tap, unless prompt_lens are given: then it runs on through the final norm and
         lm_head along each completion and also returns the agreement (matches, tokens): how many
-        completion tokens equal the target's own argmax at the position before.
+        completion tokens equal the target's own argmax at the position before. rounding: bf16 states ->
+        bf16 states, applied on the target's device before the copy to host (the store's fp8 format:
+        store/fp8_codec.quantize, nearly free on a GPU).
         """
         ids, mask = self._pad(seqs, left=False)
         grabbed: dict[int, torch.Tensor] = {}
@@ -97,7 +100,8 @@ class Target:
         except StopForward:
             pass
         stacked = torch.stack([grabbed[k] for k in taps], dim=2).to(torch.bfloat16)  # [B, W, n_taps, H]
-        hidden = stacked[mask.to(stacked.device).bool()].cpu()  # [T, n_taps, H]; row-major = sequence order
+        hidden = stacked[mask.to(stacked.device).bool()]  # [T, n_taps, H]; row-major = sequence order
+        hidden = (hidden if rounding is None else rounding(hidden)).cpu()
         if prompt_lens is None:
             return hidden
         return hidden, self._agreement(out.last_hidden_state, ids, prompt_lens, [len(s) for s in seqs])

@@ -1,6 +1,8 @@
 """What evaluation checks before it replays: each checkpoint against the store's conditioning (our
 checkpoints carry the store fingerprint; a released one is checked on what it carries: taps,
-hidden size, vocabulary, mask token), and which shards to replay."""
+hidden size, vocabulary, mask token), and which shards to replay. A checkpoint trained on a store
+whose conditioning differs from this one's only in the hidden format (fp8 against bf16) is replayed
+with a warning: serving hands a drafter bf16 states, so that is the tau an fp8-trained drafter gets."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.evaluate.config import EvalConfig
+from store import layout
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
+from store.schema import Compat
 
 
 @dataclass
@@ -43,7 +47,8 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
                 (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
     fp = record.store_fingerprint if record else None
     other_data = fp is not None and fp != attrs.fingerprint and record.store_conditioning == attrs.compat.conditioning()
-    if fp is not None and fp != attrs.fingerprint and not other_data:
+    trained_on = other_format(record, attrs.compat) if fp is not None and fp != attrs.fingerprint else None
+    if fp is not None and fp != attrs.fingerprint and not other_data and trained_on is None:
         problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
                         "(different target, taps, backend, tokenizer or data)")
     if problems and not allow_mismatch:
@@ -56,12 +61,27 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
         check = "released checkpoint: taps, hidden size, vocabulary and mask token match; store fingerprint not checked"
         warnings.append(f"{path} carries no store fingerprint (a released checkpoint): only taps, hidden size, "
                         "vocabulary and mask token were checked")
+    elif trained_on is not None:
+        check = (f"cross-format: trained on {trained_on} states (store {fp[:12]}), replayed on this store's "
+                 f"{attrs.compat.states} states; the conditioning is otherwise the same")
+        warnings.append(f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.states} states "
+                        f"({store.location}): a cross-format evaluation, allowed because nothing else in the "
+                        "conditioning differs")
     elif other_data:
         check = (f"conditioning matches (target, kernels, dtype, taps, tokenizer); trained on another store's data "
                  f"(fingerprint {fp[:12]}, this store {attrs.fingerprint[:12]})")
     else:
         check = "store fingerprint matches"
     return Checked(path, config, record, check)
+
+
+def other_format(record: TrainingRecord, compat: Compat) -> str | None:
+    """The hidden format a checkpoint was trained on when it is not this store's and is the only
+    difference in conditioning (an fp8-trained drafter replayed on bf16 states, as it is served); else None."""
+    for fmt in layout.HIDDEN_FORMATS:
+        if fmt != compat.states and record.store_conditioning == compat.as_format(fmt).conditioning():
+            return fmt
+    return None
 
 
 def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked], warnings: list[str]) -> list[int]:

@@ -84,9 +84,16 @@ class ExtractConfig:
     mask_token_id: int | None = setting(None, "Drafter mask token.", default_text="the tokenizer's mask token")
     chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
     shard_tokens: int = setting(4096, "Tokens per zarr shard file (a multiple of --chunk-tokens).")
-    compression_level: int = setting(layout.DEFAULT_LEVEL, "zstd level of the states' high bytes (%d to %d; the low "
-                                                           "bytes are LZ4, and every chunk ends in a crc32c)."
+    compression_level: int = setting(layout.DEFAULT_LEVEL, "zstd level of the states' high bytes (bf16; the low bytes "
+                                                           "are LZ4) or of their e4m3 bytes (fp8), %d to %d; every "
+                                                           "chunk ends in a crc32c."
                                      % layout.LEVELS)
+    hidden_format: str = setting(
+        "bf16", "How the states are stored: bf16, the target's states bit for bit (byte-plane coded, about 0.65x raw "
+                "at 27B width), or fp8: each rounded to e4m3 times a power of two per token and tap (the largest value "
+                "never saturates) and coded losslessly from there, about half the bytes of bf16. Read back as bf16 "
+                "either way; fixed when the store is created and part of its conditioning (docs/store.md).",
+        choices=layout.HIDDEN_FORMATS)
     agreement: bool = setting(True, "Run the capture forward on to the target's lm_head along each completion and "
                                     "record how often the completion token is the target's own argmax (per shard and "
                                     "in `pipeline info`; ~100% for regenerated references, lower for another engine "

@@ -22,7 +22,7 @@ from pipeline.errors import DatasetError, TargetError
 from pipeline.reference_server import ReferenceServer
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
-from store import layout
+from store import fp8_codec, layout
 from store.locks import LockFile
 from store.schema import ShardCommit, completion_limit
 from store.shard_writer import ShardWriter
@@ -141,7 +141,7 @@ class Extractor:
                 return None
             c = self.config
             job.writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
-                                     c.shard_tokens, c.compression_level,
+                                     c.shard_tokens, c.compression_level, c.hidden_format,
                                      max_held_bytes=int(c.writer_memory_gb * 2**30), threads=c.writer_threads)
         except BaseException:
             job.release()
@@ -205,10 +205,12 @@ class Extractor:
         if ready:
             t = time.perf_counter()
             seqs = [r.prompt + c for r, c in ready]
+            rounding = fp8_codec.quantize if self.config.hidden_format == "fp8" else None
             if self.config.agreement:
-                hidden, agreement = self.target.capture(seqs, self.taps, [len(r.prompt) for r, _ in ready])
+                hidden, agreement = self.target.capture(seqs, self.taps, [len(r.prompt) for r, _ in ready],
+                                                        rounding=rounding)
             else:
-                hidden, agreement = self.target.capture(seqs, self.taps), None  # [T, n_taps, H] bf16
+                hidden, agreement = self.target.capture(seqs, self.taps, rounding=rounding), None  # [T, n_taps, H] bf16
             timing["capture_s"] += time.perf_counter() - t
             kept, hidden = self.finite(ready, hidden, writer, shard)
             if agreement is not None and len(kept) == len(ready):  # a batch with a row left out: not counted

@@ -37,7 +37,8 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         responses=config.responses, max_new_tokens=config.max_new_tokens, max_length=config.max_length,
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
-        shard_tokens=config.shard_tokens, compression_level=config.compression_level, codec=layout.CODEC,
+        shard_tokens=config.shard_tokens, compression_level=config.compression_level,
+        codec=layout.FORMAT_CODECS[config.hidden_format], hidden_format=None if config.hidden_format == "bf16" else "fp8",
         references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None)
     return StoreAttrs(
@@ -49,8 +50,9 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         hidden_dtype=layout.HIDDEN_DTYPE, target=target.record,
         dataset=DatasetRecord(**described, split=config.split), backends=backends, device=str(target.device),
         dtype=config.dtype, layout=LayoutRecord(chunk_tokens=config.chunk_tokens, shard_tokens=config.shard_tokens,
-                                                compressor=[c.to_dict() for c in layout.hidden_codecs(
-                                                    config.compression_level)]),
+                                                compressor=[c.to_dict() for c in layout.state_codecs(
+                                                    config.compression_level, config.hidden_format,
+                                                    target.hidden_size)]),
         versions=versions(), engine=asdict(engine) if engine else None, format_revision=FORMAT_REVISION)
 
 

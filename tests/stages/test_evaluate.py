@@ -75,6 +75,26 @@ def test_another_stores_data_of_the_same_conditioning_is_replayed(small_store, t
         evaluate(small_store, tmp_path, other)
 
 
+def test_a_drafter_trained_on_fp8_states_is_replayed_on_bf16_ones_with_a_warning(small_store, tmp_path):
+    """The cross-format evaluation (how an fp8-trained drafter is served): allowed when the conditioning
+    differs only in the hidden format, named in the check and the warnings; any other difference
+    besides it is still refused."""
+    import dataclasses
+
+    compat = HiddenStore(str(small_store)).attrs.compat
+    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64,
+                        store_conditioning=compat.as_format("fp8").conditioning())
+    rep = evaluate(small_store, tmp_path, ck)
+    assert rep["checkpoints"][0]["check"].startswith("cross-format: trained on fp8 states")
+    assert len(rep["warnings"]) == 1 and "trained on fp8 states and is replayed on bf16 states" in rep["warnings"][0]
+    assert "cross-format evaluation" in (tmp_path / "rep" / "report.md").read_text()
+    taps = dataclasses.replace(compat.as_format("fp8"), taps=(1, 2))
+    other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64,
+                           store_conditioning=taps.conditioning())
+    with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
+        evaluate(small_store, tmp_path, other)
+
+
 def test_overlap_with_training_shards_warns(small_store, tmp_path):
     ck = our_checkpoint(small_store, tmp_path / "ck")
     rep = evaluate(small_store, tmp_path, ck, shards="1-3")

@@ -101,8 +101,48 @@ def test_rerun_skips_committed_shards(small_store, small_dataset):
     assert HiddenStore(str(small_store)).committed() == before
 
 
-@pytest.mark.parametrize("damage", ["states", "commit file", "array metadata"])
-def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(small_store, store_copy, small_dataset, damage):
+def test_an_fp8_store_holds_the_bf16_states_rounded_and_is_checked_alike(small_store, fp8_store):
+    """The same samples as the bf16 store, each state the bf16 one rounded by fp8_codec.quantize; its
+    own conditioning, which differs from the bf16 store's in the hidden format only; chunk checksums,
+    direct reads and verify as in the bf16 layout."""
+    from store import fp8_codec
+    from store.summary import render, summarize
+    from store.verify import verify
+
+    bf16, fp8 = HiddenStore(str(small_store)), HiddenStore(str(fp8_store))
+    assert (fp8.attrs.compat.hidden_format, fp8.attrs.compat.codec) == ("fp8", "fp8")
+    assert fp8.attrs.compat.differences(bf16.attrs.compat) == {"codec": ("fp8", "planes"), "hidden_format": ("fp8", None)}
+    assert fp8.attrs.compat.conditioning() != bf16.attrs.compat.conditioning()
+    assert fp8.attrs.compat.as_format("bf16").conditioning() == bf16.attrs.compat.conditioning()
+    assert fp8.attrs.layout.compressor[0] == {"name": "dflash.fp8_e4m3", "configuration": {"group": 128, "level": 1}}
+    checks = fp8.read_checks(fp8.committed())
+    assert checks.chunk_checksums and checks.direct_reads and checks.warning() is None
+    assert "fp8 states, codec fp8" in render(summarize(fp8))
+    for a, b in zip(samples(small_store), samples(fp8_store), strict=True):
+        assert a.row_id == b.row_id and torch.equal(a.tokens, b.tokens)
+        assert torch.equal(b.hidden, fp8_codec.quantize(a.hidden)) and not torch.equal(b.hidden, a.hidden)
+    assert verify(fp8).ok
+
+
+def test_a_store_keeps_the_hidden_format_it_was_made_with(fp8_store, tmp_path, small_dataset):
+    import shutil
+
+    shutil.copytree(fp8_store, tmp_path / "s.zarr")
+    bf16 = ExtractConfig(store=str(tmp_path / "s.zarr"), dataset=str(small_dataset), shards="0-3", num_shards=4,
+                         **SMALL)
+    with pytest.raises(StoreMismatch, match="hidden_format: store has \"fp8\", this run has null"):
+        run(bf16, log=lambda m: None)
+    assert run(dataclasses.replace(bf16, hidden_format="fp8"), log=lambda m: None)["shards_skipped"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("damage,hidden_format", [("states", "bf16"), ("commit file", "bf16"),
+                                                  ("array metadata", "bf16"), ("states", "fp8")])
+def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(request, tmp_path, small_dataset, damage, hidden_format):
+    import shutil
+
+    small_store = request.getfixturevalue("fp8_store" if hidden_format == "fp8" else "small_store")
+    store_copy = tmp_path / "copy.zarr"
+    shutil.copytree(small_store, store_copy)
     if damage == "states":
         damage_states(store_copy, 1)
     else:
@@ -112,7 +152,7 @@ def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(small_store, store_copy
         path.write_text(path.read_text().replace(old, new, 1))  # still JSON
     untouched = (store_copy / "_commits/00002.json").stat().st_mtime_ns
     config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, redo=True,
-                           **SMALL)
+                           hidden_format=hidden_format, **SMALL)
     if damage == "commit file":  # without --redo: one line naming the file and the fix
         with pytest.raises(StoreCorrupt, match=r"_commits/00001.json: damaged commit file .*--shards 1 --redo"):
             run(dataclasses.replace(config, redo=False), log=lambda m: None)

@@ -65,3 +65,41 @@ def test_plain_zarr_reads_and_writes_through_the_codec(tmp_path):
     back = zarr.open_array(str(tmp_path / "hidden"), mode="r")[:]
     assert np.array_equal(back, q)
     assert torch.equal(from_bits(back), quantize(states()))
+
+
+def test_plain_zarr_decodes_it_without_an_import_and_the_documented_format_holds(tmp_path):
+    """Through the `zarr.codecs` entry point (no import of this package), and by hand from a chunk
+    file's bytes as docs/store.md describes them: uint32 G, G int8 exponents, a zstd frame of G x H
+    e4m3 bytes, the crc32c last; value = e4m3 x 2^k."""
+    import subprocess
+    import sys
+
+    from numcodecs import Zstd
+
+    q = to_bits(quantize(states()))
+    zarr.create_array(str(tmp_path / "hidden"), shape=q.shape, chunks=(40, 3, H), dtype=np.uint16,
+                      compressors=[Fp8E4m3(group=H), Crc32cCodec()], fill_value=0)[:] = q
+    np.save(tmp_path / "q.npy", q)
+    code = ("import sys, numpy, zarr; a = zarr.open_array(sys.argv[1], mode='r'); "
+            "assert numpy.array_equal(a[:], numpy.load(sys.argv[2])); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hidden"), str(tmp_path / "q.npy")],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.stdout.strip() == "ok", r.stderr
+    data = (tmp_path / "hidden" / "c" / "0" / "0" / "0").read_bytes()[:-4]  # less the crc32c
+    groups = int(np.frombuffer(data[:4], "<u4")[0])
+    k = np.frombuffer(data[4:4 + groups], np.int8).astype(np.float32)
+    e4m3 = np.frombuffer(Zstd().decode(data[4 + groups:]), np.uint8).reshape(groups, H)
+    values = torch.from_numpy(e4m3.copy()).view(torch.float8_e4m3fn).float() * torch.from_numpy(2.0 ** k)[:, None]
+    assert groups == 40 * 3 and torch.equal(values.to(torch.bfloat16).reshape(q.shape), from_bits(q))
+
+
+@pytest.mark.parametrize("group", [64, 2048])
+def test_both_lookups_decode_every_byte_at_every_scale(group):
+    """Narrow groups take the joined index, wide ones a table row per group: the same bits."""
+    codec = Fp8E4m3(group=group)
+    ks = np.arange(-120, 121, dtype=np.int8)
+    codes = (np.arange(len(ks) * group) % 256).astype(np.uint8).reshape(len(ks), group)
+    codes[(codes & 0x7F) == 0x7F] = 0  # NaN bytes are never written
+    expect = (torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).double()
+              * torch.exp2(torch.from_numpy(ks).double())[:, None]).to(torch.bfloat16)
+    assert torch.equal(from_bits(codec.decode_codes(codes, ks)), expect)

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from store import fp8_codec, layout
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
 from store.store_writer import StoreWriter
@@ -22,9 +23,11 @@ def fresh_store(tmp_path, small_store) -> StoreWriter:
     return StoreWriter(str(path))
 
 
-def batches(n: int, tokens: int = 20):
+def batches(n: int, tokens: int = 20, hidden_format: str = "bf16"):
+    """n batches of states; fp8: rounded as the capture rounds them (what an fp8 writer is given)."""
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(tokens, TAPS, H, generator=g).to(torch.bfloat16) for _ in range(n)]
+    parts = [torch.randn(tokens, TAPS, H, generator=g).to(torch.bfloat16) for _ in range(n)]
+    return [fp8_codec.quantize(p) for p in parts] if hidden_format == "fp8" else parts
 
 
 def write(writer: ShardWriter, parts: list[torch.Tensor]) -> None:
@@ -33,16 +36,31 @@ def write(writer: ShardWriter, parts: list[torch.Tensor]) -> None:
         writer.add_hidden(h)
 
 
-def test_states_round_trip_bit_for_bit(tmp_path, small_store):
+@pytest.mark.parametrize("hidden_format", layout.HIDDEN_FORMATS)
+def test_states_round_trip_bit_for_bit(tmp_path, small_store, hidden_format):
+    """bf16: what the target gave; fp8: what the capture rounded, both bit for bit (the direct reader
+    of the shipped layouts; the rounding error itself is tests/store/test_fp8_codec.py's)."""
     store = fresh_store(tmp_path, small_store)
-    parts = batches(7)
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
+    parts = batches(7, hidden_format=hidden_format)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, hidden_format=hidden_format)
     write(writer, parts)
     record = writer.commit(None, run={})
     assert record.tokens == 140 and record.shapes["hidden"] == [140, TAPS, H]
+    assert record.checksums["hidden"] == layout.crc32(layout.to_bits(torch.cat(parts)))
     reader = ShardReader(store, 1)
+    assert reader._direct is not None
     for i, h in enumerate(parts):
         assert torch.equal(reader[i].hidden, h)
+
+
+def test_an_fp8_writer_refuses_states_that_were_not_rounded(tmp_path, small_store):
+    store = fresh_store(tmp_path, small_store)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, hidden_format="fp8")
+    with pytest.raises(RuntimeError, match="quantize them first"):
+        write(writer, batches(7))
+        writer.commit(None, run={})
+    writer.abort()
+    assert store.commit_record(1) is None
 
 
 def test_held_states_stay_within_the_byte_bound(tmp_path, small_store, monkeypatch):
@@ -81,24 +99,23 @@ def test_a_failed_write_surfaces_and_nothing_is_committed(tmp_path, small_store,
     assert store.commit_record(1) is None
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, small_store, threads):
+@pytest.mark.parametrize("threads,hidden_format", [(1, "bf16"), (3, "bf16"), (2, "fp8")])
+def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, small_store, threads, hidden_format):
     """The writer encodes whole shard files itself (store/shard_file.py); each file holds exactly
     the bytes zarr's own sharding codec writes for the same states, and the partial last one goes
     through zarr."""
     import numpy as np
     import zarr
 
-    from store import layout
-
     store = fresh_store(tmp_path, small_store)
-    parts = batches(9, tokens=23)  # 207 tokens: 6 whole shard files of 32 and a partial one
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, threads=threads)
+    parts = batches(9, tokens=23, hidden_format=hidden_format)  # 207 tokens: 6 whole shard files of 32, a partial one
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, threads=threads,
+                         hidden_format=hidden_format)
     write(writer, parts)
     writer.commit(None, run={})
     bits = layout.to_bits(torch.cat(parts))
     ref = zarr.create_array(str(tmp_path / "ref.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(8, TAPS, H),
-                            shards=(32, TAPS, H), compressors=layout.hidden_codecs(1), fill_value=0)
+                            shards=(32, TAPS, H), compressors=layout.state_codecs(1, hidden_format, H), fill_value=0)
     ref[:] = bits
     ours = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c"
     files = sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())

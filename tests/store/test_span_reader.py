@@ -17,13 +17,13 @@ from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, write
 ARRAYS = ("hidden", "tokens", "loss_mask")
 
 
-def written(tmp_path, small_store) -> HiddenStore:
+def written(tmp_path, small_store, hidden_format: str = "bf16") -> HiddenStore:
     """Shard 1: 207 tokens in shard files of 32 (chunks of 8): six whole files written by the
     writer, a partial seventh by zarr, whose first chunk is all zeros (written all the same)."""
     store = fresh_store(tmp_path, small_store)
-    parts = batches(9, tokens=23)
+    parts = batches(9, tokens=23, hidden_format=hidden_format)
     parts[-1][8:16] = 0  # tokens 192-199: the partial file's first chunk
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, hidden_format=hidden_format)
     write(writer, parts)
     writer.commit(None, run={})
     return store
@@ -53,8 +53,9 @@ def assert_spans_equal_zarr(store: HiddenStore, missing_is_damage: bool) -> None
             assert got.dtype == whole.dtype and np.array_equal(got, whole[a:b]), (name, a, b)
 
 
-def test_every_span_equals_what_zarr_reads(tmp_path, small_store):
-    store = written(tmp_path, small_store)
+@pytest.mark.parametrize("hidden_format", layout.HIDDEN_FORMATS)
+def test_every_span_equals_what_zarr_reads(tmp_path, small_store, hidden_format):
+    store = written(tmp_path, small_store, hidden_format)
     index = partial_file_index(tmp_path)
     assert index[0, 0] != 2**64 - 1 and index[1, 0] != 2**64 - 1  # the zero chunk is written too
     assert store.commit_record(1).every_chunk
@@ -88,9 +89,9 @@ def test_extracted_stores_are_read_directly_and_samples_match(store_copy):
             assert np.array_equal(s.tokens.numpy(), group["tokens"][a:b])
 
 
-@pytest.mark.parametrize("where", ["chunk", "index"])
-def test_a_damaged_byte_is_an_error_naming_the_file(tmp_path, small_store, where):
-    store = written(tmp_path, small_store)
+@pytest.mark.parametrize("where,hidden_format", [("chunk", "bf16"), ("index", "bf16"), ("chunk", "fp8")])
+def test_a_damaged_byte_is_an_error_naming_the_file(tmp_path, small_store, where, hidden_format):
+    store = written(tmp_path, small_store, hidden_format)
     path = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c" / "2" / "0" / "0"
     data = bytearray(path.read_bytes())
     data[100 if where == "chunk" else -10] ^= 0x01
