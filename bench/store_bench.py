@@ -48,7 +48,8 @@ import zarr  # noqa: E402
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec  # noqa: E402
 
 from bench.report import emit  # noqa: E402
-from store import span_reader  # noqa: E402
+from pipeline import fingerprint  # noqa: E402
+from store import layout, span_reader  # noqa: E402
 from store.codec import Bf16Planes  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.store_writer import StoreWriter  # noqa: E402
@@ -147,11 +148,33 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
     return out
 
 
-def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_mb_s: float | None = None) -> dict:
+def root_of(store: str, path: Path, x: np.ndarray, hidden_format: str) -> None:
+    """A store root at path for states like x ([T, n_taps, H]): `store`'s attributes at x's width
+    and in hidden_format, with a zero embedding and lm_head, so the shards a bench writes there read
+    back through HiddenStore and training's loader."""
+    import dataclasses
+
+    import torch
+
+    from store.schema import to_json
+
+    attrs = HiddenStore(store).attrs
+    compat = dataclasses.replace(attrs.compat.as_format(hidden_format), taps=tuple(range(x.shape[1])),
+                                 codec=layout.FORMAT_CODECS[hidden_format])
+    attrs = dataclasses.replace(attrs, compat=compat, fingerprint=fingerprint.sha256_json(to_json(compat)),
+                                hidden_size=x.shape[2], taps=compat.taps)
+    zeros = torch.zeros(attrs.vocab_size, x.shape[2], dtype=torch.bfloat16)
+    StoreWriter(str(path)).create_or_check(attrs, zeros, zeros)
+
+
+def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_mb_s: float | None = None,
+           root: str | None = None) -> dict:
     """The extractor's ShardWriter on x (16 passes; fp8: x already rounded, as the capture hands it
     over), as fast as it takes batches of 256 tokens or fed at producer_mb_s with room for two shard
     files (the default --writer-memory-gb is 4 GiB, about 20 at 27B width): MB/s (of raw bf16) until
-    committed, and the producer's stall."""
+    committed, and the producer's stall. root: a store whose root to copy (for `reader`)."""
+    import shutil
+
     import torch
 
     from store.shard_writer import ShardWriter
@@ -160,7 +183,10 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_
     batch = 256
     batch_bytes = batch * x[0].nbytes
     path = tmp / f"writer-{hidden_format}.zarr"
-    path.mkdir(exist_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    if root:
+        root_of(root, path, x, hidden_format)
     store = StoreWriter(str(path))
     w = ShardWriter(store, 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
                     threads=threads, hidden_format=hidden_format, max_held_bytes=2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40)
@@ -234,7 +260,7 @@ def main() -> None:
         if args.wide_tokens:
             for codec in ("planes",):  # blosc, retired as a write option, was measured before (bench/results)
                 r = {"as fast as it takes": writer(w, "bf16", args.threads, Path(tmp)),
-                     "at 500 MB/s": writer(w, "bf16", args.threads, Path(tmp), producer_mb_s=500)}
+                     "at 500 MB/s": writer(w, "bf16", args.threads, Path(tmp), producer_mb_s=500, root=args.store)}
                 print(f"ShardWriter, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
                 result.setdefault("writer", {})[codec] = r
                 r = reader(Path(tmp) / "writer-bf16.zarr", sorted({1, args.threads}))

@@ -26,7 +26,10 @@ from zarr.registry import register_codec
 from store.codec import LEVELS, PackedCodec
 
 NAME = "dflash.fp8_e4m3"
-K_RANGE = (-120, 120)  # the scale exponents kept (a group whose largest value is below 2^-113 uses -120)
+# The scale exponents kept. From -117 up, the smallest value kept, 2^(k-9), is a normal bf16 (2^-126), so
+# neither rounding nor decoding meets a subnormal (which flush-to-zero on CPU would change); a group
+# whose largest magnitude is below about 2^-109 uses -117 and loses its values under 2^-126.
+K_RANGE = (-117, 120)
 _HEADER = np.dtype("<u4")
 _ROW_LOOKUP = 1024  # groups at least this wide are decoded a group at a time
 
@@ -45,8 +48,13 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     Inf stay non-finite, so a finiteness check after it still sees them."""
     assert x.dtype == torch.bfloat16, x.dtype
     k = exponents(x.view(torch.int16)).float()
-    scaled = (x.float() * torch.exp2(-k)).to(torch.float8_e4m3fn)
-    return (scaled.float() * torch.exp2(k)).to(torch.bfloat16)
+    return _e4m3(x, k).to(torch.bfloat16) * torch.exp2(k).to(torch.bfloat16)  # exact: powers of two, no subnormals
+
+
+def _e4m3(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """x: [..., group] bf16, k: [..., 1] float -> e4m3(x / 2^k). The division is a bf16 product by a
+    power of two, exact (3x a float32 one on CPU), and the cast rounds to nearest even."""
+    return (x * torch.exp2(-k).to(torch.bfloat16)).to(torch.float8_e4m3fn)
 
 
 def _table() -> np.ndarray:
@@ -85,11 +93,16 @@ class Fp8E4m3(PackedCodec):
     def _table(self) -> np.ndarray:
         return _table()
 
+    @cached_property
+    def _rows(self) -> list[np.ndarray]:
+        """The table's 256 entries of each scale exponent k, at [k + 128]."""
+        return list(self._table.reshape(256, 256))
+
     def pack_parts(self, data: np.ndarray) -> list:
         """data: the chunk's bytes, little-endian bf16 bits of quantized values."""
         bits = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(-1, self.group))
         k = exponents(bits)
-        e4m3 = (bits.view(torch.bfloat16).float() * torch.exp2(-k.float())).to(torch.float8_e4m3fn)
+        e4m3 = _e4m3(bits.view(torch.bfloat16), k.float())
         codes = e4m3.view(torch.uint8).numpy()
         ks = k.to(torch.int8).numpy().reshape(-1)
         if not np.array_equal(self.decode_codes(codes, ks), bits.numpy().view(np.uint16)):
@@ -104,11 +117,11 @@ class Fp8E4m3(PackedCodec):
         than it saves, take the joined index."""
         if self.group < _ROW_LOOKUP:
             index = (ks.astype(np.int16) + 128).astype(np.uint16)[:, None] << 8 | codes
-            return np.take(self._table, index, out=out)
+            return np.take(self._table, index, out=out, mode="clip")  # indices always in range: no bounds check
         out = np.empty(codes.shape, np.uint16) if out is None else out
-        rows = self._table.reshape(256, 256)
+        rows = self._rows
         for g, k in enumerate(ks.tolist()):
-            np.take(rows[k + 128], codes[g], out=out[g])
+            rows[k + 128].take(codes[g], out=out[g], mode="clip")  # a byte indexes 256 entries: in range
         return out
 
     def codes(self, data: np.ndarray, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -91,15 +91,16 @@ class ExtractConfig:
     hidden_format: str = setting(
         "bf16", "How the states are stored: bf16, the target's states bit for bit (byte-plane coded, about 0.65x raw "
                 "at 27B width), or fp8: each rounded to e4m3 times a power of two per token and tap (the largest value "
-                "never saturates) and coded losslessly from there, about half the bytes of bf16. Read back as bf16 "
-                "either way; fixed when the store is created and part of its conditioning (docs/store.md).",
+                "never saturates; relative RMS error 2.7%) and coded losslessly from there, 0.35-0.41x raw at 27B "
+                "width. Read back as bf16 either way; fixed when the store is created and part of its conditioning "
+                "(docs/store.md).",
         choices=layout.HIDDEN_FORMATS)
     agreement: bool = setting(True, "Run the capture forward on to the target's lm_head along each completion and "
                                     "record how often the completion token is the target's own argmax (per shard and "
                                     "in `pipeline info`; ~100% for regenerated references, lower for another engine "
                                     "on near-ties; low means a wrong server, template or tokenizer).")
-    writer_threads: int = setting(2, "Threads that compress states (planes codec), each about one core: at 27B "
-                                     "width one writes ~600 MB/s of raw states, and a GPU captures ~500 MB/s.")
+    writer_threads: int = setting(2, "Threads that compress states, each about one core: at 27B width one writes "
+                                     "400-600 MB/s of raw states (bf16 or fp8), and a GPU captures ~500 MB/s.")
     writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
                                            "capture waits beyond it, except while the writer waits to fill a shard file.")
     skip_nonfinite: bool = setting(False, "Leave out rows whose captured states hold NaN or Inf and count them (skipped "

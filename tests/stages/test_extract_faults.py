@@ -179,9 +179,10 @@ def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path, s
 
 
 def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_shards(
-        small_store, small_dataset, target, tmp_path):
+        small_store, fp8_store, small_dataset, target, tmp_path):
     """A new store is estimated from the length limits, a store with committed shards from their
-    recorded bytes; both lie above what the shards really took, and within a small factor of it."""
+    recorded bytes; both lie above what the shards really took, and within a small factor of it
+    (an fp8 store's states at their own, smaller fraction)."""
     from pipeline import prompts
 
     store = HiddenStore(str(small_store))
@@ -198,6 +199,11 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
     measured = disk_space.needed(config, store, target, store.attrs, prompt_set, rows, committed)
     assert real < measured.total < 1.5 * real and measured.root == 0
     assert "per row measured over 4 committed shard(s), +20%" in measured.basis
+    fp8 = disk_space.needed(config, HiddenStore(config.store), target, HiddenStore(str(fp8_store)).attrs, prompt_set,
+                            rows, {})
+    real_fp8 = sum(r.bytes["shard"] for r in HiddenStore(str(fp8_store)).committed().values())
+    assert real_fp8 < sum(fp8.shards.values()) < sum(fresh.shards.values()) and fp8.root == fresh.root
+    assert fp8.basis.endswith("stored at 0.45 of raw bf16")
     assert measured.left({0, 1}) == measured.shards[2] + measured.shards[3]
 
 

@@ -96,11 +96,12 @@ def unchecked_in_schema1(key: str) -> bool:
             or any(f"/{name}/c/" in key for name in ("hidden", "tokens", "loss_mask")))
 
 
-@pytest.mark.parametrize("schema", [2, 1])
-def test_damage_to_any_file_is_an_error_naming_it_or_changes_nothing(small_store, tmp_path, schema):
+@pytest.mark.parametrize("schema", [2, 1, "2, fp8"])
+def test_damage_to_any_file_is_an_error_naming_it_or_changes_nothing(request, tmp_path, schema):
     store = tmp_path / "hs.zarr"
-    shutil.copytree(small_store if schema == 2 else SCHEMA1, store)
-    shards = [0, 1, 2, 3] if schema == 2 else [0, 1]
+    shutil.copytree(SCHEMA1 if schema == 1 else request.getfixturevalue("fp8_store" if schema == "2, fp8"
+                                                                        else "small_store"), store)
+    shards = [0, 1] if schema == 1 else [0, 1, 2, 3]
     clean = read_everything(str(store), shards)
     kept, errors, wrong, unseen = [], [], [], []
     # the index file first: damage to a commit file that leaves it readable is a new state, whose
@@ -133,5 +134,5 @@ def test_damage_to_any_file_is_an_error_naming_it_or_changes_nothing(small_store
                 path.write_bytes(original)
     assert not wrong, "\n".join(map(str, wrong))
     assert equal(read_everything(str(store), shards), clean)
-    assert len(errors) > (10 if schema == 2 else 2) * len(kept), kept  # nearly every kind of damage is seen
+    assert len(errors) > (2 if schema == 1 else 10) * len(kept), kept  # nearly every kind of damage is seen
     assert bool(unseen) == (schema == 1)

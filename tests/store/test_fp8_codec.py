@@ -7,7 +7,7 @@ import torch
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from store.fp8_codec import Fp8E4m3, exponents, quantize
+from store.fp8_codec import K_RANGE, Fp8E4m3, exponents, quantize
 from store.layout import from_bits, to_bits
 
 H = 64
@@ -97,9 +97,24 @@ def test_plain_zarr_decodes_it_without_an_import_and_the_documented_format_holds
 def test_both_lookups_decode_every_byte_at_every_scale(group):
     """Narrow groups take the joined index, wide ones a table row per group: the same bits."""
     codec = Fp8E4m3(group=group)
-    ks = np.arange(-120, 121, dtype=np.int8)
+    ks = np.arange(*K_RANGE, dtype=np.int8)
     codes = (np.arange(len(ks) * group) % 256).astype(np.uint8).reshape(len(ks), group)
     codes[(codes & 0x7F) == 0x7F] = 0  # NaN bytes are never written
     expect = (torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).double()
               * torch.exp2(torch.from_numpy(ks).double())[:, None]).to(torch.bfloat16)
     assert torch.equal(from_bits(codec.decode_codes(codes, ks)), expect)
+
+
+def test_rounding_is_the_float64_reference_and_flush_to_zero_changes_nothing():
+    """The bf16 products equal an exact float64 rounding; with denormals flushed (as the CLIs run) the
+    rounded states, and what the codec keeps of them, are the same, down to groups at the clamp."""
+    x = states()
+    x[6, 0] = x[6, 0] * 2.0 ** -118  # a group below every scale: k clamped, its small values lost
+    k = exponents(x.view(torch.int16)).double()
+    reference = ((x.double() * torch.exp2(-k)).float().to(torch.float8_e4m3fn).double() * torch.exp2(k)).bfloat16()
+    assert int(k.min()) == K_RANGE[0] and torch.equal(quantize(x), reference)
+    torch.set_flush_denormal(True)  # left on: every in-process run of a stage turns it on (device.prepare_cpu)
+    q = quantize(x)
+    codec = Fp8E4m3(group=H)
+    back = codec.unpack(np.frombuffer(codec.pack(to_bits(q).view(np.uint8)), np.uint8))
+    assert torch.equal(q, reference) and np.array_equal(back.view(np.uint16).reshape(q.shape), to_bits(q))
