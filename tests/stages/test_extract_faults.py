@@ -226,8 +226,8 @@ def nan_capture(monkeypatch, target):
     prompt = chat_prompt(target.tokenizer, small_rows()[NAN_ROW]["messages"][:1])
     real = Target.capture
 
-    def capture(self, seqs, taps, prompt_lens=None):
-        out = real(self, seqs, taps, prompt_lens)
+    def capture(self, seqs, taps, prompt_lens=None, **kwargs):
+        out = real(self, seqs, taps, prompt_lens, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         start = 0
         for seq in seqs:
