@@ -130,6 +130,9 @@ class Backends:
     linear_attention_requested: str
     attention: str | None
     kernel_calls: dict  # "function:family" -> calls
+    # How fla's Triton kernels ran: "interpreter" (TRITON_INTERPRET=1: their code on CPU tensors, not
+    # a GPU) or "compiled"; None when none ran (and in stores written before this was recorded).
+    triton: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,7 +54,8 @@ def summarize(store: HiddenStore) -> dict:
             "hidden_size": hidden,
             "vocab_size": attrs.vocab_size,
             "mask_token_id": attrs.mask_token_id,
-            "linear_attention": attrs.backends.linear_attention,
+            "linear_attention": attrs.backends.linear_attention + (
+                " (Triton's interpreter on CPU, not a GPU)" if attrs.backends.triton == "interpreter" else ""),
             "attention": attrs.backends.attention,
             "device": attrs.device,
             "dtype": attrs.dtype,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import sys
 from collections import Counter
 from contextlib import contextmanager
@@ -33,17 +34,29 @@ def select_linear_attention(device_type: str, choice: str) -> str:
     """Pick the Gated DeltaNet path. Must run before the target's model code is imported.
 
     auto: fla on CUDA when fla and triton are installed, else torch. torch: block fla (always
-    so without CUDA, where fla imports but its kernels crash). fla: require it.
+    so without CUDA, where fla imports but its kernels crash, unless fla is asked for under
+    Triton's interpreter). fla: require it, on CUDA or, without CUDA, with TRITON_INTERPRET=1 (the
+    kernels' own code run by the interpreter on CPU tensors: slow, for parity checks).
     Returns the path requested: "fla" or "torch".
     """
     if choice not in ("auto", "fla", "torch"):
         raise ConfigError("--linear-attention", choice, "expected auto, fla or torch")
-    if choice == "fla" and (device_type != "cuda" or not fla_installed()):
-        raise ConfigError("--linear-attention", "fla", "needs CUDA and flash-linear-attention with triton installed")
+    if choice == "fla" and device_type != "cuda" and not interpreted():
+        raise ConfigError("--linear-attention", "fla", f"needs CUDA (this run's device is {device_type}), or "
+                          "Triton's interpreter (TRITON_INTERPRET=1) to run the kernels' code on CPU")
+    if choice == "fla" and not fla_installed():
+        raise ConfigError("--linear-attention", "fla", "needs flash-linear-attention with triton installed")
+    if choice == "fla":
+        return "fla"
     if device_type != "cuda" or choice == "torch":
         sys.modules["fla"] = None  # an import of fla now fails, so transformers takes its torch path
         return "torch"
     return "fla" if fla_installed() else "torch"
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1) rather than compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def fla_installed() -> bool:

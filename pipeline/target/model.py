@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from pipeline.errors import TargetError
-from pipeline.target.kernels import KernelRecorder
+from pipeline.target.kernels import KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
 from store.schema import Backends, TargetRecord
 
@@ -143,10 +143,12 @@ class Target:
     def backends(self) -> Backends:
         """The kernels the recorder saw serve every call so far."""
         kernels = self.recorder.summary()
+        fla = kernels["linear_attention"] in ("fla", "mixed")
         return Backends(linear_attention=kernels["linear_attention"], conv1d=kernels["conv1d"],
                         linear_attention_requested=self.requested_linear_attention,
                         attention=getattr(self.model.config, "_attn_implementation", None),
-                        kernel_calls=kernels["calls"])
+                        kernel_calls=kernels["calls"],
+                        triton=("interpreter" if interpreted() else "compiled") if fla else None)
 
     def check_backends(self) -> Backends:
         """What ran must be what was chosen: fla on CUDA when installed, the PyTorch path otherwise."""

@@ -78,7 +78,9 @@ class ExtractConfig:
                          choices=tuple(devices.DTYPES))
     linear_attention: str = setting(
         "auto", "Gated DeltaNet kernels: auto = fla on CUDA when installed, else the PyTorch fallback (always the "
-                "fallback without CUDA). What actually ran is recorded in the store.", choices=("auto", "fla", "torch"))
+                "fallback without CUDA); fla = the fla kernels, on CUDA, or on CPU under Triton's interpreter "
+                "(TRITON_INTERPRET=1: their code, slowly, for parity checks; docs/performance.md). What actually ran "
+                "is recorded in the store.", choices=("auto", "fla", "torch"))
     taps: str | None = setting(None, "Tap layers: '1,16,31' (layer ids, 0-based; tap k = output of layer k) or 'n=5'.",
                                default_text=f"the DFlash formula with {DEFAULT_NUM_TAPS} taps")
     mask_token_id: int | None = setting(None, "Drafter mask token.", default_text="the tokenizer's mask token")

@@ -50,10 +50,14 @@ def test_recorder_counts_what_served_each_call(impl_module, expect):
     assert s["linear_attention"] == expect and s["calls"] == {f"torch_chunk_gated_delta_rule:{expect}": 2}
 
 
-def test_fla_is_blocked_without_cuda():
+def test_fla_is_blocked_without_cuda(monkeypatch):
     assert select_linear_attention("cpu", "auto") == "torch"
     assert sys.modules["fla"] is None
-    with pytest.raises(ConfigError, match="needs CUDA"):
+    with pytest.raises(ConfigError, match="needs CUDA .* or Triton's interpreter"):
+        select_linear_attention("cpu", "fla")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # allowed under the interpreter, where fla and triton must import
+    assert select_linear_attention("cpu", "auto") == "torch"
+    with pytest.raises(ConfigError, match="needs flash-linear-attention with triton installed"):
         select_linear_attention("cpu", "fla")
     with pytest.raises(ConfigError, match="expected auto, fla or torch"):
         select_linear_attention("cpu", "triton")
