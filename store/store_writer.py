@@ -128,8 +128,10 @@ class StoreWriter(HiddenStore):
         diff = self.attrs.compat.differences(compat)
         if diff:
             detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))
+            hint = (f"; its states are {self.attrs.compat.states}: pass --hidden-format {self.attrs.compat.states}"
+                    if "hidden_format" in diff else "")
             raise StoreMismatch(f"{self.location} was made with a different target/taps/config, refusing to add shards "
-                                f"({detail})")
+                                f"({detail}){hint}")
 
     # -- shards ----------------------------------------------------------------------------
     def shard_metadata(self, shard: int, arrays: list[str]) -> dict[str, int]:

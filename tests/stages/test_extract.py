@@ -130,7 +130,8 @@ def test_a_store_keeps_the_hidden_format_it_was_made_with(fp8_store, tmp_path, s
     shutil.copytree(fp8_store, tmp_path / "s.zarr")
     bf16 = ExtractConfig(store=str(tmp_path / "s.zarr"), dataset=str(small_dataset), shards="0-3", num_shards=4,
                          **SMALL)
-    with pytest.raises(StoreMismatch, match="hidden_format: store has \"fp8\", this run has null"):
+    refused = "hidden_format: store has \"fp8\", this run has null.*pass --hidden-format fp8"
+    with pytest.raises(StoreMismatch, match=refused):
         run(bf16, log=lambda m: None)
     assert run(dataclasses.replace(bf16, hidden_format="fp8"), log=lambda m: None)["shards_skipped"] == [0, 1, 2, 3]
 
