@@ -29,6 +29,12 @@ def completion_limit(max_new_tokens: int, max_length: int, prompt_len: int) -> i
     return min(max_new_tokens, max_length - prompt_len)
 
 
+def recorded_format(hidden_format: str) -> str | None:
+    """compat.hidden_format for states in `hidden_format`: None for bf16 (absent, as in stores made
+    before fp8 existed, so their fingerprints stay what they were), else the format's name."""
+    return None if hidden_format == "bf16" else hidden_format
+
+
 @dataclass(frozen=True, kw_only=True)
 class Compat:
     """Every setting a shard's content depends on. Runs that differ in any of them may not add
@@ -74,7 +80,7 @@ class Compat:
 
     def as_format(self, hidden_format: str) -> Compat:
         """These settings with the states in another hidden format ("bf16" or "fp8")."""
-        return dataclasses.replace(self, hidden_format=None if hidden_format == "bf16" else hidden_format)
+        return dataclasses.replace(self, hidden_format=recorded_format(hidden_format))
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""

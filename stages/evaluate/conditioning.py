@@ -46,9 +46,10 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
     problems = [f"{label}: checkpoint {diff[k][0]}, store {diff[k][1]}" for k, label in
                 (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
     fp = record.store_fingerprint if record else None
-    other_data = fp is not None and fp != attrs.fingerprint and record.store_conditioning == attrs.compat.conditioning()
-    trained_on = other_format(record, attrs.compat) if fp is not None and fp != attrs.fingerprint else None
-    if fp is not None and fp != attrs.fingerprint and not other_data and trained_on is None:
+    other_store = fp is not None and fp != attrs.fingerprint
+    other_data = other_store and record.store_conditioning == attrs.compat.conditioning()
+    trained_on = other_format(record, attrs.compat) if other_store else None
+    if other_store and not other_data and trained_on is None:
         problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
                         "(different target, taps, backend, tokenizer or data)")
     if problems and not allow_mismatch:

@@ -20,6 +20,7 @@ from store.schema import (
     DatasetRecord,
     LayoutRecord,
     StoreAttrs,
+    recorded_format,
     to_json,
 )
 
@@ -38,7 +39,7 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
         shard_tokens=config.shard_tokens, compression_level=config.compression_level,
-        codec=layout.FORMAT_CODECS[config.hidden_format], hidden_format=None if config.hidden_format == "bf16" else "fp8",
+        codec=layout.FORMAT_CODECS[config.hidden_format], hidden_format=recorded_format(config.hidden_format),
         references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None)
     return StoreAttrs(
