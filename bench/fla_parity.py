@@ -5,11 +5,15 @@
     $VENV/bin/python bench/fla_parity.py extract --store /work/bench/bf16.zarr --shards 0-1 --out /work/bench/parity
     python bench/fla_parity.py compare --out /work/bench/parity --json bench/results/fla_parity_cpu.json
 
-`extract` writes, for the prompts of --shards of a torch-path store, the stored completions as
-token rows (`--responses dataset` with response_ids, so nothing is generated through the slow
-interpreter) and extracts them four times with the same settings as the store: the torch path and
-the fla path (fla's own kernel code under Triton's interpreter, TRITON_INTERPRET=1, with
-tools/engines/fla_interpret's harness shims), each in fp32 and in bf16. `compare` reads the four
+`extract` writes a torch-path store's prompts with its stored completions as token rows
+(`--responses dataset` with response_ids, so nothing is generated through the slow interpreter) and
+extracts --shards of them with the same settings as the store, on each of --paths: the torch path
+and the fla path (fla's own kernel code under Triton's interpreter, TRITON_INTERPRET=1, with
+tools/engines/fla_interpret's harness shims), in each of --dtypes. Runs over other shards may share
+--out side by side (one process per core; the stores' shard locks keep them apart):
+
+    $VENV/bin/python bench/fla_parity.py extract ... --shards 0-31 --paths fla --dtypes fp32 &
+    $VENV/bin/python bench/fla_parity.py extract ... --shards 32-63 --paths fla --dtypes fp32 `compare` reads the four
 stores (any venv): per dtype and tap, the max absolute difference of the stored bf16 states, their
 cosine and the share of bit-identical values between the paths (bench/compare_stores.py), and each store's greedy
 agreement (the target's argmax against the stored completion, recorded per shard by extraction).
@@ -33,18 +37,18 @@ PATHS = ("torch", "fla")
 DTYPES = ("fp32", "bf16")
 
 
-def rows_of(store_path: str, shards: str, out: Path) -> Path:
-    """The store's prompts of `shards` with their stored completions as response_ids (other rows
-    kept with an empty one: extraction counts them as missing and skips them)."""
+def rows_of(store_path: str, out: Path) -> Path:
+    """The store's prompts with the stored completions of every committed shard as response_ids
+    (other rows kept with an empty one: extraction counts them as missing and skips them). The same
+    file whatever --shards, so extractions of different shards into one store agree on its dataset."""
     from store.hidden_store import HiddenStore
-    from store.ranges import parse_ranges
     from store.shard_reader import ShardReader
 
     store = HiddenStore(store_path)
     source = Path(store.attrs.dataset.source)
     assert source.suffix == ".jsonl", f"{source}: this bench reads .jsonl prompt sets"
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-    for shard in parse_ranges(shards, store.num_shards):
+    for shard in sorted(store.committed()):
         reader = ShardReader(store, shard)
         for i in range(len(reader)):
             s = reader[i]
@@ -60,9 +64,9 @@ def extract(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     attrs = HiddenStore(args.store).attrs
-    data = rows_of(args.store, args.shards, out)
+    data = rows_of(args.store, out)
     for dtype in args.dtypes.split(","):
-        for path in PATHS:
+        for path in args.paths.split(","):
             env = {**os.environ, "PYTHONPATH": f"{SHIMS}{os.pathsep}{ROOT}"}
             env.pop("TRITON_INTERPRET", None)
             if path == "fla":
@@ -108,6 +112,8 @@ def main() -> None:
     e.add_argument("--shards", default="0-1")
     e.add_argument("--out", required=True)
     e.add_argument("--batch-size", type=int, default=4)
+    e.add_argument("--paths", default=",".join(PATHS), help="which paths to extract, comma-separated; runs "
+                   "with other --shards may extract into the same stores side by side")
     e.add_argument("--dtypes", default=",".join(DTYPES), help="of the target's forward, comma-separated")
     c = sub.add_parser("compare", help="per dtype and tap, the fla path against the torch path")
     c.add_argument("--out", required=True)

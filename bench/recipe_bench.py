@@ -21,6 +21,14 @@ The hidden formats (issue 24): train on an fp8 store and replay on the bf16 stor
     python bench/recipe_bench.py run --store fp8.zarr --train-tag fp8 --replay-store bf16.zarr --recipes default
     python bench/recipe_bench.py run --store fp8.zarr --train-tag fp8 --label fp8-on-fp8 --recipes default
 
+The kernel paths (issue 25): train on the torch-path and the fla-path fp32 stores of the same prompts
+(bench/fla_parity.py) and replay each drafter on the other path's store too, below the evaluator's
+fingerprint check (`--allow-mismatch`, recorded in the result):
+
+    python bench/recipe_bench.py run --store torch-fp32.zarr --train-tag fp32-torch --recipes default
+    python bench/recipe_bench.py run --store torch-fp32.zarr --train-tag fp32-torch --label fp32-torch-on-fla \
+        --replay-store fla-fp32.zarr --allow-mismatch --recipes default
+
 `table` reads the kept runs of one budget: per recipe the mean +- sd over seeds of each figure, and
 the paired difference from --against over the seeds both have, with its 95% t-interval (n - 1
 degrees of freedom) and the difference relative to the reference's mean. Tau is also given over
@@ -111,11 +119,12 @@ def tagged(name: str, tag: str) -> str:
 
 
 def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, soft_states: str | None,
-            replay_store: str | None = None, train_tag: str = "", label: str = "") -> Path:
+            replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False) -> Path:
     """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
     the training store in the run directory, label the result (default: train_tag); a finished training
     of the same recipe, seed and train_tag is replayed again rather than redone (replay_store: another
-    store of the same prompts, such as the bf16 store of an fp8-trained drafter)."""
+    store of the same prompts, such as the bf16 store of an fp8-trained drafter; allow_mismatch: replay
+    it below the evaluator's fingerprint check, as the result then records)."""
     out = results / str(steps) / tagged(name, label or train_tag) / f"s{seed}.json"
     if out.exists():
         return out
@@ -128,11 +137,12 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     train_s = float(done.read_text())
     report = run_dir / f"report-{label or train_tag or 'own'}"
     replay_store = replay_store or store
+    mismatch = ["--allow-mismatch"] if allow_mismatch else []
     _call([sys.executable, str(ROOT / "evaluate.py"), "--store", replay_store, "--checkpoint", str(run_dir / "final"),
-           "--out", str(report), *REPLAY], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
+           "--out", str(report), *REPLAY, *mismatch], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
     result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
                      train_s)
-    result |= {"train_store": store, "replay_store": replay_store}
+    result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
@@ -287,6 +297,8 @@ def main() -> None:
     r.add_argument("--soft-states", help="final states for the soft-* recipes (bench/soft_target_bench.py states)")
     r.add_argument("--replay-store", help="replay on this store of the same prompts (default: --store)")
     r.add_argument("--train-tag", default="", help="names the training store: runs are kept as RECIPE@TAG")
+    r.add_argument("--allow-mismatch", action="store_true", help="replay on a --replay-store whose conditioning "
+                   "differs from the training store's (evaluate.py --allow-mismatch; the result records it)")
     r.add_argument("--label", default="", help="results are kept as RECIPE@LABEL (default: --train-tag)")
     t = sub.add_parser("table", help="summarize the kept runs of one budget")
     t.add_argument("--steps", type=int, default=200)
@@ -301,7 +313,8 @@ def main() -> None:
         jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
-                                   args.soft_states, args.replay_store, args.train_tag, args.label) for n, s in jobs]
+                                   args.soft_states, args.replay_store, args.train_tag, args.label, args.allow_mismatch)
+                       for n, s in jobs]
             for (n, s), f in zip(jobs, futures):
                 print(f"{n} seed {s}: {f.result()}", flush=True)
         return
