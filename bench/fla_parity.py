@@ -53,8 +53,11 @@ def rows_of(store_path: str, out: Path) -> Path:
         for i in range(len(reader)):
             s = reader[i]
             rows[s.row_id]["response_ids"] = s.tokens[s.prompt_len:].tolist()
-    path = out / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path, text = out / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.exists() or path.read_text() != text:  # a run beside this one may be reading it
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
     return path
 
 
