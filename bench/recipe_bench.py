@@ -235,9 +235,12 @@ def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
     return runs
 
 
-def table(results: Path, steps: int, against: str) -> dict:
+def table(results: Path, steps: int, against: str, only: list[str] | None = None) -> dict:
+    """only: the kept results to list (with --against), when the budget holds results of other stores."""
     runs = load(results, steps)
     ref = runs.get(against, {})
+    if only:
+        runs = {name: seeds for name, seeds in runs.items() if name in only or name == against}
     out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
     for name, seeds in sorted(runs.items()):
         row = {"seeds": sorted(seeds), "flags": recipe_flags(name.split("@")[0])}
@@ -305,6 +308,7 @@ def main() -> None:
     t.add_argument("--against", default="baseline")
     t.add_argument("--results", default=str(RESULTS))
     t.add_argument("--json", help="also write the table as JSON here")
+    t.add_argument("--only", help="comma-separated kept results to list (RECIPE or RECIPE@LABEL), besides --against")
     args = ap.parse_args()
     if args.cmd == "run":
         names = args.recipes.split(",")
@@ -318,7 +322,7 @@ def main() -> None:
             for (n, s), f in zip(jobs, futures):
                 print(f"{n} seed {s}: {f.result()}", flush=True)
         return
-    result = table(Path(args.results), args.steps, args.against)
+    result = table(Path(args.results), args.steps, args.against, args.only.split(",") if args.only else None)
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
