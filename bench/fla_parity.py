@@ -37,14 +37,12 @@ PATHS = ("torch", "fla")
 DTYPES = ("fp32", "bf16")
 
 
-def rows_of(store_path: str, out: Path) -> Path:
+def rows_of(store, out: Path) -> Path:
     """The store's prompts with the stored completions of every committed shard as response_ids
     (other rows kept with an empty one: extraction counts them as missing and skips them). The same
     file whatever --shards, so extractions of different shards into one store agree on its dataset."""
-    from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 
-    store = HiddenStore(store_path)
     source = Path(store.attrs.dataset.source)
     assert source.suffix == ".jsonl", f"{source}: this bench reads .jsonl prompt sets"
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
@@ -66,8 +64,9 @@ def extract(args) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    attrs = HiddenStore(args.store).attrs
-    data = rows_of(args.store, out)
+    store = HiddenStore(args.store)
+    attrs = store.attrs
+    data = rows_of(store, out)
     for dtype in args.dtypes.split(","):
         for path in args.paths.split(","):
             env = {**os.environ, "PYTHONPATH": f"{SHIMS}{os.pathsep}{ROOT}"}
