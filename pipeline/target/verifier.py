@@ -11,16 +11,23 @@ Rollback. The cache of a Qwen3.5-style hybrid has two kinds of layers:
 - Gated DeltaNet (`LinearAttentionLayer`): a conv state (the last `conv_kernel_size` pre-conv
   q/k/v inputs) and a recurrent state [1, heads, d_k, d_v]. Both are overwritten in place by a
   forward and summarise every token seen, so no slice can take tokens back out.
-  (transformers' `Cache.crop` can roll back the conv state only, and only with past recording
-  on; the recurrent state it cannot roll back at all.)
+  (Before 5.25 transformers' `Cache.crop` can roll back the conv state only, and only with past
+  recording on; the recurrent state it cannot roll back at all.)
 
 So `verify` first clones every linear-attention state, and records the input each
 linear-attention mixer sees for the block. `commit(n < B)` copies the clones back into the cache
-(the state right after the last committed token), crops the attention KV, and re-runs only the
+(the state right before the block), crops the attention KV, and re-runs only the
 linear-attention mixers on their recorded inputs for the first n block positions, which advances
 each conv and recurrent state by exactly those n tokens. The recorded inputs are exact for those
 positions: the model is causal, so a position's activations do not depend on later positions.
 No attention layer, MLP or lm_head runs again. `commit(B)` keeps everything as it is.
+
+Since transformers 5.25 a linear-attention layer also keeps its own token count
+(`cumulative_length_linear`: `cache.get_seq_length()` reads it from the first layer, a linear one,
+and the model and `generate` take it for the sequence's length). The count is cloned with the states,
+copied back with them, and the replay advances it by n as it does the states. Earlier releases keep
+no such count. (5.25's own rollback, `activate_past_recording(recurrent_states_to_keep=K)`, keeps K
+recurrent states per forward and is not used: the replay is exact on every supported release.)
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class _Pending:
 
     size: int  # block length B
     saved: dict  # (layer, state_idx) -> (conv, recurrent): linear-attention states before the block
+    counts: dict  # layer -> its own token count before the block (transformers >= 5.25; else empty)
     mixer_calls: dict  # layer -> (args, kwargs) of its linear-attention mixer during the block
 
 
@@ -87,11 +95,11 @@ class LiveTarget:
         if self._pending is not None:
             raise RuntimeError("verify twice without commit: commit(n) the previous block first")
         block_ids = _as_ids(block_ids, "block")
-        saved = self._save_linear_states()
+        saved, counts = self._save_linear_states(), self._save_counts()
         mixer_calls: dict = {}
         with self._recording_mixers(mixer_calls):
             logits, states = self._forward(block_ids, logits_to_keep=0)  # logits: [B, V]
-        self._pending = _Pending(len(block_ids), saved, mixer_calls)
+        self._pending = _Pending(len(block_ids), saved, counts, mixer_calls)
         self._length += len(block_ids)
         return logits.argmax(-1).cpu(), states
 
@@ -111,6 +119,7 @@ class LiveTarget:
         if dropped == 0:
             return  # every state already stands right after the last block token
         self._restore_linear_states(pending.saved)
+        self._rewind_counts(pending.counts)
         self._crop_attention(dropped)
         self._replay_mixers(pending.mixer_calls, n, pending.size)
 
@@ -167,6 +176,16 @@ class LiveTarget:
             self.cache.get_conv_state(i, s).copy_(conv)
             self.cache.get_recurrent_state(i, s).copy_(rec)
 
+    def _save_counts(self) -> dict:
+        """layer -> a clone of its own token count, for the linear layers that keep one (transformers >= 5.25)."""
+        return {i: count.clone() for i in self._linear_layers()
+                if (count := _own_count(self.cache.layers[i])) is not None}
+
+    def _rewind_counts(self, counts: dict) -> None:
+        """Copy the counts back in place, to before the block; the replay then advances them by n."""
+        for i, count in counts.items():
+            _own_count(self.cache.layers[i]).copy_(count)
+
     def _crop_attention(self, dropped: int) -> None:
         """Drop the last `dropped` keys/values of every attention layer.
 
@@ -192,6 +211,14 @@ def _head(value, n: int, size: int):
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == size:
         return value[:, :n]
     return value
+
+
+def _own_count(layer) -> torch.Tensor | None:
+    """The token count a linear-attention cache layer keeps itself (a 0-d tensor, transformers >= 5.25),
+    or None where the release keeps none."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    assert count is None or isinstance(count, torch.Tensor), type(count)
+    return count
 
 
 def _mixer(layer: torch.nn.Module) -> torch.nn.Module:

@@ -138,6 +138,19 @@ def linear_states(live: LiveTarget) -> dict:
             for kind, get in (("conv", live.cache.get_conv_state), ("recurrent", live.cache.get_recurrent_state))}
 
 
+def layer_lengths(live: LiveTarget) -> list[int]:
+    """Every cache layer's own token count: the attention layers' KV length, and (transformers >= 5.25)
+    the linear layers' own count; -1 for a layer that keeps none. `cache.get_seq_length()` reads one
+    layer only (the first attention layer before 5.25, the first layer, linear, since)."""
+    return [int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else -1 for layer in live.cache.layers]
+
+
+def keeps_own_counts(target) -> bool:
+    live = LiveTarget(target, TAPS)
+    live.prefill(torch.tensor(prompt_ids(target, 1)[0]))
+    return all(n >= 0 for n in layer_lengths(live))
+
+
 def rollback_errors(target, cls, n: int) -> dict:
     """Verify a random block of B, commit(n), verify another block; compare everything against a
     fresh LiveTarget that prefilled exactly the committed tokens. Returns max abs errors by name."""
@@ -151,7 +164,8 @@ def rollback_errors(target, cls, n: int) -> dict:
     fresh = LiveTarget(target, TAPS)
     fresh.prefill(torch.tensor(prompt + block[:n].tolist()))
     assert live.length == fresh.length == len(prompt) + n
-    errors = {"kv_length": abs(live.cache.get_seq_length() - fresh.cache.get_seq_length())}
+    errors = {"kv_length": max(abs(a - b) for a, b in zip(layer_lengths(live), layer_lengths(fresh))),
+              "seq_length": abs(int(live.cache.get_seq_length()) - int(fresh.cache.get_seq_length()))}
     mine, theirs = linear_states(live), linear_states(fresh)
     for kind in ("conv", "recurrent"):
         errors[kind] = max((mine[key] - theirs[key]).abs().max().item() for key in mine if key[1] == kind)
@@ -165,7 +179,7 @@ def rollback_errors(target, cls, n: int) -> dict:
 @pytest.mark.parametrize("n", [1, 3, B - 1, B])
 def test_commit_then_verify_equals_a_fresh_target_on_the_committed_tokens(target, n):
     errors = rollback_errors(target, LiveTarget, n)
-    assert errors["kv_length"] == 0 and errors["argmax"] == 0
+    assert errors["kv_length"] == 0 and errors["seq_length"] == 0 and errors["argmax"] == 0
     assert errors["conv"] < 1e-5 and errors["recurrent"] < 1e-5 and errors["states"] < 1e-4, errors
 
 
@@ -199,12 +213,29 @@ class NoCrop(LiveTarget):
         pass
 
 
+class KeepsCount(LiveTarget):
+    """Mutation: rolls the states back but not the linear layers' own token count (transformers >= 5.25)."""
+
+    def _rewind_counts(self, counts):
+        pass
+
+
 @pytest.mark.parametrize("mutant, broken", [(KeepsConv, "conv"), (KeepsRecurrent, "recurrent"),
                                             (NoReplay, "recurrent"), (NoCrop, "kv_length")])
 def test_the_rollback_check_catches_a_missing_piece(target, mutant, broken):
     errors = rollback_errors(target, mutant, 3)
     assert errors[broken] > 1e-2, errors
     assert errors["states"] > 1e-2, errors  # and the next verify sees it
+
+
+def test_the_rollback_check_catches_a_count_left_forward(target):
+    """Since transformers 5.25 the model takes positions and masks from the first layer's own count;
+    a count never rewound stands B ahead after the replay (the block, then its n committed tokens
+    again): what the verifier got wrong on 5.25 before it rewound the counts."""
+    if not keeps_own_counts(target):
+        pytest.skip("this transformers release keeps no token count in its linear-attention layers")
+    errors = rollback_errors(target, KeepsCount, 3)
+    assert errors["kv_length"] == B and errors["seq_length"] == B, errors
 
 
 @pytest.mark.parametrize("mutant", [KeepsConv, KeepsRecurrent, NoReplay, NoCrop])
