@@ -61,7 +61,8 @@ def fresh_venv() -> None:
     shutil.rmtree(VENV, ignore_errors=True)
     run([sys.executable, "-m", "venv", str(VENV)])
     pip("install", "--no-compile", TORCH)
-    pip("install", "--no-compile", "--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]")
+    # TORCH again: an eager upgrade would otherwise take the newest torch, a CUDA build with triton
+    pip("install", "--no-compile", "--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]", TORCH)
 
 
 def installed() -> dict[str, str]:
