@@ -3,7 +3,11 @@
 A row holds either chat turns (the prompt is every turn before the last assistant turn, which is
 the dataset's own response; system turns stay in the prompt) or a `prompt` string (plus an
 optional response field). Turns come OpenAI/UltraChat style (`messages` of {"role", "content"})
-or ShareGPT style (`conversations` of {"from": "human"|"gpt"|"system", "value"}), as they are.
+or ShareGPT style (`conversations` of {"from": "human"|"gpt"|"system", "value"}). Both name their
+roles from one table (ROLES, case ignored); any other role is refused naming the row and turn, as
+rendered it would hide the answer in the prompt or drop it. A turn's content is text, or a list of
+OpenAI content parts that are all text, joined with no separator (as the Qwen3.5/3.6 chat templates
+render such a list); a part of any other type (an image) is refused naming the row, turn and type.
 Rows map to shards by position: shard s of K holds rows [s*N//K, (s+1)*N//K), so a row always
 lands in the same shard whatever ranges or workers run. The row count is part of the dataset
 fingerprint, so a changed dataset cannot silently shift rows between shards.
@@ -18,7 +22,10 @@ from pipeline import row_sources
 from pipeline.errors import DatasetError
 
 SHAREGPT_FIELD = "conversations"  # where ShareGPT rows keep their turns, when the messages field is absent
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# a turn's role (`role`, or ShareGPT's `from`; case ignored) -> the role the chat template gets: the four
+# chat templates know, and ShareGPT's names for two of them
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "human": "user",
+         "gpt": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,10 @@ class PromptSet:
             prompt = rec[f.prompt]
             if not isinstance(prompt, str):
                 raise DatasetError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
-            return Row(i, ({"role": "user", "content": prompt},), rec.get(f.response), ids, **extra)
+            response = rec.get(f.response)
+            if isinstance(response, list):  # content parts, joined as a turn's are
+                response = turn_text(f"dataset {self.source}: row {i} field {f.response!r}", response)
+            return Row(i, ({"role": "user", "content": prompt},), response, ids, **extra)
         raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
                            f"nor {f.prompt!r} (fields present: {sorted(rec)})")
 
@@ -176,22 +186,19 @@ class PromptSet:
         return tuple(value) if kind is list else value
 
     def _turns(self, i: int, field: str, turns) -> list[dict]:
-        """A row's turns as {"role", "content"}, from either style."""
+        """A row's turns as {"role", "content"} (content as text), from either style."""
         where = f"dataset {self.source}: row {i} field {field!r}"
         if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
             raise DatasetError(f"{where} is not a list of turns")
         out = []
         for j, t in enumerate(turns):
+            at = f"{where} turn {j}"
             if "role" in t and ("content" in t or t.get("tool_calls")):
-                out.append({**t, "content": ""} if t.get("content") is None and t.get("tool_calls") else t)
+                out.append({**t, "role": turn_role(at, "role", t["role"]), "content": turn_text(at, t.get("content"))})
             elif "from" in t and "value" in t:
-                if t["from"] not in SHAREGPT_ROLES:
-                    raise DatasetError(f"{where} turn {j}: 'from' is {t['from']!r}, expected one of "
-                                       f"{', '.join(SHAREGPT_ROLES)}")
-                out.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+                out.append({"role": turn_role(at, "from", t["from"]), "content": turn_text(at, t["value"])})
             else:
-                raise DatasetError(f"{where} turn {j}: expected {{'role', 'content'}} or {{'from', 'value'}}, "
-                                   f"found keys {sorted(t)}")
+                raise DatasetError(f"{at}: expected {{'role', 'content'}} or {{'from', 'value'}}, found keys {sorted(t)}")
         return out
 
     def describe(self) -> dict:
@@ -207,6 +214,41 @@ def has_prompt(row: Row) -> bool:
     if row.prompt_ids is not None:
         return bool(row.prompt_ids)
     return any(str(m.get("content") or "").strip() for m in row.messages)
+
+
+def has_response(row: Row) -> bool:
+    """The row brings its own answer (--responses dataset): token ids, an answer turn the template
+    renders with reasoning or a tool call, or text that is not blank."""
+    if row.response_ids is not None:
+        return bool(row.response_ids)
+    if row.answer is not None and (row.answer.get("reasoning_content") or row.answer.get("tool_calls")):
+        return True
+    return bool(str(row.response or "").strip())
+
+
+def turn_role(where: str, key: str, value) -> str:
+    """A turn's role as the chat template gets it (ROLES, case ignored); any other refused."""
+    role = ROLES.get(value.lower()) if isinstance(value, str) else None
+    if role is None:
+        raise DatasetError(f"{where}: {key!r} is {value!r}, expected one of {', '.join(ROLES)} (any case)")
+    return role
+
+
+def turn_text(where: str, content) -> str:
+    """A turn's content as text: text as it is, none as "", a list of OpenAI content parts joined
+    with no separator when every part is text ({"type": "text", "text": ...})."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise DatasetError(f"{where}: content is {type(content).__name__}, expected text or a list of text parts")
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise DatasetError(f"{where}: content part {k} is of type 'text' but its 'text' is not text")
+        if kind != "text":
+            raise DatasetError(f"{where}: content part {k} is of type {kind!r}; only text parts "
+                               "({'type': 'text', 'text': ...}) can be read, the target is read as a text model")
+    return "".join(part["text"] for part in content)
 
 
 def prompt_size(row: Row) -> int:

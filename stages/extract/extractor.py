@@ -269,7 +269,7 @@ class Extractor:
         if not prompt_sets.has_prompt(row):
             writer.skip("empty_prompt")
             return None
-        if c.responses == "dataset" and row.response is None and row.response_ids is None:
+        if c.responses == "dataset" and not prompt_sets.has_response(row):  # none, or blank
             writer.skip("missing_response")
             return None
         if row.prompt_ids is not None:  # a token row, as given: no template; the loss runs inside it as given

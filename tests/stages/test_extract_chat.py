@@ -127,6 +127,38 @@ def test_turns_split_stores_each_answer_as_the_last_turn(tmp_path, target):
     assert HiddenStore(str(tmp_path / "split.zarr")).attrs.compat.turns == "split"
 
 
+def test_dataset_rows_as_real_exports_write_them(tmp_path, target):
+    """Capitalised roles and OpenAI text content parts store the same sample as the plain row; a
+    blank answer is skipped as missing, not stored as a lone end token."""
+    answer = "    return a + b"
+    rows = [{"messages": [USER, {"role": "assistant", "content": " \n "}]},
+            {"messages": [{"role": "User", "content": [{"type": "text", "text": "def add("},
+                                                       {"type": "text", "text": "a, b):"}]},
+                          {"role": "Assistant", "content": [{"type": "text", "text": answer}]}]},
+            {"messages": [USER, {"role": "assistant", "content": answer}]}]
+    summary = run(ExtractConfig(store=str(tmp_path / "r.zarr"), dataset=write(tmp_path, rows), shards="0",
+                                num_shards=1, responses="dataset", **LONG), log=lambda m: None)
+    assert summary["samples"] == 2 and summary["skipped"]["missing_response"] == 1
+    assert "skipped rows: missing_response 1;" in render(summary)
+    got = samples(tmp_path / "r.zarr")
+    assert [s.row_id for s in got] == [1, 2] and got[0].tokens.tolist() == got[1].tokens.tolist()
+    assert got[0].tokens[:got[0].prompt_len].tolist() == chat_ids(target, [USER])
+    assert target.tokenizer.decode(got[0].tokens[got[0].prompt_len:]) == answer + "<|im_end|>"
+
+
+def test_an_unknown_role_stops_extract_in_one_line(tmp_path):
+    from tests.processes import cli_args, run_pipeline
+
+    rows = [{"messages": [USER, {"role": "assistant", "content": "x"}]},
+            {"messages": [{"role": "human", "content": "hi"}, {"role": "bot", "content": "hello"}]}]
+    p = run_pipeline(cli_args(tmp_path / "hs.zarr", write(tmp_path, rows), "0", num_shards=1, responses="dataset"))
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.splitlines()[-1] == (f"error: dataset {tmp_path / 'rows.jsonl'}: row 1 field 'messages' turn 1: "
+                                         "'role' is 'bot', expected one of system, user, assistant, tool, human, gpt "
+                                         "(any case)")
+    assert not (tmp_path / "hs.zarr").exists()
+
+
 @pytest.mark.parametrize("text, problem", [("{not json", "is not JSON"), ("[1]", "must be a JSON object")])
 def test_chat_template_kwargs_must_be_a_json_object(text, problem):
     with pytest.raises(ConfigError, match=f"--chat-template-kwargs .*{problem}"):
