@@ -44,44 +44,44 @@ def summarize(prompts: list[list[tuple[int, int]]], block_size: int) -> dict:
     return stats([(len(p), sum(t for _, t in p)) for p in prompts], hist)
 
 
-def stats(per_prompt: list[tuple[int, int]], hist: list[int], population: int | None = None) -> dict:
+def stats(per_prompt: list[tuple[int, int]], hist: list[int]) -> dict:
     """The tau statistics from counts: per_prompt: (rounds, tokens committed) of each prompt, in a
-    fixed order; hist: rounds by accepted drafts 0..B-1; population: how many prompts the replayed
-    ones were drawn from (uniformly, without replacement), for the confidence interval.
+    fixed order; hist: rounds by accepted drafts 0..B-1.
 
-    tau: mean over prompts of each prompt's mean tokens per round (the DFlash convention, bonus
-    counted); tau_ci95: its 95% normal interval (finite-population corrected); tau_pooled: all
-    tokens / all rounds; per_slot[k-1]: share of rounds whose k-th draft was accepted, k = 1..B-1."""
-    means = [t / r for r, t in per_prompt if r]
+    tau and tau_ci95: `tau_over_prompts`; tau_pooled: all tokens / all rounds; per_slot[k-1]: share
+    of rounds whose k-th draft was accepted, k = 1..B-1."""
     n, tokens = sum(hist), sum(t for _, t in per_prompt)
-    tau = sum(means) / len(means) if means else float("nan")
+    over = tau_over_prompts(per_prompt)
     return {
-        "tau": tau,
-        "tau_ci95": ci95(means, tau, population),
+        "tau": over["tau"],
+        "tau_ci95": over["tau_ci95"],
         "tau_pooled": tokens / n if n else float("nan"),
         "histogram": list(hist),
         "per_slot": [sum(hist[k:]) / n if n else float("nan") for k in range(1, len(hist))],
         "rounds": n,
-        "prompts": len(means),
+        "prompts": over["prompts"],
         "tokens": tokens,
     }
 
 
-def group_tau(per_prompt: list[tuple[int, int]], population: int | None = None) -> dict:
-    """tau and its 95% interval over a group of prompts: per_prompt (rounds, tokens) of each."""
+def tau_over_prompts(per_prompt: list[tuple[int, int]]) -> dict:
+    """THE tau of a set of prompts, per_prompt (rounds, tokens committed) of each: tau, the mean over
+    the prompts (with a round) of each prompt's mean tokens per round (the DFlash convention, bonus
+    counted), and tau_ci95, its 95% interval over prompts (`ci95` of the per-prompt means). Every
+    report's tau, chain and DDTree, whole sample and per group, is this function's."""
     means = [t / r for r, t in per_prompt if r]
     tau = sum(means) / len(means) if means else float("nan")
-    return {"prompts": len(means), "rounds": sum(r for r, _ in per_prompt), "tau": tau,
-            "tau_ci95": ci95(means, tau, population)}
+    return {"prompts": len(means), "rounds": sum(r for r, _ in per_prompt), "tau": tau, "tau_ci95": ci95(means, tau)}
 
 
-def ci95(values: list[float], mean: float, population: int | None = None) -> list[float] | None:
-    """[low, high]: mean +- 1.96 standard errors (None below 2 values); the standard error shrinks by
-    sqrt((N - n) / (N - 1)) when the n values are a sample of N without replacement (0 when n = N)."""
+def ci95(values: list[float], mean: float) -> list[float] | None:
+    """[low, high]: mean +- 1.96 standard errors of the values (None below 2 values). The values are
+    per-prompt taus, taken as a sample of the prompts the drafter will meet: the interval says how far
+    tau could move with other prompts like these. It is not shrunk to a point when every prompt of a
+    store was replayed (a store's prompts are themselves a sample)."""
     n = len(values)
     if n < 2:
         return None
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    fpc = 1.0 if population is None else math.sqrt((population - n) / (population - 1))  # 0 when n = N
-    half = 1.96 * sd / math.sqrt(n) * fpc
+    half = 1.96 * sd / math.sqrt(n)
     return [mean - half, mean + half]

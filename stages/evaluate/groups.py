@@ -1,32 +1,30 @@
 """tau per group of prompts, as the field reports it per benchmark: per category label (extraction's
 --category-field) and per context-length bucket of the rounds (pipeline/decode/acceptance.py).
 
-A group's tau follows the report's convention: the mean over its prompts of each prompt's mean
-tokens per round, with a 95% interval. For a category the prompts are a sample of that category's
-available prompts (the interval is corrected for it); for a context bucket a prompt's tau is over
-its rounds in that bucket, and the interval is not corrected (which prompts reach a bucket is not
-known before replay), so it is the wider one.
+A group's tau is the report's own (`tau_over_prompts`, as for the whole sample): the mean over its
+prompts of each prompt's mean tokens per round, with its 95% interval over those prompts. For a
+context bucket a prompt's tau is over its rounds in that bucket.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from pipeline.decode.acceptance import CONTEXT_LABELS, group_tau
+from pipeline.decode.acceptance import CONTEXT_LABELS, tau_over_prompts
 from pipeline.decode.batch_replay import PromptCounts
 
 
 def by_category(counts: list[PromptCounts], budgets: tuple[int, ...], category: dict) -> dict:
-    """{label: group} over the replayed prompts, each label's available prompts its population;
+    """{label: group} over the replayed prompts, with how many of the label's prompts were available;
     {} when the store records no labels."""
     if not category:
         return {}
-    population = Counter(category.values())
+    available = Counter(category.values())
     members = defaultdict(list)
     for c in counts:
         members[category[(c.shard, c.index)]].append(c)
-    return {label: {**_group(members[label], budgets, lambda c, lane: (c.rounds[lane], c.tokens[lane]),
-                             population[label]), "available": population[label]}
+    return {label: {**_group(members[label], budgets, lambda c, lane: (c.rounds[lane], c.tokens[lane])),
+                    "available": available[label]}
             for label in sorted(members)}
 
 
@@ -37,13 +35,13 @@ def by_context(counts: list[PromptCounts], budgets: tuple[int, ...]) -> dict:
         reached = [c for c in counts if c.context_rounds[0][b]]
         if reached:
             out[label] = _group(reached, budgets, lambda c, lane, b=b: (c.context_rounds[lane][b],
-                                                                         c.context_tokens[lane][b]), None)
+                                                                         c.context_tokens[lane][b]))
     return out
 
 
-def _group(members: list[PromptCounts], budgets: tuple[int, ...], of, population: int | None) -> dict:
+def _group(members: list[PromptCounts], budgets: tuple[int, ...], of) -> dict:
     """Chain (lane 0) and each DDTree budget's tau over members; of(c, lane) -> (rounds, tokens)."""
-    chain = group_tau([of(c, 0) for c in members], population)
-    trees = {str(b): group_tau([of(c, 1 + i) for c in members], population) for i, b in enumerate(budgets)}
+    chain = tau_over_prompts([of(c, 0) for c in members])
+    trees = {str(b): tau_over_prompts([of(c, 1 + i) for c in members]) for i, b in enumerate(budgets)}
     return {**chain, "ddtree": {b: t["tau"] for b, t in trees.items()},
             "ddtree_ci95": {b: t["tau_ci95"] for b, t in trees.items()}}

@@ -13,9 +13,9 @@ from store.schema import StoreAttrs
 CONVENTIONS = {
     "tau": "mean over prompts of each prompt's mean tokens per round; tokens per round = accepted drafts + 1 "
            "(the bonus token counted), cut to what is left at the end (the DFlash convention)",
-    "tau_ci95": "95% interval of tau over the sample of prompts: tau +- 1.96 standard errors of the per-prompt "
-                "means, corrected for sampling without replacement from the available prompts (a point when all "
-                "were replayed); it covers the choice of prompts, not a different prompt distribution",
+    "tau_ci95": "95% interval of tau over prompts: tau +- 1.96 standard errors of the per-prompt means, the prompts "
+                "taken as a sample of those the drafter will meet (so it has a width when every available prompt "
+                "was replayed); the same rule for the whole sample, each group, chain and every DDTree budget",
     "sample": "prompts replayed: a uniform random sample without replacement (seeded) of the available prompts "
               "with a completion in the shards, unless all were asked for",
     "tau_pooled": "all committed tokens / all rounds, over every prompt",
@@ -28,10 +28,10 @@ CONVENTIONS = {
     "ddtree": "DDTree-N: tree drafting with a node budget of N nodes (not N tokens); tau as above, "
               "tokens per round = accepted nodes + 1 <= min(N, B-1) + 1",
     "per_category": "tau per label of extraction's --category-field: the mean over that label's replayed prompts, "
-                    "its interval corrected for sampling from that label's available prompts",
+                    "with its interval over those prompts",
     "per_context": "tau per context-length bucket of the rounds (the tokens up to the block's start: <1k, 1k-4k, "
                    "4k-16k, >=16k): per prompt its tokens per round over its rounds in the bucket, then the mean over "
-                   "the prompts with a chain round there; the interval is not corrected for sampling",
+                   "the prompts with a chain round there, with its interval over those prompts",
     "replay": "greedy speculative decoding replayed from the stored states and the stored greedy completion; "
               "rounds start at the first completion token (produced by the prefill)",
 }

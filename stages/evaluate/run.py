@@ -45,12 +45,11 @@ def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, 
 def summarize_parts(parts: list[dict], budgets: tuple[int, ...], prompts: Prompts) -> tuple[dict, dict]:
     """The ranks' parts -> (the checkpoint's results, chain rounds of the kept prompts by (shard, index))."""
     counts = sorted((c for p in parts for c in p["counts"]), key=lambda c: (c.shard, c.index))
-    population = prompts.available
     B = len(parts[0]["histogram"][0])
 
     def policy(lane: int) -> dict:
         hist = [sum(p["histogram"][lane][k] for p in parts) for k in range(B)]
-        return stats([(c.rounds[lane], c.tokens[lane]) for c in counts], hist, population)
+        return stats([(c.rounds[lane], c.tokens[lane]) for c in counts], hist)
 
     chain, trees = policy(0), {str(b): policy(1 + i) for i, b in enumerate(budgets)}
     lane_rounds = sum(sum(c.rounds) for c in counts)

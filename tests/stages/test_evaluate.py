@@ -176,8 +176,29 @@ def test_a_seeded_sample_with_its_interval(small_store, trained_drafter, tmp_pat
     r, full = a["checkpoints"][0], everything["checkpoints"][0]
     lo, hi = r["tau_ci95"]
     assert lo < r["tau"] < hi and set(r["ddtree_ci95"]) == {"4", "16"}
-    assert full["tau_ci95"] == [full["tau"], full["tau"]]  # every prompt replayed: no sampling error
     assert f"6 of {n} prompts (random sample, seed 0)" in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_tau_interval_is_over_prompts_when_every_prompt_was_replayed(small_store, trained_drafter, tmp_path):
+    """Every available prompt replayed: the interval is still over the per-prompt taus, chain and every
+    DDTree budget (not a point), the per-context table's figure for the same prompts, and the console
+    and report.md print it."""
+    from pipeline.decode.acceptance import ci95
+    from stages.evaluate.report import console
+
+    rep = replayed(small_store, tmp_path, trained_drafter)
+    r = rep["checkpoints"][0]
+    assert rep["sample"]["prompts"] == rep["sample"]["available"] == r["prompts"]
+    lo, hi = r["tau_ci95"]
+    assert lo < r["tau"] < hi and lo == pytest.approx(ci95([p["tau"] for p in r["per_prompt"]], r["tau"])[0])
+    for b in ("4", "16"):
+        assert r["ddtree_ci95"][b] == pytest.approx(ci95([p["ddtree"][b] for p in r["per_prompt"]], r["ddtree"][b]))
+        assert r["ddtree_ci95"][b][0] < r["ddtree_ci95"][b][1]
+    whole = r["per_context"]["<1k"]  # the small store's rounds are all under 1k tokens: the same prompts
+    assert whole["prompts"] == r["prompts"] and whole["tau_ci95"] == pytest.approx(r["tau_ci95"])
+    assert all(whole["ddtree_ci95"][b] == pytest.approx(r["ddtree_ci95"][b]) for b in ("4", "16"))
+    shown = f"{lo:.3f}-{hi:.3f}"
+    assert shown in console(rep) and shown in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_two_processes_give_the_report_of_one(small_store, trained_drafter, tmp_path):

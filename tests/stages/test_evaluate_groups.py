@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipeline.decode.acceptance import CONTEXT_LABELS, context_bucket
+from pipeline.decode.acceptance import CONTEXT_LABELS, ci95, context_bucket
 from pipeline.decode.batch_replay import PromptCounts
 from stages.evaluate import groups
 from stages.evaluate.config import EvalConfig
@@ -49,7 +49,9 @@ def test_tau_per_category_and_context_is_the_mean_over_exactly_those_prompts(lab
     assert set(r["per_category"]) == {"even", "odd"}
     for label, g in r["per_category"].items():
         mine = [p for p in r["per_prompt"] if ("even" if p["row_id"] % 2 == 0 else "odd") == label]
-        assert g["prompts"] == g["available"] == len(mine) and g["tau_ci95"] == [g["tau"], g["tau"]]  # all replayed
+        assert g["prompts"] == g["available"] == len(mine)  # all replayed: the interval is still over the prompts
+        assert g["tau_ci95"] == pytest.approx(ci95([p["tau"] for p in mine], g["tau"]))
+        assert g["tau_ci95"][0] < g["tau_ci95"][1]
         assert g["tau"] == pytest.approx(sum(p["tau"] for p in mine) / len(mine))
         for b in ("1", "8"):
             assert g["ddtree"][b] == pytest.approx(sum(p["ddtree"][b] for p in mine) / len(mine))

@@ -2,7 +2,9 @@
 
 import math
 
-from pipeline.decode.acceptance import accepted, round_tokens, summarize
+import pytest
+
+from pipeline.decode.acceptance import accepted, round_tokens, stats, summarize, tau_over_prompts
 
 B = 5
 
@@ -39,3 +41,13 @@ def test_prompts_without_rounds_are_not_averaged_in():
     s = summarize([[], [(2, 3)]], B)
     assert s["tau"] == 3 and s["prompts"] == 1
     assert math.isnan(summarize([], B)["tau"])
+
+
+def test_tau_interval_is_over_the_per_prompt_means():
+    """mean +- 1.96 sd / sqrt(n) of the per-prompt taus (3.0 and 2.0 here: sd 0.707, half-width 0.98),
+    the same figures from `stats` (the whole sample) as from `tau_over_prompts` (a group)."""
+    per_prompt = [(2, 6), (4, 8)]
+    s, g = stats(per_prompt, [0, 4, 0, 0, 2]), tau_over_prompts(per_prompt)
+    assert s["tau_ci95"] == g["tau_ci95"] == pytest.approx([2.5 - 0.98, 2.5 + 0.98])
+    assert s["tau"] == g["tau"] == 2.5 and s["prompts"] == g["prompts"] == 2
+    assert tau_over_prompts([(3, 9), (0, 0)])["tau_ci95"] is None  # one prompt with rounds: no interval
