@@ -35,6 +35,7 @@ class TrainingRecord:
     train_shards: str
     eval_shards: str  # "" when no shard was held out
     step: int
+    epochs: float | None = None  # epochs made by `step` (stages/train/position.py); None: recorded before it was
     store: str | None = None
     store_taps: tuple[int, ...] | None = None
     train_config: dict | None = None  # the TrainConfig of the run, as a record

@@ -20,7 +20,7 @@ TRAIN_KEYS = (("lr", "learning rate"), ("batch_size", "batch size (per process)"
               ("grad_accum", "gradient accumulation"),
               ("anchors", "anchors per sequence"), ("anchor_budget", "anchor budget per micro-batch"),
               ("gamma", "loss decay gamma"), ("slot_weights", "slot weights"), ("dpace_alpha", "D-PACE alpha"),
-              ("max_length", "max tokens per sample"), ("max_steps", "max steps"), ("epochs", "epochs"),
+              ("max_length", "max tokens per sample"), ("max_steps", "max steps"),
               ("warmup_ratio", "warmup ratio"), ("weight_decay", "weight decay"), ("noise_std", "noise std"),
               ("mixed_precision", "mixed precision"), ("seed", "seed"))
 HUB_CACHE = re.compile(r"models--([^/]+)--([^/]+)/snapshots/")  # a hub id resolved into the local cache
@@ -129,10 +129,21 @@ def _training(c: CardRecord) -> list[str]:
     if r is None:
         return ["## Training", "", "Not recorded: this checkpoint carries no dflash-pipeline training record.", ""]
     rows = [("store fingerprint", f"`{r.store_fingerprint}`"), ("train shards", r.train_shards),
-            ("held-out shards", r.eval_shards or "none"), ("steps", r.step)]
+            ("held-out shards", r.eval_shards or "none"), ("steps", r.step), ("epochs", epochs_made(r))]
     cfg = r.train_config or {}
     rows += [(label, cfg[k]) for k, label in TRAIN_KEYS if cfg.get(k) is not None]
     return ["## Training", ""] + _rows(rows)
+
+
+def epochs_made(r: TrainingRecord) -> str:
+    """The epochs the run made by this checkpoint's step, as the record gives them; for an older record
+    without them, "not recorded" and the flags the run had (a step-N, or --max-steps, which overrides
+    --epochs, makes them no count of epochs made)."""
+    if r.epochs is not None:
+        return f"{r.epochs:g}"
+    cfg = r.train_config or {}
+    flags = ", ".join(f"--{k.replace('_', '-')} {cfg[k]}" for k in ("epochs", "max_steps") if cfg.get(k) is not None)
+    return "not recorded" + (f" (run with {flags})" if flags else "")
 
 
 def _tau(c: CardRecord) -> list[str]:

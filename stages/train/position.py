@@ -31,6 +31,13 @@ class Position:
         return cls(d["epoch"], None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]))
 
 
+def epochs_done(step: int, grad_accum: int, micro_per_epoch: int) -> float:
+    """Epochs a run has made after `step` optimizer steps, to 3 decimals: every rank reads grad_accum
+    micro-batches a step and micro_per_epoch an epoch (epoch 0's count: packed epochs differ slightly).
+    metrics.jsonl's `epoch` and the checkpoints' training record both give this figure."""
+    return round(step * grad_accum / micro_per_epoch, 3)
+
+
 def epoch_indices(position: Position, epoch: int, n_batches: int) -> list[int]:
     """The global batch indices epoch `epoch` still has to give, from `position` on."""
     if epoch > position.epoch or position.remaining is None:

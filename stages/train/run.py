@@ -19,7 +19,7 @@ from pipeline.errors import TrainingError
 from stages.train.config import TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
-from stages.train.position import rank_batches
+from stages.train.position import epochs_done, rank_batches
 from stages.train.run_dir import MetricsLog, save_step, write_audit, write_drafter
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
@@ -127,8 +127,8 @@ class Window:
         setup, acc = self.setup, self.setup.accelerator
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
-        epoch = step * acc.gradient_accumulation_steps / setup.micro_per_epoch
-        record = {"split": "train", "step": step, "epoch": round(epoch, 3), "lr": setup.schedulers[-1].get_last_lr()[0],
+        epoch = epochs_done(step, acc.gradient_accumulation_steps, setup.micro_per_epoch)
+        record = {"split": "train", "step": step, "epoch": epoch, "lr": setup.schedulers[-1].get_last_lr()[0],
                   **({"muon_lr": setup.schedulers[0].get_last_lr()[0]} if len(setup.schedulers) > 1 else {}), **m,
                   "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),
                   "corrupt_skipped": corrupt_skipped(setup)}

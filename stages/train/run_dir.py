@@ -23,7 +23,7 @@ from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
 from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
-from stages.train.position import advance
+from stages.train.position import advance, epochs_done
 from store.errors import ConfigError
 from store.locks import LockFile
 
@@ -85,6 +85,7 @@ def training_record(setup, config, step: int) -> TrainingRecord:
     return TrainingRecord(store_fingerprint=setup.store_fingerprint, store_conditioning=setup.store_conditioning,
                           store=config.store, store_taps=setup.store_taps,
                           train_shards=setup.train_shards_text, eval_shards=setup.eval_shards_text, step=step,
+                          epochs=epochs_done(step, config.grad_accum, setup.micro_per_epoch),
                           train_config=asdict(config))
 
 

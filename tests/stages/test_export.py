@@ -99,6 +99,31 @@ def test_without_a_report_the_card_says_how_to_measure(measured, small_store, tm
     assert f"Not measured: run\n\n    python evaluate.py --store {small_store} --checkpoint {ck}" in text
 
 
+TRAINED = {"lr": 0.0031, "batch_size": 2, "epochs": 6, "max_steps": 2000}
+
+
+def test_card_states_the_epochs_the_run_made_not_the_configured_ones(small_store, tmp_path):
+    """--max-steps stopped the run after 11.1 epochs of the 6 --epochs asked for: the card says 11.1."""
+    ck = drafter_checkpoint(small_store, tmp_path / "ck", step=2000, epochs=11.1, train_config=TRAINED)
+    run(ck, tmp_path / "out")
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "| epochs | 11.1 |" in text and "| epochs | 6 |" not in text and "| max steps | 2000 |" in text
+
+
+def test_an_older_record_without_epochs_still_loads_and_exports(small_store, tmp_path):
+    """A checkpoint written before the record had `epochs`: loaded strictly, exported, the card says so."""
+    from pipeline.drafter.config import OUR_KEY
+
+    ck = drafter_checkpoint(small_store, tmp_path / "ck", step=2000, train_config=TRAINED)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg[OUR_KEY].pop("epochs", None)  # as an older writer left it
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint.load(ck)[2].epochs is None
+    run(ck, tmp_path / "out")
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "| epochs | not recorded (run with --epochs 6, --max-steps 2000) |" in text
+
+
 def test_a_served_report_puts_served_tau_beside_replay_tau(measured, tmp_path):
     ck, report = measured
     rep = json.loads((report / "report.json").read_text())

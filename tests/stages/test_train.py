@@ -51,6 +51,9 @@ def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
     evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals if e["split"] == "eval"] == [0, 4]
     assert "held-out loss" in r.stdout
+    epoch = {e["step"]: e["epoch"] for e in evals if e["split"] == "train"}  # --max-steps 4: far short of --epochs 6
+    for d, step in (("step-2", 2), ("final", 4)):
+        assert checkpoint.load(tmp_path / "run" / d)[2].epochs == epoch[step] < 1, d
 
 
 def test_two_process_ddp_on_cpu(small_store, tmp_path):
