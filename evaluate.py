@@ -1,6 +1,5 @@
 """Evaluate DFlash drafters: tau by replaying greedy speculative decoding from a hidden-state store.
-(An entry point.)  python evaluate.py --store hs.zarr --checkpoint runs/a/final [--checkpoint DIR2]
-"""
+(An entry point.)  python evaluate.py --store hs.zarr --checkpoint runs/a/final [--checkpoint DIR2]"""
 
 import json
 
@@ -8,6 +7,7 @@ import click
 
 from stages.command import CONTEXT, log, options, run_command
 from stages.evaluate.config import EvalConfig
+from stages.paths import check_inputs
 
 
 @click.command(context_settings=CONTEXT)
@@ -26,6 +26,7 @@ def main(config: EvalConfig, as_json: bool) -> None:
     A checkpoint trained on another store (fingerprint: target, taps, backend, tokenizer, data) is
     refused unless --allow-mismatch.
     """
+    check_inputs(config.store, config.out)  # before torch is imported: a mistake answers at once
     from stages.evaluate.report import console
     from stages.evaluate.run import run
 

@@ -6,6 +6,7 @@
 import click
 
 from stages.command import CONTEXT, log, options, run_command
+from stages.paths import check_inputs
 from stages.train.config import TrainConfig
 
 
@@ -23,6 +24,7 @@ def main(config: TrainConfig) -> None:
     public DFlash layout plus the training state) and OUT/final/. --resume continues a stopped run
     exactly (same flags, same number of processes).
     """
+    check_inputs(config.store, config.out)  # before torch is imported: a mistake answers at once
     from stages.train.run import done_line, run
 
     summary = run(config, log=log)
@@ -31,6 +33,6 @@ def main(config: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    from stages.train.run import INTERRUPTED
+    from stages.train.recipe import INTERRUPTED
 
     run_command(main, INTERRUPTED)

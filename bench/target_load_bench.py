@@ -37,8 +37,8 @@ if how == "straight":
     model = load(path, device, dtype, "torch").model
 else:
     from transformers import AutoModelForCausalLM
-    from pipeline.device import DTYPES
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
+    from pipeline.device import dtype as torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device)
 gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, gb, time.time() - t)  # ru_maxrss: KiB
 """

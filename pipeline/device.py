@@ -1,27 +1,43 @@
 """Where and how models run: the default device, a checked device from the user's text, the
-dtypes by name, and the CPU settings every stage applies once at start-up."""
+dtypes by name, and the CPU settings every stage applies once at start-up.
+
+torch is imported where it is used: the stages' configs import this module, and a mistaken flag
+or path is answered before torch is imported (docs/reliability.md)."""
 
 from __future__ import annotations
 
 import gc
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from store.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 AUTO = "cuda if available, else cpu"  # what the default device means, for help texts
 THREADS_AUTO = "$OMP_NUM_THREADS, else cores / processes"  # what default_threads gives, for help texts
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+
+
+def dtype(name: str) -> torch.dtype:
+    """The torch dtype of a name of DTYPE_NAMES."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def default_device() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve(device: str | None, flag: str = "--device") -> torch.device:
     """A torch device from the user's text (None: the default), checked to exist here."""
+    import torch
+
     try:
         dev = torch.device(device or default_device())
     except RuntimeError:
@@ -34,6 +50,8 @@ def resolve(device: str | None, flag: str = "--device") -> torch.device:
 def prepare_cpu(threads: int | None = None) -> None:
     """Before any parallel region: flush denormals (they make CPU forwards ~100x slower) and set the
     intra-op threads when given."""
+    import torch
+
     torch.set_flush_denormal(True)
     if threads:
         torch.set_num_threads(threads)
@@ -43,6 +61,8 @@ def release(device: str) -> None:
     """Give the memory of tensors no longer referenced back to the device (CUDA's cache holds it)."""
     gc.collect()
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.empty_cache()
 
 

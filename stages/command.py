@@ -11,6 +11,7 @@ import typing
 
 import click
 
+from stages.paths import describe, refusal
 from stages.settings import flag_of
 from store.errors import UserError
 
@@ -87,7 +88,9 @@ def _parser(parse, default):
 
 
 def run_command(command, interrupted: str = "interrupted") -> None:
-    """Run a click command; a UserError or an interrupt becomes one `error:` line (exit 2 / 130)."""
+    """Run a click command; a UserError, the file system's refusal of a path the user gave (stages/
+    paths.py: permission, a file in the way, read-only, full, too large) or an interrupt becomes one
+    `error:` line (exit 2 / 130). Anything else keeps its traceback."""
     try:
         command.main(standalone_mode=False)
     except UserError as e:
@@ -99,3 +102,9 @@ def run_command(command, interrupted: str = "interrupted") -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo(f"error: {interrupted}", err=True)
         sys.exit(130)
+    except Exception as e:
+        refused = refusal(e)
+        if refused is None:
+            raise
+        click.echo(f"error: {describe(refused)}", err=True)
+        sys.exit(2)

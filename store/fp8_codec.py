@@ -10,20 +10,25 @@ The codec is lossless on quantized values (it refuses anything else: quantize fi
 checksum the store keeps of a shard's states holds for what reading returns. Encoded chunk:
 uint32 little-endian G (groups), G int8 exponents k, then a zstd frame of the G x group e4m3 bytes.
 Decoding: value = e4m3(byte) * 2^k, as bf16 bits.
+
+torch is imported in the functions that use it: zarr imports this codec with the store, and the
+store's read view opens without torch (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
-import torch
 from numcodecs import Zstd
 from zarr.registry import register_codec
 
 from store.codec import LEVELS, PackedCodec
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "dflash.fp8_e4m3"
 # The scale exponents kept. From -117 up, the smallest value kept, 2^(k-9), is a normal bf16 (2^-126), so
@@ -38,6 +43,8 @@ def exponents(bits: torch.Tensor) -> torch.Tensor:
     """bits: [..., group] int16 (bf16 bits). The smallest k with max |x| / 2^k <= 448, as int16
     [..., 1]: from the largest magnitude's bf16 exponent E and mantissa M, k = E - 135, plus one
     when 1.M > 1.75 (448 = 1.75 x 2^8)."""
+    import torch
+
     mag = (bits & 0x7FFF).amax(-1, keepdim=True)
     k = (mag >> 7) - 135 + ((mag & 0x7F) > 0x60).to(torch.int16)
     return k.clamp(*K_RANGE)
@@ -46,6 +53,8 @@ def exponents(bits: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """x: [..., group] bf16 -> the same shape, bf16 values e4m3 x 2^k with one k per group. NaN and
     Inf stay non-finite, so a finiteness check after it still sees them."""
+    import torch
+
     assert x.dtype == torch.bfloat16, x.dtype
     k = exponents(x.view(torch.int16)).float()
     return _e4m3(x, k).to(torch.bfloat16) * torch.exp2(k).to(torch.bfloat16)  # exact: powers of two, no subnormals
@@ -54,11 +63,15 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 def _e4m3(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """x: [..., group] bf16, k: [..., 1] float -> e4m3(x / 2^k). The division is a bf16 product by a
     power of two, exact (3x a float32 one on CPU), and the cast rounds to nearest even."""
+    import torch
+
     return (x * torch.exp2(-k).to(torch.bfloat16)).to(torch.float8_e4m3fn)
 
 
 def _table() -> np.ndarray:
     """[65536] uint16: index (k + 128) << 8 | byte -> bf16 bits of e4m3(byte) * 2^k."""
+    import torch
+
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     values[torch.isnan(values)] = 0  # 0x7f, 0xff: never written
     scales = torch.exp2(torch.arange(256, dtype=torch.float32) - 128)
@@ -100,6 +113,8 @@ class Fp8E4m3(PackedCodec):
 
     def pack_parts(self, data: np.ndarray) -> list:
         """data: the chunk's bytes, little-endian bf16 bits of quantized values."""
+        import torch
+
         bits = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(-1, self.group))
         k = exponents(bits)
         e4m3 = _e4m3(bits.view(torch.bfloat16), k.float())

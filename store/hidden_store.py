@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import fsspec
-import torch
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
@@ -24,12 +24,17 @@ from store.ranges import format_ranges
 from store.read_checks import ReadChecks, read_checks
 from store.schema import RootCommit, ShardCommit, StoreAttrs
 
+if TYPE_CHECKING:
+    import torch  # the view itself needs no torch; embedding() returns a tensor (store/layout.from_bits)
+
 
 class HiddenStore:
     def __init__(self, location: str) -> None:
         self.location = str(location)
         self.fs, self.root = fsspec.core.url_to_fs(self.location)
         self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            _refuse_a_file(self.location, self.root)
 
     # -- files -----------------------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -197,6 +202,19 @@ class HiddenStore:
                 if attempt == 4:
                     raise
                 time.sleep(0.1)
+
+
+def _refuse_a_file(location: str, root: str) -> None:
+    """A local store is a directory: NotAStore when its path, or the nearest existing path above it,
+    is a file (zarr would fail on it deep down, with no word about the store)."""
+    p = os.path.abspath(root)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    if os.path.isdir(p):
+        return
+    what = "a file, not a hidden-state store" if p == os.path.abspath(root) else f"not a hidden-state store: {p} is a file"
+    raise NotAStore(f"{location}: {what} (a store is a directory, as `pipeline extract` writes it); give the store's "
+                    "directory")
 
 
 def _local_sizes(path: str) -> dict[str, int]:

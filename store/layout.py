@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import zlib
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
 from store.codec import LEVELS as PLANE_LEVELS
 from store.codec import Bf16Planes
 from store.fp8_codec import Fp8E4m3
+
+if TYPE_CHECKING:
+    import torch
 
 HIDDEN_DTYPE = "bfloat16"  # what the uint16 bits mean
 SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids")
@@ -102,12 +106,16 @@ def small_codecs() -> list:
 
 def to_bits(x: torch.Tensor) -> np.ndarray:
     """bf16 tensor -> uint16 numpy array of the same bits (zarr has no bfloat16)."""
+    import torch  # here, not at the top: the store's read view opens without torch (docs/reliability.md)
+
     assert x.dtype == torch.bfloat16, x.dtype
     return x.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def from_bits(a: np.ndarray) -> torch.Tensor:
     """uint16 numpy array -> bf16 tensor of the same bits; exact inverse of to_bits."""
+    import torch
+
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
 
 

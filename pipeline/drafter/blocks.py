@@ -18,9 +18,6 @@ import torch
 IGNORE = -100
 
 
-ANCHOR_RULES = ("pair", "single")  # pair: loss_mask[a] and loss_mask[a+1] (SPEC); single: loss_mask[a]
-
-
 def anchor_mask(loss_mask):
     """THE anchor rule: position a may anchor a block iff loss_mask[a] and loss_mask[a+1].
     loss_mask: [T] bool (torch or numpy) -> [T-1] bool, same kind."""

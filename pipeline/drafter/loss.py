@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from pipeline.drafter.blocks import IGNORE
 
 LOGITS_BYTES = 256 * 2**20  # fp32 logits of one chunk; with a bf16 lm_head the chunk's peak is about 1.5x this
-NORMS = ("weights", "labels")  # what the weighted CE of a micro-batch is divided by
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -122,7 +121,7 @@ def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, ga
     """h: [b, N*B, H] drafter output (after its norm); labels: [b, N, B] (IGNORE = no loss);
     lm_head: [V, H] frozen. Slot weights: exp(-(k-1)/gamma), or D-PACE with smoothing alpha = dpace
     when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES).
-    norm: divide the weighted CE by the sum of the weights or by the number of labels (NORMS)."""
+    norm: divide the weighted CE by the sum of the weights or by the number of labels (config.NORMS)."""
     b, n, B = labels.shape
     keep = labels != IGNORE
     h_sel = h.reshape(b, n, B, -1)[keep]  # [M, H]

@@ -35,8 +35,8 @@ def resolve(target: str) -> Path:
 
 def load(target: str, device: str | None, dtype: str, linear_attention: str) -> Target:
     """Load the text-only causal LM and its tokenizer; pick the kernels BEFORE the model code loads."""
-    if dtype not in devices.DTYPES:
-        raise ConfigError("--dtype", dtype, f"expected one of {sorted(devices.DTYPES)}")
+    if dtype not in devices.DTYPE_NAMES:
+        raise ConfigError("--dtype", dtype, f"expected one of {sorted(devices.DTYPE_NAMES)}")
     dev = devices.resolve(device)
     if dev.type == "cpu":
         devices.prepare_cpu()
@@ -51,13 +51,13 @@ def load(target: str, device: str | None, dtype: str, linear_attention: str) -> 
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=devices.DTYPES[dtype], output_loading_info=True,
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=devices.dtype(dtype), output_loading_info=True,
                                                            ignore_mismatched_sizes=True, device_map={"": dev})
     except Exception as e:
         raise TargetError(f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     weights.check_loaded(path, model, info)  # each tensor was read straight onto dev, never the whole model on the host
     model.eval()
-    return Target(model, tokenizer, path, dev, devices.DTYPES[dtype], KernelRecorder(model), requested,
+    return Target(model, tokenizer, path, dev, devices.dtype(dtype), KernelRecorder(model), requested,
                   describe(model, tokenizer, path))
 
 

@@ -8,10 +8,12 @@ taken by a forward hook on the layer itself (`tapping`), so no index arithmetic 
 from __future__ import annotations
 
 from contextlib import contextmanager
-
-import torch
+from typing import TYPE_CHECKING
 
 from store.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_NUM_TAPS = 5
 

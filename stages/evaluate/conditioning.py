@@ -110,7 +110,7 @@ def build(loaded: Checked, embed, lm_head, device: str, dtype: str) -> Drafter:
     """The drafter on device, its weights in dtype. embed, lm_head: [V, H] bf16 as stored; in bf16
     they are used as they are (no copy), in fp32 copied. Only parameters change dtype: the RoPE
     frequencies stay fp32."""
-    dt = devices.DTYPES[dtype]
+    dt = devices.dtype(dtype)
     m = Drafter(loaded.config, embed.to(device, dt), lm_head.to(device, dt))
     for p in m.parameters():
         p.data = p.data.to(device, dt)

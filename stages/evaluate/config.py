@@ -63,14 +63,13 @@ class EvalConfig:
     served_memory: float | None = setting(None, "Share of the --served engine's GPU memory it may take (vLLM's "
                                                 "gpu_memory_utilization); refused up front when less is free.",
                                           default_text="0.9, or what is free less 0.03")
-    device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
+    device: str | None = setting(None, "torch device.", default_text=devices.AUTO)  # None: chosen by run(), with torch
     threads: int | None = setting(None, "CPU intra-op threads per process. On an idle 2-core machine batched replay ran "
                                         "1.5x faster with two than with one; while another program is busy, one can be "
                                         "much faster (OpenMP threads waiting on each other).",
                                   default_text=devices.THREADS_AUTO)
 
     def __post_init__(self) -> None:
-        fill(self, "device", self.device or devices.default_device())
         fill(self, "checkpoints", tuple(self.checkpoints))
         require(self, "checkpoints", bool(self.checkpoints), "give at least one drafter checkpoint directory")
         check_choices(self)

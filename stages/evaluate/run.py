@@ -27,6 +27,7 @@ from stages.evaluate.conditioning import Checked, build, check_checkpoint, choos
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
+from stages.paths import output_dir
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
@@ -70,7 +71,7 @@ def summarize_parts(parts: list[dict], budgets: tuple[int, ...], prompts: Prompt
 def run(config: EvalConfig, log=print) -> dict | None:
     """The report on rank 0; None on the other processes of a launch."""
     proc = devices.Process.from_env()
-    device = proc.device(config.device)
+    device = proc.device(config.device or devices.default_device())
     if device == "cpu":
         devices.prepare_cpu(config.threads or devices.default_threads(proc.world))
     ranks.join(proc, device)
@@ -82,6 +83,8 @@ def run(config: EvalConfig, log=print) -> dict | None:
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store)
+    if proc.rank == 0:
+        output_dir(config.out, "--out")  # before the replay, not after it: the report goes there
     warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, checked, warnings)

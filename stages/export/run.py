@@ -23,6 +23,7 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.errors import DrafterError
 from stages.export.card import CardRecord, Measured, render
 from stages.export.config import ExportConfig
+from stages.paths import output_dir
 from store.errors import ConfigError, UserError
 from store.hidden_store import HiddenStore
 from store.schema import StoreAttrs
@@ -71,6 +72,7 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
         raise ConfigError("OUT_DIR", str(dst), "exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise ConfigError("OUT_DIR", str(dst), "exists and is not empty; pass --force to replace it")
+    output_dir(dst.parent, "OUT_DIR", shown=dst)  # where the files are written first, then renamed into OUT_DIR
 
 
 def _open_store(config: ExportConfig, record: TrainingRecord | None, drafter: DrafterConfig,

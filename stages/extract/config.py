@@ -75,7 +75,7 @@ class ExtractConfig:
     batch_size: int = setting(16, "Prompts per generate/capture batch.")
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
     dtype: str = setting("bf16", "Dtype the target runs in (states are stored as bf16 either way).",
-                         choices=tuple(devices.DTYPES))
+                         choices=devices.DTYPE_NAMES)
     linear_attention: str = setting(
         "auto", "Gated DeltaNet kernels: auto = fla on CUDA when installed, else the PyTorch fallback (always the "
                 "fallback without CUDA); fla = the fla kernels, on CUDA, or on CPU under Triton's interpreter "
@@ -118,7 +118,6 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         fill(self, "target", self.target or str(TINY_TARGET))
         fill(self, "dataset", self.dataset or str(DEFAULT_PROMPTS))
-        fill(self, "device", self.device or devices.default_device())
         check_choices(self)
         require(self, "server_url", bool(self.server_url) == (self.responses == "server"),
                 "goes with --responses server, and it needs one")
@@ -138,6 +137,7 @@ class ExtractConfig:
                               f"is not JSON ({e})") from None
         require(self, "chat_template_kwargs", isinstance(args, dict),
                 "must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        fill(self, "device", self.device or devices.default_device())  # last: it imports torch, the checks need none
 
     def template_args(self) -> dict:
         """--chat-template-kwargs as a dict."""

@@ -50,7 +50,9 @@ SMALL_BYTES_PER_TOKEN = 5  # tokens (int32) and loss_mask (uint8), stored as the
 SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs
 HEADROOM = 1.2  # on the bytes per row measured from committed shards
 SAMPLED_ROWS = 64  # rows whose prompts are rendered to estimate a new store's size
-FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left; disk quota exceeded
+# no space left; disk quota exceeded; a file past the file-size limit (`ulimit -f`, or the file system's) -> the way on
+FULL = {errno.ENOSPC: "free space", errno.EDQUOT: "free space within the quota",
+        errno.EFBIG: "raise the file-size limit (`ulimit -f`)"}
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ def check(store: HiddenStore, need: Need, ignore: bool, say) -> None:
 
 
 def full_disk(exc: BaseException) -> OSError | None:
-    """The OSError ENOSPC/EDQUOT behind exc, however wrapped (the writer thread re-raises what
+    """The OSError ENOSPC/EDQUOT/EFBIG behind exc, however wrapped (the writer thread re-raises what
     stopped it as the cause of its own error), or None."""
     seen = set()
     stack = [exc]
@@ -181,8 +183,8 @@ def full_disk(exc: BaseException) -> OSError | None:
 
 @contextmanager
 def stop_when_full(store: HiddenStore, need: Need) -> Iterator[None]:
-    """A full disk anywhere inside (writer thread, zarr, commit file) becomes one line naming the
-    store and the space still needed. Nothing half-written is committed: a shard's commit file is
+    """A full disk, quota or file-size limit anywhere inside (writer thread, zarr, commit file)
+    becomes one line naming the store, the space still needed and the way on. Nothing half-written is committed: a shard's commit file is
     written last, so the shard in progress stays uncommitted and a rerun deletes and redoes it."""
     try:
         yield
@@ -193,4 +195,4 @@ def stop_when_full(store: HiddenStore, need: Need) -> Iterator[None]:
         left = need.left(store.committed())
         raise StoreError(f"{store.location}: {os.strerror(err.errno).lower()}; the shards still to write need "
                          f"about {human_bytes(left)}: committed shards are kept, the shard in progress is left "
-                         "uncommitted; free space and rerun the same command to complete the store") from e
+                         f"uncommitted; {FULL[err.errno]} and rerun the same command to complete the store") from e

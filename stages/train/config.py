@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import device as devices
-from pipeline.drafter.blocks import ANCHOR_RULES
-from pipeline.drafter.config import BLOCK_SIZE, GAMMA, NUM_LAYERS, ROPE_THETA
-from pipeline.drafter.loss import NORMS
+from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
 from stages.settings import at_least, check_choices, parse_count, require, setting
-from stages.train.data import BATCHINGS
-from stages.train.optim import OPTIMIZERS, SCHEDULES
-from stages.train.step import NOISES, slot_gamma
+from stages.train.recipe import BATCHINGS, NOISES, OPTIMIZERS, SCHEDULES, slot_gamma
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
 

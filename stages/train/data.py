@@ -2,7 +2,7 @@
 
 `index_samples` lists the trainable samples of the chosen shards (lengths only, no hidden
 states). `epoch_batches` orders them for one epoch, shuffled by sample with a (seed, epoch)
-generator, and forms batches (BATCHINGS): rows of one sample bucketed by length so padding stays
+generator, and forms batches (recipe.BATCHINGS): rows of one sample bucketed by length so padding stays
 small, rows of one sample in random order, or packed rows that hold several whole samples each;
 then deals them to ranks so each rank reads only its own part. A batch is a list of rows, a row a
 tuple of sample refs. `StoreBatches` turns a batch into padded tensors; it is what DataLoader
@@ -30,8 +30,6 @@ from store.shard_reader import ShardReader
 BUCKET = 64  # batches of similar length are formed within windows of this many batches
 PREFETCH = 4  # batches each loader worker keeps ready (in shared memory until the trainer takes them)
 SHM = "/dev/shm"  # where DataLoader workers hand batches over (Linux)
-BATCHINGS = ("bucketed", "random", "packed")
-
 
 @dataclass(frozen=True)
 class Ref:

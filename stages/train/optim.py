@@ -26,9 +26,6 @@ import math
 
 import torch
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "linear")
-
 
 def muon_split(model: torch.nn.Module) -> tuple[list, list]:
     """(the 2-D matrices with both sides > 1, everything else) among the trainable parameters,

@@ -20,12 +20,11 @@ from stages.train.config import TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
 from stages.train.position import epochs_done, rank_batches
+from stages.train.recipe import INTERRUPTED  # noqa: F401 - the line an interrupted run ends with (train.py)
 from stages.train.run_dir import MetricsLog, save_step, write_audit, write_drafter
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate
-
-INTERRUPTED = "interrupted; rerun with --resume to continue from the last step-N"
 
 
 def run(config: TrainConfig, log=print) -> dict:

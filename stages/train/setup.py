@@ -20,6 +20,7 @@ from pipeline.drafter.config import DrafterConfig, architecture_fields, default_
 from pipeline.drafter.model import Drafter
 from pipeline.drafter.serving_engines import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.errors import DrafterError
+from stages.paths import output_dir
 from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
@@ -185,6 +186,8 @@ def check_against_store(dc: DrafterConfig, attrs: StoreAttrs, where) -> None:
 
 
 def prepare(config: TrainConfig, log) -> Setup:
+    if devices.Process.from_env().rank == 0:
+        output_dir(config.out, "--out")  # before any work: OUT's lock, metrics and checkpoints go there
     lock = claim(Path(config.out))
     try:
         return dataclasses.replace(_prepare(config, log), lock=lock)

@@ -9,9 +9,10 @@ import torch
 
 from pipeline.drafter import masks
 from pipeline.drafter.blocks import make_blocks, sample_anchors
-from pipeline.drafter.config import DrafterConfig, default_gamma
+from pipeline.drafter.config import DrafterConfig
 from pipeline.drafter.loss import LossOut, dflash_loss
 from pipeline.drafter.model import Drafter
+from stages.train.recipe import slot_gamma
 
 CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
 
@@ -28,9 +29,9 @@ class LossPlan:
     flex: bool  # flex_attention (CUDA) or block-local SDPA (CPU)
     dpace_alpha: float | None = None  # D-PACE slot weights' smoothing; None: exp weights
     anchor_budget: int | None = None  # blocks per micro-batch in all; None: no limit
-    anchor_rule: str = "pair"  # blocks.ANCHOR_RULES
-    loss_norm: str = "weights"  # loss.NORMS
-    noise: str = "gaussian"  # NOISES
+    anchor_rule: str = "pair"  # drafter config's ANCHOR_RULES
+    loss_norm: str = "weights"  # drafter config's NORMS
+    noise: str = "gaussian"  # recipe.NOISES
     packed: bool = False  # --batching packed: rows hold several documents (batch.starts is read)
 
     @classmethod
@@ -46,16 +47,6 @@ class LossPlan:
     def width(self) -> int:
         """The most blocks a row can get."""
         return min(self.anchors, self.anchor_budget or self.anchors)
-
-
-def slot_gamma(config, block_size: int) -> float | None:
-    """The decay of --slot-weights exp for a drafter of this block size: --gamma, else the block size's
-    default (a ConfigError naming --block-size when it has none); None with D-PACE. The one place it
-    is resolved: TrainConfig checks it with --block-size, the loss plan takes it with the drafter's
-    (with --init-from, the checkpoint's)."""
-    if config.slot_weights != "exp":
-        return None
-    return config.gamma if config.gamma is not None else default_gamma(block_size)
 
 
 def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
@@ -85,9 +76,6 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
                        None if starts is None else blocks.starts)
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
     return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha, norm=plan.loss_norm)
-
-
-NOISES = ("gaussian", "uniform")
 
 
 def make_noise(plan: LossPlan, shape, gen: torch.Generator, device) -> torch.Tensor:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.train.data import BATCHINGS, Ref, StoreBatches, epoch_batches, index_samples
+from stages.train.data import Ref, StoreBatches, epoch_batches, index_samples
+from stages.train.recipe import BATCHINGS
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 

@@ -4,8 +4,9 @@ and none is lost beyond the tail a deal drops; on the same number, every rank re
 import pytest
 
 from stages.train.config import TrainConfig
-from stages.train.data import BATCHINGS, Ref
+from stages.train.data import Ref
 from stages.train.position import Position, advance, rank_batches
+from stages.train.recipe import BATCHINGS
 
 REFS = [Ref(0, i, 10 + (i * 37) % 200) for i in range(150)]
 

@@ -1,0 +1,107 @@
+"""The user's paths: an output directory made and checked writable before the work starts, and the
+one line an OS error on a path becomes.
+
+A path can fail for reasons of its file system, not of this tool: a file where a directory must be,
+no permission, a read-only file system, a full disk or quota, a file-size limit. Each is one
+`error:` line that names the path and what to do (stages/command.run_command turns the ones no
+stage caught; docs/reliability.md lists them). Output directories are checked first, so a run never
+works for minutes to fail on where it writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sysconfig
+from pathlib import Path
+
+from pipeline.device import Process
+from store.errors import ConfigError
+from store.hidden_store import HiddenStore
+
+# errno -> (what happened, what to do). Only the file system's refusals: ENOENT, EEXIST and the like
+# can be the code's own mistakes and keep their traceback.
+REFUSALS = {
+    errno.EACCES: ("permission denied", "choose a path you may write, or change its permissions"),
+    errno.EPERM: ("operation not permitted", "choose a path you may write, or change its permissions"),
+    errno.EROFS: ("read-only file system", "choose a path on a writable file system"),
+    errno.ENOTDIR: ("not a directory", "choose another path, or move the file out of the way"),
+    errno.EISDIR: ("is a directory", "give a file's path, not a directory's"),
+    errno.ENOSPC: ("no space left on device", "free space, or choose a path on another file system"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within your quota, or choose another file system"),
+    errno.EFBIG: ("file too large", "raise the file-size limit (`ulimit -f`), or choose a file system that "
+                                    "takes larger files"),
+    errno.ENAMETOOLONG: ("file name too long", "choose a shorter path"),
+}
+# Where a refusal is the installation's, not the user's: this package's code, Python's library.
+_CODE = [Path(__file__).resolve().parents[1] / top for top in ("store", "pipeline", "stages")]
+_PYTHON = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib",
+                                                                                "platlib")}
+
+
+def check_inputs(store: str, out: str, flag: str = "--out") -> None:
+    """What the entry points check before they import torch (a mistake answers in well under a second,
+    docs/performance.md): the store opens and its root attributes read back (store/hidden_store.py),
+    and the output directory is made and writable (by the main process of a launch, the one that
+    writes it). The stages check both again as they start, for callers from Python."""
+    HiddenStore(store).attrs  # noqa: B018 - read to check
+    if Process.from_env().rank == 0:
+        output_dir(out, flag)
+
+
+def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> Path:
+    """path made (with its parents) and shown writable by a file created and removed in it, before
+    any work; a ConfigError naming flag, the path (or `shown`, what the user gave when path is the
+    directory it goes in) and what to do otherwise."""
+    p, value = Path(path), str(shown if shown is not None else path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except FileExistsError:
+        what = "is a file" if value == str(p) else f"{p} is a file"
+        raise ConfigError(flag, value, f"{what}, not a directory; choose another {flag}") from None
+    except OSError as e:
+        if e.errno not in REFUSALS:
+            raise
+        raise ConfigError(flag, value, f"cannot be written: {describe(e)}") from None
+    return p
+
+
+def describe(e: OSError) -> str:
+    """'<path>: <what happened>; <what to do>' for an OSError of REFUSALS. For 'not a directory' the
+    path is the file that stands where a directory must be."""
+    what, fix = REFUSALS[e.errno]
+    where = e.filename
+    if e.errno == errno.ENOTDIR:
+        blocker = _file_above(where)
+        if blocker is not None:
+            return f"{blocker} is a file, not a directory; {fix}"
+    return f"{where}: {what}; {fix}"
+
+
+def refusal(exc: BaseException) -> OSError | None:
+    """The file system's refusal behind exc (itself or what it was raised from) on a path this code
+    does not ship, or None: an internal error keeps its traceback."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in REFUSALS and exc.filename and not _installed(exc.filename):
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+def _installed(filename) -> bool:
+    """Whether filename lies in this package's code or in Python's installation."""
+    p = Path(os.fsdecode(filename)).absolute()
+    return any(p.is_relative_to(root) for root in (*_CODE, *_PYTHON))
+
+
+def _file_above(filename) -> Path | None:
+    """The nearest existing path at or above filename, when it is not a directory."""
+    p = Path(os.fsdecode(filename)).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return None if p.is_dir() else p
