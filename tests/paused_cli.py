@@ -16,8 +16,8 @@ _finish = Extractor.finish
 _done = []
 
 
-def finish(self, batch, writer, bar, shard):
-    _finish(self, batch, writer, bar, shard)
+def finish(self, batch, writer, shard):
+    _finish(self, batch, writer, shard)
     _done.append(shard)
     if len(_done) == PAUSE_AFTER:
         print(f"PAUSED shard={shard}", file=sys.stderr, flush=True)

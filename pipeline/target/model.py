@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 from pipeline.errors import TargetError
 from pipeline.target.kernels import KernelRecorder, interpreted
@@ -59,8 +60,9 @@ class Target:
         return pad if pad is not None else self.eos_ids[0]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[list[int]]:
-        """Greedy completions, batched with left padding; each cut at its first EOS (kept) and limit."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], on_token=None) -> list[list[int]]:
+        """Greedy completions, batched with left padding; each cut at its first EOS (kept) and limit.
+        on_token(k), if given, is called as the batch's k-th completion token is made (progress)."""
         if not prompts:
             return []
         longest = max(max_new_tokens)
@@ -73,7 +75,8 @@ class Target:
                                   pad_token_id=self.pad_id, use_cache=True)
         with self.recorder.recording():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config)
+                                      generation_config=config,
+                                      streamer=None if on_token is None else _TokenCount(on_token))
         new = out[:, width:].tolist()
         return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
@@ -169,3 +172,17 @@ def _cut(seq: list[int], eos_ids: list[int], limit: int) -> list[int]:
     return seq
 
 
+class _TokenCount(BaseStreamer):
+    """Hands generate's step count to a callback: generate puts the prompt first, then each step's
+    new tokens (one per row)."""
+
+    def __init__(self, on_token) -> None:
+        self.on_token, self.puts = on_token, 0
+
+    def put(self, value) -> None:
+        if self.puts:
+            self.on_token(self.puts)
+        self.puts += 1
+
+    def end(self) -> None:
+        pass

@@ -5,7 +5,6 @@ under its lock and committed when its last batch is written."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
@@ -13,7 +12,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from tqdm import tqdm
 
 from pipeline import chat_template, turns
 from pipeline import prompts as prompt_sets
@@ -22,6 +20,7 @@ from pipeline.errors import DatasetError, TargetError
 from pipeline.reference_server import ReferenceServer
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
+from stages.extract.progress import Progress
 from store import fp8_codec, layout
 from store.locks import LockFile
 from store.schema import ShardCommit, completion_limit
@@ -86,36 +85,35 @@ class Extractor:
         }
 
     def write(self, todo: list[int], label: str, say) -> None:
-        """Claim and write each shard of todo in turn, one progress bar over their rows. The batches
+        """Claim and write each shard of todo in turn, one progress report over their rows. The batches
         of all of them pass through one queue: with a server, the next shard's first requests are in
         flight while this shard's last batches are captured, so the target never waits at a shard's
         end. A shard is committed as soon as its last batch is written."""
         rows = {s: len(self.prompt_set.shard_rows(s, self.num_shards)) for s in todo}
         open_shards: list[OpenShard] = []
-        with tqdm(total=sum(rows.values()), unit="sample", desc=f"{label}extract", disable=None,
-                  dynamic_ncols=True, file=sys.stderr) as bar:
+        with Progress(sum(rows.values()), label, say) as self.progress:
             try:
                 in_flight: deque[tuple[OpenShard, Batch]] = deque()
-                for job, batch_rows in self.batches(todo, rows, bar, open_shards, say):
+                for job, batch_rows in self.batches(todo, rows, open_shards, say):
                     in_flight.append((job, self.start(batch_rows, job.writer)))
                     if len(in_flight) > self.ahead:
-                        self.finish_next(in_flight, bar, open_shards, say)
+                        self.finish_next(in_flight, open_shards, say)
                 while in_flight:
-                    self.finish_next(in_flight, bar, open_shards, say)
+                    self.finish_next(in_flight, open_shards, say)
             except BaseException:
                 for job in open_shards:  # left uncommitted: a rerun writes them again
                     job.writer.abort()
                     job.release()
                 raise
 
-    def batches(self, todo: list[int], rows: dict[int, int], bar, open_shards: list, say):
+    def batches(self, todo: list[int], rows: dict[int, int], open_shards: list, say):
         """(shard, rows of a batch) of every shard this process claims, claimed only when its first
         batch is wanted."""
         size = self.config.batch_size
         for shard in todo:
             job = self.claim(shard)
             if job is None:
-                bar.total -= rows[shard]
+                self.progress.drop(rows[shard])
                 continue
             open_shards.append(job)
             ordered = self.prompt_set.by_length(self.prompt_set.shard_rows(shard, self.num_shards))
@@ -148,9 +146,9 @@ class Extractor:
             raise
         return job
 
-    def finish_next(self, in_flight: deque, bar, open_shards: list, say) -> None:
+    def finish_next(self, in_flight: deque, open_shards: list, say) -> None:
         job, batch = in_flight.popleft()
-        self.finish(batch, job.writer, bar, job.shard)
+        self.finish(batch, job.writer, job.shard)
         job.left -= 1
         if not job.left:
             self.commit(job, open_shards, say)
@@ -186,11 +184,11 @@ class Extractor:
             eos = self.target.eos_ids
             return Batch(rows, ready, [self.engine.submit(r.prompt, r.limit, eos) for r in ready])
         t = time.perf_counter()
-        completions = self.complete(ready) if ready else []
+        completions = self.complete(ready, writer.shard) if ready else []
         timing["generate_s"] += time.perf_counter() - t
         return Batch(rows, ready, completions)
 
-    def finish(self, batch: Batch, writer: ShardWriter, bar, shard: int) -> None:
+    def finish(self, batch: Batch, writer: ShardWriter, shard: int) -> None:
         """Wait for the batch's completions, record them, capture the taps, hand them to the writer."""
         timing = self.summary["timing"]
         t = time.perf_counter()
@@ -223,9 +221,7 @@ class Extractor:
                 writer.add_hidden(hidden)
             self.summary["tokens"] += len(hidden)
         self.summary["batches"] += 1
-        bar.update(len(batch.rows))
-        elapsed = bar.format_dict["elapsed"] or 1e-9
-        bar.set_postfix_str(f"{self.summary['tokens'] / elapsed:.0f} tokens/s, shard {shard}", refresh=False)
+        self.progress.done(len(batch.rows), self.summary["tokens"], shard)
 
     def finite(self, ready: list, hidden: torch.Tensor, writer: ShardWriter, shard: int) -> tuple[list, torch.Tensor]:
         """The batch's rows whose states are all finite, and their states. hidden: [T, n_taps, H],
@@ -292,11 +288,14 @@ class Extractor:
                                f"outside the target's vocabulary (0-{self.target.vocab_size - 1})")
         return ids
 
-    def complete(self, ready) -> list[list[int]]:
-        """Greedy completions from the target, or the dataset's own responses cut to each limit: its
-        token ids verbatim when it has them, else its text tokenized, plus EOS."""
+    def complete(self, ready, shard: int) -> list[list[int]]:
+        """Greedy completions from the target (its progress reported token by token), or the dataset's
+        own responses cut to each limit: its token ids verbatim when it has them, else its text
+        tokenized, plus EOS."""
         if self.config.responses == "regenerate":
-            return self.target.generate([r.prompt for r in ready], [r.limit for r in ready])
+            limit = max(r.limit for r in ready)
+            return self.target.generate([r.prompt for r in ready], [r.limit for r in ready],
+                                        lambda k: self.progress.generating(shard, k, limit, len(ready)))
         return [self.dataset_response(r.row, r.limit, r.chat) for r in ready]
 
     def dataset_response(self, row: prompt_sets.Row, limit: int, chat: Chat) -> list[int]:

@@ -326,3 +326,19 @@ def test_redo_rebuilds_a_damaged_root_made_with_the_same_settings(small_store, s
     got = read_everything(str(store_copy), [0, 1, 2, 3])
     assert got["attrs"].compat == clean["attrs"].compat and got["attrs"].fingerprint == clean["attrs"].fingerprint
     assert equal({k: v for k, v in got.items() if k != "attrs"}, {k: v for k, v in clean.items() if k != "attrs"})
+
+
+def test_progress_reaches_the_log_inside_a_shard(tmp_path, small_dataset, monkeypatch):
+    """Without a terminal, a line every LINE_EVERY_S (0 here: every report): the batch being
+    generated token by token, then the rows and tokens done, all before the shard commits."""
+    from stages.extract import progress
+
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
+    lines = []
+    run(ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), num_shards=4, shards="0", **SMALL),
+        log=lines.append)
+    commit = next(i for i, m in enumerate(lines) if m.startswith("shard 0: "))
+    inside = [m for m in lines[:commit] if m.startswith("progress: ")]
+    assert inside[0].startswith("progress: 0/4 rows, 0 tokens") and "shard 0: generating token 1/" in inside[0]
+    batch = next(m for m in inside if m.startswith("progress: 3/4 rows, "))  # the first batch of 3, written
+    assert int(batch.split(", ")[1].split()[0]) > 0 and "generating" not in batch  # its tokens

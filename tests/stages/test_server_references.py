@@ -114,8 +114,8 @@ def test_requests_stay_in_flight_across_shard_boundaries(tmp_path, target, small
     events, start, finish = [], Extractor.start, Extractor.finish
     monkeypatch.setattr(Extractor, "start", lambda self, rows, writer: events.append(("start", writer.shard))
                         or start(self, rows, writer))
-    monkeypatch.setattr(Extractor, "finish", lambda self, batch, writer, bar, shard: events.append(("finish", shard))
-                        or finish(self, batch, writer, bar, shard))
+    monkeypatch.setattr(Extractor, "finish", lambda self, batch, writer, shard: events.append(("finish", shard))
+                        or finish(self, batch, writer, shard))
     with FakeEngine(target) as engine:
         run(server_config(tmp_path / "hs.zarr", small_dataset, engine.url), log=lambda m: None)  # concurrency 4
     ahead = -(-4 // SMALL["batch_size"])  # batches kept in flight beyond the one being captured

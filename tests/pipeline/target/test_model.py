@@ -49,6 +49,15 @@ def test_generate_is_the_targets_greedy_generate(target):
         assert len(got) <= limit
 
 
+def test_generate_reports_each_token_as_it_is_made(target):
+    """on_token(k) for every decoding step, in order, while generate runs (extraction's progress
+    inside a batch); the completions are those made without it."""
+    prompts, calls = prompt_ids(target, 3), []
+    got = target.generate(prompts, [12] * 3, on_token=calls.append)
+    assert got == target.generate(prompts, [12] * 3)
+    assert calls == list(range(1, max(map(len, got)) + 1))
+
+
 def test_linear_attention_path_is_recorded_from_the_calls(target):
     target.probe()
     b = target.check_backends()
