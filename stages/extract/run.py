@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from pipeline import device as devices
 from pipeline import prompts as prompt_sets
+from pipeline.errors import DatasetError
 from pipeline.reference_server import ReferenceServer
 from pipeline.target import loading
 from pipeline.target.model import Target
@@ -24,7 +25,7 @@ from stages.extract import disk_space
 from stages.extract.config import ExtractConfig, default_num_shards
 from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
-from stages.extract.summary import finish_summary
+from stages.extract.summary import finish_summary, nothing_stored
 from store import index_file, layout
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
@@ -95,7 +96,29 @@ def run(config: ExtractConfig, log=print) -> dict:
     summary = finish_summary(store, job.summary)
     if summary["shards_done"] == summary["num_shards"]:  # complete: training's first launch reads one index file
         summary["index"] = saved_index(store)
+    check_stored(config, store, summary, shard_ids, prompt_set, num_shards)
     return summary
+
+
+def check_stored(config: ExtractConfig, store: HiddenStore, summary: dict, shard_ids: list[int],
+                 prompt_set: prompt_sets.PromptSet, num_shards: int) -> None:
+    """A run that wrote shards of --shards, all of them now committed without a sample, fails
+    naming why (the skip counts of their commit files): it would otherwise end well and leave
+    training to fail on an empty store. Its shards stay committed, as any others. Judged over all
+    of --shards, so a rerun that writes nothing never fails, nor does a process of a launcher
+    whose share was empty while another's held samples; the last process to finish sees every
+    shard committed and reports it."""
+    if not summary["shards_written"] or summary["samples"]:
+        return
+    records = store.commits()[0]
+    if any(s not in records for s in shard_ids) or any(records[s].samples for s in shard_ids):
+        return  # another process is still at one of them, or they hold samples
+    skipped: dict[str, int] = {}
+    for s in shard_ids:
+        for reason, n in records[s].skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    rows = sum(len(prompt_set.shard_rows(s, num_shards)) for s in shard_ids)
+    raise DatasetError(nothing_stored(config, shard_ids, rows, len(prompt_set), skipped))
 
 
 def saved_index(store: HiddenStore) -> str:
@@ -139,7 +162,10 @@ def redo_corrupt(store: StoreWriter, shards: list[int], say) -> list[int]:
 
 def check_rows(prompt_set: prompt_sets.PromptSet, shard_ids: list[int], num_shards: int) -> None:
     """Every row of this run's shards parsed now: a bad row in the last shard fails in seconds,
-    before any model loads."""
+    before any model loads; so does a dataset without rows."""
+    if not len(prompt_set):
+        raise DatasetError(f"dataset {prompt_set.source}: no rows (an empty file, or a filter or split that left "
+                           "none); nothing to extract")
     for shard in shard_ids:
         prompt_set.check(prompt_set.shard_rows(shard, num_shards))
 

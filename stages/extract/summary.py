@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from pipeline.device import Process
+from stages.extract.config import ExtractConfig
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges
 from store.summary import agreement, fmt_agreement, fmt_counts, human_bytes, summarize
@@ -63,3 +64,30 @@ def server_line(v: dict) -> str:
         line += (f"; keeping it busy needs about {v['needed_in_flight']} in flight: --concurrency "
                  f"{v['needed_in_flight']} (if the server is already at its limit, add servers instead)")
     return line
+
+
+# Why a sample was skipped, and what to do about it, for the error of a run that stored none.
+SKIPS = {
+    "empty_prompt": ("with an empty prompt", "check that --messages-field or --prompt-field names the prompts"),
+    "prompt_too_long": ("with a prompt of --max-length {max_length} tokens or more",
+                        "raise --max-length (it bounds prompt + completion)"),
+    "missing_response": ("without a response", "check that each row ends in an assistant turn or has "
+                                               "--response-field, or use --responses regenerate"),
+    "server_rejected": ("rejected by the server", "see the server's log for why"),
+    "nonfinite": ("with NaN or Inf states", "check the target and --dtype"),
+}
+
+
+def nothing_stored(config: ExtractConfig, shards: list[int], rows: int, dataset_rows: int,
+                   skipped: dict[str, int]) -> str:
+    """The error of a run whose shards hold no sample: `rows` dataset rows in `shards`, `skipped`
+    the skip counts of their commit records; why, what to change, and how to write them again."""
+    where = f"{config.store}: 0 samples stored in shard(s) {format_ranges(shards)} (dataset {config.dataset})"
+    if not rows:
+        return f"{where}: they hold none of its {dataset_rows} rows; choose --shards that hold rows"
+    counts = sorted(((n, SKIPS.get(reason, (f"skipped as {reason}", None))) for reason, n in skipped.items() if n),
+                    key=lambda c: -c[0])  # the largest first
+    why = ", ".join(f"{n} {what.format(max_length=config.max_length)}" for n, (what, _) in counts)
+    fixes = "; ".join(dict.fromkeys(fix for _, (_, fix) in counts if fix)) or "check the dataset"
+    return (f"{where}: of their {rows} rows, {why}. Fix: {fixes}. These shards are committed empty and a rerun "
+            f"skips them: extract into a new --store (or delete {config.store}) once fixed")

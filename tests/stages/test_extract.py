@@ -328,6 +328,52 @@ def test_redo_rebuilds_a_damaged_root_made_with_the_same_settings(small_store, s
     assert equal({k: v for k, v in got.items() if k != "attrs"}, {k: v for k, v in clean.items() if k != "attrs"})
 
 
+def test_a_run_that_stores_no_sample_fails_naming_why_and_keeps_its_shards(tmp_path, small_dataset):
+    """Every row skipped (all but the empty one over --max-length): the run fails with the skip
+    counts and the fix, its shards committed (empty); a rerun that finds them committed passes."""
+    from pipeline.errors import DatasetError
+
+    config = ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), num_shards=4, shards="0-1",
+                           **{**SMALL, "max_length": 8})
+    with pytest.raises(DatasetError) as e:
+        run(config, log=lambda m: None)
+    assert str(e.value).startswith(f"{config.store}: 0 samples stored in shard(s) 0-1 (dataset {small_dataset}): "
+                                   "of their 8 rows, 7 with a prompt of --max-length 8 tokens or more, 1 with an "
+                                   "empty prompt. Fix: raise --max-length")
+    committed = HiddenStore(config.store).committed()
+    assert list(committed) == [0, 1] and not any(r.samples for r in committed.values())
+    again = run(config, log=lambda m: None)  # nothing written: not judged
+    assert again["shards_skipped"] == [0, 1] and again["shards_written"] == []
+
+
+def test_a_run_judges_all_its_shards_not_each(tmp_path, small_dataset):
+    """Empty shards beside shards that hold samples pass; so does a process of a launcher that
+    ends while another's shard of --shards is uncommitted; shards without rows are named."""
+    from pipeline.errors import DatasetError
+    from stages.extract.run import check_stored
+
+    path = str(tmp_path / "hs.zarr")
+    config = ExtractConfig(store=path, dataset=str(small_dataset), num_shards=32, shards="0-5", **SMALL)
+    summary = run(config, log=lambda m: None)  # 16 rows over 32 shards: 1, 3 and 5 hold one each, 0, 2 and 4 none
+    assert summary["samples"] == 3 and [HiddenStore(path).commit_record(s).samples for s in (0, 2, 4)] == [0, 0, 0]
+    with pytest.raises(DatasetError, match=r"0 samples stored in shard\(s\) 6 .*: they hold none of its 16 rows; "
+                                           "choose --shards that hold rows"):
+        run(dataclasses.replace(config, shards="6"), log=lambda m: None)
+    early = {"shards_written": [6], "samples": 0}  # shard 6 written empty, shard 8 still at another process
+    check_stored(dataclasses.replace(config, shards="6,8"), HiddenStore(path), early, [6, 8], None, 32)
+
+
+def test_a_dataset_without_rows_fails_before_the_target_loads(tmp_path):
+    from pipeline.errors import DatasetError
+
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    with pytest.raises(DatasetError, match="empty.jsonl: no rows"):
+        run(ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(data), target="/nonexistent", **SMALL),
+            log=lambda m: None)
+    assert not (tmp_path / "hs.zarr").exists()
+
+
 def test_progress_reaches_the_log_inside_a_shard(tmp_path, small_dataset, monkeypatch):
     """Without a terminal, a line every LINE_EVERY_S (0 here: every report): the batch being
     generated token by token, then the rows and tokens done, all before the shard commits."""
