@@ -18,7 +18,8 @@ class TrainConfig:
     out: str = setting("runs/drafter", "Run directory.")
     shards: str | None = setting(None, "Training shards, e.g. '0-55'.",
                                  default_text="every committed shard not in --eval-shards", resume="fixed")
-    eval_shards: str | None = setting(None, "Held-out shards for validation, e.g. '56-63'.", default_text="none",
+    eval_shards: str | None = setting(None, "Held-out shards for validation, e.g. '56-63'; never trained on (a "
+                                            "--shards range that reaches one is refused).", default_text="none",
                                       resume="fixed")
     max_steps: int | None = setting(None, "Optimizer steps; overrides --epochs.", resume="fixed")
     epochs: int = setting(6, "Passes over the training samples.", resume="fixed")

@@ -86,8 +86,8 @@ def make_accelerator(config: TrainConfig):
 
 
 def select_shards(store: HiddenStore, config: TrainConfig, records: dict) -> tuple[list[int], list[int]]:
-    """(training shards, held-out shards) from --shards and --eval-shards; records: the store's
-    commit records."""
+    """(training shards, held-out shards) from --shards and --eval-shards, which may not share a
+    shard; records: the store's commit records."""
     n = store.num_shards
     committed = sorted(records)
     eval_ids = parse_ranges(config.eval_shards, n, "--eval-shards") if config.eval_shards else []
@@ -95,6 +95,12 @@ def select_shards(store: HiddenStore, config: TrainConfig, records: dict) -> tup
         train_ids = parse_ranges(config.shards, n)
     else:
         train_ids = [s for s in committed if s not in set(eval_ids)]
+    overlap = sorted(set(train_ids) & set(eval_ids))
+    if overlap:  # held-out figures of prompts the drafter trains on would not be held out
+        what = f"shard {format_ranges(overlap)} is" if len(overlap) == 1 else f"shards {format_ranges(overlap)} are"
+        raise ConfigError(flag_of(config, "shards"), config.shards,
+                          f"{what} also in {flag_of(config, 'eval_shards')} {config.eval_shards}: a held-out shard "
+                          "cannot be trained on (leave --shards out to train on every committed shard not held out)")
     if not train_ids:
         raise StoreError(f"{store.location}: no training shards (committed: {format_ranges(committed) or 'none'}, "
                          f"--eval-shards {config.eval_shards or 'none'})")
@@ -211,9 +217,6 @@ def _prepare(config: TrainConfig, log) -> Setup:
     for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning()])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config, records)
-    overlap = sorted(set(train_ids) & set(eval_ids))
-    if overlap:
-        log(f"warning: shards {format_ranges(overlap)} are in both --shards and --eval-shards")
     store.require_committed([s for s in train_ids + eval_ids if s not in records])
     train_refs, eval_refs = (refs_of(index.arrays, ids, config.max_length) for ids in (train_ids, eval_ids))
     if not train_refs:

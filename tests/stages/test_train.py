@@ -140,6 +140,17 @@ def setup_error(small_store, tmp_path, **over) -> str:
     return str(e.value)
 
 
+def test_default_shards_are_the_committed_ones_not_held_out(small_store):
+    """Without --shards, training takes every committed shard but the held-out ones: no overlap to refuse."""
+    from stages.train.config import TrainConfig
+    from stages.train.setup import select_shards
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(str(small_store))
+    config = TrainConfig(store=str(small_store), eval_shards="1,3")
+    assert select_shards(store, config, store.committed()) == ([0, 2], [1, 3])
+
+
 def test_store_without_lm_head(small_store, tmp_path):
     broken = tmp_path / "broken.zarr"
     shutil.copytree(small_store, broken)
@@ -150,6 +161,9 @@ def test_store_without_lm_head(small_store, tmp_path):
 @pytest.mark.parametrize("over,needle", [
     ({"shards": "0-9"}, "reaches shard 9, but the store has 4 shards"),
     ({"eval_shards": "0-3"}, "no training shards"),
+    ({"shards": "0-2", "eval_shards": "2-3"}, "--shards 0-2: shard 2 is also in --eval-shards 2-3: a held-out shard "
+                                              "cannot be trained on"),
+    ({"shards": "all", "eval_shards": "2-3"}, "--shards all: shards 2-3 are also in --eval-shards 2-3"),
     ({"shards": " "}, "--shards ' ': is empty"),
     ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
     ({"block_size": 12, "slot_weights": "exp"}, "no default loss decay"),
