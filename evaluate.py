@@ -23,8 +23,9 @@ def main(config: EvalConfig, as_json: bool) -> None:
     tau = mean over prompts of each prompt's mean tokens per round (bonus token counted); the pooled
     mean, the histogram of accepted drafts and per-slot acceptance are reported too. DDTree-N means a
     tree of N nodes drafted from the same drafter.
-    A checkpoint trained on another store (fingerprint: target, taps, backend, tokenizer, data) is
-    refused unless --allow-mismatch.
+    A checkpoint of another conditioning (target, kernels, dtype, taps, tokenizer, mask token, format
+    but fp8 on bf16) is refused unless --allow-mismatch; one of other data (a benchmark store) replays
+    --shards, else --store's committed shards (its held-out ones where they number --store's prompts).
     """
     check_inputs(config.store, config.out)  # before torch is imported: a mistake answers at once
     from stages.evaluate.report import console

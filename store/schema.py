@@ -78,6 +78,12 @@ class Compat:
         body = {k: v for k, v in to_json(self).items() if k in CONDITIONING}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
+    def placement(self) -> str:
+        """SHA-256 of the settings that decide which dataset rows each shard holds (PLACEMENT): stores
+        that share it hold the same prompts under the same shard numbers, whatever their target or format."""
+        body = {k: v for k, v in to_json(self).items() if k in PLACEMENT}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     def as_format(self, hidden_format: str) -> Compat:
         """These settings with the states in another hidden format ("bf16" or "fp8")."""
         return dataclasses.replace(self, hidden_format=recorded_format(hidden_format))
@@ -97,6 +103,9 @@ class Compat:
 # condition a drafter alike, whatever their data, template, lengths, responses or lossless codec.
 CONDITIONING = ("target_fingerprint", "model_class", "tokenizer_sha256", "taps", "mask_token_id", "dtype",
                 "device_type", "linear_attention", "attention", "hidden_format")
+# The Compat fields that decide which rows shard s holds (pipeline/prompts.py: rows [s*N//K, (s+1)*N//K)
+# of the dataset): stores that agree on them number the same prompts alike, whatever their conditioning.
+PLACEMENT = ("dataset_sha256", "dataset_rows", "num_shards")
 
 
 @dataclass(frozen=True, kw_only=True)

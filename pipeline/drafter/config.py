@@ -44,6 +44,7 @@ class TrainingRecord:
     store_taps: tuple[int, ...] | None = None
     train_config: dict | None = None  # the TrainConfig of the run, as a record
     store_conditioning: str | None = None  # Compat.conditioning() of the store (None: recorded before it existed)
+    store_placement: str | None = None  # Compat.placement() of the store: which rows its shards hold (None: not recorded)
 
 
 def architecture(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING) -> dataclasses.Field:

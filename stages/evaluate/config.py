@@ -26,8 +26,9 @@ class EvalConfig:
     checkpoints: tuple[str, ...] = setting(
         help="Drafter checkpoint directory (config.json + model.safetensors); repeat to compare several.",
         flag="--checkpoint")
-    shards: str | None = setting(None, "Shards to replay, e.g. '56-63'.",
-                                 default_text="the checkpoint's held-out shards if recorded, else all")
+    shards: str | None = setting(None, "Shards of --store to replay, e.g. '56-63'.",
+                                 default_text="the held-out shards a checkpoint recorded of this store (or of one with "
+                                              "the same prompts in the same shards), else every committed shard")
     ddtree: tuple[int, ...] = setting(DDTREE_BUDGETS, "DDTree node budgets to report ('none' for chain drafting only).",
                                       default_text=",".join(map(str, DDTREE_BUDGETS)), parse=parse_budgets)
     out: str = setting("report", "Report directory.")
@@ -41,8 +42,10 @@ class EvalConfig:
                                  "lm_head stay as stored) or fp32 (copies them to fp32).", choices=("bf16", "fp32"))
     batch_prompts: int = setting(32, "Prompts replayed together: each round drafts one block per prompt and policy in "
                                      "one forward. More uses more device memory (the context K/V of each).")
-    allow_mismatch: bool = setting(False, "Evaluate a checkpoint whose store fingerprint, taps or mask token differ "
-                                          "(the report says so at the top).")
+    allow_mismatch: bool = setting(False, "Evaluate a checkpoint trained on another conditioning (target, kernels, "
+                                          "dtype, taps, tokenizer, mask token; hidden format other than an fp8-trained "
+                                          "drafter on bf16 states), which is refused without it; the report says so at "
+                                          "the top. A store of other data with the same conditioning needs no flag.")
     live: bool = setting(False, "Also run real greedy speculative decoding with the target (verify each block in one "
                                 "pass, roll back the hybrid state on rejection); reports tau, tokens/s vs target-only "
                                 "greedy, and agreement with replay.")

@@ -37,11 +37,13 @@ CONVENTIONS = {
 }
 
 
-def build(config, attrs: StoreAttrs, shards: str, warnings: list[str], results: list[dict], sample: dict) -> dict:
+def build(config, attrs: StoreAttrs, replayed, warnings: list[str], results: list[dict], sample: dict) -> dict:
+    shards = replayed.text  # replayed: conditioning.Replayed, the shards and why
     return {
         "kind": "dflash-eval-report", "time": time.strftime("%Y-%m-%d %H:%M:%S"), "store": config.store,
         "store_fingerprint": attrs.fingerprint, "target": attrs.target.path,
         "taps": list(attrs.taps), "shards": shards, "max_rounds": config.max_rounds, "ddtree_budgets": list(config.ddtree),
+        "shards_chosen_by": replayed.chosen_by, "shards_reason": replayed.reason,
         "sample": sample, "warnings": warnings, "conventions": CONVENTIONS, "checkpoints": results,
     }
 
@@ -130,7 +132,8 @@ def markdown(rep: dict) -> str:
     out = ["# Drafter evaluation (replay)", ""]
     out += [f"> **WARNING:** {w}" for w in rep["warnings"]] + ([""] if rep["warnings"] else [])
     out += [f"Store `{rep['store']}` (fingerprint `{rep['store_fingerprint'][:16]}`), target `{rep['target']}`, "
-            f"taps {rep['taps']}, shards {rep['shards']}; {sample_text(rep['sample'])}.", ""]
+            f"taps {rep['taps']}, shards {rep['shards']}; {sample_text(rep['sample'])}.", "",
+            f"Shards replayed: {rep['shards_reason']}.", ""]
     if rep["sample"]["live_prompts"] is not None:
         out += [f"Live decoding with the target ran on the first {rep['sample']['live_prompts']} prompts of the "
                 "sample.", ""]

@@ -30,7 +30,6 @@ from stages.evaluate.prompts import Prompts
 from stages.paths import output_dir
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges
 
 
 def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, label: str) -> dict:
@@ -88,12 +87,13 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, checked, warnings)
-    prompts = Prompts(store, shards, config.max_prompts, config.seed)
+    prompts = Prompts(store, shards.ids, config.max_prompts, config.seed)
     if not prompts:
-        raise StoreError(f"{config.store}: shards {format_ranges(shards)} hold no prompt with a completion")
+        raise StoreError(f"{config.store}: shards {shards.text} hold no prompt with a completion")
     served = _served_bench(config, store, prompts, warnings, log) if config.served else None  # checked before replay
     for w in warnings:
         log(f"warning: {w}")
+    log(f"replaying shards {shards.text} of {config.store}: {shards.reason}")
     log(f"replaying {len(prompts)} of {prompts.available} prompts" + (f" on {proc.world} processes" if proc.world > 1
                                                                        else "") + f", drafter in {config.dtype}")
     live_refs = prompts.refs[:config.live_prompts] if config.live else []
@@ -116,7 +116,7 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     sample = {"prompts": len(prompts), "available": prompts.available, "seed": config.seed,
               "live_prompts": len(live_refs) if config.live else None, "processes": proc.world,
               "devices": where, "dtype": config.dtype}
-    rep = report.build(config, store.attrs, format_ranges(shards), warnings, results, sample)
+    rep = report.build(config, store.attrs, shards, warnings, results, sample)
     report.write(rep, Path(config.out))
     return rep
 

@@ -83,6 +83,7 @@ def kept(record: dict, start: int, total: int) -> bool:
 
 def training_record(setup, config, step: int) -> TrainingRecord:
     return TrainingRecord(store_fingerprint=setup.store_fingerprint, store_conditioning=setup.store_conditioning,
+                          store_placement=setup.store_placement,
                           store=config.store, store_taps=setup.store_taps,
                           train_shards=setup.train_shards_text, eval_shards=setup.eval_shards_text, step=step,
                           epochs=epochs_done(step, config.grad_accum, setup.micro_per_epoch),

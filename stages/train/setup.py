@@ -51,6 +51,7 @@ class Setup:
     eval_shards_text: str
     store_fingerprint: str
     store_conditioning: str
+    store_placement: str
     store_taps: tuple[int, ...]
     micro_per_epoch: int
     total_steps: int
@@ -257,7 +258,8 @@ def _prepare(config: TrainConfig, log) -> Setup:
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
                  train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
-                 store_conditioning=attrs.compat.conditioning(), store_taps=attrs.taps,
+                 store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),
+                 store_taps=attrs.taps,
                  micro_per_epoch=micro, total_steps=total, start_step=start, position=position,
                  plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"), grad_comm=install(model, config.grad_comm))
 

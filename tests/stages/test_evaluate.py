@@ -67,12 +67,51 @@ def test_another_stores_data_of_the_same_conditioning_is_replayed(small_store, t
     """A checkpoint trained on another store: accepted when that store's conditioning (target,
     kernels, dtype, taps, tokenizer) is this one's, refused when it is not."""
     same = HiddenStore(str(small_store)).attrs.compat.conditioning()
-    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same)
+    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same,
+                        store_placement="2" * 64)
     rep = evaluate(small_store, tmp_path, ck)
     assert rep["warnings"] == [] and rep["checkpoints"][0]["check"].startswith("conditioning matches")
     other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64, store_conditioning="1" * 64)
     with pytest.raises(DrafterError, match="not trained on this store's conditioning.*store fingerprint"):
         evaluate(small_store, tmp_path, other)
+
+
+def test_another_store_replays_its_own_shards_not_the_training_stores_numbers(small_store, tmp_path):
+    """A checkpoint of another store of the same conditioning (the benchmark-store workflow), trained on
+    shards 0-5 of an 8-shard store and holding out 6-7: on this 4-shard store it replays this store's
+    shards, --shards when given, else every committed one, and says which and why; the training
+    store's shard numbers are neither applied nor checked against this store's."""
+    same = HiddenStore(str(small_store)).attrs.compat.conditioning()
+    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same,
+                        train_shards="0-5", eval_shards="6-7")
+    lines = []
+    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "rep"), ddtree=(1,)),
+              log=lines.append)
+    assert (rep["shards"], rep["shards_chosen_by"], rep["warnings"]) == ("0-3", "committed", [])
+    assert rep["shards_reason"].startswith("every committed shard of this store; ")
+    assert "trained on another store (fingerprint 000000000000), whose held-out shards 6-7" in rep["shards_reason"]
+    assert f"replaying shards 0-3 of {small_store}: every committed shard of this store" in "\n".join(lines)
+    assert f"Shards replayed: {rep['shards_reason']}." in (tmp_path / "rep" / "report.md").read_text()
+    rep = evaluate(small_store, tmp_path, ck, shards="0-1")
+    assert (rep["shards"], rep["shards_chosen_by"], rep["shards_reason"]) == ("0-1", "--shards", "given by --shards")
+    assert rep["warnings"] == []  # its training shards 0-5 number the other store's prompts: no overlap claimed
+
+
+def test_a_store_of_the_same_prompts_replays_the_held_out_shards(small_store, tmp_path):
+    """Another store that holds the same prompts under the same shard numbers (the placement the
+    checkpoint recorded: the bf16 store beside an fp8 one) replays the checkpoint's held-out shards;
+    one of the same store as ever; an older checkpoint without a placement is warned about."""
+    attrs = HiddenStore(str(small_store)).attrs
+    same = dict(store_fingerprint="0" * 64, store_conditioning=attrs.compat.conditioning())
+    ck = our_checkpoint(small_store, tmp_path / "ck", store_placement=attrs.compat.placement(), **same)
+    rep = evaluate(small_store, tmp_path, ck)
+    assert (rep["shards"], rep["shards_chosen_by"]) == ("3", "held-out")
+    assert "that holds the same prompts under the same shard numbers" in rep["shards_reason"]
+    rep = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "own"))
+    assert (rep["shards"], rep["shards_chosen_by"]) == ("3", "held-out") and rep["shards_reason"].endswith(
+        "trained on this store")
+    old = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "old", **same))
+    assert old["shards"] == "0-3" and "pass --shards 3 to replay only its held-out ones" in old["warnings"][0]
 
 
 def test_a_drafter_trained_on_fp8_states_is_replayed_on_bf16_ones_with_a_warning(small_store, tmp_path):
@@ -83,9 +122,10 @@ def test_a_drafter_trained_on_fp8_states_is_replayed_on_bf16_ones_with_a_warning
 
     compat = HiddenStore(str(small_store)).attrs.compat
     ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64,
-                        store_conditioning=compat.as_format("fp8").conditioning())
+                        store_conditioning=compat.as_format("fp8").conditioning(), store_placement=compat.placement())
     rep = evaluate(small_store, tmp_path, ck)
     assert rep["checkpoints"][0]["check"].startswith("cross-format: trained on fp8 states")
+    assert rep["shards"] == "3"  # the fp8 store's held-out shard holds the prompts this store's shard 3 holds
     assert len(rep["warnings"]) == 1 and "trained on fp8 states and is replayed on bf16 states" in rep["warnings"][0]
     assert "cross-format evaluation" in (tmp_path / "rep" / "report.md").read_text()
     taps = dataclasses.replace(compat.as_format("fp8"), taps=(1, 2))

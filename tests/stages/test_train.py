@@ -47,6 +47,7 @@ def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
         config, tensors, record = checkpoint.load(tmp_path / "run" / d)
         assert record.store_fingerprint == HiddenStore(str(small_store)).attrs.fingerprint
         assert record.train_shards == "0-2" and record.eval_shards == "3"
+        assert record.store_placement == HiddenStore(str(small_store)).attrs.compat.placement()
     assert (tmp_path / "run" / "step-2" / "training").is_dir() and not list((tmp_path / "run").glob(".*"))
     evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals if e["split"] == "eval"] == [0, 4]

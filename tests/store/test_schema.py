@@ -42,6 +42,18 @@ def test_the_fingerprint_is_the_hash_of_the_compat_record():
     assert fingerprint.sha256_json(to_json(changed)) != old["fingerprint"]
 
 
+def test_the_placement_follows_the_rows_each_shard_holds_not_the_conditioning():
+    """Stores of the same dataset and shard count number the same prompts alike (fp8 beside bf16, other
+    lengths or kernels); another dataset, row count or shard count does not."""
+    compat = StoreAttrs.from_json(load("root_attributes.json"), "old store").compat
+    alike = [compat.as_format("fp8"), replace(compat, max_length=compat.max_length + 1, linear_attention="fla")]
+    assert {c.placement() for c in alike} == {compat.placement()}
+    assert compat.as_format("fp8").conditioning() != compat.conditioning()
+    for change in ({"dataset_sha256": "0" * 64}, {"dataset_rows": compat.dataset_rows + 1},
+                   {"num_shards": compat.num_shards + 1}):
+        assert replace(compat, **change).placement() != compat.placement(), change
+
+
 def test_old_commit_record_round_trips_with_the_extractors_notes():
     old = load("commit_00000.json")
     record = ShardCommit.from_json(old, "commit")
