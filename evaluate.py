@@ -20,9 +20,8 @@ def main(config: EvalConfig, as_json: bool) -> None:
 
     \b
     Writes OUT/report.json, OUT/report.md, OUT/histogram.png and OUT/per_slot.png, and prints a table.
-    tau = mean over prompts of each prompt's mean tokens per round (bonus token counted); the pooled
-    mean, the histogram of accepted drafts and per-slot acceptance are reported too. DDTree-N means a
-    tree of N nodes drafted from the same drafter.
+    tau = mean over prompts of each prompt's mean tokens per round (bonus token counted); the pooled mean,
+    acceptance histogram and per-slot acceptance too. DDTree-N: a tree of N nodes from the same drafter.
     A checkpoint of another conditioning (target, kernels, dtype, taps, tokenizer, mask token, format
     but fp8 on bf16) is refused unless --allow-mismatch; one of other data (a benchmark store) replays
     --shards, else --store's committed shards (its held-out ones where they number --store's prompts).
