@@ -89,7 +89,7 @@ class LockFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies
             except FileExistsError:
                 owner = self.owner()
                 if owner is None:

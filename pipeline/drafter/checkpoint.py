@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
 from pipeline.errors import DrafterError
+from store import file_modes
 
 WEIGHTS = "model.safetensors"
 MODELING = "modeling_dflash.py"  # our own modeling file, written into every checkpoint (see auto_map)
@@ -65,6 +66,7 @@ def write(directory: str | Path, config: DrafterConfig, state: dict[str, torch.T
     check_tensors(config, state, "state to save")
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    file_modes.as_umask(directory / WEIGHTS)  # safetensors makes it owner-only (0600)
     hf = config.to_hf(record)
     hf["dtype"] = str(dtype).removeprefix("torch.")
     hf["auto_map"] = AUTO_MAP
@@ -99,9 +101,24 @@ def _opened(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | None
     """A checkpoint's config, record and weights file, which must exist."""
     config, record = read_config(Path(directory))
     path = Path(directory) / WEIGHTS
-    if not path.exists():
-        raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})")
+    try:
+        with open(path, "rb"):  # safetensors calls a file it may not read "No such file"
+            pass
+    except FileNotFoundError:
+        raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})") from None
+    except PermissionError:
+        raise DrafterError(f"{path}: permission denied: {_mode_text(path)}; its owner can make it readable "
+                           f"(chmod a+r)") from None
     return config, record, path
+
+
+def _mode_text(path: Path) -> str:
+    """'mode 0600, owner uid 1000, this process uid 1001', or why the mode cannot be read."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return f"its mode cannot be read ({e.strerror})"
+    return f"mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}, this process uid {os.geteuid()}"
 
 
 def load(directory: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], TrainingRecord | None]:

@@ -229,6 +229,9 @@ def read_config(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | 
         d = json.loads(path.read_text())
     except FileNotFoundError:
         raise DrafterError(f"{path}: no such file (not a drafter checkpoint directory)") from None
+    except PermissionError:
+        raise DrafterError(f"{path}: permission denied: this user cannot read it; its owner can make it "
+                           "readable (chmod a+r)") from None
     except ValueError as e:
         raise DrafterError(f"{path}: not valid JSON ({e})") from None
     record = from_json(TrainingRecord, d[OUR_KEY], f"{path}: {OUR_KEY}", DrafterError) if d.get(OUR_KEY) else None

@@ -24,6 +24,7 @@ from pipeline.drafter.config import TrainingRecord
 from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
 from stages.train.position import advance, epochs_done
+from store import file_modes
 from store.errors import ConfigError
 from store.locks import LockFile
 
@@ -117,6 +118,7 @@ def save_step(setup, config, step: int) -> None:
     acc.save_state(str(tmp / "training"))
     write_drafter(setup, config, tmp, step, atomic=False)
     if acc.is_main_process:
+        file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
         at = advance(config, setup.train_refs, setup.position, (step - setup.start_step) * config.grad_accum, acc.num_processes)
         state = {"step": step, "total_steps": setup.total_steps, "world_size": acc.num_processes,
                  "micro_per_epoch": setup.micro_per_epoch, "position": at.to_json(), "train_config": asdict(config),

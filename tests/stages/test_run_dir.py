@@ -11,6 +11,7 @@ import torch
 from pipeline.drafter import checkpoint
 from stages.train.run_dir import complete_steps, latest_step, prune_steps
 from store.errors import ConfigError
+from tests.modes import file_modes, umask
 from tests.processes import TINY, losses, train
 
 
@@ -130,6 +131,20 @@ def test_pruned_run_keeps_the_newest_two_and_resumes_exactly(small_store, tmp_pa
     a, b = checkpoint.load(straight / "final")[1], checkpoint.load(resumed / "final")[1]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert list(itertools.chain(straight.glob(".*"), resumed.glob(".*"))) == []
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, "0644"), (0o077, "0600")])
+def test_every_file_of_a_run_is_as_readable_as_the_umask_makes_files(small_store, tmp_path, mask, mode):
+    """step-N/ (its training state too: Accelerate saves the model through safetensors, owner-only) and
+    final/ are readable by a teammate or a serving engine exactly as far as the user's umask allows."""
+    with umask(mask):  # the training process inherits it
+        r = train(["--store", small_store, "--out", tmp_path / "run", "--max-steps", 2, "--save-every", 2,
+                   "--eval-shards", "3", *TINY])
+    assert r.returncode == 0, r.stderr
+    modes = file_modes(tmp_path / "run")
+    assert {"step-2/model.safetensors", "step-2/training/model.safetensors", "final/model.safetensors",
+            "metrics.jsonl"} <= set(modes)
+    assert {f: m for f, m in modes.items() if m != mode} == {}
 
 
 def test_field_roles_come_from_the_settings():

@@ -73,3 +73,15 @@ def test_the_heartbeat_keeps_the_lease(tmp_path):
     holder.release()
     assert other.try_acquire() is None
     other.release()
+
+
+@pytest.mark.parametrize("mask, mode", [(0o002, "0664"), (0o022, "0644"), (0o077, "0600")])
+def test_a_lock_file_has_the_mode_the_umask_gives_any_file(tmp_path, mask, mode):
+    """Another account that shares the directory reads who holds it, as it reads any file there."""
+    from tests.modes import file_modes, umask
+
+    with umask(mask):
+        lock = LockFile(tmp_path / "x.lock")
+        assert lock.try_acquire() is None
+    assert file_modes(tmp_path) == {"x.lock": mode}
+    lock.release()

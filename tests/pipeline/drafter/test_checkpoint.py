@@ -1,6 +1,9 @@
 """Checkpoints in the public DFlash layout: round trip, strict loading, released configs."""
 
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from pipeline.drafter import checkpoint
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
 from pipeline.errors import DrafterError
 from tests.drafters import RELEASED_27B, config, drafter
+from tests.modes import as_another_user, file_modes, umask
 
 
 def test_round_trip(tmp_path):
@@ -25,6 +29,30 @@ def test_round_trip(tmp_path):
     assert d["dflash_config"]["mask_token_id"] == m.config.mask_token_id
     assert d["dflash_config"]["target_layer_ids"] == list(m.config.target_layer_ids) and d["block_size"] == 4
     assert not list(tmp_path.glob(".ck*"))  # no temporary left behind
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, "0644"), (0o077, "0600"), (0o002, "0664")])
+def test_every_file_is_as_readable_as_the_umask_makes_files(tmp_path, mask, mode):
+    """safetensors writes model.safetensors owner-only (0600) whatever the umask: a serving engine or a
+    teammate under another account could not read it. Every file gets the user's usual mode."""
+    m = drafter()
+    with umask(mask):
+        checkpoint.save(tmp_path / "ck", m.config, m.state_dict())
+    assert file_modes(tmp_path / "ck") == {f: mode for f in checkpoint.SERVING_FILES}
+
+
+def test_another_account_reads_a_saved_checkpoint_and_is_told_when_it_may_not():
+    m = drafter()
+    with tempfile.TemporaryDirectory() as tmp, umask(0o022):
+        Path(tmp).chmod(0o755)  # a shared directory
+        ck = checkpoint.save(Path(tmp) / "ck", m.config, m.state_dict())
+        assert as_another_user(lambda: checkpoint.inspect(ck)[0]) == m.config
+        (ck / checkpoint.WEIGHTS).chmod(0o600 if os.geteuid() == 0 else 0)  # owner-only, as written before
+        for fn in (checkpoint.inspect, checkpoint.load):
+            e = as_another_user(lambda: fn(ck))
+            assert isinstance(e, DrafterError), e
+            assert str(e).startswith(f"{ck / checkpoint.WEIGHTS}: permission denied: mode 0"), e  # not "No such file"
+            assert "chmod a+r" in str(e)
 
 
 def tamper(tmp_path, edit) -> str:
