@@ -141,7 +141,7 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     # named: a checkpoint without store_placement would replay every shard a --replay-store holds
     held_out = ["--shards", FIXED["eval_shards"]]
     _call([sys.executable, str(ROOT / "evaluate.py"), "--store", replay_store, "--checkpoint", str(run_dir / "final"),
-           "--out", str(report), *held_out, *REPLAY, *mismatch], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
+            "--out", str(report), "--force", *held_out, *REPLAY, *mismatch], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
     result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
                      train_s)
     result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch}

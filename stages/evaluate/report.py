@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+from stages.out_dir import removed_if_failed_empty
+from store.errors import ConfigError
 from store.schema import StoreAttrs
 
 CONVENTIONS = {
@@ -184,17 +186,36 @@ def _save(plt, fig, ax, path: Path) -> Path:
     return path
 
 
+FILES = ("report.json", "report.md", "histogram.png", "per_slot.png")  # what write() puts in OUT
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Before any work: OUT must be a directory, or not yet exist, and hold no report unless --force."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", str(out), "exists and is not a directory")
+    held = [f for f in FILES if (out / f).exists()]
+    if held and not force:
+        raise ConfigError("--out", str(out), f"already holds a report ({', '.join(held)}); pass --force to "
+                                             "replace it, or choose another --out")
+
+
 def write(rep: dict, out: Path) -> None:
-    """Each file written whole to a temporary name, then renamed: a reader never sees half a report."""
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".report.*.tmp*"):  # left by a run killed while writing
-        stale.unlink(missing_ok=True)
-    _atomic(out / "report.json", json.dumps(rep, indent=1) + "\n")
-    _atomic(out / "report.md", markdown(rep))
-    plots(rep, out)
+    """Each file written whole to a temporary name, then renamed: a reader never sees half a report.
+    A write that fails leaves no directory it created empty."""
+    with removed_if_failed_empty(out):
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(".report.*.tmp*"):  # left by a run killed while writing
+            stale.unlink(missing_ok=True)
+        _atomic(out / "report.json", json.dumps(rep, indent=1) + "\n")
+        _atomic(out / "report.md", markdown(rep))
+        plots(rep, out)
 
 
 def _atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temporary file left behind
+        tmp.unlink(missing_ok=True)
+        raise

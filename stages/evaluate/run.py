@@ -87,6 +87,7 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, checked, warnings)
+    report.check_out(Path(config.out), config.force)  # before the replay, not after it
     prompts = Prompts(store, shards.ids, config.max_prompts, config.seed)
     if not prompts:
         raise StoreError(f"{config.store}: shards {shards.text} hold no prompt with a completion")

@@ -23,6 +23,7 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.errors import DrafterError
 from stages.export.card import CardRecord, Measured, render
 from stages.export.config import ExportConfig
+from stages.out_dir import removed_if_failed_empty
 from stages.paths import output_dir
 from store.errors import ConfigError, UserError
 from store.hidden_store import HiddenStore
@@ -35,8 +36,13 @@ REPORT_KIND = "dflash-eval-report"
 
 
 def run(source: str, out: str, config: ExportConfig, log=print) -> dict:
-    """Write OUT as the serving checkpoint of SOURCE; returns what was written."""
-    src, dst = Path(source), Path(out)
+    """Write OUT as the serving checkpoint of SOURCE; returns what was written. A failed export
+    leaves no directory it created (OUT's parents) behind."""
+    with removed_if_failed_empty(out):
+        return _run(Path(source), Path(out), config, log)
+
+
+def _run(src: Path, dst: Path, config: ExportConfig, log) -> dict:
     _check_destination(src, dst, config.force)
     drafter, tensors, record = checkpoint.load(src)
     notes: list[str] = []

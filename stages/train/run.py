@@ -14,26 +14,31 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pipeline import device as devices
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
+from stages.out_dir import removed_if_failed_empty
 from stages.train.config import TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
 from stages.train.position import epochs_done, rank_batches
 from stages.train.recipe import INTERRUPTED  # noqa: F401 - the line an interrupted run ends with (train.py)
-from stages.train.run_dir import MetricsLog, save_step, write_audit, write_drafter
+from stages.train.run_dir import LAUNCH_MARK, MetricsLog, save_step, write_audit, write_drafter
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate
 
 
 def run(config: TrainConfig, log=print) -> dict:
-    setup = prepare(config, log)
-    try:
-        return _run(setup, config)
-    finally:
-        if setup.lock is not None:
-            setup.lock.release()
+    """A failed run removes OUT again if it created it and left it empty (main process)."""
+    main = devices.Process.from_env().rank == 0
+    with removed_if_failed_empty(config.out, scratch=(LAUNCH_MARK,), owner=main):
+        setup = prepare(config, log)
+        try:
+            return _run(setup, config)
+        finally:
+            if setup.lock is not None:
+                setup.lock.release()
 
 
 def _run(setup: Setup, config: TrainConfig) -> dict:

@@ -13,6 +13,7 @@ from pipeline.drafter.config import TrainingRecord
 from pipeline.errors import DrafterError
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.run import run
+from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from tests.conftest import REPO
 from tests.drafters import write_released
@@ -165,6 +166,42 @@ def test_cli_one_line_error(tmp_path, small_store):
     r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(tmp_path / "no")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
+
+
+def test_an_earlier_report_is_replaced_only_with_force(small_store, tmp_path):
+    """Like train.py's and export's --out: refused before any replay, in one line naming --out and
+    --force; the earlier report is left as it was."""
+    ck = our_checkpoint(small_store, tmp_path / "ck")
+    evaluate(small_store, tmp_path, ck, max_prompts=2)
+    before = (tmp_path / "rep" / "report.json").read_bytes()
+    needle = (f"--out {tmp_path / 'rep'}: already holds a report (report.json, report.md, histogram.png, "
+              "per_slot.png); pass --force to replace it, or choose another --out")
+    with pytest.raises(ConfigError) as e:
+        evaluate(small_store, tmp_path, ck, max_prompts=3)
+    assert str(e.value) == needle
+    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(ck), "--out",
+                        str(tmp_path / "rep")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == f"error: {needle}\n"
+    assert (tmp_path / "rep" / "report.json").read_bytes() == before
+    evaluate(small_store, tmp_path, ck, max_prompts=3, force=True)
+    assert json.loads((tmp_path / "rep" / "report.json").read_text())["sample"]["prompts"] == 3
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "file")), log=print)
+
+
+def test_a_failed_report_write_leaves_no_directory_it_created(small_store, tmp_path, monkeypatch):
+    from stages.evaluate import report
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "_atomic", full)
+    ck = our_checkpoint(small_store, tmp_path / "ck")
+    with pytest.raises(OSError, match="No space left"):
+        run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "new" / "rep"),
+                       max_prompts=2, ddtree=()), log=lambda m: None)
+    assert not (tmp_path / "new").exists()
 
 
 def replayed(store, tmp_path, ck, name="rep", **over) -> dict:

@@ -17,6 +17,7 @@ from stages.export.config import ExportConfig
 from stages.export.run import run as export
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
+from tests.modes import file_modes, umask
 from tests.test_cli import run_main
 
 FILES = {"config.json", "model.safetensors", "modeling_dflash.py", "README.md"}
@@ -220,6 +221,30 @@ def test_existing_out_dir_is_refused_without_force(measured, tmp_path):
     with pytest.raises(ConfigError, match="lies inside the checkpoint"):
         run(ck, ck / "serving")
     assert {p.name for p in ck.iterdir()} >= {"config.json", "model.safetensors"}  # the source untouched
+
+
+def test_the_serving_files_are_as_readable_as_the_umask_makes_files(measured, tmp_path):
+    """A serving engine under another account reads them: model.safetensors is not owner-only."""
+    ck, _ = measured
+    with umask(0o022):
+        run(ck, tmp_path / "out")
+    assert file_modes(tmp_path / "out") == {f: "0644" for f in FILES}
+
+
+def test_a_failed_export_leaves_no_directory_it_created(measured, tmp_path, monkeypatch):
+    """OUT_DIR's parents made for the hidden sibling go again when the write fails (a full disk);
+    a directory that was there before stays."""
+    ck, _ = measured
+
+    def full(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "write", full)
+    (tmp_path / "there").mkdir()
+    for out in (tmp_path / "new" / "deeper" / "drafter", tmp_path / "there" / "drafter"):
+        with pytest.raises(OSError, match="No space left"):
+            run(ck, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any((tmp_path / "there").iterdir())
 
 
 def test_card_names_a_hub_target_by_its_id():

@@ -188,6 +188,23 @@ def test_cli_error_is_one_line(tmp_path):
     r = train(["--store", tmp_path / "nope.zarr", "--out", tmp_path / "o"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: ")
     assert "not a hidden-state store" in r.stderr
+    assert not (tmp_path / "o").exists()  # no empty --out left behind
+
+
+def test_a_failed_run_removes_the_out_it_created_and_only_that(small_store, tmp_path):
+    """The README's second command run after its 8-shard set-up (held-out shards the store lacks), or a
+    store that is not there: the run fails, and leaves no empty runs/a (nor runs/) for the next run or
+    the user to take for a run. A directory that was there before stays, empty as it was."""
+    from stages.train.config import TrainConfig
+    from stages.train.run import run
+
+    (tmp_path / "there").mkdir()
+    for store, out, over in [(small_store, tmp_path / "runs" / "a", {"eval_shards": "60-63"}),
+                             (tmp_path / "nope.zarr", tmp_path / "runs" / "b", {}),
+                             (small_store, tmp_path / "there", {"eval_shards": "60-63"})]:
+        with pytest.raises(UserError):
+            run(TrainConfig(store=str(store), out=str(out), **over), log=lambda m: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any((tmp_path / "there").iterdir())
 
 
 def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
