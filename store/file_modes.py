@@ -48,5 +48,8 @@ def as_umask(*paths: str | Path) -> None:
 
 
 def tree_as_umask(directory: str | Path) -> None:
-    """Every file under DIRECTORY (ours, just written) as_umask."""
-    as_umask(*(p for p in Path(directory).rglob("*") if p.is_file() and not p.is_symlink()))
+    """Every file under DIRECTORY that this user owns (just written) as_umask. Files of another owner
+    (another node's process writing a shared directory under its own uid) are left as they are."""
+    me = os.geteuid()
+    as_umask(*(p for p in Path(directory).rglob("*")
+               if p.is_file() and not p.is_symlink() and p.stat().st_uid == me))

@@ -28,3 +28,18 @@ def test_files_written_owner_only_get_the_mode_open_gives(tmp_path, mask, mode):
             p.chmod(0o600)  # as safetensors writes it
         file_modes.tree_as_umask(tmp_path / "tree")
     assert modes_of(tmp_path) == {"plain": mode, "tree/a": mode, "tree/sub/b": mode}
+
+
+def test_a_file_of_another_owner_is_left_as_it_is(tmp_path):
+    """Another node's rank may write a shared directory under another uid: chmod would fail there."""
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    for p in (mine, theirs):
+        p.write_text("x")
+        p.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    else:
+        pytest.skip("only root can give a file to another owner")
+    with umask(0o022):
+        file_modes.tree_as_umask(tmp_path)
+    assert modes_of(tmp_path) == {"mine": "0644", "theirs": "0600"}
