@@ -42,11 +42,32 @@ _PYTHON = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k in (
 def check_inputs(store: str, out: str, flag: str = "--out") -> None:
     """What the entry points check before they import torch (a mistake answers in well under a second,
     docs/performance.md): the store opens and its root attributes read back (store/hidden_store.py),
-    and the output directory is made and writable (by the main process of a launch, the one that
-    writes it). The stages check both again as they start, for callers from Python."""
+    and the output directory can be made and written (by the main process of a launch, the one that
+    writes it), without making it: a run that fails leaves no directory it made (stages/out_dir.py).
+    The stages check both again as they start, for callers from Python."""
     HiddenStore(store).attrs  # noqa: B018 - read to check
     if Process.from_env().rank == 0:
-        output_dir(out, flag)
+        writable_dir(out, flag)
+
+
+def writable_dir(path: str | Path, flag: str) -> None:
+    """path, a directory or one that can be made, is writable: a file created and removed in it, or in
+    its nearest existing parent when it does not exist yet (nothing is made); the same ConfigError as
+    output_dir otherwise."""
+    p = Path(path).absolute()
+    existing = next(q for q in (p, *p.parents) if q.exists())
+    try:
+        if existing == p and not p.is_dir():
+            raise FileExistsError(errno.EEXIST, "a file", str(p))
+        if not existing.is_dir():  # as making p would fail
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(p))
+        _probe(existing)
+    except FileExistsError:
+        raise ConfigError(flag, str(path), f"is a file, not a directory; choose another {flag}") from None
+    except OSError as e:
+        if e.errno not in REFUSALS:
+            raise
+        raise ConfigError(flag, str(path), f"cannot be written: {describe(e)}") from None
 
 
 def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> Path:
@@ -56,9 +77,7 @@ def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> 
     p, value = Path(path), str(shown if shown is not None else path)
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-check-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        _probe(p)
     except FileExistsError:
         what = "is a file" if value == str(p) else f"{p} is a file"
         raise ConfigError(flag, value, f"{what}, not a directory; choose another {flag}") from None
@@ -67,6 +86,12 @@ def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> 
             raise
         raise ConfigError(flag, value, f"cannot be written: {describe(e)}") from None
     return p
+
+
+def _probe(directory: Path) -> None:
+    probe = directory / f".write-check-{os.getpid()}"
+    probe.touch()
+    probe.unlink()
 
 
 def describe(e: OSError) -> str:

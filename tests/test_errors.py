@@ -11,6 +11,7 @@ import click
 import pytest
 
 from stages.command import run_command
+from store.errors import ConfigError
 from tests.conftest import REPO, SMALL
 from tests.drafters import write_released
 from tests.processes import cli_args
@@ -236,3 +237,24 @@ def test_mistakes_are_answered_before_torch_is_imported(mistake, a_file, tmp_pat
     p = command("-c", PROBE, *(a.format(**fill) for a in args))
     assert the_error(p).startswith(expect.format(**fill))
     assert p.stderr.splitlines()[-1] == "torch not imported"
+
+
+@pytest.mark.parametrize("entry", ["train.py", "evaluate.py"])
+def test_the_early_out_check_makes_nothing_a_failed_run_would_leave(entry, small_store, tmp_path):
+    """The entry point checks --out before torch is imported without making it: a run that then fails
+    (the README's second command after its 8-shard set-up: held-out shards the store lacks; a drafter
+    that is not there) leaves no empty runs/a, nor runs/."""
+    out = tmp_path / "runs" / "a"
+    extra = ["--eval-shards", "60-63"] if entry == "train.py" else ["--checkpoint", tmp_path / "no-drafter"]
+    line = the_error(command(entry, "--store", small_store, "--out", out, *extra))
+    assert ("60-63" if entry == "train.py" else "no-drafter") in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_early_out_check_refuses_what_cannot_be_made(a_file, tmp_path):
+    from stages.paths import writable_dir
+
+    with pytest.raises(ConfigError, match="cannot be written: .*notes.txt is a file, not a directory"):
+        writable_dir(a_file / "runs" / "a", "--out")
+    writable_dir(tmp_path / "new" / "deeper", "--out")
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [a_file]

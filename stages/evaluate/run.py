@@ -27,7 +27,7 @@ from stages.evaluate.conditioning import Checked, build, check_checkpoint, choos
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
-from stages.paths import output_dir
+from stages.paths import writable_dir
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 
@@ -83,7 +83,7 @@ def run(config: EvalConfig, log=print) -> dict | None:
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store)
     if proc.rank == 0:
-        output_dir(config.out, "--out")  # before the replay, not after it: the report goes there
+        writable_dir(config.out, "--out")  # before the replay, not after it; report.write makes it
     warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     shards = choose_shards(config, store, checked, warnings)
