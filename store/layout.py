@@ -22,7 +22,6 @@ A shard without its commit file is not part of the store, whatever its arrays ho
 from __future__ import annotations
 
 import zlib
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -190,9 +190,8 @@ FILES = ("report.json", "report.md", "histogram.png", "per_slot.png")  # what wr
 
 
 def check_out(out: Path, force: bool) -> None:
-    """Before any work: OUT must be a directory, or not yet exist, and hold no report unless --force."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out", str(out), "exists and is not a directory")
+    """Before any work: OUT holds no report unless --force (that it is a directory, or can be one, is
+    checked before: stages/paths.writable_dir)."""
     held = [f for f in FILES if (out / f).exists()]
     if held and not force:
         raise ConfigError("--out", str(out), f"already holds a report ({', '.join(held)}); pass --force to "

@@ -93,7 +93,7 @@ def test_another_store_replays_its_own_shards_not_the_training_stores_numbers(sm
     assert "trained on another store (fingerprint 000000000000), whose held-out shards 6-7" in rep["shards_reason"]
     assert f"replaying shards 0-3 of {small_store}: every committed shard of this store" in "\n".join(lines)
     assert f"Shards replayed: {rep['shards_reason']}." in (tmp_path / "rep" / "report.md").read_text()
-    rep = evaluate(small_store, tmp_path, ck, shards="0-1")
+    rep = evaluate(small_store, tmp_path, ck, shards="0-1", force=True)
     assert (rep["shards"], rep["shards_chosen_by"], rep["shards_reason"]) == ("0-1", "--shards", "given by --shards")
     assert rep["warnings"] == []  # its training shards 0-5 number the other store's prompts: no overlap claimed
 
@@ -108,10 +108,10 @@ def test_a_store_of_the_same_prompts_replays_the_held_out_shards(small_store, tm
     rep = evaluate(small_store, tmp_path, ck)
     assert (rep["shards"], rep["shards_chosen_by"]) == ("3", "held-out")
     assert "that holds the same prompts under the same shard numbers" in rep["shards_reason"]
-    rep = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "own"))
+    rep = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "own"), force=True)
     assert (rep["shards"], rep["shards_chosen_by"]) == ("3", "held-out") and rep["shards_reason"].endswith(
         "trained on this store")
-    old = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "old", **same))
+    old = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "old", **same), force=True)
     assert old["shards"] == "0-3" and "pass --shards 3 to replay only its held-out ones" in old["warnings"][0]
 
 
@@ -186,7 +186,7 @@ def test_an_earlier_report_is_replaced_only_with_force(small_store, tmp_path):
     evaluate(small_store, tmp_path, ck, max_prompts=3, force=True)
     assert json.loads((tmp_path / "rep" / "report.json").read_text())["sample"]["prompts"] == 3
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="exists and is not a directory"):
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
         run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "file")), log=print)
 
 
@@ -250,7 +250,7 @@ def test_a_seeded_sample_with_its_interval(small_store, trained_drafter, tmp_pat
                            "devices": ["cpu"], "dtype": "bf16"}
     picked = [[(p["shard"], p["index"]) for p in r["checkpoints"][0]["per_prompt"]] for r in (a, again, other)]
     assert picked[0] == picked[1] != picked[2] and len(set(picked[0])) == 6
-    r, full = a["checkpoints"][0], everything["checkpoints"][0]
+    r = a["checkpoints"][0]
     lo, hi = r["tau_ci95"]
     assert lo < r["tau"] < hi and set(r["ddtree_ci95"]) == {"4", "16"}
     assert f"6 of {n} prompts (random sample, seed 0)" in (tmp_path / "a" / "report.md").read_text()
