@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.device import Process
@@ -55,29 +57,32 @@ def writable_dir(path: str | Path, flag: str) -> None:
     its nearest existing parent when it does not exist yet (nothing is made); the same ConfigError as
     output_dir otherwise."""
     p = Path(path).absolute()
-    existing = next(q for q in (p, *p.parents) if q.exists())
-    try:
+    existing = _nearest_existing(p)
+    with _refused_as(flag, str(path), Path(path)):
         if existing == p and not p.is_dir():
             raise FileExistsError(errno.EEXIST, "a file", str(p))
         if not existing.is_dir():  # as making p would fail
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(p))
         _probe(existing)
-    except FileExistsError:
-        raise ConfigError(flag, str(path), f"is a file, not a directory; choose another {flag}") from None
-    except OSError as e:
-        if e.errno not in REFUSALS:
-            raise
-        raise ConfigError(flag, str(path), f"cannot be written: {describe(e)}") from None
 
 
 def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> Path:
     """path made (with its parents) and shown writable by a file created and removed in it, before
     any work; a ConfigError naming flag, the path (or `shown`, what the user gave when path is the
     directory it goes in) and what to do otherwise."""
-    p, value = Path(path), str(shown if shown is not None else path)
-    try:
+    p = Path(path)
+    with _refused_as(flag, str(shown if shown is not None else path), p):
         p.mkdir(parents=True, exist_ok=True)
         _probe(p)
+    return p
+
+
+@contextmanager
+def _refused_as(flag: str, value: str, p: Path) -> Iterator[None]:
+    """The file system's refusal inside, of directory p, as the ConfigError of flag's value: a file
+    where p must be, or one of REFUSALS; any other OSError as it is."""
+    try:
+        yield
     except FileExistsError:
         what = "is a file" if value == str(p) else f"{p} is a file"
         raise ConfigError(flag, value, f"{what}, not a directory; choose another {flag}") from None
@@ -85,7 +90,6 @@ def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> 
         if e.errno not in REFUSALS:
             raise
         raise ConfigError(flag, value, f"cannot be written: {describe(e)}") from None
-    return p
 
 
 def _probe(directory: Path) -> None:
@@ -126,7 +130,12 @@ def _installed(filename) -> bool:
 
 def _file_above(filename) -> Path | None:
     """The nearest existing path at or above filename, when it is not a directory."""
-    p = Path(os.fsdecode(filename)).absolute()
+    p = _nearest_existing(Path(os.fsdecode(filename)).absolute())
+    return None if p.is_dir() else p
+
+
+def _nearest_existing(p: Path) -> Path:
+    """p, or its nearest parent that exists (an absolute path: the root at last)."""
     while not p.exists() and p != p.parent:
         p = p.parent
-    return None if p.is_dir() else p
+    return p

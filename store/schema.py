@@ -75,13 +75,16 @@ class Compat:
     def conditioning(self) -> str:
         """SHA-256 of the settings that decide what state a token gets (CONDITIONING), not which
         tokens are stored: stores that share it can be replayed by each other's drafters."""
-        body = {k: v for k, v in to_json(self).items() if k in CONDITIONING}
-        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return self._digest(CONDITIONING)
 
     def placement(self) -> str:
         """SHA-256 of the settings that decide which dataset rows each shard holds (PLACEMENT): stores
         that share it hold the same prompts under the same shard numbers, whatever their target or format."""
-        body = {k: v for k, v in to_json(self).items() if k in PLACEMENT}
+        return self._digest(PLACEMENT)
+
+    def _digest(self, fields: tuple[str, ...]) -> str:
+        """SHA-256 of these fields' values, as canonical JSON."""
+        body = {k: v for k, v in to_json(self).items() if k in fields}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def as_format(self, hidden_format: str) -> Compat:

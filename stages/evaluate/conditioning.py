@@ -116,7 +116,7 @@ def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked],
                           + _trained_here(held[0].record, store))
     else:
         chosen = Replayed(sorted(store.committed()), "committed", "every committed shard of this store; "
-                          + _why_every(loaded, store, warnings))
+                          + _why_every(loaded, alike, store, warnings))
     store.require_committed(chosen.ids)
     if not chosen.ids:
         raise StoreError(f"{store.location}: no committed shards to evaluate")
@@ -142,10 +142,10 @@ def _trained_here(record: TrainingRecord, store: HiddenStore) -> str:
             "under the same shard numbers")
 
 
-def _why_every(loaded: list[Checked], store: HiddenStore, warnings: list[str]) -> str:
-    """Why no checkpoint's held-out shards apply here; warns where an older checkpoint cannot tell."""
-    alike = [x for x in loaded if numbered_alike(x.record, store)]
-    other = [x for x in loaded if x.record and not numbered_alike(x.record, store)]
+def _why_every(loaded: list[Checked], alike: list[Checked], store: HiddenStore, warnings: list[str]) -> str:
+    """Why no checkpoint's held-out shards apply here (alike: those numbered as this store is); warns
+    where an older checkpoint cannot tell."""
+    other = [x for x in loaded if x.record and x not in alike]
     for x in other:  # shard numbers beyond this store's cannot be its own: nothing to warn about
         numbers = [s for text in (x.record.train_shards, x.record.eval_shards) if text for s in parse_ranges(text)]
         if x.record.store_placement is None and x.record.eval_shards and max(numbers) < store.num_shards:
