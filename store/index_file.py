@@ -1,6 +1,7 @@
-"""The store's index file: every commit record and per-sample array (offsets, first_pairs) of one
-state of the store's commits, in one file, so that a training launch at thousands of shards reads
-a listing and one file instead of about five small files a shard.
+"""The store's index file: every commit record and per-sample array (offsets, first_pairs,
+prompt_lens) of one state of the store's commits, in one file, so that a training launch or an
+evaluation at thousands of shards reads a listing and one file instead of about five small files a
+shard.
 
     STORE/_index/samples-<key>.npz    <key>: the state's digest (16 hex digits); the file: npz, then crc32c
 
@@ -33,7 +34,7 @@ from store.sample_index import per_sample
 from store.schema import ShardCommit
 
 FOLDER = "_index"
-NAMES = ("offsets", "first_pairs")  # the per-sample arrays a training index is built from
+NAMES = ("offsets", "first_pairs", "prompt_lens")  # the per-sample arrays training and evaluation index by
 # the listing fields that change when a file is rewritten: object stores' content or generation,
 # local files' inode and modification time (a rewrite is a new file renamed into place)
 VERSION_FIELDS = ("ETag", "etag", "md5Hash", "crc32c", "generation", "ino", "mtime")
@@ -42,7 +43,7 @@ VERSION_FIELDS = ("ETag", "etag", "md5Hash", "crc32c", "generation", "ino", "mti
 @dataclass(frozen=True)
 class StoreIndex:
     records: dict[int, ShardCommit]  # shard -> its commit record, every committed shard, in shard order
-    arrays: dict[int, dict[str, np.ndarray]]  # shard -> {offsets: [N+1] int64, first_pairs: [N] int32}
+    arrays: dict[int, dict[str, np.ndarray]]  # shard -> {offsets: [N+1] int64, first_pairs, prompt_lens: [N] int32}
 
 
 def load(store: HiddenStore) -> tuple[StoreIndex, str]:

@@ -19,7 +19,7 @@ from store import layout
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
-from store.schema import Compat
+from store.schema import Compat, ShardCommit
 
 
 @dataclass
@@ -98,10 +98,12 @@ class Replayed:
         return format_ranges(self.ids)
 
 
-def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked], warnings: list[str]) -> Replayed:
+def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked], warnings: list[str],
+                  committed: dict[int, ShardCommit] | None) -> Replayed:
     """--shards, else the held-out shards a checkpoint recorded of this store (or of a store holding the
-    same prompts under the same shard numbers), else every committed shard of this store. Another
-    store's held-out shard numbers name that store's prompts, not this one's: they are never applied."""
+    same prompts under the same shard numbers), else every committed shard of this store (committed:
+    their records, as the store's index holds them; None: not known, read here). Another store's held-out shard numbers name that
+    store's prompts, not this one's: they are never applied."""
     n = store.num_shards
     alike = [x for x in loaded if numbered_alike(x.record, store)]
     held = [x for x in alike if x.record.eval_shards]
@@ -115,9 +117,9 @@ def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked],
                           f"the held-out shards (--eval-shards at training) of {held[0].path}, "
                           + _trained_here(held[0].record, store))
     else:
-        chosen = Replayed(sorted(store.committed()), "committed", "every committed shard of this store; "
+        chosen = Replayed(sorted(committed if committed is not None else store.committed()), "committed", "every committed shard of this store; "
                           + _why_every(loaded, alike, store, warnings))
-    store.require_committed(chosen.ids)
+    store.require_committed([s for s in chosen.ids if s not in (committed or {})])  # unless the index has them
     if not chosen.ids:
         raise StoreError(f"{store.location}: no committed shards to evaluate")
     for x in alike:

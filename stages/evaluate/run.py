@@ -28,8 +28,10 @@ from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
 from stages.paths import writable_dir
-from store.errors import StoreError
+from store import index_file
+from store.errors import StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
+from store.index_file import StoreIndex
 
 
 def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, label: str) -> dict:
@@ -86,9 +88,10 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
         writable_dir(config.out, "--out")  # before the replay, not after it; report.write makes it
     warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
-    shards = choose_shards(config, store, checked, warnings)
+    index = _index(store)
+    shards = choose_shards(config, store, checked, warnings, index.records if index.records else None)
     report.check_out(Path(config.out), config.force)  # before the replay, not after it
-    prompts = Prompts(store, shards.ids, config.max_prompts, config.seed)
+    prompts = Prompts(store, shards.ids, config.max_prompts, config.seed, index)
     if not prompts:
         raise StoreError(f"{config.store}: shards {shards.text} hold no prompt with a completion")
     served = _served_bench(config, store, prompts, warnings, log) if config.served else None  # checked before replay
@@ -120,6 +123,16 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     rep = report.build(config, store.attrs, shards, warnings, results, sample)
     report.write(rep, Path(config.out))
     return rep
+
+
+def _index(store: HiddenStore) -> StoreIndex:
+    """Every committed shard's record and per-sample arrays, in one file (store/index_file.py); empty
+    when a commit file is damaged, so that only a chosen shard's damage stops the run (its own reads
+    name it)."""
+    try:
+        return index_file.load(store)[0]
+    except StoreCorrupt:
+        return StoreIndex({}, {})
 
 
 def replay_all(config: EvalConfig, proc, device: str, prompts: Prompts, checked: list[Checked], keep: set,
