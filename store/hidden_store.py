@@ -18,7 +18,7 @@ import fsspec
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 
-from store import commit_file, layout
+from store import commit_file, layout, read_cache
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
 from store.ranges import format_ranges
 from store.read_checks import ReadChecks, read_checks
@@ -29,8 +29,11 @@ if TYPE_CHECKING:
 
 
 class HiddenStore:
-    def __init__(self, location: str) -> None:
+    def __init__(self, location: str, cache_bytes: int = read_cache.DEFAULT_BYTES) -> None:
+        """cache_bytes: the bound of what this handle's readers keep of what they fetched beyond
+        the spans asked for (store/read_cache.py; 0: nothing kept)."""
         self.location = str(location)
+        self.cache = read_cache.ReadCache(cache_bytes)
         self.fs, self.root = fsspec.core.url_to_fs(self.location)
         self.local = isinstance(self.fs, LocalFileSystem)
         if self.local:

@@ -64,7 +64,8 @@ class ShardReader:
         checks = self.store.read_checks({self.shard: self.record})
         if not checks.direct_reads:
             return None
-        direct = [span_reader.for_array(self.store.fs, self._path(name), array, checks.every_chunk(self.shard))
+        direct = [span_reader.for_array(self.store.fs, self._path(name), array, checks.every_chunk(self.shard),
+                                        self.store.cache, self.store.local)
                   for name, array in zip(_PER_TOKEN, self._per_token)]
         return None if None in direct else direct
 
@@ -118,6 +119,13 @@ class ShardReader:
         """Sample i, its first `limit` tokens only when given (only those chunks are read).
         hidden_out: a C-contiguous [n, n_taps, H] bf16 tensor (n: the tokens read) to decode the
         states straight into, such as a row of a training batch; it is then the sample's `hidden`."""
+        got = read_samples([(self, i, limit, hidden_out)])[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def _span(self, i: int, limit: int | None, hidden_out: torch.Tensor | None) -> tuple[int, int, np.ndarray | None]:
+        """Sample i's token rows a, b (its first `limit` only) and the bits view of hidden_out."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -125,20 +133,20 @@ class ShardReader:
             b = min(b, a + limit)
         assert hidden_out is None or (hidden_out.is_contiguous()
                                       and hidden_out.shape == (b - a, *self.hidden.shape[1:]))
-        out = None if hidden_out is None else layout.to_bits(hidden_out)  # a view of it
+        return a, b, None if hidden_out is None else layout.to_bits(hidden_out)  # a view of it
+
+    def _through_zarr(self, i: int, a: int, b: int, out: np.ndarray | None) -> tuple:
+        """Sample i's tokens, loss mask and states bits, read by zarr (layouts span_reader does not decode)."""
         try:
-            if self._direct is not None:
-                tokens, mask = (r.read(a, b) for r in self._direct[:2])
-                bits = self._direct[2].read(a, b, out)
-            else:
-                tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
-                if out is not None:
-                    out[...], bits = bits, out
-        except StoreCorrupt as e:
-            raise self._damaged(e, i) from None
+            tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
         except (ValueError, RuntimeError, OSError) as e:  # zarr's own error on a chunk it cannot decode (schema 1)
             raise self._damaged(StoreCorrupt(f"{self._path(self._failing(a, b))}: unreadable ({type(e).__name__}: "
                                              f"{e})"), i) from None
+        if out is not None:
+            out[...], bits = bits, out
+        return tokens, mask, bits
+
+    def _sample(self, i: int, tokens, mask, bits, hidden_out: torch.Tensor | None) -> Sample:
         return Sample(
             shard=self.shard, index=i, row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(np.asarray(tokens).astype(np.int64)),
@@ -171,6 +179,40 @@ class ShardReader:
     def __iter__(self):
         for i in range(len(self)):
             yield self[i]
+
+
+def read_samples(items: list[tuple[ShardReader, int, int | None, torch.Tensor | None]]) -> list:
+    """The samples (reader, index, limit, hidden_out) of ShardReader.read, read together: the
+    spans of every sample a direct reader holds in one batch of requests (store/span_reader.py:
+    on an object store at most two rounds, each in flight at once), the others through zarr. Each
+    result is its Sample or, in its place, the StoreCorrupt its read raised (damaged or missing,
+    naming the shard, sample and what to run) or the OSError of a fetch that failed."""
+    results: list = [None] * len(items)
+    spans, owners = [], []
+    for k, (reader, i, limit, hidden_out) in enumerate(items):
+        a, b, out = reader._span(i, limit, hidden_out)
+        if reader._direct is None:
+            try:
+                results[k] = reader._sample(i, *reader._through_zarr(i, a, b, out), hidden_out)
+            except StoreCorrupt as e:
+                results[k] = e
+            continue
+        spans += [span_reader.Span(r, a, b, o) for r, o in zip(reader._direct, (None, None, out))]
+        owners.append(k)
+    got = span_reader.read_spans(spans)
+    for n, k in enumerate(owners):
+        reader, i, _, hidden_out = items[k]
+        three = got[3 * n:3 * n + 3]
+        failed = next(((name, x) for name, x in zip(_PER_TOKEN, three) if isinstance(x, Exception)), None)
+        if failed is None:
+            results[k] = reader._sample(i, *three, hidden_out)
+        elif isinstance(failed[1], StoreCorrupt):
+            results[k] = reader._damaged(failed[1], i)
+        else:  # a fetch that failed, bytes a codec refused: the array is unreadable here
+            e = failed[1]
+            results[k] = reader._damaged(StoreCorrupt(f"{reader._path(failed[0])}: unreadable ({type(e).__name__}: "
+                                                      f"{e})"), i)
+    return results
 
 
 async def _spans(span: slice, *arrays) -> list:

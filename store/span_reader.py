@@ -1,36 +1,47 @@
 """Token spans of the store's own arrays, read straight from their chunk files.
 
 zarr's general read path costs about half a millisecond a call however little it reads, more
-than decoding a sample of the tiny target's states takes. For the two layouts a schema-2 store
-writes with the planes codec, a span is read here as the few chunk objects it covers (byte ranges
-of a shard file for the states), each checked against its crc32c before it is decoded, and the
-states' byte planes are interleaved once, straight into the output:
-  - per-token arrays: chunks of little-endian values, blosc, then crc32c (layout.small_codecs);
+than decoding a sample of the tiny target's states takes, and on an object store it asks a file's
+size before each ranged read. For the two layouts a schema-2 store writes with the planes codec,
+a span is read here as the byte ranges of the chunks it covers, each chunk checked against its
+crc32c before it is decoded, and the states' byte planes are interleaved once, straight into the
+output:
+  - per-token (and per-sample) arrays: chunks of little-endian values, blosc, then crc32c
+    (layout.small_codecs), one object each;
   - states: zarr shard files (index at the end, itself checksummed) of chunks encoded with
     `dflash.bf16_planes` or `dflash.fp8_e4m3`, then crc32c (layout.state_codecs; store/shard_file.py
     writes them); fp8 bytes are looked up as bf16 bits straight into the output.
+`read_spans` reads a batch of spans (of any arrays and shards) in at most two rounds of requests,
+each round's in flight together on an object store (store/byte_fetch.py): first what the spans'
+byte ranges depend on and the store's read cache (store/read_cache.py) does not hold (the shard
+files' chunk indexes, the per-token arrays' chunks), then the states' bytes: one ranged request
+per shard file a span covers, as a file's chunks lie back to back. The chunks a span uses only in
+part (its first and last) are kept in the cache for the samples next to it.
 `for_array` returns None for any other layout (schema 1, the blosc codec), which zarr reads.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import threading
+from dataclasses import dataclass, field
 
 import google_crc32c
 import numpy as np
-import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
 
+from store.byte_fetch import Range, fetch
 from store.codec import Bf16Planes, interleave
 from store.errors import StoreCorrupt
 from store.fp8_codec import Fp8E4m3
+from store.read_cache import ReadCache
 
 _MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)
-_INDEX_CACHE = 256  # shard-file indexes kept per array (260 bytes each at 16 chunks a file)
+_GONE = "no such file"  # what the cache holds for a file that does not exist
 _buffers = threading.local()
+_ids = itertools.count()
 
 
 def _buffer(slot: str, nbytes: int) -> np.ndarray:
@@ -43,20 +54,28 @@ def _buffer(slot: str, nbytes: int) -> np.ndarray:
     return held[:nbytes]
 
 
-def for_array(fs, path: str, array: zarr.Array, missing_is_damage: bool = False) -> SpanReader | None:
-    """A direct reader of `array` (at `path` on fsspec file system `fs`), or None when its layout
-    is not one this module decodes. missing_is_damage: every chunk was written (fill-value ones
-    too), so a missing chunk is an error rather than zeros."""
-    meta = array.metadata
+def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: ReadCache | None = None,
+              local: bool | None = None) -> SpanReader | None:
+    """A direct reader of `array` (a zarr array or its metadata, at `path` on fsspec file system
+    `fs`), or None when its layout is not one this module decodes. missing_is_damage: every chunk
+    was written (fill-value ones too), so a missing chunk is an error rather than zeros. cache:
+    where what it fetches beyond a span is kept (default: nothing kept); local: whether `fs` is a
+    local disk (default: asked of fs)."""
+    meta = getattr(array, "metadata", array)
     if getattr(meta, "zarr_format", None) != 3 or meta.fill_value != 0:
         return None
     codecs = meta.codecs
+    kind = None
     if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
-        return ShardSpans(fs, path, array, missing_is_damage) if _plane_shards(codecs[0], meta) else None
-    if (len(codecs) == 3 and _little(codecs[0]) and isinstance(codecs[1], BloscCodec)
+        kind = ShardSpans if _plane_shards(codecs[0], meta) else None
+    elif (len(codecs) == 3 and _little(codecs[0]) and isinstance(codecs[1], BloscCodec)
             and isinstance(codecs[2], Crc32cCodec)):
-        return ChunkSpans(fs, path, array, missing_is_damage)
-    return None
+        kind = ChunkSpans
+    if kind is None:
+        return None
+    if local is None:
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return kind(fs, local, path, meta, missing_is_damage, ReadCache(0) if cache is None else cache)
 
 
 def _plane_shards(sharding: ShardingCodec, meta) -> bool:
@@ -72,33 +91,151 @@ def _little(codec) -> bool:
     return isinstance(codec, BytesCodec) and (codec.endian is None or codec.endian.value == "little")
 
 
-class SpanReader:
-    """Rows a .. b (along the first axis) of one array; subclasses decode one chunk."""
+@dataclass
+class Span:
+    """Rows a .. b of one reader's array, decoded into out when given."""
 
-    def __init__(self, fs, path: str, array: zarr.Array, chunk_rows: int, missing_is_damage: bool) -> None:
-        self.fs, self.path = fs, path.rstrip("/")
-        self.missing_is_damage = missing_is_damage
-        self.shape = array.metadata.shape
-        self.dtype = array.metadata.dtype.to_native_dtype()
+    reader: SpanReader
+    a: int
+    b: int
+    out: np.ndarray | None = None
+
+
+@dataclass
+class Part:
+    """Bytes a span's decoding needs: one range of a file (None: held already, in `data`) and the
+    chunks in them, as (chunk, offset in the bytes, length)."""
+
+    range: Range | None
+    chunks: list[tuple[int, int, int]]
+    data: object = None
+    edges: set = field(default_factory=set)  # chunks the span uses only in part: kept in the cache
+
+
+def read_spans(spans: list[Span]) -> list:
+    """Each span's rows ([b - a, *shape[1:]] of its array's dtype, `out` when given), or in its
+    place the exception its read raised (StoreCorrupt: damaged or missing; OSError: not read).
+    All readers read one store (one file system). On a local disk spans are read one after another
+    (a batch saves no round trip there, and one span's bytes at a time sit in the reused buffer)."""
+    if spans and spans[0].reader.local:
+        return [_read_batch([s])[0] for s in spans]
+    return _read_batch(spans)
+
+
+def _read_batch(spans: list[Span]) -> list:
+    known = _first_round(spans)
+    plans = []
+    for s in spans:
+        try:
+            plans.append(s.reader.parts(s.a, s.b, known))
+        except Exception as e:  # noqa: BLE001 - a damaged index, a failed fetch: this span's result
+            plans.append(e)
+    ranges = list(dict.fromkeys(p.range for plan in plans if isinstance(plan, list) for p in plan
+                                if p.range is not None))
+    if ranges:
+        got = dict(zip(ranges, fetch(spans[0].reader.fs, spans[0].reader.local, ranges)))
+        for plan in plans:
+            for p in plan if isinstance(plan, list) else ():
+                if p.range is not None:
+                    p.data = got[p.range]
+    out = []
+    for s, plan in zip(spans, plans):
+        try:
+            if isinstance(plan, Exception):
+                raise plan
+            out.append(s.reader.decode(s.a, s.b, known, plan, s.out))
+        except Exception as e:  # noqa: BLE001 - reported per span: the caller decides
+            out.append(e)
+    return out
+
+
+def _first_round(spans: list[Span]) -> dict:
+    """(reader id, range) -> the value its reader took from the range's bytes, for every range the
+    spans' plans depend on: from the cache, or fetched now (all at once) and then cached."""
+    known, wanted = {}, {}
+    for s in spans:
+        for r in s.reader.needs(s.a, s.b):
+            key = (s.reader.id, r)
+            if key in known or key in wanted:
+                continue
+            held = s.reader.cache.get(key)
+            if held is None:
+                wanted[key] = s.reader
+            else:
+                known[key] = held
+    if wanted:
+        first = next(iter(wanted.values()))
+        for (key, reader), data in zip(wanted.items(), fetch(first.fs, first.local, [k[1] for k in wanted])):
+            try:
+                known[key] = reader.take(key[1], data)
+                reader.cache.put(key, known[key])
+            except Exception as e:  # noqa: BLE001 - damaged or not fetched: the spans that need it fail
+                known[key] = e
+    return known
+
+
+class SpanReader:
+    """Rows a .. b (along the first axis) of one array; subclasses say which bytes a span needs
+    and decode one chunk."""
+
+    def __init__(self, fs, local: bool, path: str, meta, chunk_rows: int, missing_is_damage: bool,
+                 cache: ReadCache) -> None:
+        self.fs, self.local, self.path = fs, local, path.rstrip("/")
+        self.missing_is_damage, self.cache = missing_is_damage, cache
+        self.id = next(_ids)  # this reader's entries in the cache (a reader opened later reads afresh)
+        self.shape = meta.shape
+        self.dtype = meta.dtype.to_native_dtype()
         self.chunk_rows = chunk_rows
         self.row_values = int(np.prod(self.shape[1:]))  # values per row (per token)
-        self._key = array.metadata.encode_chunk_key
+        self._key = meta.encode_chunk_key
 
     def read(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
         """[b - a, *shape[1:]] of the array's dtype, decoded into `out` when given (C-contiguous)."""
-        if not 0 <= a <= b <= self.shape[0]:
-            raise IndexError(f"{self.path}: rows {a}:{b} of {self.shape[0]}")
+        got = read_spans([Span(self, a, b, out)])[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def needs(self, a: int, b: int) -> list[Range]:
+        """What the span's plan depends on (the first round)."""
+        self._check(a, b)
+        return []
+
+    def take(self, r: Range, data):
+        """The value kept of a first-round range's bytes (checked), or _GONE for no such file."""
+        if isinstance(data, FileNotFoundError):
+            return _GONE
+        if isinstance(data, Exception):
+            raise data
+        return self._take(r, data)
+
+    def parts(self, a: int, b: int, known: dict) -> list[Part]:
+        """The bytes the span's decoding needs (the second round)."""
+        return []
+
+    def decode(self, a: int, b: int, known: dict, parts: list[Part], out: np.ndarray | None) -> np.ndarray:
         if out is None:
             out = np.empty((b - a, *self.shape[1:]), self.dtype)
         assert out.shape == (b - a, *self.shape[1:]) and out.dtype == self.dtype and out.flags.c_contiguous
+        self._decode_span(a, b, known, parts, out)
+        return out
+
+    def _check(self, a: int, b: int) -> None:
+        if not 0 <= a <= b <= self.shape[0]:
+            raise IndexError(f"{self.path}: rows {a}:{b} of {self.shape[0]}")
+
+    def _chunks(self, a: int, b: int):
+        """(chunk, first row in it, rows a .. b's slice in the span) of each chunk the span covers."""
         n = self.chunk_rows
         for c in range(a // n, (b + n - 1) // n if b > a else 0):
             lo, hi = max(a, c * n), min(b, (c + 1) * n)
-            self._decode(c, lo - c * n, out[lo - a:hi - a])
-        return out
+            yield c, lo - c * n, slice(lo - a, hi - a)
 
-    def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
-        raise NotImplementedError
+    def _known(self, known: dict, r: Range):
+        value = known[(self.id, r)]
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     def _fill(self, out: np.ndarray, what: str) -> None:
         """A chunk that has no bytes: zeros when zarr may have skipped it as all fill value, else damage."""
@@ -119,75 +256,127 @@ class SpanReader:
             raise StoreCorrupt(f"{what} fails its crc32c checksum ({len(data)} bytes): the file is damaged")
         return body
 
+    def _take(self, r: Range, data) -> object:
+        raise NotImplementedError
+
+    def _decode_span(self, a: int, b: int, known: dict, parts: list[Part], out: np.ndarray) -> None:
+        raise NotImplementedError
+
 
 class ChunkSpans(SpanReader):
-    """A regular chunked array: each chunk one object, blosc then crc32c."""
+    """A regular chunked array: each chunk one object, blosc then crc32c, fetched whole (the first
+    round) and kept decoded in the cache."""
 
-    def __init__(self, fs, path: str, array: zarr.Array, missing_is_damage: bool) -> None:
-        super().__init__(fs, path, array, array.metadata.chunk_grid.chunk_shape[0], missing_is_damage)
+    def __init__(self, fs, local: bool, path: str, meta, missing_is_damage: bool, cache: ReadCache) -> None:
+        super().__init__(fs, local, path, meta, meta.chunk_grid.chunk_shape[0], missing_is_damage, cache)
         self._blosc = Blosc()  # blosc frames describe themselves: any instance decodes them
 
-    def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
-        key = self._file((c,))
-        try:
-            data = self.fs.cat_file(key, start=0)  # one GET on an object store (store/commit_file.py cat_many)
-        except FileNotFoundError:
-            self._fill(out, key)
-            return
-        values = _buffer("values", self.chunk_rows * self.row_values * self.dtype.itemsize).view(self.dtype)
-        values = values.reshape(-1, *self.shape[1:])
-        self._blosc.decode(self._checked(data, key), out=values)
-        out[...] = values[first_row:first_row + len(out)]
+    def needs(self, a: int, b: int) -> list[Range]:
+        self._check(a, b)
+        return [(self._file((c,)), 0, None) for c, _, _ in self._chunks(a, b)]  # from byte 0: one GET, no HEAD
+
+    def _take(self, r: Range, data) -> np.ndarray:
+        values = np.empty((self.chunk_rows, *self.shape[1:]), self.dtype)
+        self._blosc.decode(self._checked(data, r[0]), out=values)
+        return values
+
+    def _decode_span(self, a, b, known, parts, out) -> None:
+        for c, first, rows in self._chunks(a, b):
+            r = (self._file((c,)), 0, None)
+            values = self._known(known, r)
+            if isinstance(values, str):
+                self._fill(out[rows], r[0])
+            else:
+                out[rows] = values[first:first + rows.stop - rows.start]
 
 
 class ShardSpans(SpanReader):
     """A sharded array of bf16 bits: each shard file's chunks encoded by `dflash.bf16_planes` or
-    `dflash.fp8_e4m3`."""
+    `dflash.fp8_e4m3`. The first round reads the files' indexes, the second the chunks' bytes."""
 
-    def __init__(self, fs, path: str, array: zarr.Array, missing_is_damage: bool) -> None:
-        sharding = array.metadata.codecs[0]
-        super().__init__(fs, path, array, sharding.chunk_shape[0], missing_is_damage)
-        self.per_file = array.metadata.chunk_grid.chunk_shape[0] // self.chunk_rows
+    def __init__(self, fs, local: bool, path: str, meta, missing_is_damage: bool, cache: ReadCache) -> None:
+        sharding = meta.codecs[0]
+        super().__init__(fs, local, path, meta, sharding.chunk_shape[0], missing_is_damage, cache)
+        self.per_file = meta.chunk_grid.chunk_shape[0] // self.chunk_rows
         self.codec = sharding.codecs[1]
-        self._index = functools.lru_cache(_INDEX_CACHE)(self._read_index)
 
-    def _read_index(self, s: int) -> np.ndarray | None:
-        """[per_file, 2] uint64 (offset, length) of shard file s's chunks; None: no file."""
-        n, key = 16 * self.per_file + 4, self._file((s,))
-        try:
-            data = self.fs.cat_file(key, start=-n)
-        except FileNotFoundError:
-            return None
+    def _index_range(self, s: int) -> Range:
+        return (self._file((s,)), -(16 * self.per_file + 4), None)  # the file's last bytes: one GET
+
+    def needs(self, a: int, b: int) -> list[Range]:
+        self._check(a, b)
+        return list(dict.fromkeys(self._index_range(c // self.per_file) for c, _, _ in self._chunks(a, b)))
+
+    def _take(self, r: Range, data) -> np.ndarray:
+        """[per_file, 2] uint64 (offset, length) of a shard file's chunks."""
+        n = -r[1]
         if len(data) != n:
-            raise StoreCorrupt(f"{key}: {len(data)} bytes, shorter than its shard index ({n})")
-        return self._checked(data, f"{key}, shard index").view("<u8").reshape(self.per_file, 2).copy()
+            raise StoreCorrupt(f"{r[0]}: {len(data)} bytes, shorter than its shard index ({n})")
+        return self._checked(data, f"{r[0]}, shard index").view("<u8").reshape(self.per_file, 2).copy()
 
-    def _decode(self, c: int, first_row: int, out: np.ndarray) -> None:
+    def _where(self, c: int, known: dict) -> tuple[str, int, int]:
+        """(file, offset, length) of chunk c; offset _MISSING: it has no bytes."""
         s, k = divmod(c, self.per_file)
-        index = self._index(s)
-        offset, length = (_MISSING, _MISSING) if index is None else (int(index[k, 0]), int(index[k, 1]))
-        key = self._file((s,))
-        if offset == _MISSING:
-            self._fill(out, key if index is None else f"{key}, chunk {k}")
-            return
-        data = self._checked(self._read_range(key, offset, length), f"{key}, chunk {k}")
+        r = self._index_range(s)
+        index = self._known(known, r)
+        if isinstance(index, str):
+            return r[0], _MISSING, 0
+        return r[0], int(index[k, 0]), int(index[k, 1])
+
+    def parts(self, a: int, b: int, known: dict) -> list[Part]:
+        """One range per run of chunks lying back to back in a file; a chunk held in the cache (an
+        edge a neighbouring span fetched) or with no bytes gets a part of its own with no range."""
+        parts, run = [], None
+        chunks = list(self._chunks(a, b))
+        for j, (c, first, rows) in enumerate(chunks):
+            edge = rows.stop - rows.start < self.chunk_rows
+            path, offset, length = self._where(c, known)
+            held = self.cache.get((self.id, c)) if edge and not self.local else None  # a disk needs no cache
+            if offset == _MISSING or held is not None:
+                parts.append(Part(None, [(c, 0, 0 if held is None else len(held))], data=held))
+                run = None
+                continue
+            if run is not None and run.range[0] == path and run.range[2] == offset:
+                run.chunks.append((c, offset - run.range[1], length))
+                run.range = (path, run.range[1], offset + length)
+            else:
+                run = Part((path, offset, offset + length), [(c, 0, length)])
+                parts.append(run)
+            if edge:
+                run.edges.add(c)
+        return parts
+
+    def _decode_span(self, a, b, known, parts, out) -> None:
+        rows_of = {c: (first, rows) for c, first, rows in self._chunks(a, b)}
+        for p in parts:
+            data = p.data
+            if isinstance(data, Exception):
+                raise data
+            if p.range is not None and len(data) != p.range[2] - p.range[1]:
+                raise StoreCorrupt(f"{p.range[0]}: ends {p.range[2] - p.range[1] - len(data)} bytes short of chunk "
+                                   f"bytes {p.range[1]}..{p.range[2]}")
+            for c, at, length in p.chunks:
+                first, rows = rows_of[c]
+                path, _, _ = self._where(c, known)
+                what = f"{path}, chunk {c % self.per_file}"
+                if data is None:
+                    self._fill(out[rows], what if isinstance(self._known(known, self._index_range(c // self.per_file)),
+                                                              np.ndarray) else path)
+                    continue
+                body = self._checked(data[at:at + length], what) if p.range is not None else data
+                if c in p.edges and not self.local and self.cache.max_bytes:
+                    self.cache.put((self.id, c), np.array(body))  # checked: a neighbour decodes it as it is
+                self._decode(body, first, out[rows])
+
+    def _decode(self, body: np.ndarray, first_row: int, out: np.ndarray) -> None:
+        """A chunk's checked bytes (less their crc32c), its rows from first_row on, into out."""
         values = self.chunk_rows * self.row_values
         if isinstance(self.codec, Fp8E4m3):
-            codes, ks = self.codec.codes(data, into=_buffer("codes", values))
+            codes, ks = self.codec.codes(body, into=_buffer("codes", values))
             per_row = self.row_values // self.codec.group  # scale groups per row: one a tap
             first, n = first_row * per_row, len(out) * per_row
             self.codec.decode_codes(codes[first:first + n], ks[first:first + n], out=out.reshape(n, -1))
             return
-        high, low = self.codec.planes(data, into=_buffer("planes", 2 * values).reshape(2, -1))
+        high, low = self.codec.planes(body, into=_buffer("planes", 2 * values).reshape(2, -1))
         first, n = first_row * self.row_values, out.size
         interleave(high[first:first + n], low[first:first + n], out)
-
-    def _read_range(self, key: str, offset: int, length: int) -> np.ndarray:
-        """Bytes offset .. offset + length of a file, read into this thread's reused buffer."""
-        buf = _buffer("bytes", length)
-        with self.fs.open(key, "rb") as f:
-            f.seek(offset)
-            got = f.readinto(memoryview(buf))
-        if got != length:
-            raise StoreCorrupt(f"{key}: ends {length - got} bytes short of chunk bytes {offset}..{offset + length}")
-        return buf
