@@ -91,3 +91,36 @@ def test_a_killed_extraction_rerun_gives_the_identical_store(s3, small_dataset, 
     again = train(["--store", whole, "--shards", "0-2", "--eval-shards", "3", "--out", tmp_path / "run", "--max-steps",
                    "1", "--workers", "0", "--anchors", "16", "--num-layers", "1", "--batch-size", "2"])
     assert again.returncode == 0 and "sample index of 4 shards read from" in again.stderr, again.stderr[-2000:]
+
+
+def test_a_sample_costs_at_most_two_requests_once_its_shard_is_open(s3, small_store):
+    """Every sample of the small store (4 shards), read from S3 in batches of 4 by readers opened
+    first (a loader worker's start-up, not counted), twice (a kept worker's next epoch): at most 2
+    requests a sample on average, all arrays, counted in moto's access log; the samples equal the
+    local store's, bit for bit."""
+    import fsspec
+    import numpy as np
+    import torch
+
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader, read_samples
+
+    url = "s3://bucket/reads.zarr"
+    files = [p for p in small_store.rglob("*") if p.is_file() and not p.relative_to(small_store).as_posix().startswith(
+        ("_locks/", "_index/"))]
+    fsspec.filesystem("s3").put([str(p) for p in files], [f"{url}/{p.relative_to(small_store).as_posix()}" for p in files])
+    local, remote = HiddenStore(str(small_store)), HiddenStore(url)
+    readers = {s: ShardReader(remote, s) for s in sorted(remote.committed())}
+    refs = [(s, i) for s, r in readers.items() for i in range(len(r))]  # opens each reader's per-sample arrays
+    order = [refs[k] for k in np.random.default_rng(0).permutation(len(refs))]
+    before = s3.requests()
+    for _ in range(2):
+        for lo in range(0, len(order), 4):
+            batch = order[lo:lo + 4]
+            for (s, i), got in zip(batch, read_samples([(readers[s], i, None, None) for s, i in batch])):
+                want = ShardReader(local, s)[i]
+                assert torch.equal(got.hidden.view(torch.int16), want.hidden.view(torch.int16))
+                assert torch.equal(got.tokens, want.tokens) and torch.equal(got.loss_mask, want.loss_mask)
+    per_sample = (s3.requests() - before) / (2 * len(order))
+    print(f"\n{per_sample:.2f} requests a sample ({2 * len(order)} samples read from {len(readers)} shards)")
+    assert per_sample <= 2

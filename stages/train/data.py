@@ -25,7 +25,7 @@ from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError, re
 from store.hidden_store import HiddenStore
 from store.sample_index import per_sample
 from store.schema import ShardCommit
-from store.shard_reader import ShardReader
+from store.shard_reader import ShardReader, read_samples
 
 BUCKET = 64  # batches of similar length are formed within windows of this many batches
 PREFETCH = 4  # batches each loader worker keeps ready (in shared memory until the trainer takes them)
@@ -185,7 +185,7 @@ class StoreBatches(torch.utils.data.Dataset):
                     hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16), lengths=torch.tensor(lengths),
                     refs=torch.tensor([[r.shard, r.index] for row in rows for r in row]),
                     starts=torch.zeros(b, T, dtype=torch.long))
-        corrupt = []
+        corrupt, places, items = [], [], []
         for j, row in enumerate(rows):
             at = 0
             for r in row:  # states decoded straight into the batch: no copy per sample
@@ -193,13 +193,20 @@ class StoreBatches(torch.utils.data.Dataset):
                 out.starts[j, span] = at
                 at += r.length
                 try:
-                    s = self.reader(r.shard).read(r.index, r.length, hidden_out=out.hidden[j, span])
-                except StoreError as e:  # damaged, or deleted under the run: its span stays empty (no tokens,
-                    # no loss, seen by no other sample), and the main process decides
-                    out.hidden[j, span] = 0
-                    out.lengths[j] -= r.length
+                    items.append((self.reader(r.shard), r.index, r.length, out.hidden[j, span]))
+                    places.append((j, span, r))
+                except StoreError as e:
                     corrupt.append((r.shard, r.index, str(e)))
-                    continue
+                    out.lengths[j] -= r.length
+        for (j, span, r), s in zip(places, read_samples(items)):  # the batch's requests in flight together
+            if isinstance(s, StoreError):  # damaged, or deleted under the run: its span stays empty (no tokens,
+                # no loss, seen by no other sample), and the main process decides
+                out.hidden[j, span] = 0
+                out.lengths[j] -= r.length
+                corrupt.append((r.shard, r.index, str(s)))
+            elif isinstance(s, Exception):
+                raise s
+            else:
                 out.tokens[j, span], out.loss_mask[j, span] = s.tokens, s.loss_mask
         out.corrupt = tuple(corrupt)
         return out

@@ -6,7 +6,8 @@ request and counts requests and response bytes: an object store's per-request la
 
 prints `listening on http://127.0.0.1:PORT` and serves until killed; clients point their S3
 endpoint (FSSPEC_S3_ENDPOINT_URL) at it. In a Python process, `LatencyProxy(upstream, delay_s).start()`
-serves from a thread and keeps the counts (`requests`, `bytes`, by method in `by_method`). Each
+serves from a thread and keeps the counts (`requests`, `bytes`, by method in `by_method`; GET
+/__counts__ answers them as JSON). Each
 request waits its delay in its own thread, so requests in flight together overlap their waits as
 they do against a real store; bandwidth is not limited.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import threading
 import time
 import urllib.parse
@@ -66,6 +68,13 @@ def _handler(proxy: LatencyProxy):
             pass
 
         def _forward(self) -> None:
+            if self.path == "/__counts__":  # the counts so far, as JSON (not forwarded, not counted)
+                data = json.dumps({"requests": proxy.requests, "bytes": proxy.bytes}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             time.sleep(proxy.delay_s)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
@@ -86,9 +95,10 @@ def _handler(proxy: LatencyProxy):
                         raise
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
-                if k.lower() not in _HOP and k.lower() != "content-length":
-                    self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
+                if k.lower() not in _HOP and (k.lower() != "content-length" or self.command == "HEAD"):
+                    self.send_header(k, v)  # a HEAD's length is the object's: what s3fs takes as its size
+            if self.command != "HEAD":
+                self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
