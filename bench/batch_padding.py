@@ -44,7 +44,7 @@ def main() -> None:
             rows = list(ps.shard_rows(s, shards))
             real += sum(n_tokens[i] for i in rows)
             row += padded([n_tokens[i] for i in rows], args.batch_size)
-            length += padded([n_tokens[i] for i in ps.by_length(rows)], args.batch_size)
+            length += padded([n_tokens[r.index] for r in ps.by_length(rows)], args.batch_size)
         print(f"| {shards} | {len(ps) // shards} | {real} | {row} ({row / real:.2f}x) | {length} ({length / real:.2f}x) |")
 
 

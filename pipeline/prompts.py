@@ -92,10 +92,13 @@ class PromptSet:
         n = len(self.records)
         return range(shard * n // num_shards, (shard + 1) * n // num_shards)
 
-    def by_length(self, rows) -> list[int]:
-        """rows ordered by the length of their prompt text, or ids for token rows (stable): batches
-        of similar lengths pad little in generation and capture."""
-        return sorted(rows, key=lambda i: prompt_size(self.row(i)))
+    def by_length(self, rows) -> list[Row]:
+        """The rows numbered `rows` (in file order), parsed in one forward pass, then ordered by the
+        length of their prompt text, or ids for token rows (stable): batches of similar lengths pad
+        little in generation and capture. Parsed in file order and kept: a Parquet file's stream
+        never steps back (pipeline/row_sources.py), where rows taken in length order restarted it
+        at its row group for each step back."""
+        return sorted((self.row(i) for i in rows), key=prompt_size)
 
     def check(self, rows) -> None:
         """Parse every row of `rows` now (before any model loads); the first bad one is named."""

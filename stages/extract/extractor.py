@@ -62,7 +62,7 @@ class Batch:
     """One batch on its way: the rows, the usable ones prepared, and their completions (lists, or
     futures from the server)."""
 
-    rows: list[int]
+    rows: list[prompt_sets.Row]
     ready: list[Prepared]
     completions: list
 
@@ -174,7 +174,7 @@ class Extractor:
             f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
         return record
 
-    def start(self, rows: list[int], writer: ShardWriter) -> Batch:
+    def start(self, rows: list[prompt_sets.Row], writer: ShardWriter) -> Batch:
         """Prepare a batch and complete it, or send it to the server (then its completions are futures)."""
         timing = self.summary["timing"]
         t = time.perf_counter()
@@ -246,12 +246,11 @@ class Extractor:
         keep = [i for i in range(len(ready)) if i not in bad]
         return [ready[i] for i in keep], torch.cat([parts[i] for i in keep]) if keep else hidden[:0]
 
-    def prepare(self, rows: list[int], writer: ShardWriter) -> list[Prepared]:
+    def prepare(self, rows: list[prompt_sets.Row], writer: ShardWriter) -> list[Prepared]:
         """Each usable sample rendered: a row's, or with --turns split one per assistant turn;
         skips are counted (per sample)."""
         c, ready = self.config, []
-        for i in rows:
-            row = self.prompt_set.row(i)
+        for row in rows:
             chat = chat_template.for_row(self.target.tokenizer, row, c.template_args(), self.prompt_set.source)
             self.summary["template_modes"][chat_template.mode(chat.kwargs) if row.prompt_ids is None else TOKEN_ROWS] += 1
             for sample in row.per_turn() if c.turns == "split" else [row]:

@@ -112,3 +112,38 @@ def test_extract_reports_a_bad_row_in_the_last_shard_before_loading_the_target(t
     assert p.returncode == 2, p.stderr
     assert f"row {len(rows) - 1} field 'conversations' turn 0: 'from' is 'robot'" in p.stderr.splitlines()[-1]
     assert not (tmp_path / "hs.zarr").exists()
+
+
+def _one_group_parquet(path, n):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = __import__("random").Random(0)
+    prompts = ["w" * rng.randrange(1, 300) for _ in range(n)]  # lengths in no order
+    pq.write_table(pa.table({"prompt": prompts, "response": ["r"] * n}), path, row_group_size=n)  # one row group
+    return prompts
+
+
+def test_a_shard_of_a_parquet_file_is_read_in_one_forward_pass(tmp_path, monkeypatch):
+    """Rows decoded for three consecutive shards of a one-row-group file ~ the rows up to their end
+    (taken in length order, every step back restarted the group: thousands of times that)."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    texts = _one_group_parquet(path, 20_000)
+    decoded = []
+    real = pq.ParquetFile.iter_batches
+
+    def counting(self, *a, **k):
+        for batch in real(self, *a, **k):
+            decoded.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    ps = prompts.load(str(path))
+    got = [ps.by_length(ps.shard_rows(s, 20)) for s in (3, 4, 5)]
+    assert sum(decoded) <= 6_000 + 256  # the stream runs once up to shard 5's end, one batch of slack
+    for s, rows in zip((3, 4, 5), got):
+        ids = list(ps.shard_rows(s, 20))
+        assert [r.index for r in rows] == sorted(ids, key=lambda i: len(texts[i]))  # length order, stable
+        assert all(r.messages[0]["content"] == texts[r.index] for r in rows)
