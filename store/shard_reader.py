@@ -208,6 +208,9 @@ def read_samples(items: list[tuple[ShardReader, int, int | None, torch.Tensor | 
             results[k] = reader._sample(i, *three, hidden_out)
         elif isinstance(failed[1], StoreCorrupt):
             results[k] = reader._damaged(failed[1], i)
+        elif isinstance(failed[1], FileNotFoundError):  # there when the reader opened: deleted since
+            where = failed[1].filename or reader._path(failed[0])
+            results[k] = reader._damaged(StoreCorrupt(f"{where} is missing (deleted since the shard was opened)"), i)
         else:  # a fetch that failed, bytes a codec refused: the array is unreadable here
             e = failed[1]
             results[k] = reader._damaged(StoreCorrupt(f"{reader._path(failed[0])}: unreadable ({type(e).__name__}: "

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -151,9 +152,12 @@ class Batch:
 
 
 class StoreBatches(torch.utils.data.Dataset):
-    """batches[i] -> a padded Batch. Store handles open lazily, once per worker process."""
+    """batches[i], or a batch given whole, -> a padded Batch. Store handles and shard readers open
+    lazily, once per worker process, and stay open for as long as the worker lives: the run's
+    loader (`loader`) keeps its workers through every epoch, so a shard's reader, its read cache
+    (indexes, edge chunks) and its connections are made once per run, not once per epoch."""
 
-    def __init__(self, location: str, batches: list[list[Row]]) -> None:
+    def __init__(self, location: str, batches: list[list[Row]] = ()) -> None:
         self.location, self.batches = location, batches
         self._store: HiddenStore | None = None
         self._readers: dict[int, ShardReader] = {}
@@ -166,9 +170,24 @@ class StoreBatches(torch.utils.data.Dataset):
             try:
                 self._readers[shard] = ShardReader(self.store, shard)
             except NotCommitted:  # it was committed when the run indexed it
-                raise StoreCorrupt(f"{self.store.path(layout.commit_key(shard))}: gone since the run started (shard "
-                                   f"{shard} was deleted or cleared under it)", redo_hint(self.location, shard)) from None
+                raise self._gone(shard) from None
         return self._readers[shard]
+
+    def _gone(self, shard: int) -> StoreCorrupt:
+        return StoreCorrupt(f"{self.store.path(layout.commit_key(shard))}: gone since the run started (shard {shard} "
+                            "was deleted or cleared under it)", redo_hint(self.location, shard))
+
+    def _why(self, shard: int, e: StoreError) -> StoreError:
+        """A failed read's error; a shard deleted whole under a reader kept from an earlier batch
+        is named as such (its commit file gone), not by the first of its files found missing."""
+        try:
+            gone = self.store.commit_record(shard) is None
+        except StoreError:  # its commit file damaged now too: the read's own error says enough
+            return e
+        if gone:
+            self._readers.pop(shard, None)
+            return self._gone(shard)
+        return e
 
     @property
     def store(self) -> HiddenStore:
@@ -176,8 +195,10 @@ class StoreBatches(torch.utils.data.Dataset):
             self._store = HiddenStore(self.location)
         return self._store
 
-    def __getitem__(self, i: int) -> Batch:
-        rows = self.batches[i]
+    def __getitem__(self, key: int | list[Row]) -> Batch:
+        """key: the index of a batch in `batches`, or the batch itself (its rows), as the loader
+        sends them to its workers."""
+        rows = self.batches[key] if isinstance(key, int) else key
         lengths = [sum(r.length for r in row) for row in rows]
         T, b = max(lengths), len(rows)
         states = (len(self.store.attrs.taps), self.store.attrs.hidden_size)
@@ -203,7 +224,7 @@ class StoreBatches(torch.utils.data.Dataset):
                 # no loss, seen by no other sample), and the main process decides
                 out.hidden[j, span] = 0
                 out.lengths[j] -= r.length
-                corrupt.append((r.shard, r.index, str(s)))
+                corrupt.append((r.shard, r.index, str(self._why(r.shard, s))))
             elif isinstance(s, Exception):
                 raise s
             else:
@@ -212,11 +233,13 @@ class StoreBatches(torch.utils.data.Dataset):
         return out
 
 
-def loader(config, batches: list, pin: bool, skipped: set):
-    """Batches read and padded by --workers worker processes, in order. A sample whose read failed
-    (damaged or missing) stops the run (--on-corrupt stop: one line naming the file and the fix) or
-    is left out of its batch and added to `skipped` (skip)."""
-    workers = torch.utils.data.DataLoader(StoreBatches(config.store, batches), batch_size=None, shuffle=False,
+def loader(config, batches: Iterable[list[Row]], pin: bool, skipped: set):
+    """Batches read and padded by --workers worker processes, in order. `batches` may be endless
+    (every epoch's, formed as they are reached): its batches go to the workers as they are taken,
+    and the workers live as long as this loader. A sample whose read failed (damaged or missing)
+    stops the run (--on-corrupt stop: one line naming the file and the fix) or is left out of its
+    batch and added to `skipped` (skip)."""
+    workers = torch.utils.data.DataLoader(StoreBatches(config.store), sampler=batches, batch_size=None,
                                           num_workers=config.workers, pin_memory=pin,
                                           prefetch_factor=PREFETCH if config.workers else None,
                                           worker_init_fn=quiet_inherited_sessions)

@@ -187,10 +187,14 @@ def done_line(summary: dict) -> str:
 
 def micro_batches(setup: Setup, config: TrainConfig):
     """This rank's micro-batches from the run's position on (stages/train/position.py), through the
-    epochs, worker processes reading."""
-    acc, epoch = setup.accelerator, setup.position.epoch
-    while True:
-        mine = rank_batches(config, setup.train_refs, setup.position, epoch, acc.process_index, acc.num_processes)
-        if mine:
-            yield from loader(config, mine, acc.device.type == "cuda", setup.skipped)
-        epoch += 1
+    epochs, read by one loader's worker processes for the whole run (their shard readers kept)."""
+    acc = setup.accelerator
+
+    def every_epoch():
+        epoch = setup.position.epoch
+        while True:
+            yield from rank_batches(config, setup.train_refs, setup.position, epoch, acc.process_index,
+                                    acc.num_processes)
+            epoch += 1
+
+    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped)

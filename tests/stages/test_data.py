@@ -196,3 +196,37 @@ def test_an_epochs_length_is_the_number_of_its_batches(batching):
         config = TrainConfig(batch_size=4, batching=batching, max_length=400)
         assert [epoch_length(config, refs(n), e) for e in range(3)] == [len(train_batches(config, refs(n), e))
                                                                         for e in range(3)]
+
+
+def test_one_loader_keeps_its_workers_and_their_shard_readers_through_the_epochs(small_store, tmp_path, monkeypatch):
+    """Two epochs' batches through one loader of 2 workers: every shard's reader is opened once per
+    worker (a new loader each epoch opened them all again in new processes), and the batches come
+    in order, each equal to the same batch read alone."""
+    import os
+
+    from stages.train import data
+    from stages.train.config import TrainConfig
+
+    opened = tmp_path / "opened"
+
+    class Counting(ShardReader):
+        def __init__(self, store, shard, record=None):
+            with opened.open("a") as f:  # a worker is a forked process: it reports through a file
+                f.write(f"{os.getpid()} {shard}\n")
+            super().__init__(store, shard, record)
+
+    monkeypatch.setattr(data, "ShardReader", Counting)
+    store = HiddenStore(str(small_store))
+    refs = index_samples(store, [0, 1, 2], 200)
+    epochs = [epoch_batches(refs, 2, 0, e) for e in (0, 1)]
+    config = TrainConfig(store=str(small_store), workers=2, on_corrupt="stop")
+    got = list(data.loader(config, (b for batches in epochs for b in batches), False, set()))
+    want = [b for batches in epochs for b in batches]
+    lines = [tuple(map(int, x.split())) for x in opened.read_text().splitlines()]
+    assert len({pid for pid, _ in lines}) == 2  # the same two workers all along
+    assert len(lines) == len(set(lines)) <= 2 * 3  # a reader per worker and shard, opened once
+    assert len(got) == len(want)
+    for batch, rows in list(zip(got, want))[::7]:
+        alone = StoreBatches(str(small_store), [rows])[0]
+        assert torch.equal(batch.tokens, alone.tokens) and torch.equal(batch.hidden.view(torch.int16),
+                                                                       alone.hidden.view(torch.int16))
