@@ -21,7 +21,7 @@ from pipeline.reference_server import ReferenceServer
 from pipeline.target import loading
 from pipeline.target.model import Target
 from pipeline.target.taps import parse_taps
-from stages.extract import disk_space
+from stages.extract import disk_space, reference_cost
 from stages.extract.config import ExtractConfig, default_num_shards
 from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
@@ -61,6 +61,9 @@ def run(config: ExtractConfig, log=print) -> dict:
                                   config.split)
     shard_ids, num_shards = resolve_shards(config, store, len(prompt_set))
     check_rows(prompt_set, shard_ids, num_shards)
+    cost = reference_cost.notice(config)
+    if cost and process.rank == 0:
+        say(cost)
     engine = connect(config, say)
     try:
         target, taps, attrs = open_target(config, process, prompt_set, num_shards, engine)
