@@ -9,7 +9,7 @@ over, when
   - its lease ran out: no heartbeat for `lease_s` (a dead node, a killed container).
 Any other lock is respected. Works on local and shared POSIX file systems (lease times compare
 the file server's mtimes with this machine's clock: keep clocks within a minute, as NTP does);
-object stores get no locks (see docs/usage.md).
+S3 gets the same leases from conditional writes (store/object_lease.py), other object stores none.
 """
 
 from __future__ import annotations
@@ -59,6 +59,17 @@ def _checkable_here(owner: dict) -> bool:
     return owner["identity"] == IDENTITY if "identity" in owner else owner.get("host") == HOST
 
 
+def holder_gone(owner: dict) -> bool:
+    """Whether the lock's holder is a process of this process table that no longer runs."""
+    pid = owner.get("pid", -1)
+    return _checkable_here(owner) and isinstance(pid, int) and pid > 0 and not _alive(pid)
+
+
+def heartbeat_for(lease_s: float) -> float:
+    """How often a lease of lease_s is renewed: every HEARTBEAT_S, or four times a lease when shorter."""
+    return min(HEARTBEAT_S, lease_s / 4)
+
+
 class LockFile:
     def __init__(self, path: Path, lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.path = Path(path)
@@ -76,8 +87,7 @@ class LockFile:
             return {"host": "?", "pid": -1}  # being written right now, or garbage: treat as held
 
     def stale(self, owner: dict) -> bool:
-        pid = owner.get("pid", -1)
-        if _checkable_here(owner) and pid > 0 and not _alive(pid):
+        if holder_gone(owner):
             return True
         try:
             return time.time() - self.path.stat().st_mtime > self.lease_s

@@ -2,8 +2,10 @@
 this run's settings (rebuilt under --redo when damaged), shards cleared, written and committed.
 
 Commit files are written last and atomically (a temporary name, then a rename; on object stores a
-single put), so a reader or a rerun only trusts what was finished. Locks need a POSIX file
-system; on object stores each process must be given disjoint shard ranges.
+single put), so a reader or a rerun only trusts what was finished. The root and each shard are
+claimed under a lease: a lock file on a POSIX file system (store/locks.py), an object on S3
+(store/object_lease.py, conditional writes). Other object stores have none: each process must
+then be given disjoint shard ranges.
 """
 
 from __future__ import annotations
@@ -19,23 +21,47 @@ import zarr
 from store import commit_file, layout
 from store.errors import NotAStore, StoreCorrupt, StoreError, StoreMismatch
 from store.hidden_store import HiddenStore
-from store.locks import HOST, LockFile
-from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
+from store.locks import HOST, LEASE_S, LockFile, heartbeat_for
+from store.object_lease import ObjectLease
+from store.s3_objects import conditional_objects
+from store.schema import (
+    SCHEMA_VERSION,
+    Compat,
+    RootCommit,
+    ShardCommit,
+    StoreAttrs,
+    to_json,
+)
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
 ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
 
 
 class StoreWriter(HiddenStore):
-    """The read view, plus what writing a store takes."""
+    """The read view, plus what writing a store takes. lease_s: how long a claim outlives its holder's
+    last heartbeat (a dead node's shards are taken over after it)."""
+
+    def __init__(self, location: str, lease_s: float = LEASE_S) -> None:
+        super().__init__(location)
+        self.lease_s = lease_s
+        self._objects = None if self.local else conditional_objects(self.fs)
+
+    @property
+    def leased(self) -> bool:
+        """Whether claims are leases here (a POSIX file system, S3), so processes may share shards."""
+        return self.local or self._objects is not None
 
     # -- files -----------------------------------------------------------------------------
     def write_json(self, key: str, obj: dict) -> None:
         """Write a commit file (sealed, atomically)."""
         commit_file.write(self.fs, self.path(key), obj, self.local)
 
-    def lock(self, name: str) -> LockFile | None:
-        return LockFile(Path(self.path(f"_locks/{name}.lock"))) if self.local else None
+    def lock(self, name: str) -> LockFile | ObjectLease | None:
+        """The lease on the root or a shard (not yet taken); None where the store has no leases."""
+        path, beat = self.path(f"_locks/{name}.lock"), heartbeat_for(self.lease_s)
+        if self.local:
+            return LockFile(Path(path), self.lease_s, beat)
+        return None if self._objects is None else ObjectLease(self._objects, path, self.lease_s, beat)
 
     # -- root ------------------------------------------------------------------------------
     def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -55,11 +81,11 @@ class StoreWriter(HiddenStore):
             if self.exists():
                 damage = self.root_damage() if repair else None
                 if damage is not None:
-                    self._rebuild(attrs, embed, lm_head, damage)
+                    self._rebuild(attrs, embed, lm_head, damage, lock)
                     return "rebuilt"
                 self.check_compatible(attrs.compat)
                 return "opened"
-            self._create(attrs, embed, lm_head)
+            self._create(attrs, embed, lm_head, lock)
             return "created"
         finally:
             if lock is not None:
@@ -75,7 +101,8 @@ class StoreWriter(HiddenStore):
             return e.damage
         return None
 
-    def _rebuild(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, damage: str) -> None:
+    def _rebuild(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, damage: str,
+                 lock: LockFile | ObjectLease | None) -> None:
         """Write the root again from this run, whose fingerprint must be the one the damaged root
         still shows (in its commit file or its attributes): the shards were made with these settings."""
         shown = set()
@@ -96,9 +123,10 @@ class StoreWriter(HiddenStore):
                 self.fs.rm(self.path(key), recursive=True)
         for cached in ("_attrs", "_root_commit"):
             self.__dict__.pop(cached, None)
-        self._create(attrs, embed, lm_head, over_shards=True)
+        self._create(attrs, embed, lm_head, lock, over_shards=True)
 
-    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, over_shards: bool = False) -> None:
+    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor,
+                lock: LockFile | ObjectLease | None, over_shards: bool = False) -> None:
         if not over_shards and self.fs.exists(self.path("shards")) and self.fs.ls(self.path("shards")):
             raise NotAStore(f"{self.location}: has shard data but no root commit; not a store this tool made")
         g = zarr.open_group(self.location, mode="a")
@@ -114,6 +142,9 @@ class StoreWriter(HiddenStore):
         folder = self.root.rstrip("/")
         record = RootCommit(time=time.time(), host=HOST, fingerprint=attrs.fingerprint, checksums=checksums,
                             metadata=commit_file.file_checksums(self.fs, folder, list(ROOT_METADATA)))
+        if lock is not None and not lock.still_held():
+            raise StoreError(f"{self.location}: lost the lock on the root ({lock.path}) while creating it; "
+                             "not committing it (rerun: the process that took it over creates it)")
         self.write_json(layout.commit_key("root"), to_json(record))
 
     def check_compatible(self, compat: Compat) -> None:

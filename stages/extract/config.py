@@ -11,6 +11,7 @@ from pipeline.target.taps import DEFAULT_NUM_TAPS
 from stages.settings import at_least, check_choices, fill, flag_of, require, setting
 from store import layout
 from store.errors import ConfigError
+from store.locks import LEASE_S
 
 # Shards of a new store unless --num-shards says otherwise: one per ROWS_PER_SHARD rows, at least
 # MIN_SHARDS. A shard is the unit of work, of commit and of retry, so it stays small at any scale
@@ -109,6 +110,11 @@ class ExtractConfig:
                                           "rows 'nonfinite', per shard and in the summary). Without it such a row "
                                           "stops the run, naming the shard and the dataset row, and that shard is not "
                                           "committed.")
+    lease_s: float = setting(LEASE_S, "Seconds a process's claim on a shard, or on creating the store, outlives its "
+                                      "last renewal (every 30 s, or 4 times a lease when shorter): a dead node's "
+                                      "shards are taken over by the next process that wants them after this long. "
+                                      "POSIX file systems and S3; on S3 the longer of this and the holder's own "
+                                      "applies (docs/reliability.md).")
     ignore_free_space: bool = setting(False, "Start even when the store's file system has less free space than the "
                                              "estimate printed at the start (measured from the store's committed "
                                              "shards, else from the length limits). Not checked for object stores. "
@@ -126,6 +132,7 @@ class ExtractConfig:
         require(self, "turns", self.turns == "last" or self.responses == "dataset",
                 f"{self.turns} goes with --responses dataset (regenerated answers exist only for the last turn)")
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
+        require(self, "lease_s", self.lease_s >= 2, "must be at least 2 seconds (S3 times leases to the second)")
         lo, hi = layout.LEVELS
         require(self, "compression_level", lo <= self.compression_level <= hi, f"levels run {lo} to {hi}")
         require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,

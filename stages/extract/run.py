@@ -1,10 +1,10 @@
 """Stage one: run the target over the prompt set and write tap-layer hidden states to the store.
 
-`run(config)` writes only the shards of `config.shards`. Each shard is claimed with a lock,
-written, and committed by a commit file written last; committed shards are skipped, so a rerun
+`run(config)` writes only the shards of `config.shards`. Each shard is claimed with a lease (a
+lock file, or an object on S3: store/store_writer.py), written, and committed by a commit file written last; committed shards are skipped, so a rerun
 resumes. Any number of processes fill one store together, a launcher's ranks (torchrun,
-`accelerate launch`, srun) or separate commands with overlapping ranges alike: a shard's lock
-decides who writes it, and no process waits for another.
+`accelerate launch`, srun) or separate commands with overlapping ranges alike: a shard's lease
+decides who writes it, and no process waits for another (but for the one creating the store).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def run(config: ExtractConfig, log=print) -> dict:
     t_start = time.perf_counter()
     process = devices.Process.from_env()
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
-    store = StoreWriter(config.store)
+    store = StoreWriter(config.store, config.lease_s)
     prompt_set = prompt_sets.load(config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field,
                                                                      config.response_field, config.template_kwargs_field,
                                                                      config.category_field),
@@ -202,12 +202,12 @@ def open_target(config: ExtractConfig, process: devices.Process, prompt_set: pro
     return target, taps, attrs
 
 
-def shard_order(store: HiddenStore, shards: list[int], process: devices.Process) -> list[int]:
-    """The shards this process tries, in order. With locks (a POSIX file system) every process
-    tries every shard, each starting at its own share, and a shard's lock decides who writes it: a
-    fast process takes more, and a rerun with any number of processes resumes. Without locks
-    (object stores) each process takes a fixed, disjoint share."""
-    if not store.local:
+def shard_order(store: StoreWriter, shards: list[int], process: devices.Process) -> list[int]:
+    """The shards this process tries, in order. With leases (a POSIX file system, S3) every process
+    tries every shard, each starting at its own share, and a shard's lease decides who writes it: a
+    fast process takes more, and a rerun with any number of processes resumes. Without (other
+    object stores) each process takes a fixed, disjoint share."""
+    if not store.leased:
         return shards[process.rank::process.world]
     start = process.rank * len(shards) // process.world
     return shards[start:] + shards[:start]
