@@ -111,9 +111,9 @@ class ExtractConfig:
                                           "stops the run, naming the shard and the dataset row, and that shard is not "
                                           "committed.")
     lease_s: float = setting(LEASE_S, "Seconds a process's claim on a shard, or on creating the store, outlives its "
-                                      "last renewal (every 30 s, or every quarter of the lease when shorter): a dead node's "
-                                      "shards are taken over by the next process that wants them after this long. "
-                                      "POSIX file systems and S3; on S3 the longer of this and the holder's own "
+                                      "last renewal (every 30 s, or every quarter of the lease when shorter): a dead "
+                                      "node's shards are taken over by the next process that wants them after this "
+                                      "long. POSIX file systems and S3; on S3 the longer of this and the holder's own "
                                       "applies (docs/reliability.md).")
     ignore_free_space: bool = setting(False, "Start even when the store's file system has less free space than the "
                                              "estimate printed at the start (measured from the store's committed "
