@@ -1,16 +1,20 @@
 """Training data order and batches, straight from the store.
 
 `index_samples` lists the trainable samples of the chosen shards (lengths only, no hidden
-states). `epoch_batches` orders them for one epoch, shuffled by sample with a (seed, epoch)
-generator, and forms batches (recipe.BATCHINGS): rows of one sample bucketed by length so padding stays
-small, rows of one sample in random order, or packed rows that hold several whole samples each;
-then deals them to ranks so each rank reads only its own part. A batch is a list of rows, a row a
-tuple of sample refs. `StoreBatches` turns a batch into padded tensors; it is what DataLoader
-worker processes run, each with its own store handles.
+states) as `Refs`: three parallel int32 arrays, 12 bytes a sample. `epoch_batches` orders them for
+one epoch, shuffled by sample with a (seed, epoch) generator, and forms batches (recipe.BATCHINGS):
+rows of one sample bucketed by length so padding stays small, rows of one sample in random order,
+or packed rows that hold several whole samples each; then deals them to ranks so each rank reads
+only its own part. Both are formed with numpy on every rank from the per-sample arrays the main
+process read (no Python object a sample: at 2.5M samples a rank forms them in well under a second
+and holds ~12 bytes a sample of refs and ~20 of an epoch's order). A batch, when read, is a list of
+rows, a row a tuple of `Ref`. `StoreBatches` turns a batch into padded tensors; it is what
+DataLoader worker processes run, each with its own store handles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -32,6 +36,7 @@ BUCKET = 64  # batches of similar length are formed within windows of this many 
 PREFETCH = 4  # batches each loader worker keeps ready (in shared memory until the trainer takes them)
 SHM = "/dev/shm"  # where DataLoader workers hand batches over (Linux)
 
+
 @dataclass(frozen=True)
 class Ref:
     shard: int
@@ -39,8 +44,48 @@ class Ref:
     length: int  # tokens used (after --max-length)
 
 
+@dataclass(frozen=True, eq=False)
+class Refs:
+    """Samples as parallel arrays, read like a list of Ref: refs[i] is a Ref, refs[slice or index
+    array] the Refs of those samples, iteration gives Ref after Ref, + joins."""
+
+    shard: np.ndarray  # [N] int32
+    index: np.ndarray  # [N] int32: the sample's number within its shard
+    length: np.ndarray  # [N] int32: tokens used (after --max-length)
+
+    def __post_init__(self) -> None:
+        assert all(a.dtype == np.int32 and a.shape == self.length.shape for a in (self.shard, self.index)), \
+            "Refs: three int32 arrays of one length"
+
+    @classmethod
+    def of(cls, shard, index, length) -> Refs:
+        return cls(*(np.asarray(a, dtype=np.int32).reshape(-1) for a in (shard, index, length)))
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            return Ref(int(self.shard[i]), int(self.index[i]), int(self.length[i]))
+        return Refs(self.shard[i], self.index[i], self.length[i])
+
+    def __iter__(self):
+        return map(Ref, self.shard.tolist(), self.index.tolist(), self.length.tolist())
+
+    def __add__(self, other: Refs) -> Refs:
+        return Refs(*(np.concatenate([a, b]) for a, b in zip(self._arrays(), other._arrays())))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Refs) and all(np.array_equal(a, b) for a, b in zip(self._arrays(), other._arrays()))
+
+    __hash__ = None
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.shard, self.index, self.length
+
+
 def index_samples(store: HiddenStore, shards: list[int], max_length: int,
-                  records: dict[int, ShardCommit] | None = None) -> list[Ref]:
+                  records: dict[int, ShardCommit] | None = None) -> Refs:
     """Samples with at least one anchor (pipeline/drafter/blocks.py) within max_length, from the
     per-sample index: O(samples) bytes read, not the per-token mask. The first anchor of a sample
     is its first pair of loss tokens (the anchor rule, checked against `anchor_mask` in the tests),
@@ -57,60 +102,91 @@ def index_samples(store: HiddenStore, shards: list[int], max_length: int,
     return refs_of(per_sample(store, {s: records[s] for s in shards}), shards, max_length)
 
 
-def refs_of(arrays: dict[int, dict[str, np.ndarray]], shards: list[int], max_length: int) -> list[Ref]:
+def refs_of(arrays: dict[int, dict[str, np.ndarray]], shards: list[int], max_length: int) -> Refs:
     """The samples of `shards` with an anchor within max_length (see index_samples), from their
-    per-sample arrays: shard -> {offsets: [N+1], first_pairs: [N]}."""
-    refs = []
+    per-sample arrays: shard -> {offsets: [N+1], first_pairs: [N]}; shard after shard, in store order."""
+    index, length = [], []
     for shard in shards:
         a = arrays[shard]
-        for i, (length, first) in enumerate(zip(np.diff(a["offsets"]).tolist(), a["first_pairs"].tolist())):
-            n = min(length, max_length)
-            if 0 <= first and first + 2 <= n:
-                refs.append(Ref(shard, i, n))
-    return refs
+        n = np.minimum(np.diff(a["offsets"]), max_length)
+        first = a["first_pairs"]
+        keep = np.flatnonzero((first >= 0) & (first + 2 <= n))
+        index.append(keep)
+        length.append(n[keep])
+    counts = [len(k) for k in index]
+    return Refs.of(np.repeat(np.asarray(shards, dtype=np.int64), counts), np.concatenate(index or [[]]),
+                   np.concatenate(length or [[]]))
 
 
-def sample_refs(refs: list[Ref], n: int | None, seed: int) -> list[Ref]:
+def sample_refs(refs: Refs, n: int | None, seed: int) -> Refs:
     """A fixed uniform sample of n refs (all when n is None or not smaller), in store order: the
     held-out samples validation checks on every call."""
     if n is None or n >= len(refs):
         return refs
-    return [refs[i] for i in np.sort(np.random.default_rng([seed, 1]).choice(len(refs), n, replace=False))]
+    return refs[np.sort(np.random.default_rng([seed, 1]).choice(len(refs), n, replace=False))]
 
 
 Row = tuple[Ref, ...]  # the samples of one row, in row order
 
 
-def epoch_batches(refs: list[Ref], batch_size: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
-                  batching: str = "bucketed", row_tokens: int | None = None) -> list[list[Row]]:
+@dataclass(frozen=True, eq=False)
+class Batches:
+    """A list of batches as arrays, read like a list: batches[i] is the i-th batch as a list of Row,
+    batches[slice or index array] those batches (the same rows: nothing copied but `order`).
+    Batch i holds rows k*batch_size .. k*batch_size+batch_size-1 (those that exist), k = order[i];
+    row r the refs at samples[row_starts[r]:row_starts[r + 1]]."""
+
+    refs: Refs
+    samples: np.ndarray  # [S] positions in refs, row after row (the epoch's order)
+    row_starts: np.ndarray  # [R + 1] where each row begins in samples
+    batch_size: int  # rows a batch (the last batch of the rows may hold fewer)
+    order: np.ndarray  # [B] the batches, as numbers of batch_size-row blocks
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i):
+        if not isinstance(i, (int, np.integer)):
+            return dataclasses.replace(self, order=self.order[i])
+        lo = int(self.order[i]) * self.batch_size
+        bounds = self.row_starts[lo:lo + self.batch_size + 1].tolist()  # the rows' edges in samples
+        refs = list(self.refs[self.samples[bounds[0]:bounds[-1]]])
+        return [tuple(refs[a - bounds[0]:b - bounds[0]]) for a, b in zip(bounds, bounds[1:])]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:  # as lists of batches
+        return isinstance(other, (Batches, list)) and list(self) == list(other)
+
+    __hash__ = None
+
+
+def epoch_batches(refs: Refs, batch_size: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
+                  batching: str = "bucketed", row_tokens: int | None = None) -> Batches:
     """This rank's batches of `batch_size` rows for one epoch; every rank gets the same number (the
     tail is dropped). bucketed: one sample a row, rows of similar length batched together (within
-    windows of BUCKET batches), the batches shuffled; random: one sample a row, in the shuffled
-    order; packed: each row takes the next samples of the shuffled order while they fit in
-    row_tokens tokens (a sample is never split: Ref.length <= row_tokens)."""
+    windows of BUCKET batches, a stable sort by length), the batches shuffled; random: one sample a
+    row, in the shuffled order; packed: each row takes the next samples of the shuffled order while
+    they fit in row_tokens tokens (a sample is never split: Ref.length <= row_tokens)."""
     g = np.random.default_rng([seed, epoch])
-    order = g.permutation(len(refs))
-    if batching == "packed":
-        rows = packed_rows([refs[i] for i in order], row_tokens)
-    elif batching == "random":
-        rows = [(refs[i],) for i in order]
-    else:
-        rows = []
-        for lo in range(0, len(order), batch_size * BUCKET):
-            rows += [(refs[i],) for i in sorted(order[lo:lo + batch_size * BUCKET], key=lambda i: refs[i].length)]
-    batches = [rows[j:j + batch_size] for j in range(0, len(rows), batch_size)]
+    order = g.permutation(len(refs))  # [N]
     if batching == "bucketed":
-        batches = [batches[i] for i in g.permutation(len(batches))]
-    per_rank = len(batches) // world
-    return batches[rank * per_rank:(rank + 1) * per_rank]
+        window = np.arange(len(order)) // (batch_size * BUCKET)
+        order = order[np.lexsort((refs.length[order], window))]  # by window, then length; stable
+    rows = packed_rows(refs.length[order], row_tokens) if batching == "packed" else np.arange(len(order) + 1)
+    n = -(-(len(rows) - 1) // batch_size)
+    batch_order = g.permutation(n) if batching == "bucketed" else np.arange(n)
+    per_rank = n // world
+    return Batches(refs, order, rows, batch_size, batch_order[rank * per_rank:(rank + 1) * per_rank])
 
 
-def train_batches(config, refs: list[Ref], epoch: int, rank: int = 0, world: int = 1) -> list[list[Row]]:
+def train_batches(config, refs: Refs, epoch: int, rank: int = 0, world: int = 1) -> Batches:
     """This rank's batches of one epoch under the run's --batching (packed rows hold --max-length tokens)."""
     return epoch_batches(refs, config.batch_size, config.seed, epoch, rank, world, config.batching, config.max_length)
 
 
-def epoch_length(config, refs: list[Ref], epoch: int) -> int:
+def epoch_length(config, refs: Refs, epoch: int) -> int:
     """The number of batches of `epoch` in all (train_batches with one rank), without forming them
     unless rows are packed (their count depends on the epoch's order): one row a sample otherwise."""
     if config.batching == "packed":
@@ -118,16 +194,18 @@ def epoch_length(config, refs: list[Ref], epoch: int) -> int:
     return -(-len(refs) // config.batch_size)
 
 
-def packed_rows(refs: list[Ref], row_tokens: int) -> list[Row]:
-    """Rows of consecutive refs, each row as many as fit in row_tokens tokens."""
-    rows, row, used = [], [], 0
-    for r in refs:
-        if row and used + r.length > row_tokens:
-            rows.append(tuple(row))
-            row, used = [], 0
-        row.append(r)
-        used += r.length
-    return rows + ([tuple(row)] if row else [])
+def packed_rows(lengths: np.ndarray, row_tokens: int) -> np.ndarray:
+    """[N] sample lengths in order -> [R + 1] where each row begins (then N): rows of consecutive
+    samples, each as many as fit in row_tokens tokens (at least one). The end of a row begun at
+    every sample comes from one search of the running sums; the rows are then walked from the first."""
+    ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # [N + 1]
+    nxt = np.searchsorted(ends, ends[:-1] + row_tokens, side="right") - 1  # the row begun at s ends before nxt[s]
+    nxt = np.maximum(nxt, np.arange(1, len(lengths) + 1)).tolist()
+    starts, s = [], 0
+    while s < len(nxt):
+        starts.append(s)
+        s = nxt[s]
+    return np.array(starts + [len(nxt)], dtype=np.int64)
 
 
 @dataclass
@@ -157,7 +235,7 @@ class StoreBatches(torch.utils.data.Dataset):
     loader (`loader`) keeps its workers through every epoch, so a shard's reader, its read cache
     (indexes, edge chunks) and its connections are made once per run, not once per epoch."""
 
-    def __init__(self, location: str, batches: list[list[Row]] = ()) -> None:
+    def __init__(self, location: str, batches: Batches | list[list[Row]] = ()) -> None:
         self.location, self.batches = location, batches
         self._store: HiddenStore | None = None
         self._readers: dict[int, ShardReader] = {}
@@ -261,13 +339,13 @@ def quiet_inherited_sessions(_worker: int) -> None:
         lambda r: not str(r.msg).startswith(("Unclosed client session", "Unclosed connector")))
 
 
-def shared_memory_need(config, refs: list[Ref], n_taps: int, hidden_size: int, local_processes: int) -> int:
+def shared_memory_need(config, refs: Refs, n_taps: int, hidden_size: int, local_processes: int) -> int:
     """Bytes of shared memory the loader workers of one node's `local_processes` training
     processes may hold at once: each worker's PREFETCH batches of bf16 states, rows as long as
     the longest sample (packed rows: --max-length)."""
     if not config.workers or not refs:
         return 0
-    row = config.max_length if config.batching == "packed" else max(r.length for r in refs)
+    row = config.max_length if config.batching == "packed" else int(refs.length.max())
     batch = config.batch_size * row * n_taps * hidden_size * 2  # hidden: [b, T, n_taps, H] bf16
     return local_processes * config.workers * PREFETCH * batch
 

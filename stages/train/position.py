@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.train.data import Ref, epoch_length, train_batches
+import numpy as np
+
+from stages.train.data import Batches, Refs, epoch_length, train_batches
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -38,46 +40,44 @@ def epochs_done(step: int, grad_accum: int, micro_per_epoch: int) -> float:
     return round(step * grad_accum / micro_per_epoch, 3)
 
 
-def epoch_indices(position: Position, epoch: int, n_batches: int) -> list[int]:
-    """The global batch indices epoch `epoch` still has to give, from `position` on."""
+def epoch_indices(position: Position, epoch: int, n_batches: int) -> np.ndarray:
+    """[k] the global batch indices epoch `epoch` still has to give, from `position` on."""
     if epoch > position.epoch or position.remaining is None:
-        return list(range(n_batches))
-    return [i for lo, hi in position.remaining for i in range(lo, hi)]
+        return np.arange(n_batches)
+    return np.concatenate([np.arange(lo, hi) for lo, hi in position.remaining] or [np.zeros(0, np.int64)])
 
 
-def deal(indices: list[int], rank: int, world: int) -> list[int]:
+def deal(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
     """Rank's contiguous block of indices; every rank gets the same number (the tail is dropped)."""
     per = len(indices) // world
     return indices[rank * per:(rank + 1) * per]
 
 
-def rank_batches(config, refs: list[Ref], position: Position, epoch: int, rank: int, world: int) -> list:
+def rank_batches(config, refs: Refs, position: Position, epoch: int, rank: int, world: int) -> Batches:
     """This rank's batches of `epoch` (at or after the position's), in order."""
     every = train_batches(config, refs, epoch)
-    return [every[i] for i in deal(epoch_indices(position, epoch, len(every)), rank, world)]
+    return every[deal(epoch_indices(position, epoch, len(every)), rank, world)]
 
 
-def advance(config, refs: list[Ref], position: Position, micro: int, world: int) -> Position:
+def advance(config, refs: Refs, position: Position, micro: int, world: int) -> Position:
     """The position after each of `world` ranks read `micro` more micro-batches from `position`."""
     epoch = position.epoch
     while True:
         indices = epoch_indices(position, epoch, epoch_length(config, refs, epoch))
         per = len(indices) // world
         if micro < per:
-            left = [i for r in range(world) for i in indices[r * per + micro:(r + 1) * per]]
-            return Position(epoch, to_ranges(left))
+            left = indices[:per * world].reshape(world, per)[:, micro:]  # what each rank has still to read
+            return Position(epoch, to_ranges(left.reshape(-1)))
         micro -= per
         epoch += 1
         if micro == 0:
             return Position(epoch, None)
 
 
-def to_ranges(indices: list[int]) -> Ranges:
-    """Ascending-run ranges [lo, hi) of a list of indices, in its order."""
-    out: list[list[int]] = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1][1] += 1
-        else:
-            out.append([i, i + 1])
-    return tuple((a, b) for a, b in out)
+def to_ranges(indices: np.ndarray) -> Ranges:
+    """Ascending-run ranges [lo, hi) of [k] indices, in their order."""
+    if not len(indices):
+        return ()
+    cut = np.flatnonzero(np.diff(indices) != 1) + 1  # where a run ends and the next begins
+    starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(indices)]])
+    return tuple(zip(indices[starts].tolist(), (indices[ends - 1] + 1).tolist()))

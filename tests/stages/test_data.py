@@ -6,14 +6,121 @@ import numpy as np
 import pytest
 import torch
 
-from stages.train.data import Ref, StoreBatches, epoch_batches, index_samples
+from stages.train.data import (
+    BUCKET,
+    Ref,
+    Refs,
+    StoreBatches,
+    epoch_batches,
+    index_samples,
+    refs_of,
+)
 from stages.train.recipe import BATCHINGS
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 
 
 def refs(n=103):
-    return [Ref(0, i, 10 + (i * 37) % 200) for i in range(n)]
+    return Refs.of(np.zeros(n), np.arange(n), [10 + (i * 37) % 200 for i in range(n)])
+
+
+# The algorithms as they were written with a Python object a sample (before the arrays): the
+# arrays must give exactly their refs and batches, so that a seed trains on what it always did.
+
+def reference_refs(arrays, shards, max_length):
+    out = []
+    for shard in shards:
+        a = arrays[shard]
+        for i, (length, first) in enumerate(zip(np.diff(a["offsets"]).tolist(), a["first_pairs"].tolist())):
+            n = min(length, max_length)
+            if 0 <= first and first + 2 <= n:
+                out.append(Ref(shard, i, n))
+    return out
+
+
+def reference_batches(refs, batch_size, seed, epoch, rank=0, world=1, batching="bucketed", row_tokens=None):
+    g = np.random.default_rng([seed, epoch])
+    order = g.permutation(len(refs))
+    if batching == "packed":
+        rows, row, used = [], [], 0
+        for r in [refs[i] for i in order]:
+            if row and used + r.length > row_tokens:
+                rows.append(tuple(row))
+                row, used = [], 0
+            row.append(r)
+            used += r.length
+        rows += [tuple(row)] if row else []
+    elif batching == "random":
+        rows = [(refs[i],) for i in order]
+    else:
+        rows = []
+        for lo in range(0, len(order), batch_size * BUCKET):
+            rows += [(refs[i],) for i in sorted(order[lo:lo + batch_size * BUCKET], key=lambda i: refs[i].length)]
+    batches = [rows[j:j + batch_size] for j in range(0, len(rows), batch_size)]
+    if batching == "bucketed":
+        batches = [batches[i] for i in g.permutation(len(batches))]
+    per_rank = len(batches) // world
+    return batches[rank * per_rank:(rank + 1) * per_rank]
+
+
+def synthetic_arrays(seed, shards=7, most=300):
+    """Per-sample arrays of `shards` shards: lengths from 1 to ~4k tokens (many equal: ties in the
+    length sort), first loss pairs anywhere in the sample or none (-1)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in range(shards):
+        n = int(rng.integers(0, most))
+        lengths = np.where(rng.random(n) < 0.3, rng.integers(1, 40, n), rng.integers(1, 4096, n))
+        first = np.where(rng.random(n) < 0.1, -1, (rng.random(n) * lengths).astype(np.int64))
+        out[s] = {"offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                  "first_pairs": first.astype(np.int32)}
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+@pytest.mark.parametrize("max_length", [16, 512, 8192])
+def test_the_refs_are_the_reference_algorithms(seed, max_length):
+    arrays = synthetic_arrays(seed)
+    shards = [5, 0, 3, 6, 1, 2, 4][:4 + seed % 4]
+    got = refs_of(arrays, shards, max_length)
+    assert got.shard.dtype == got.index.dtype == got.length.dtype == np.int32
+    expected = reference_refs(arrays, shards, max_length)
+    assert list(got) == expected and len(got) == len(expected) > 0
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+@pytest.mark.parametrize("seed", [0, 3, 11])
+def test_the_batches_are_the_reference_algorithms_bit_for_bit(batching, seed):
+    """For every seed, epoch, batch size, deal and row budget, the same batches as the per-object
+    algorithm: same rows, same samples, same order."""
+    r = refs_of(synthetic_arrays(seed, shards=9, most=700), list(range(9)), 2048)
+    listed = list(r)
+    assert len(r) > 3 * 8 * BUCKET  # several bucketing windows
+    for epoch, batch_size, world, row_tokens in [(0, 1, 1, 2048), (1, 3, 2, 4096), (2, 8, 3, 2048), (5, 5, 1, 9000)]:
+        for rank in range(world):
+            args = (batch_size, seed, epoch, rank, world, batching, row_tokens)
+            got = epoch_batches(r, *args)
+            assert list(got) == reference_batches(listed, *args), (epoch, batch_size, world, rank)
+    assert epoch_batches(Refs.of([], [], []), 2, seed, 0, batching=batching, row_tokens=100) == []
+
+
+def test_a_sample_longer_than_the_row_budget_is_a_row_of_its_own_as_before():
+    r = Refs.of(np.zeros(6), np.arange(6), [5, 30, 3, 3, 40, 2])
+    got = list(epoch_batches(r, 1, 0, 0, batching="packed", row_tokens=10))
+    assert got == reference_batches(list(r), 1, 0, 0, batching="packed", row_tokens=10)
+    assert sorted(len(row) for (row,) in got) != [1] * 6  # some rows hold several samples
+
+
+def test_refs_read_like_a_list_of_ref():
+    from stages.train.data import sample_refs
+
+    r = refs(10)
+    assert r[3] == Ref(0, 3, r.length[3]) and r[-1] == list(r)[-1] and list(r[2:5]) == list(r)[2:5]
+    assert list(r[[4, 1]]) == [list(r)[4], list(r)[1]] and list(r + r[:2]) == list(r) + list(r)[:2]
+    assert r == refs(10) and r != refs(11) and r != r[::-1] and len(r) == 10
+    held = sample_refs(r, 4, 0)
+    assert len(held) == 4 and held == sample_refs(r, 4, 0) != sample_refs(r, 4, 1) and sample_refs(r, None, 0) == r
+    assert list(held.index) == sorted(held.index)  # in store order
 
 
 def batches_of(batching, r, *args):
@@ -23,6 +130,7 @@ def batches_of(batching, r, *args):
 @pytest.mark.parametrize("batching", BATCHINGS)
 def test_order_is_deterministic_per_seed_and_epoch(batching):
     r = refs()
+    assert len(batches_of(batching, r, 1, 0)) > 5
     assert batches_of(batching, r, 1, 0) == batches_of(batching, r, 1, 0)
     assert batches_of(batching, r, 1, 0) != batches_of(batching, r, 1, 1)
     assert batches_of(batching, r, 1, 0) != batches_of(batching, r, 2, 0)
@@ -40,7 +148,10 @@ def test_ranks_read_disjoint_equal_parts(batching):
 
 def test_length_bucketing_keeps_padding_small():
     r = refs(1024)
-    waste = lambda batches: sum(max(x.length for (x,) in b) * len(b) - sum(x.length for (x,) in b) for b in batches)
+
+    def waste(batches):
+        return sum(max(x.length for (x,) in b) * len(b) - sum(x.length for (x,) in b) for b in batches)
+
     assert waste(epoch_batches(r, 8, 0, 0)) < 0.1 * waste(epoch_batches(r, 8, 0, 0, batching="random"))
 
 

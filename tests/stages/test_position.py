@@ -1,14 +1,15 @@
 """Where a run is in its data: resumed on any number of processes, no batch of an epoch is read twice
 and none is lost beyond the tail a deal drops; on the same number, every rank reads what it would have."""
 
+import numpy as np
 import pytest
 
 from stages.train.config import TrainConfig
-from stages.train.data import Ref
-from stages.train.position import Position, advance, rank_batches
+from stages.train.data import Refs
+from stages.train.position import Position, advance, rank_batches, to_ranges
 from stages.train.recipe import BATCHINGS
 
-REFS = [Ref(0, i, 10 + (i * 37) % 200) for i in range(150)]
+REFS = Refs.of(np.zeros(150), np.arange(150), [10 + (i * 37) % 200 for i in range(150)])
 
 
 def config(batching):
@@ -17,7 +18,7 @@ def config(batching):
 
 def read(c, position, epoch, world, micro):
     """What each of `world` ranks reads of `epoch` from `position`: its first `micro` batches (None: all)."""
-    return [rank_batches(c, REFS, position, epoch, r, world)[:micro] for r in range(world)]
+    return [list(rank_batches(c, REFS, position, epoch, r, world))[:micro] for r in range(world)]
 
 
 def ids(batches):
@@ -49,3 +50,46 @@ def test_advancing_across_epochs_equals_reading_them(batching):
     assert advance(c, REFS, Position(), per, 2) == Position(1, None)
     assert advance(c, REFS, at, 0, 2) == at
     assert Position.from_json(at.to_json()) == at
+
+
+def reference_ranges(indices):
+    out = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1][1] += 1
+        else:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
+
+
+def test_ranges_are_the_ascending_runs_in_order():
+    for indices in ([], [4], [0, 1, 2, 7, 8, 3, 4, 9], [5, 4, 3], [2, 3, 3, 4]):
+        assert to_ranges(np.array(indices, dtype=np.int64)) == reference_ranges(indices)
+    assert to_ranges(np.array([0, 1, 2, 7, 8, 3])) == ((0, 3), (7, 9), (3, 4))
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_a_saved_position_is_what_the_per_object_walk_gave(batching):
+    """advance's positions (what step-N records and --resume reads) equal the list walk's of before
+    the arrays, at every micro-batch of three epochs, on 1 to 3 ranks, from a resumed position too."""
+    c = config(batching)
+
+    def walked(position, micro, world):  # the walk as it was written with lists
+        epoch = position.epoch
+        while True:
+            n = len(rank_batches(c, REFS, Position(), epoch, 0, 1))
+            indices = list(range(n)) if epoch > position.epoch or position.remaining is None else [
+                i for lo, hi in position.remaining for i in range(lo, hi)]
+            per = len(indices) // world
+            if micro < per:
+                return Position(epoch, reference_ranges([i for r in range(world)
+                                                         for i in indices[r * per + micro:(r + 1) * per]]))
+            micro, epoch = micro - per, epoch + 1
+            if micro == 0:
+                return Position(epoch, None)
+
+    for world in (1, 2, 3):
+        for micro in range(0, 3 * 40 // world, 3):
+            assert advance(c, REFS, Position(), micro, world) == walked(Position(), micro, world)
+    resumed = advance(c, REFS, Position(), 7, 2)
+    assert all(advance(c, REFS, resumed, m, 3) == walked(resumed, m, 3) for m in range(0, 30, 2))
