@@ -5,22 +5,27 @@ states) as `Refs`: three parallel int32 arrays, 12 bytes a sample. `epoch_batche
 one epoch, shuffled by sample with a (seed, epoch) generator, and forms batches (recipe.BATCHINGS):
 rows of one sample bucketed by length so padding stays small, rows of one sample in random order,
 or packed rows that hold several whole samples each; then deals them to ranks so each rank reads
-only its own part. Both are formed with numpy on every rank from the per-sample arrays the main
-process read (no Python object a sample: at 2.5M samples a rank forms them in well under a second
-and holds ~12 bytes a sample of refs and ~20 of an epoch's order). A batch, when read, is a list of
-rows, a row a tuple of `Ref`. `StoreBatches` turns a batch into padded tensors; it is what
-DataLoader worker processes run, each with its own store handles.
+only its own part; an epoch's batches are `Batches`, arrays too. Both are formed with numpy, no
+Python object a sample (a batch becomes a list of rows, a row a tuple of `Ref`, only when it is
+read), by every rank alike from the per-sample arrays the main process read and sent
+(stages/train/setup.py): at 2.5M samples a rank forms its refs and an epoch in well under a second
+and holds 12 bytes a sample of refs and at most 12 of the epoch's batches (docs/performance.md).
+Every rank forms them rather than receiving them from the main process: that costs about what
+pickling and sending 30-60 MB to every rank would, and needs no exchange (every rank waiting on the
+main process) at each epoch's start; the (seed, epoch) generator makes them the same everywhere. `StoreBatches` turns a batch into padded
+tensors; it is what DataLoader worker processes run, each with its own store handles.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import logging
 import math
 import os
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -52,9 +57,14 @@ class Refs:
     shard: np.ndarray  # [N] int32
     index: np.ndarray  # [N] int32: the sample's number within its shard
     length: np.ndarray  # [N] int32: tokens used (after --max-length)
+    # what epoch_batches formed of these refs, so that the launch's epoch length, the epoch's batches
+    # and every save's walk over the epochs (position.advance) form an epoch once: the last epoch's
+    # batches and every epoch's number of batches, by its arguments
+    _last: dict = field(default_factory=dict, init=False, repr=False)
+    _counts: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        assert all(a.dtype == np.int32 and a.shape == self.length.shape for a in (self.shard, self.index)), \
+        assert all(a.dtype == np.int32 and a.shape == self.length.shape for a in self._arrays()), \
             "Refs: three int32 arrays of one length"
 
     @classmethod
@@ -104,7 +114,7 @@ def index_samples(store: HiddenStore, shards: list[int], max_length: int,
 
 def refs_of(arrays: dict[int, dict[str, np.ndarray]], shards: list[int], max_length: int) -> Refs:
     """The samples of `shards` with an anchor within max_length (see index_samples), from their
-    per-sample arrays: shard -> {offsets: [N+1], first_pairs: [N]}; shard after shard, in store order."""
+    per-sample arrays: shard -> {offsets: [N+1], first_pairs: [N]}; shard after shard, as `shards` lists them."""
     index, length = [], []
     for shard in shards:
         a = arrays[shard]
@@ -137,10 +147,10 @@ class Batches:
     row r the refs at samples[row_starts[r]:row_starts[r + 1]]."""
 
     refs: Refs
-    samples: np.ndarray  # [S] positions in refs, row after row (the epoch's order)
-    row_starts: np.ndarray  # [R + 1] where each row begins in samples
+    samples: np.ndarray  # [S] int32 positions in refs, row after row (the epoch's order)
+    row_starts: np.ndarray  # [R + 1] int32 where each row begins in samples
     batch_size: int  # rows a batch (the last batch of the rows may hold fewer)
-    order: np.ndarray  # [B] the batches, as numbers of batch_size-row blocks
+    order: np.ndarray  # [B] int32 the batches, as numbers of batch_size-row blocks
 
     def __len__(self) -> int:
         return len(self.order)
@@ -169,16 +179,29 @@ def epoch_batches(refs: Refs, batch_size: int, seed: int, epoch: int, rank: int 
     windows of BUCKET batches, a stable sort by length), the batches shuffled; random: one sample a
     row, in the shuffled order; packed: each row takes the next samples of the shuffled order while
     they fit in row_tokens tokens (a sample is never split: Ref.length <= row_tokens)."""
+    key = (batch_size, seed, epoch, batching, row_tokens if batching == "packed" else None)
+    if key not in refs._last:
+        refs._last.clear()
+        refs._last[key] = every = _every_batch(refs, *key)
+        refs._counts[key] = len(every)
+    every = refs._last[key]
+    per_rank = len(every) // world
+    return every[rank * per_rank:(rank + 1) * per_rank]
+
+
+def _every_batch(refs: Refs, batch_size: int, seed: int, epoch: int, batching: str, row_tokens: int | None) -> Batches:
+    """The epoch's batches before they are dealt (epoch_batches)."""
     g = np.random.default_rng([seed, epoch])
     order = g.permutation(len(refs))  # [N]
-    if batching == "bucketed":
-        window = np.arange(len(order)) // (batch_size * BUCKET)
-        order = order[np.lexsort((refs.length[order], window))]  # by window, then length; stable
-    rows = packed_rows(refs.length[order], row_tokens) if batching == "packed" else np.arange(len(order) + 1)
+    if batching == "bucketed":  # sorted by (window, length), stably: one int64 key
+        window = np.arange(len(order), dtype=np.int64) // (batch_size * BUCKET)
+        order = order[np.argsort((window << 32) | refs.length[order], kind="stable")]
+    one = batching != "packed"  # one sample a row
+    rows = np.arange(len(order) + 1, dtype=np.int32) if one else packed_rows(refs.length[order], row_tokens)
     n = -(-(len(rows) - 1) // batch_size)
-    batch_order = g.permutation(n) if batching == "bucketed" else np.arange(n)
-    per_rank = n // world
-    return Batches(refs, order, rows, batch_size, batch_order[rank * per_rank:(rank + 1) * per_rank])
+    batch_order = g.permutation(n) if batching == "bucketed" else np.arange(n, dtype=np.int32)
+    return Batches(refs, order.astype(np.int32), rows.astype(np.int32, copy=False), batch_size,
+                   batch_order.astype(np.int32, copy=False))
 
 
 def train_batches(config, refs: Refs, epoch: int, rank: int = 0, world: int = 1) -> Batches:
@@ -190,22 +213,25 @@ def epoch_length(config, refs: Refs, epoch: int) -> int:
     """The number of batches of `epoch` in all (train_batches with one rank), without forming them
     unless rows are packed (their count depends on the epoch's order): one row a sample otherwise."""
     if config.batching == "packed":
-        return len(train_batches(config, refs, epoch))
+        key = (config.batch_size, config.seed, epoch, "packed", config.max_length)
+        return refs._counts[key] if key in refs._counts else len(train_batches(config, refs, epoch))
     return -(-len(refs) // config.batch_size)
 
 
 def packed_rows(lengths: np.ndarray, row_tokens: int) -> np.ndarray:
     """[N] sample lengths in order -> [R + 1] where each row begins (then N): rows of consecutive
     samples, each as many as fit in row_tokens tokens (at least one). The end of a row begun at
-    every sample comes from one search of the running sums; the rows are then walked from the first."""
+    every sample comes from one search of the running sums; the rows are then walked from the first
+    (one Python step a row, through a memoryview: no Python int a sample is made)."""
     ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])  # [N + 1]
     nxt = np.searchsorted(ends, ends[:-1] + row_tokens, side="right") - 1  # the row begun at s ends before nxt[s]
-    nxt = np.maximum(nxt, np.arange(1, len(lengths) + 1)).tolist()
-    starts, s = [], 0
+    nxt = memoryview(np.maximum(nxt, np.arange(1, len(lengths) + 1, dtype=np.int64)))
+    starts, s = array.array("q"), 0
     while s < len(nxt):
         starts.append(s)
         s = nxt[s]
-    return np.array(starts + [len(nxt)], dtype=np.int64)
+    starts.append(len(nxt))
+    return np.frombuffer(starts, dtype=np.int64)
 
 
 @dataclass

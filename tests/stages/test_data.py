@@ -104,6 +104,25 @@ def test_the_batches_are_the_reference_algorithms_bit_for_bit(batching, seed):
     assert epoch_batches(Refs.of([], [], []), 2, seed, 0, batching=batching, row_tokens=100) == []
 
 
+def test_batches_formed_again_with_other_arguments_are_those_arguments_batches():
+    """Refs remember the epoch they last formed and every epoch's count: asking again in any order,
+    with one argument changed at a time, gives each time the reference algorithm's batches."""
+    from stages.train.config import TrainConfig
+    from stages.train.data import epoch_length
+
+    r = refs_of(synthetic_arrays(5, shards=4, most=400), list(range(4)), 2048)
+    listed = list(r)
+    asks = [(2, 0, 0, 0, 1, "packed", 2048), (2, 0, 0, 0, 1, "packed", 4096), (3, 0, 0, 0, 1, "packed", 4096),
+            (3, 1, 0, 0, 1, "packed", 4096), (3, 1, 1, 0, 1, "packed", 4096), (3, 1, 1, 1, 2, "packed", 4096),
+            (3, 1, 1, 1, 2, "bucketed", 4096), (3, 1, 1, 1, 2, "random", 4096), (2, 0, 0, 0, 1, "packed", 2048)]
+    for args in asks + asks[::-1]:
+        assert list(epoch_batches(r, *args)) == reference_batches(listed, *args), args
+    for bs, seed, epoch, _, _, batching, row_tokens in asks:
+        config = TrainConfig(batch_size=bs, seed=seed, batching=batching, max_length=row_tokens)
+        assert epoch_length(config, r, epoch) == len(reference_batches(listed, bs, seed, epoch, 0, 1, batching,
+                                                                       row_tokens))
+
+
 def test_a_sample_longer_than_the_row_budget_is_a_row_of_its_own_as_before():
     r = Refs.of(np.zeros(6), np.arange(6), [5, 30, 3, 3, 40, 2])
     got = list(epoch_batches(r, 1, 0, 0, batching="packed", row_tokens=10))
