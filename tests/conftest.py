@@ -117,3 +117,25 @@ def trained_drafter(small_store, tmp_path_factory) -> Path:
     r = train(["--store", small_store, "--out", out, "--max-steps", 40, "--eval-shards", "3", "--lr", "3e-3", *TINY])
     assert r.returncode == 0, r.stderr
     return out / "final"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 (tests/s3.py) as every process's S3 endpoint, with a bucket `bucket`."""
+    pytest.importorskip("s3fs", reason="the object-store tests need s3fs: pip install -e '.[s3]'")
+    from tests.s3 import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)  # every child process; fsspec read its environment at import here:
+    import fsspec.config
+    import s3fs
+
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("bucket")
+    yield server
+    fsspec.config.conf["s3"].pop("endpoint_url", None)
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    server.stop()

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, SMALL
 from tests.engines import free_port
 
 VENV = Path(os.environ.get("DFLASH_S3_VENV", Path.home() / ".cache" / "dflash-pipeline" / "moto-venv"))
@@ -55,3 +55,8 @@ class S3Server:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def extract_args(store: str, dataset, shards: str, *extra: str) -> list[str]:
+    args = ["extract", "--store", store, "--dataset", str(dataset), "--shards", shards, "--num-shards", "4"]
+    return args + [x for k, v in SMALL.items() for x in (f"--{k.replace('_', '-')}", str(v))] + list(extra)

@@ -13,34 +13,10 @@ import pytest
 
 from tests.conftest import SMALL, assert_stores_equal
 from tests.processes import REPO, pipeline_proc, run_pipeline, train
-from tests.s3 import S3Server
+from tests.s3 import extract_args
 
 pytestmark = pytest.mark.s3
 STRAY = ("Unclosed", "Traceback", "Exception ignored", "client_session")
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    pytest.importorskip("s3fs", reason="the object-store tests need s3fs: pip install -e '.[s3]'")
-    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)  # every child process; fsspec read its environment at import here:
-    import fsspec.config
-    import s3fs
-
-    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("bucket")
-    yield server
-    fsspec.config.conf["s3"].pop("endpoint_url", None)
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    server.stop()
-
-
-def extract_args(store: str, dataset, shards: str) -> list[str]:
-    args = ["extract", "--store", store, "--dataset", str(dataset), "--shards", shards, "--num-shards", "4"]
-    return args + [x for k, v in SMALL.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def no_stray_lines(text: str) -> None:

@@ -2,7 +2,6 @@
 one creates the store while the others wait, shards are claimed under leases (store/object_lease.py),
 a stopped writer's shard is taken over once its lease runs out. Opt-in: `pytest -m s3`."""
 
-import os
 import re
 import signal
 import socket
@@ -10,35 +9,11 @@ import time
 
 import pytest
 
-from tests.conftest import SMALL, assert_stores_equal
+from tests.conftest import assert_stores_equal
 from tests.processes import pipeline_proc, run_pipeline
-from tests.s3 import S3Server
+from tests.s3 import extract_args
 
 pytestmark = pytest.mark.s3
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    pytest.importorskip("s3fs", reason="the object-store tests need s3fs: pip install -e '.[s3]'")
-    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)  # every child process; fsspec read its environment at import here:
-    import fsspec.config
-    import s3fs
-
-    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("bucket")
-    yield server
-    fsspec.config.conf["s3"].pop("endpoint_url", None)
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    server.stop()
-
-
-def extract_args(store: str, dataset, shards: str, *extra: str) -> list[str]:
-    args = ["extract", "--store", store, "--dataset", str(dataset), "--shards", shards, "--num-shards", "4"]
-    return args + [x for k, v in SMALL.items() for x in (f"--{k.replace('_', '-')}", str(v))] + list(extra)
 
 
 @pytest.fixture(scope="module")
