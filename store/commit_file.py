@@ -33,8 +33,7 @@ def read(fs, path: str) -> dict | None:
     """The record at path (seal removed and checked), or None when there is no file. Raises
     StoreCorrupt naming the file when it is not JSON or fails its seal."""
     try:
-        with fs.open(path, "rb") as fh:
-            data = fh.read()
+        data = fs.cat_file(path, start=0)  # start=0: one GET, no HEAD first (see cat_many)
     except FileNotFoundError:
         return None
     return parse(data, path)
@@ -101,12 +100,21 @@ def file_checksums(fs, folder: str, names: list[str]) -> dict[str, int]:
 
 
 def check_files(fs, folder: str, recorded: dict[str, int]) -> None:
-    """Every file of `recorded` (name -> CRC-32, from a commit file) exists under folder and matches."""
+    """Every file of `recorded` (name -> CRC-32, from a commit file) exists under folder and matches;
+    the files fetched in one batch (cat_many)."""
+    names = sorted(recorded)
+    check_fetched(folder, recorded, dict(zip(names, cat_many(fs, [f"{folder}/{n}" for n in names]))))
+
+
+def check_fetched(folder: str, recorded: dict[str, int], got: dict) -> None:
+    """check_files on files already fetched: got, name -> its bytes or the exception its fetch
+    raised (cat_many), holds every name of `recorded`. A fetch that failed other than for a missing
+    file is raised as it is."""
     for name, crc in sorted(recorded.items()):
-        path = f"{folder}/{name}"
-        try:
-            data = fs.cat_file(path, start=0)
-        except FileNotFoundError:
-            raise StoreCorrupt(f"{path}: missing (its commit file records it)") from None
+        path, data = f"{folder}/{name}", got[name]
+        if isinstance(data, FileNotFoundError):
+            raise StoreCorrupt(f"{path}: missing (its commit file records it)")
+        if isinstance(data, Exception):
+            raise data
         if zlib.crc32(data) != crc:
             raise StoreCorrupt(f"{path}: damaged ({len(data)} bytes; not the CRC-32 its commit file records)")

@@ -10,6 +10,7 @@ checks depends on the store's layout (store/read_checks.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import TYPE_CHECKING
@@ -17,12 +18,19 @@ from typing import TYPE_CHECKING
 import fsspec
 import zarr
 from fsspec.implementations.local import LocalFileSystem
+from zarr.core.group import GroupMetadata
+from zarr.core.sync import sync
+from zarr.storage import StorePath
+from zarr.storage._common import make_store_path
 
-from store import commit_file, layout, read_cache
+from store import commit_file, layout, read_cache, zarr_files
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
 from store.ranges import format_ranges
 from store.read_checks import ReadChecks, read_checks
 from store.schema import RootCommit, ShardCommit, StoreAttrs
+
+# the root's metadata files, which its commit file records the CRC-32 of (fetched with it)
+ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
 
 if TYPE_CHECKING:
     import torch  # the view itself needs no torch; embedding() returns a tensor (store/layout.from_bits)
@@ -43,6 +51,16 @@ class HiddenStore:
     def path(self, key: str) -> str:
         """The file system path of a key in the store."""
         return f"{self.root.rstrip('/')}/{key}"
+
+    def fetch(self, keys: list[str]) -> dict:
+        """key -> the bytes of each file, or the exception its fetch raised (FileNotFoundError: none),
+        fetched in one batch (on an object store: concurrent GETs, no HEAD first)."""
+        return dict(zip(keys, commit_file.cat_many(self.fs, [self.path(k) for k in keys])))
+
+    @functools.cached_property
+    def store_path(self) -> StorePath:
+        """zarr's handle on the store, for arrays opened over metadata already read (store/zarr_files.py)."""
+        return sync(make_store_path(self.location, mode="r"))
 
     def read_json(self, key: str) -> dict | None:
         """A commit file's record; None when it does not exist, StoreCorrupt when it is damaged."""
@@ -67,17 +85,30 @@ class HiddenStore:
 
     @property
     def root_commit(self) -> RootCommit:
-        """The root's commit record (read once)."""
+        """The root's commit record (read once, in one batch with the metadata files it vouches for)."""
         if not hasattr(self, "_root_commit"):
             key = layout.commit_key("root")
+            got = self.fetch([key, *ROOT_METADATA])
+            data = got.pop(key)
+            if isinstance(data, FileNotFoundError):
+                raise NotAStore(f"{self.location}: not a hidden-state store (no {key})")
+            if isinstance(data, Exception):
+                raise data
             try:
-                d = self.read_json(key)
-                if d is None:
-                    raise NotAStore(f"{self.location}: not a hidden-state store (no {key})")
-                self._root_commit = RootCommit.from_json(d, self.path(key))
+                self._root_commit = RootCommit.from_json(commit_file.parse(data, self.path(key)), self.path(key))
             except StoreCorrupt as e:
                 raise e.located(None, ROOT_FIX) from None
+            self._root_files = got  # fetched with the record they are checked against
         return self._root_commit
+
+    def _root_files_for(self, names: list[str]) -> dict:
+        """name -> bytes (or the exception its fetch raised) of root files, those not fetched with
+        the root commit fetched now (one batch); not yet checked."""
+        self.root_commit
+        missing = [n for n in names if n not in self._root_files]
+        if missing:
+            self._root_files.update(self.fetch(missing))
+        return {n: self._root_files[n] for n in names}
 
     @property
     def attrs(self) -> StoreAttrs:
@@ -85,14 +116,13 @@ class HiddenStore:
         the checksums its commit file records, the fingerprint against the one it repeats)."""
         if not hasattr(self, "_attrs"):
             root = self.root_commit
+            recorded = root.metadata or {}
             try:
-                commit_file.check_files(self.fs, self.root.rstrip("/"), root.metadata or {})
-                raw = dict(self.group().attrs)
+                files = self._root_files_for(sorted({*recorded, "zarr.json"}))
+                commit_file.check_fetched(self.root.rstrip("/"), recorded, files)
+                raw = dict(zarr_files.parse(files["zarr.json"], self.path("zarr.json"), GroupMetadata).attributes)
             except StoreCorrupt as e:
                 raise e.located(None, ROOT_FIX) from None
-            except Exception as e:  # noqa: BLE001 - zarr's own error on a root it cannot parse
-                raise StoreCorrupt(f"{self.path('zarr.json')}: unreadable ({type(e).__name__}: {e})",
-                                   ROOT_FIX) from None
             attrs = StoreAttrs.from_json(raw, self.location)
             if attrs.fingerprint != root.fingerprint:
                 raise StoreCorrupt(f"{self.path('zarr.json')}: the attributes' fingerprint {attrs.fingerprint[:12]} is "
@@ -102,18 +132,36 @@ class HiddenStore:
 
     def embedding(self, name: str) -> torch.Tensor:
         """'embed_tokens' or 'lm_head': [V, H] bf16, checked against the root commit's checksum."""
-        key = f"target/{name}"
-        try:
-            bits = self.group()[key][:]
-        except KeyError:
-            raise StoreCorrupt(f"{self.path(key)}: missing", ROOT_FIX) from None
-        except Exception as e:  # noqa: BLE001 - zarr's own error on a chunk or metadata it cannot decode
-            raise StoreCorrupt(f"{self.path(key)}: unreadable ({type(e).__name__}: {e})", ROOT_FIX) from None
-        expected = self.root_commit.checksums.get(name)
-        if expected is not None and layout.crc32(bits) != expected:
-            raise StoreCorrupt(f"{self.path(key)}: its CRC-32 is not the one {layout.commit_key('root')} records (a "
-                               f"chunk file is damaged, missing or replaced)", ROOT_FIX)
-        return layout.from_bits(bits)
+        return self.embeddings((name,))[0]
+
+    def embeddings(self, names: tuple[str, ...] = ("embed_tokens", "lm_head")) -> list[torch.Tensor]:
+        """Each of names ('embed_tokens', 'lm_head'): [V, H] bf16, their chunks fetched together
+        (store/zarr_files.py: one batch of requests up to a GB), each checked against the root
+        commit's checksum, its metadata against the CRC-32 the root commit records."""
+        root = self.root_commit
+        arrays = []
+        for name in names:
+            key = f"target/{name}"
+            meta = f"{key}/zarr.json"
+            data = self._root_files_for([meta])[meta]
+            if isinstance(data, FileNotFoundError):
+                raise StoreCorrupt(f"{self.path(key)}: missing", ROOT_FIX)
+            try:
+                commit_file.check_fetched(self.root.rstrip("/"), {k: v for k, v in (root.metadata or {}).items()
+                                                                  if k == meta}, {meta: data})
+                arrays.append((self.path(key), zarr_files.parse(data, self.path(meta))))
+            except StoreCorrupt as e:
+                raise e.located(None, ROOT_FIX) from None
+        out = []
+        for name, (path, _), bits in zip(names, arrays, zarr_files.read_whole(self.fs, arrays)):
+            if isinstance(bits, Exception):  # a fetch that failed, zarr's own error on a chunk it cannot decode
+                raise StoreCorrupt(f"{path}: unreadable ({type(bits).__name__}: {bits})", ROOT_FIX)
+            expected = root.checksums.get(name)
+            if expected is not None and layout.crc32(bits) != expected:
+                raise StoreCorrupt(f"{path}: its CRC-32 is not the one {layout.commit_key('root')} records (a chunk "
+                                   f"file is damaged, missing or replaced)", ROOT_FIX)
+            out.append(layout.from_bits(bits))
+        return out
 
     # -- shards ----------------------------------------------------------------------------
     @property
@@ -130,10 +178,16 @@ class HiddenStore:
         except StoreCorrupt as e:
             raise self.shard_damage(e, shard) from None
 
-    def check_shard_files(self, shard: int, record: ShardCommit) -> None:
-        """The shard's metadata files against the checksums its commit file records (when it does)."""
+    def check_shard_files(self, shard: int, record: ShardCommit, got: dict | None = None) -> None:
+        """The shard's metadata files against the checksums its commit file records (when it does).
+        got: the files already fetched (key under the shard's group -> bytes or exception), else
+        fetched here (in one batch)."""
+        folder, recorded = self.path(layout.shard_group(shard)), record.metadata or {}
         try:
-            commit_file.check_files(self.fs, self.path(layout.shard_group(shard)), record.metadata or {})
+            if got is None:
+                commit_file.check_files(self.fs, folder, recorded)
+            else:
+                commit_file.check_fetched(folder, recorded, got)
         except StoreCorrupt as e:
             raise self.shard_damage(e, shard) from None
 

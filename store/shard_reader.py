@@ -8,14 +8,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
-from store import layout, span_reader
+from store import layout, span_reader, zarr_files
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.schema import ShardCommit
 
 _PER_TOKEN = ("tokens", "loss_mask", "hidden")
+_PER_SAMPLE = ("offsets", "prompt_lens", "row_ids", "first_pairs")
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,16 @@ class Sample:
 
 
 class ShardReader:
-    """One committed shard. The per-sample arrays (O(samples) bytes) are read whole, each on first
-    use; a sample's tokens, loss mask and states are read as its own span (only the chunks it
-    covers), so a reader's memory is bounded by what it is asked for, not by the shard. The spans
-    of a schema-2 planes store are read straight from their chunk files (store/span_reader.py),
-    any other layout's through zarr. One reader per thread: it reuses its decoding buffers."""
+    """One committed shard. Opening it fetches, in one batch of requests (concurrent on an object
+    store), every metadata file its commit record vouches for and the chunk of each per-sample
+    array, and checks the metadata against the record's CRC-32s; zarr parses what was fetched and
+    reads nothing itself (store/zarr_files.py). The per-sample arrays (O(samples) bytes) are
+    decoded from those chunks, each on first use (the layout schema 2 writes; any other is read
+    through zarr); a sample's tokens, loss mask and states are read as its own span (only the
+    chunks it covers), so a reader's memory is bounded by what it is asked for, not by the shard.
+    The spans of a schema-2 planes store are read straight from their chunk files
+    (store/span_reader.py), any other layout's through zarr. One reader per thread: it reuses its
+    decoding buffers."""
 
     def __init__(self, store: HiddenStore, shard: int, record: ShardCommit | None = None) -> None:
         """record: the shard's commit record when the caller has just read it (not read again)."""
@@ -42,19 +49,27 @@ class ShardReader:
         self.record = record or store.commit_record(shard)
         if self.record is None:
             store.require_committed([shard])
-        store.check_shard_files(shard, self.record)
+        names = [*sorted({*(self.record.metadata or {}), "zarr.json", *(f"{n}/zarr.json" for n in self.record.shapes)}),
+                 *(f"{n}/c/0" for n in _PER_SAMPLE if n in self.record.shapes)]  # one chunk each (layout.small_codecs)
+        group = layout.shard_group(shard)
+        self._files = {name.removeprefix(f"{group}/"): data
+                       for name, data in store.fetch([f"{group}/{n}" for n in names]).items()}
+        store.check_shard_files(shard, self.record, self._files)
+        self._meta: dict = {}
         try:
-            self._group = store.shard_arrays(shard)
-        except Exception as e:  # noqa: BLE001 - zarr's own error on metadata it cannot parse
-            raise self._damaged(StoreCorrupt(f"{self._path('zarr.json')}: unreadable ({type(e).__name__}: {e})"))
+            zarr_files.parse(self._files["zarr.json"], self._path("zarr.json"), GroupMetadata)
+        except StoreCorrupt as e:
+            raise self._damaged(e) from None
 
     @functools.cached_property
     def _per_token(self) -> list:
-        """The per-token arrays' handles (metadata only), opened on the first sample read."""
+        """The per-token arrays' zarr handles (over the metadata fetched at opening), for the layouts
+        read through zarr."""
         return [self._open(name) for name in _PER_TOKEN]
 
     @property
     def hidden(self):
+        """The states' zarr handle."""
         return self._per_token[-1]
 
     @functools.cached_property
@@ -64,29 +79,44 @@ class ShardReader:
         checks = self.store.read_checks({self.shard: self.record})
         if not checks.direct_reads:
             return None
-        direct = [span_reader.for_array(self.store.fs, self._path(name), array, checks.every_chunk(self.shard),
-                                        self.store.cache, self.store.local)
-                  for name, array in zip(_PER_TOKEN, self._per_token)]
+        direct = [span_reader.for_array(self.store.fs, self._path(name), self._metadata(name),
+                                        checks.every_chunk(self.shard), self.store.cache, self.store.local)
+                  for name in _PER_TOKEN]
         return None if None in direct else direct
 
     def _path(self, name: str) -> str:
         return self.store.path(f"{layout.shard_group(self.shard)}/{name}")
 
+    def _metadata(self, name: str):
+        """The metadata of array `name` (fetched at opening), its shape and dtype checked against the
+        commit record."""
+        if name not in self._meta:
+            try:
+                meta = zarr_files.parse(self._files.get(f"{name}/zarr.json", FileNotFoundError(name)),
+                                        self._path(f"{name}/zarr.json"))
+            except StoreCorrupt as e:
+                raise self._damaged(e) from None
+            shape, recorded, dtype = list(meta.shape), self.record.shapes.get(name), meta.dtype.to_native_dtype()
+            if shape != recorded or dtype != layout.ARRAY_DTYPES[name]:
+                raise self._damaged(StoreCorrupt(f"{self._path(name)}: shape {shape} {dtype}, its commit file "
+                                                 f"says {recorded} {np.dtype(layout.ARRAY_DTYPES[name])}"))
+            self._meta[name] = meta
+        return self._meta[name]
+
     def _open(self, name: str):
-        """The zarr array `name`, its shape and dtype checked against the commit record."""
-        try:
-            array = self._group[name]
-        except Exception as e:  # noqa: BLE001 - missing, or metadata zarr cannot parse
-            raise self._damaged(StoreCorrupt(f"{self._path(name)}: unreadable ({type(e).__name__}: {e})"))
-        shape, recorded = list(array.shape), self.record.shapes.get(name)
-        if shape != recorded or array.dtype != layout.ARRAY_DTYPES[name]:
-            raise self._damaged(StoreCorrupt(f"{self._path(name)}: shape {shape} {array.dtype}, its commit file "
-                                             f"says {recorded} {np.dtype(layout.ARRAY_DTYPES[name])}"))
-        return array
+        """The zarr array `name`, over its checked metadata (zarr reads it not again)."""
+        return zarr_files.handle(self.store.store_path, f"{layout.shard_group(self.shard)}/{name}", self._metadata(name))
 
     def _array(self, name: str) -> np.ndarray:
         """A per-sample array (or the loss mask of an old shard), read whole and checked against the
-        commit record's checksum."""
+        commit record's checksum: decoded from the chunk fetched at opening (the layout schema 2
+        writes, every check passed: store/sample_index.py), else read through zarr."""
+        from store.sample_index import _decoded, _NotHere  # that module opens this one's readers
+
+        try:
+            return _decoded(self.record, name, self._files.get(f"{name}/zarr.json"), self._files.pop(f"{name}/c/0", None))
+        except _NotHere:
+            pass
         array = self._open(name)
         try:
             data = array[:]
@@ -132,7 +162,7 @@ class ShardReader:
         if limit is not None:
             b = min(b, a + limit)
         assert hidden_out is None or (hidden_out.is_contiguous()
-                                      and hidden_out.shape == (b - a, *self.hidden.shape[1:]))
+                                      and hidden_out.shape == (b - a, *self._metadata("hidden").shape[1:]))
         return a, b, None if hidden_out is None else layout.to_bits(hidden_out)  # a view of it
 
     def _through_zarr(self, i: int, a: int, b: int, out: np.ndarray | None) -> tuple:

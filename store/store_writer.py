@@ -20,21 +20,13 @@ import zarr
 
 from store import commit_file, layout
 from store.errors import NotAStore, StoreCorrupt, StoreError, StoreMismatch
-from store.hidden_store import HiddenStore
+from store.hidden_store import ROOT_METADATA, HiddenStore
 from store.locks import HOST, LEASE_S, LockFile, heartbeat_for
 from store.object_lease import ObjectLease
 from store.s3_objects import conditional_objects
-from store.schema import (
-    SCHEMA_VERSION,
-    Compat,
-    RootCommit,
-    ShardCommit,
-    StoreAttrs,
-    to_json,
-)
+from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
-ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
 
 
 class StoreWriter(HiddenStore):

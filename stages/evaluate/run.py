@@ -102,7 +102,7 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
                                                                        else "") + f", drafter in {config.dtype}")
     live_refs = prompts.refs[:config.live_prompts] if config.live else []
     keep = set(live_refs) | (set(prompts.refs) if config.served else set())
-    embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")  # [V, H] bf16, read once
+    embed, lm_head = store.embeddings(("embed_tokens", "lm_head"))  # [V, H] bf16, read once, fetched together
     results, kept, where = replay_all(config, proc, device, prompts, checked, keep, (embed, lm_head))
     ranks.barrier(proc)
     ranks.leave(proc)  # the last collective is behind every process: rank 0's work below holds no one
