@@ -14,8 +14,13 @@ launch does that), then, through tools/s3/latency_proxy.py, times in this proces
   choice, the seeded sample of --prompts prompts, the first sample read, and one round of a random
   drafter on it (stages/evaluate);
 - before: the per-shard opening the evaluator did until this change (a ShardReader a shard, its
-  offsets and prompt lengths), on --old-shards shards, and that time scaled to all shards.
-Each with the requests it made. moto serves from memory on the client's cores: the figures say how
+  offsets and prompt lengths), on --old-shards shards, and that time scaled to all shards;
+- phases: opening, phase by phase (the root attributes, the embeddings, a shard reader opened with
+  its commit record as evaluation opens it, its first sample, a second sample, a reader opened
+  without its record as training opens it), each its requests, HEADs and seconds.
+Each with the requests it made. `--code DIR` runs it all on another checkout's code (the store
+code before a change: `git archive COMMIT | tar -x -C DIR`), for before/after figures from one
+bench. moto serves from memory on the client's cores: the figures say how
 many requests wait in turn, not a real store's bandwidth.
 """
 
@@ -31,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--code" in sys.argv:  # before anything of the project is imported
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 from bench.s3_bench import upload  # noqa: E402
 from tests.s3 import S3Server  # noqa: E402
@@ -90,6 +97,41 @@ def start_up(url: str, prompts: int) -> dict:
     return {"shards": len(shards.ids), "prompts": len(sample), "first_prompt": [first.shard, first.index]}
 
 
+def phases(url: str, proxy: LatencyProxy) -> dict:
+    """Opening on the object store, phase by phase, from a fresh handle: each phase's seconds,
+    requests (HEADs among them) and seconds over the per-request delay (rounds waited in turn)."""
+    from store import index_file
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+
+    fresh_fs()
+    store, out, held = HiddenStore(url), {}, {}
+    phase_s = time.perf_counter()
+    store.fs.connect()  # s3fs's client set-up (no request), which the first phase would otherwise carry
+    out["client"] = {"s": round(time.perf_counter() - phase_s, 3)}
+
+    def phase(name: str, fn) -> None:
+        r0, heads = proxy.counts()[0], proxy.by_method["HEAD"]
+        t = time.perf_counter()
+        fn()
+        s = time.perf_counter() - t
+        out[name] = {"s": round(s, 3), "requests": proxy.counts()[0] - r0, "head": proxy.by_method["HEAD"] - heads,
+                     "rounds": round(s / proxy.delay_s, 1)}
+
+    phase("attrs", lambda: store.attrs)
+    names = ("embed_tokens", "lm_head")
+    phase("embeddings", lambda: store.embeddings(names) if hasattr(store, "embeddings")
+          else [store.embedding(n) for n in names])
+    phase("index_file", lambda: held.update(index=index_file.load(store)[0]))
+    record = held["index"].records[0]
+    phase("reader_open", lambda: held.update(reader=ShardReader(store, 0, record)))
+    phase("first_sample", lambda: held["reader"][1])
+    phase("second_sample", lambda: held["reader"][2])
+    phase("reader_open_without_record", lambda: held.update(other=ShardReader(store, 1)))
+    out["reader_open_and_first_sample_s"] = round(out["reader_open"]["s"] + out["first_sample"]["s"], 3)
+    return out
+
+
 def before(url: str, shards: int) -> dict:
     """The evaluator's opening of each chosen shard until this change, on the first `shards`."""
     from store.hidden_store import HiddenStore
@@ -109,6 +151,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=2000, help="evaluate.py's --max-prompts")
     p.add_argument("--old-shards", type=int, default=40, help="shards the per-shard opening is timed on")
     p.add_argument("--json", type=Path)
+    p.add_argument("--code", type=Path, help="run on the code of this checkout instead (before/after figures)")
     args = p.parse_args()
     import fsspec.config
 
@@ -129,6 +172,7 @@ def main() -> None:
             proxy = LatencyProxy(server.url, args.delay_ms / 1000).start()
             fsspec.config.conf["s3"]["endpoint_url"] = proxy.url
             out["index"] = counted(proxy, lambda: index_only(url))
+            out["phases"] = phases(url, proxy)
             out["start_up"] = counted(proxy, lambda: start_up(url, args.prompts))
             old = counted(proxy, lambda: before(url, args.old_shards))
             n = out["index"]["shards"]

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 import fsspec
+import fsspec.config
 import zarr
 from fsspec.implementations.local import LocalFileSystem
 from zarr.core.group import GroupMetadata
@@ -28,6 +29,8 @@ from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_h
 from store.ranges import format_ranges
 from store.read_checks import ReadChecks, read_checks
 from store.schema import RootCommit, ShardCommit, StoreAttrs
+
+S3_CONNECTIONS = 64  # requests in flight at once per S3 file system: a batch of reads, several threads' readers
 
 # the root's metadata files, which its commit file records the CRC-32 of (fetched with it)
 ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
@@ -42,7 +45,7 @@ class HiddenStore:
         the spans asked for (store/read_cache.py; 0: nothing kept)."""
         self.location = str(location)
         self.cache = read_cache.ReadCache(cache_bytes)
-        self.fs, self.root = fsspec.core.url_to_fs(self.location)
+        self.fs, self.root = fsspec.core.url_to_fs(self.location, **_connections(self.location))
         self.local = isinstance(self.fs, LocalFileSystem)
         if self.local:
             _refuse_a_file(self.location, self.root)
@@ -259,6 +262,17 @@ class HiddenStore:
                 if attempt == 4:
                     raise
                 time.sleep(0.1)
+
+
+def _connections(location: str) -> dict:
+    """Storage options for location: on S3, a connection pool of S3_CONNECTIONS unless the user's
+    fsspec configuration sets one (botocore's default of 10 queues an opening's dozen requests, and
+    the readers of several threads, behind each other)."""
+    protocol = fsspec.core.split_protocol(location)[0]
+    if protocol not in ("s3", "s3a"):
+        return {}
+    configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs", {})
+    return {"config_kwargs": {"max_pool_connections": S3_CONNECTIONS, **configured}}
 
 
 def _refuse_a_file(location: str, root: str) -> None:

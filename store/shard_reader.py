@@ -111,7 +111,8 @@ class ShardReader:
         """A per-sample array (or the loss mask of an old shard), read whole and checked against the
         commit record's checksum: decoded from the chunk fetched at opening (the layout schema 2
         writes, every check passed: store/sample_index.py), else read through zarr."""
-        from store.sample_index import _decoded, _NotHere  # that module opens this one's readers
+        # imported here: that module opens this one's readers
+        from store.sample_index import _decoded, _NotHere
 
         try:
             return _decoded(self.record, name, self._files.get(f"{name}/zarr.json"), self._files.pop(f"{name}/c/0", None))
