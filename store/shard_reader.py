@@ -57,7 +57,7 @@ class ShardReader:
         store.check_shard_files(shard, self.record, self._files)
         self._meta: dict = {}
         try:
-            zarr_files.parse(self._files["zarr.json"], self._path("zarr.json"), GroupMetadata)
+            zarr_files.parse(self._files.pop("zarr.json"), self._path("zarr.json"), GroupMetadata)
         except StoreCorrupt as e:
             raise self._damaged(e) from None
 
@@ -101,6 +101,7 @@ class ShardReader:
                 raise self._damaged(StoreCorrupt(f"{self._path(name)}: shape {shape} {dtype}, its commit file "
                                                  f"says {recorded} {np.dtype(layout.ARRAY_DTYPES[name])}"))
             self._meta[name] = meta
+            self._files.pop(f"{name}/zarr.json", None)  # a kept reader holds the parse, not the bytes
         return self._meta[name]
 
     def _open(self, name: str):
@@ -114,8 +115,11 @@ class ShardReader:
         # imported here: that module opens this one's readers
         from store.sample_index import _decoded, _NotHere
 
+        meta = self._files.get(f"{name}/zarr.json")
         try:
-            return _decoded(self.record, name, self._files.get(f"{name}/zarr.json"), self._files.pop(f"{name}/c/0", None))
+            data = _decoded(self.record, name, meta, self._files.pop(f"{name}/c/0", None))
+            self._files.pop(f"{name}/zarr.json", None)
+            return data
         except _NotHere:
             pass
         array = self._open(name)
