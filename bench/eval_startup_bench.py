@@ -40,7 +40,7 @@ if "--code" in sys.argv:  # before anything of the project is imported
     sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 from bench.s3_bench import upload  # noqa: E402
-from tests.s3 import S3Server  # noqa: E402
+from tests.s3 import serving  # noqa: E402
 from tools.s3.latency_proxy import LatencyProxy  # noqa: E402
 
 
@@ -159,13 +159,10 @@ def main() -> None:
     from store.hidden_store import HiddenStore
 
     out = {"delay_ms": args.delay_ms}
-    with tempfile.TemporaryDirectory() as tmp:
-        server = S3Server(Path(os.environ.get("MOTO_LOG_DIR", tmp)) / "moto.log").start()
-        os.environ.update(server.env)
-        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
+    with tempfile.TemporaryDirectory() as tmp, serving(Path(os.environ.get("MOTO_LOG_DIR", tmp)) / "moto.log",
+                                                       "bench") as server:
         proxy = None
         try:
-            fsspec.filesystem("s3").mkdir("bench")
             url = "s3://bench/hs.zarr"
             out["upload_s"] = round(upload(args.local, url, None), 1)
             out["index_build_s"] = round(_timed(lambda: index_file.load(HiddenStore(url))), 1)  # as a launch would
@@ -182,7 +179,6 @@ def main() -> None:
         finally:
             if proxy is not None:
                 proxy.stop()
-            server.stop()
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from store import index_file  # noqa: E402
-from tests.s3 import S3Server  # noqa: E402
+from tests.s3 import serving  # noqa: E402
 
 
 def upload(local: str, url: str, shards: list[int] | None) -> float:
@@ -91,13 +90,7 @@ def main() -> None:
     shards = parse_ranges(args.shards, 1 << 20)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        server = S3Server(Path(tmp) / "moto.log").start()
-        os.environ.update(server.env)
-        import fsspec.config
-
-        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
-        try:
-            fsspec.filesystem("s3").mkdir("bench")
+        with serving(Path(tmp) / "moto.log", "bench") as server:
             url = "s3://bench/hs.zarr"
             out["upload_s"] = round(upload(args.local, url, shards), 1)
             out["local"] = read_samples(args.local, shards, args.samples)
@@ -115,8 +108,6 @@ def main() -> None:
                 shutil.rmtree(Path(args.startup) / index_file.FOLDER, ignore_errors=True)
                 for launch in ("first", "next"):
                     out[f"startup_local_{launch}"] = time_ranks(args.startup, 1, "2400-2441")[0]
-        finally:
-            server.stop()
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

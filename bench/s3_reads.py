@@ -162,25 +162,17 @@ def main() -> None:
     if args.child:
         child(args.child, args.n, args.counts)
         return
-    from tests.s3 import S3Server
+    from tests.s3 import serving
 
     if args.wide and not args.wide.exists():
         build_wide(args.wide, args.tiny)
     trees = {"after": ROOT, **({"before": args.before} if args.before else {})}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        server = S3Server(Path(tmp) / "moto.log").start()
-        os.environ.update(server.env)
-        import fsspec.config
-
-        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
-        try:
-            fsspec.filesystem("s3").mkdir("bench")
+        with serving(Path(tmp) / "moto.log", "bench") as server:
             for name, local in (("tiny", args.tiny), ("wide", args.wide)):
                 if local:
                     out[name] = measure(name, local, trees, server)
-        finally:
-            server.stop()
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -5,6 +5,7 @@ any S3 endpoint: s3fs with FSSPEC_S3_ENDPOINT_URL and (dummy) credentials in the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -60,3 +61,19 @@ class S3Server:
 def extract_args(store: str, dataset, shards: str, *extra: str) -> list[str]:
     args = ["extract", "--store", store, "--dataset", str(dataset), "--shards", shards, "--num-shards", "4"]
     return args + [x for k, v in SMALL.items() for x in (f"--{k.replace('_', '-')}", str(v))] + list(extra)
+
+
+@contextlib.contextmanager
+def serving(log: Path, bucket: str):
+    """A server for this process and the ones it starts (a bench's): the environment and fsspec's
+    configuration point at it and `bucket` exists; stopped on leaving."""
+    server = S3Server(log).start()
+    os.environ.update(server.env)
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = server.url
+    try:
+        fsspec.filesystem("s3").mkdir(bucket)
+        yield server
+    finally:
+        server.stop()
