@@ -70,6 +70,16 @@ def heartbeat_for(lease_s: float) -> float:
     return min(HEARTBEAT_S, lease_s / 4)
 
 
+def wait_for(lock, timeout: float, poll: float) -> None:
+    """Try `lock` (a LockFile or an object lease: try_acquire() -> the holder, or None once it is
+    ours) every `poll` seconds; TimeoutError naming the holder after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (owner := lock.try_acquire()) is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{lock.path} held by {owner.get('host')}:{owner.get('pid')}")
+        time.sleep(poll)
+
+
 class LockFile:
     def __init__(self, path: Path, lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.path = Path(path)
@@ -153,11 +163,7 @@ class LockFile:
                 and owner.get("pid") == os.getpid())
 
     def acquire(self, timeout: float, poll: float = 0.2) -> None:
-        deadline = time.monotonic() + timeout
-        while (owner := self.try_acquire()) is not None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.path} held by {owner.get('host')}:{owner.get('pid')}")
-            time.sleep(poll)
+        wait_for(self, timeout, poll)
 
     def release(self) -> None:
         if self.held:

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 
-from store.locks import HEARTBEAT_S, HOST, IDENTITY, LEASE_S, holder_gone
+from store.locks import HEARTBEAT_S, HOST, IDENTITY, LEASE_S, holder_gone, wait_for
 from store.s3_objects import S3Objects
 
 UNREADABLE = {"host": "?", "pid": -1}  # a record that does not parse: held, until its lease runs out
@@ -71,11 +71,7 @@ class ObjectLease:
         return owner  # it kept changing hands: held, for now
 
     def acquire(self, timeout: float, poll: float = 0.5) -> None:
-        deadline = time.monotonic() + timeout
-        while (owner := self.try_acquire()) is not None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.path} held by {owner.get('host')}:{owner.get('pid')}")
-            time.sleep(poll)
+        wait_for(self, timeout, poll)
 
     def still_held(self) -> bool:
         """Renew the lease, if it is still ours: True when it was (a whole lease is then ahead)."""
