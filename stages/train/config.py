@@ -22,6 +22,16 @@ class TrainConfig:
                                             "--shards range that reaches one is refused).", default_text="none",
                                       resume="fixed")
     max_steps: int | None = setting(None, "Optimizer steps; overrides --epochs.", resume="fixed")
+    follow: bool = setting(False, "Train while extraction runs: each epoch takes the shards of --shards committed "
+                                  "when it begins, so shards committed later join at the next epoch's start (waits "
+                                  "for enough shards to begin). Needs --shards and --max-steps; each epoch's shards "
+                                  "are recorded in OUT/shards.json and in every step-N.", resume="fixed")
+    follow_poll: float = setting(30.0, "--follow: seconds between looks at the store while too few shards are "
+                                       "committed to begin, and the least time between two looks at epoch starts.")
+    shard_schedule: str | None = setting(None, "Train each epoch on the shards a schedule file lists for it (a "
+                                               "--follow run's OUT/shards.json: that run replayed on the finished "
+                                               "store); epochs past its end take its last entry. Needs --shards "
+                                               "covering them.", default_text="off", resume="fixed")
     epochs: int = setting(6, "Passes over the training samples.", resume="fixed")
     lr: float = setting(6e-4, "Peak AdamW learning rate: of every parameter with --optimizer adamw, of the norms with "
                               "muon (whose matrices take --muon-lr).", resume="fixed")
@@ -146,6 +156,14 @@ class TrainConfig:
         require(self, "gamma", self.gamma is None or self.gamma > 0, "must be positive")
         require(self, "gamma", self.gamma is None or self.slot_weights == "exp", "is only used by --slot-weights exp")
         require(self, "dpace_alpha", 0 < self.dpace_alpha <= 1, "expected 0 < alpha <= 1")
+        require(self, "follow_poll", self.follow_poll > 0, "must be positive")
+        require(self, "follow", not (self.follow and self.shard_schedule), "cannot be combined with --shard-schedule "
+                "(a schedule replays a followed run: give one or the other)")
+        for name in ("follow", "shard_schedule"):
+            if getattr(self, name):
+                require(self, name, self.shards is not None, "needs --shards: the range of shards to train on")
+                require(self, name, self.max_steps is not None, "needs --max-steps: an epoch's size is not known "
+                        "before its shards are committed, so the step budget cannot come from --epochs")
         for name in ("shards", "eval_shards"):
             require(self, name, getattr(self, name) is None or bool(getattr(self, name).strip()),
                     "is empty: give a range such as '0-55', or leave the flag out")

@@ -11,6 +11,7 @@ exactly the batches it would have read next.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +25,18 @@ Ranges = tuple[tuple[int, int], ...]
 class Position:
     epoch: int = 0
     remaining: Ranges | None = None  # global batch indices of the epoch still to come; None: all of it
+    # --follow, --shard-schedule: each epoch's shards so far, epoch after epoch (stages/train/shard_schedule.py);
+    # None: every epoch trains on the shards fixed at launch
+    schedule: tuple[str, ...] | None = None
 
     def to_json(self) -> dict:
-        return {"epoch": self.epoch, "remaining": None if self.remaining is None else [list(r) for r in self.remaining]}
+        d = {"epoch": self.epoch, "remaining": None if self.remaining is None else [list(r) for r in self.remaining]}
+        return d if self.schedule is None else {**d, "schedule": list(self.schedule)}
 
     @classmethod
     def from_json(cls, d: dict) -> Position:
-        return cls(d["epoch"], None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]))
+        return cls(d["epoch"], None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]),
+                   None if d.get("schedule") is None else tuple(d["schedule"]))
 
 
 def epochs_done(step: int, grad_accum: int, micro_per_epoch: int) -> float:
@@ -54,16 +60,19 @@ def deal(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
 
 
 def rank_batches(config, refs: Refs, position: Position, epoch: int, rank: int, world: int) -> Batches:
-    """This rank's batches of `epoch` (at or after the position's), in order."""
+    """This rank's batches of `epoch` (at or after the position's), in order; refs: that epoch's samples."""
     every = train_batches(config, refs, epoch)
     return every[deal(epoch_indices(position, epoch, len(every)), rank, world)]
 
 
-def advance(config, refs: Refs, position: Position, micro: int, world: int) -> Position:
-    """The position after each of `world` ranks read `micro` more micro-batches from `position`."""
+def advance(config, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int) -> Position:
+    """The position after each of `world` ranks read `micro` more micro-batches from `position`.
+    refs: the samples of every epoch, or epoch -> that epoch's (a run whose shards change between
+    epochs: stages/train/shard_schedule.py)."""
+    refs_at = refs if callable(refs) else lambda _epoch: refs
     epoch = position.epoch
     while True:
-        indices = epoch_indices(position, epoch, epoch_length(config, refs, epoch))
+        indices = epoch_indices(position, epoch, epoch_length(config, refs_at(epoch), epoch))
         per = len(indices) // world
         if micro < per:
             left = indices[:per * world].reshape(world, per)[:, micro:]  # what each rank has still to read

@@ -27,6 +27,7 @@ from stages.train.run_dir import LAUNCH_MARK, MetricsLog, save_step, write_audit
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate
+from store.ranges import format_ranges
 
 
 def run(config: TrainConfig, log=print) -> dict:
@@ -171,7 +172,8 @@ def finish(setup: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -
     acc.wait_for_everyone()
     acc.end_training()
     return {"out": str(out), "steps": setup.total_steps, "final_eval": final, "world_size": acc.num_processes,
-            "main_process": acc.is_main_process, "corrupt_skipped": skipped}
+            "main_process": acc.is_main_process, "corrupt_skipped": skipped,
+            "never_read": format_ranges(setup.schedule.missing())}
 
 
 def done_line(summary: dict) -> str:
@@ -182,7 +184,9 @@ def done_line(summary: dict) -> str:
             + (f", replay tau {ev['tau_replay']:.3f} ({ev['replay_prompts']} prompts)" if ev and "tau_replay" in ev
                else "")
             + (f"; {summary['corrupt_skipped']} corrupt sample(s) left out (--on-corrupt skip; run `pipeline verify`)"
-               if summary.get("corrupt_skipped") else ""))
+               if summary.get("corrupt_skipped") else "")
+            + (f"; shards {summary['never_read']} of --shards were not committed before the step budget was spent: "
+               "never trained on" if summary.get("never_read") else ""))
 
 
 def micro_batches(setup: Setup, config: TrainConfig):
@@ -190,10 +194,11 @@ def micro_batches(setup: Setup, config: TrainConfig):
     epochs, read by one loader's worker processes for the whole run (their shard readers kept)."""
     acc = setup.accelerator
 
-    def every_epoch():
+    def every_epoch():  # each epoch's shards are decided as its first batch is asked for (--follow)
         epoch = setup.position.epoch
         while True:
-            yield from rank_batches(config, setup.train_refs, setup.position, epoch, acc.process_index,
+            setup.schedule.decide(epoch, acc)
+            yield from rank_batches(config, setup.schedule.refs(epoch), setup.position, epoch, acc.process_index,
                                     acc.num_processes)
             epoch += 1
 

@@ -119,7 +119,10 @@ def save_step(setup, config, step: int) -> None:
     write_drafter(setup, config, tmp, step, atomic=False)
     if acc.is_main_process:
         file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
-        at = advance(config, setup.train_refs, setup.position, (step - setup.start_step) * config.grad_accum, acc.num_processes)
+        at = advance(config, setup.schedule.refs, setup.position, (step - setup.start_step) * config.grad_accum,
+                     acc.num_processes)
+        epochs = setup.schedule.to_json()  # --follow, --shard-schedule: each epoch's shards so far
+        at = dataclasses.replace(at, schedule=None if epochs is None else tuple(epochs))
         state = {"step": step, "total_steps": setup.total_steps, "world_size": acc.num_processes,
                  "micro_per_epoch": setup.micro_per_epoch, "position": at.to_json(), "train_config": asdict(config),
                  "store_fingerprint": setup.store_fingerprint}

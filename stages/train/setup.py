@@ -29,6 +29,7 @@ from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.ranks import gather, on_main
 from stages.train.run_dir import LAUNCH_MARK, claim, resume_point
+from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from stages.train.step import LossPlan
 from store import index_file
 from store.errors import ConfigError, StoreError
@@ -45,7 +46,8 @@ class Setup:
     optimizers: list  # as prepared by Accelerate (stages/train/optim.py)
     schedulers: list  # one per optimizer
     drafter_config: DrafterConfig
-    train_refs: list[Ref]
+    train_refs: list[Ref]  # the samples of the epoch the run starts in
+    schedule: ShardSchedule  # every epoch's shards, and their samples (stages/train/shard_schedule.py)
     eval_refs: list[Ref]
     train_shards_text: str
     eval_shards_text: str
@@ -218,8 +220,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
     for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning()])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config, records)
-    store.require_committed([s for s in train_ids + eval_ids if s not in records])
-    train_refs, eval_refs = (refs_of(index.arrays, ids, config.max_length) for ids in (train_ids, eval_ids))
+    store.require_committed([s for s in eval_ids + ([] if config.follow else train_ids) if s not in records])
+    position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, config.max_length), previous)
+    schedule = schedule_of(config, store, train_ids, index, position.schedule)
+    schedule.wait_for_start(acc, lambda refs: epoch_length(config, refs, 0) // acc.num_processes >= config.grad_accum,
+                            log)
+    if schedule.mode == "replay" and acc.is_main_process:
+        schedule.write(Path(config.out) / FILE)
+    train_refs, eval_refs = schedule.refs(position.epoch), refs_of(index.arrays, eval_ids, config.max_length)
     if not train_refs:
         raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
@@ -232,7 +240,6 @@ def _prepare(config: TrainConfig, log) -> Setup:
                           f"{config.batch_size}, {acc.num_processes} ranks)")
     # a resumed run keeps its step count (its schedule was built for it), on any number of processes
     total = previous["total_steps"] if previous else config.max_steps or config.epochs * (micro // config.grad_accum)
-    position = resume_position(config, train_refs, previous)
     embed, lm_head = frozen_tensors(store, acc.device)  # [V, H] each, on the device
     raw, model, opts, scheds = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
@@ -251,12 +258,15 @@ def _prepare(config: TrainConfig, log) -> Setup:
                else "")
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
-            f"{format_ranges(train_ids)}" + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
+            f"{format_ranges(list(schedule.shards(position.epoch)))}"
+            + (f" (epoch {position.epoch}'s; --shards {config.shards}, {'followed' if config.follow else 'scheduled'} "
+               f"epoch by epoch, recorded in {Path(config.out) / FILE})" if schedule.mode != "fixed" else "")
+            + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}"
             + (f"; gradients all-reduced in {config.grad_comm}, {step_bytes(raw, config.grad_comm) / 1e9:.3g} GB a "
                "step per process" if acc.num_processes > 1 else ""))
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
-                 train_refs=train_refs, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
+                 train_refs=train_refs, schedule=schedule, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
                  store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),
                  store_taps=attrs.taps,
@@ -264,9 +274,10 @@ def _prepare(config: TrainConfig, log) -> Setup:
                  plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"), grad_comm=install(model, config.grad_comm))
 
 
-def resume_position(config: TrainConfig, refs: list[Ref], previous: dict | None) -> Position:
+def resume_position(config: TrainConfig, refs, previous: dict | None) -> Position:
     """Where the data continues: the saved position; for a checkpoint from before positions were
-    saved, its step walked on the number of processes it was saved with."""
+    saved, its step walked on the number of processes it was saved with. refs: the samples, or
+    epoch -> the samples (position.advance)."""
     if previous is None:
         return Position()
     if "position" in previous:

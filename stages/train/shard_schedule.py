@@ -1,0 +1,159 @@
+"""Which shards each epoch of a run trains on.
+
+A run fixed at launch (the default) trains every epoch on the same shards. With --follow the run
+starts while extraction is still committing shards of its --shards range: at each epoch's start
+the main process looks at the store's commit files (one listing, then one read of each new
+commit file and of its per-sample arrays) and the epoch takes every shard of the range committed
+by then; every rank receives that answer, so all of them form the same epoch. Shards join at
+epoch starts, not as soon as they commit, because an epoch is one shuffle of a fixed set of
+samples: its batches can be dealt to ranks, and a saved position (a set of that shuffle's batch
+indices) resumes it on any number of processes; a shard added mid-epoch would change the
+shuffle under the batches already read. Early epochs are short (they hold the few shards
+committed so far), so shards join often while extraction runs.
+
+The epochs' shard lists are the schedule: saved with every step-N (the data position), so
+`--resume` replays exactly the epochs that were read, and written to OUT/shards.json, which
+--shard-schedule replays on the finished store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from stages.train.data import Refs, refs_of
+from stages.train.ranks import on_main
+from store.errors import ConfigError
+from store.hidden_store import HiddenStore
+from store.ranges import format_ranges, parse_ranges
+from store.sample_index import per_sample
+
+FILE = "shards.json"  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)
+
+
+class ShardSchedule:
+    """epoch -> the training Refs of that epoch's shards. `arrays`: the per-sample arrays of every
+    shard known so far (shard -> {offsets, first_pairs}); `epochs`: the shard lists decided so far,
+    epoch after epoch (empty for a run fixed at launch, whose every epoch is `shards`)."""
+
+    def __init__(self, config, store: HiddenStore, shards: list[int], arrays: dict, epochs: list[tuple[int, ...]],
+                 mode: str) -> None:
+        assert mode in ("fixed", "follow", "replay"), mode
+        self.config, self.store, self.range, self.arrays = config, store, shards, arrays
+        self.epochs, self.mode = list(epochs), mode
+        self._refs: dict[tuple[int, ...], Refs] = {}  # one Refs a shard list: its formed epochs are kept on it
+        self._looked = 0.0  # when the store was last looked at (--follow)
+
+    def shards(self, epoch: int) -> tuple[int, ...]:
+        """The shards epoch `epoch` trains on; it must have been decided (`decide`) unless the run is fixed."""
+        if self.mode == "fixed":
+            return tuple(self.range)
+        return self.epochs[min(epoch, len(self.epochs) - 1)] if self.mode == "replay" else self.epochs[epoch]
+
+    def refs(self, epoch: int) -> Refs:
+        key = self.shards(epoch)
+        if key not in self._refs:
+            if len(self._refs) > 4:  # epochs come in order: the old shard lists are not asked again
+                self._refs.pop(next(iter(self._refs)))
+            self._refs[key] = refs_of(self.arrays, list(key), self.config.max_length)
+        return self._refs[key]
+
+    def decide(self, epoch: int, acc) -> None:
+        """--follow: fix epoch's shards (every rank calls it at the same point: the main process looks,
+        the others receive). Epochs already decided, and runs not following, are left as they are."""
+        if self.mode != "follow" or epoch < len(self.epochs):
+            return
+        assert epoch == len(self.epochs), (epoch, len(self.epochs))
+        known = set(self.epochs[-1]) if self.epochs else set()
+        fresh = time.monotonic() - self._looked >= self.config.follow_poll
+        new = on_main(acc, lambda: self._look(known) if fresh else {})
+        self._looked = time.monotonic() if fresh else self._looked
+        self.arrays.update(new)
+        self.epochs.append(tuple(sorted(known | set(new))))
+        if acc.is_main_process:
+            self.write(Path(self.config.out) / FILE)
+
+    def _look(self, known: set[int]) -> dict:
+        """The per-sample arrays of the shards of the range committed since `known` was decided."""
+        names = self.store.fs.ls(self.store.path("_commits"), detail=False) if self._has_commits() else []
+        committed = {int(b[:-5]) for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
+                     if b.endswith(".json") and b[:-5].isdigit()}
+        new = sorted((committed & set(self.range)) - known)
+        records = {s: r for s in new if (r := self.store.commit_record(s)) is not None}
+        return per_sample(self.store, records) if records else {}
+
+    def _has_commits(self) -> bool:
+        folder = self.store.path("_commits")
+        self.store.fs.invalidate_cache(folder)  # a listing cached earlier in this process is stale by design here
+        return self.store.fs.exists(folder)
+
+    def wait_for_start(self, acc, enough, log) -> None:
+        """--follow: decide epoch 0, waiting (one look every --follow-poll seconds) until its
+        samples make enough batches (`enough(refs)`) to begin."""
+        if self.mode != "follow" or self.epochs:
+            return
+        while True:
+            self.decide(0, acc)
+            if enough(self.refs(0)):
+                return
+            if acc.is_main_process:
+                log(f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "
+                    f"{format_ranges(self.range)} committed ({format_ranges(list(self.epochs[0])) or 'none'}), too few "
+                    f"to begin; looking again in {self.config.follow_poll:g} s")
+            self.epochs.clear()
+            time.sleep(self.config.follow_poll)
+
+    def missing(self) -> list[int]:
+        """The shards of the range no epoch decided so far trains on."""
+        seen = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs))
+        return [s for s in self.range if s not in seen]
+
+    def to_json(self) -> list[str] | None:
+        return None if self.mode == "fixed" else [format_ranges(list(e)) for e in self.epochs]
+
+    def write(self, path: Path) -> None:
+        """The schedule so far, replaced atomically (a reader never sees half a file)."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"shards": format_ranges(self.range), "epochs": self.to_json()}, indent=1) + "\n")
+        os.replace(tmp, path)
+
+
+def schedule_of(config, store: HiddenStore, shards: list[int], index, saved: list[str] | None) -> ShardSchedule:
+    """The run's schedule: fixed at launch, following the store (--follow), or replayed
+    (--shard-schedule); a resumed run continues from its saved epochs. index: the store's sample
+    index at launch (records, arrays)."""
+    mode = "follow" if config.follow else "replay" if config.shard_schedule else "fixed"
+    epochs = saved if saved is not None else read_schedule(config) if mode == "replay" else []
+    epochs = [tuple(parse_ranges(e, store.num_shards, FILE)) for e in epochs]
+    listed = sorted(set(shards).union(*map(set, epochs)))
+    outside = [s for s in listed if s not in set(shards)]
+    if outside:
+        raise ConfigError(flag_of_schedule(config), config.shard_schedule or config.resume,
+                          f"lists shards {format_ranges(outside)}, outside --shards {config.shards}")
+    needed = shards if mode == "fixed" else sorted(set().union(*map(set, epochs)))
+    missing = [s for s in needed if s not in index.records]
+    if missing:
+        store.require_committed(missing)
+    arrays = {s: index.arrays[s] for s in listed if s in index.arrays}
+    return ShardSchedule(config, store, shards, arrays, epochs, mode)
+
+
+def read_schedule(config) -> list[str]:
+    """The epochs of --shard-schedule's file (OUT/shards.json of a --follow run)."""
+    path = Path(config.shard_schedule)
+    try:
+        epochs = json.loads(path.read_text())["epochs"]
+    except FileNotFoundError:
+        raise ConfigError("--shard-schedule", path, "no such file") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError("--shard-schedule", path, f"not a schedule ({FILE} of a --follow run)") from None
+    if not epochs or not all(isinstance(e, str) for e in epochs):
+        raise ConfigError("--shard-schedule", path, "lists no epochs")
+    return epochs
+
+
+def flag_of_schedule(config) -> str:
+    return "--shard-schedule" if config.shard_schedule else "--resume"
+
