@@ -26,6 +26,7 @@ from zarr.storage._common import make_store_path
 
 from store import commit_file, layout, read_cache, zarr_files
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
+from store.node_cache import NodeCache
 from store.ranges import format_ranges
 from store.read_checks import ReadChecks, read_checks
 from store.schema import RootCommit, ShardCommit, StoreAttrs
@@ -40,20 +41,31 @@ if TYPE_CHECKING:
 
 
 class HiddenStore:
-    def __init__(self, location: str, cache_bytes: int = read_cache.DEFAULT_BYTES) -> None:
+    def __init__(self, location: str, cache_bytes: int = read_cache.DEFAULT_BYTES,
+                 node_cache: NodeCache | None = None) -> None:
         """cache_bytes: the bound of what this handle's readers keep of what they fetched beyond
-        the spans asked for (store/read_cache.py; 0: nothing kept)."""
+        the spans asked for (store/read_cache.py; 0: nothing kept). node_cache: a node-local
+        directory the shard files of an object store are read through, each fetched once per node
+        (store/node_cache.py); a local store ignores it (its files are on a disk already)."""
         self.location = str(location)
         self.cache = read_cache.ReadCache(cache_bytes)
         self.fs, self.root = fsspec.core.url_to_fs(self.location, **_connections(self.location))
         self.local = isinstance(self.fs, LocalFileSystem)
         if self.local:
             _refuse_a_file(self.location, self.root)
+        self.node = None if node_cache is None or self.local else node_cache.view(self.location, self.root)
 
     # -- files -----------------------------------------------------------------------------
     def path(self, key: str) -> str:
         """The file system path of a key in the store."""
         return f"{self.root.rstrip('/')}/{key}"
+
+    def node_files(self, shard: int, record: ShardCommit):
+        """The node-local cache (store/node_cache.StoreFiles) shard's readers fetch through, at the
+        commit `record`; None when there is none (no cache, or a local store)."""
+        if self.node is not None:
+            self.node.admit(layout.shard_group(shard), record)
+        return self.node
 
     def fetch(self, keys: list[str]) -> dict:
         """key -> the bytes of each file, or the exception its fetch raised (FileNotFoundError: none),

@@ -79,8 +79,9 @@ class ShardReader:
         checks = self.store.read_checks({self.shard: self.record})
         if not checks.direct_reads:
             return None
+        node = self.store.node_files(self.shard, self.record)  # a node-local cache of its files, if any
         direct = [span_reader.for_array(self.store.fs, self._path(name), self._metadata(name),
-                                        checks.every_chunk(self.shard), self.store.cache, self.store.local)
+                                        checks.every_chunk(self.shard), self.store.cache, self.store.local, node)
                   for name in _PER_TOKEN]
         return None if None in direct else direct
 

@@ -55,7 +55,7 @@ def _buffer(slot: str, nbytes: int) -> np.ndarray:
 
 
 def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: ReadCache | None = None,
-              local: bool | None = None) -> SpanReader | None:
+              local: bool | None = None, node=None) -> SpanReader | None:
     """A direct reader of `array` (a zarr array or its metadata, at `path` on fsspec file system
     `fs`), or None when its layout is not one this module decodes. missing_is_damage: every chunk
     was written (fill-value ones too), so a missing chunk is an error rather than zeros. cache:
@@ -75,7 +75,9 @@ def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: Read
         return None
     if local is None:
         local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    return kind(fs, local, path, meta, missing_is_damage, ReadCache(0) if cache is None else cache)
+    reader = kind(fs, local, path, meta, missing_is_damage, ReadCache(0) if cache is None else cache)
+    reader.node = None if local else node
+    return reader
 
 
 def _plane_shards(sharding: ShardingCodec, meta) -> bool:
@@ -119,7 +121,29 @@ def read_spans(spans: list[Span]) -> list:
     (a batch saves no round trip there, and one span's bytes at a time sit in the reused buffer)."""
     if spans and spans[0].reader.local:
         return [_read_batch([s])[0] for s in spans]
-    return _read_batch(spans)
+    return _again_from_store(spans, _read_batch(spans))
+
+
+def _again_from_store(spans: list[Span], out: list) -> list:
+    """Spans whose read through the node-local cache failed a check read once more, their files'
+    cached copies dropped first (so fetched from the object store): only a failure there is the
+    store's, never a fault of the node's disk."""
+    again = [k for k, (s, got) in enumerate(zip(spans, out)) if isinstance(got, StoreCorrupt) and s.reader.node]
+    if not again:
+        return out
+    for k in again:
+        s = spans[k]
+        s.reader.node.drop([r[0] for r in s.reader.needs(s.a, s.b)])
+    for k, got in zip(again, _read_batch([spans[k] for k in again])):
+        out[k] = got
+    return out
+
+
+def _fetch(reader: SpanReader, ranges: list[Range]) -> list:
+    """byte_fetch.fetch on the reader's file system, through the node-local cache when it has one."""
+    if reader.node is not None:
+        return reader.node.fetch(reader.fs, ranges)
+    return fetch(reader.fs, reader.local, ranges)
 
 
 def _read_batch(spans: list[Span]) -> list:
@@ -133,7 +157,7 @@ def _read_batch(spans: list[Span]) -> list:
     ranges = list(dict.fromkeys(p.range for plan in plans if isinstance(plan, list) for p in plan
                                 if p.range is not None))
     if ranges:
-        got = dict(zip(ranges, fetch(spans[0].reader.fs, spans[0].reader.local, ranges)))
+        got = dict(zip(ranges, _fetch(spans[0].reader, ranges)))
         for plan in plans:
             for p in plan if isinstance(plan, list) else ():
                 if p.range is not None:
@@ -165,7 +189,7 @@ def _first_round(spans: list[Span]) -> dict:
                 known[key] = held
     if wanted:
         first = next(iter(wanted.values()))
-        for (key, reader), data in zip(wanted.items(), fetch(first.fs, first.local, [k[1] for k in wanted])):
+        for (key, reader), data in zip(wanted.items(), _fetch(first, [k[1] for k in wanted])):
             try:
                 known[key] = reader.take(key[1], data)
                 reader.cache.put(key, known[key])
@@ -177,6 +201,8 @@ def _first_round(spans: list[Span]) -> dict:
 class SpanReader:
     """Rows a .. b (along the first axis) of one array; subclasses say which bytes a span needs
     and decode one chunk."""
+
+    node = None  # the node-local cache its fetches go through (store/node_cache.StoreFiles), if any
 
     def __init__(self, fs, local: bool, path: str, meta, chunk_rows: int, missing_is_damage: bool,
                  cache: ReadCache) -> None:

@@ -1,0 +1,350 @@
+"""A node-local cache of an object store's shard files: each file fetched whole once per node, then
+read from the node's own disk (issue 38: a node that reads only its share of the shards keeps that
+share here, so each byte crosses the network about once per run).
+
+    CACHE/
+      index.sqlite                 file -> bytes, last used; the total (the one place the bound is kept)
+      .tmp/                        files being written (renamed into place when whole)
+      .filling/                    fill locks: one marker per file a process is fetching
+      <store>/shards/00003/<commit>/hidden/c/0   a copy of STORE/shards/00003/hidden/c/0
+
+<store> is a short hash of the store's location, <commit> one of the shard's commit record: a shard
+re-extracted with --redo gets new files under the same names and a new record, so it is never
+served from the old copies (those age out). Only shard files are cached (the store's root files,
+commit records and embedding are read once a run anyway).
+
+The granularity is one store file (a zarr shard file of the states, a chunk or metadata file of the
+small arrays), fetched with one GET, written under .tmp/ and renamed into place: a file in the cache
+is whole (what it holds is still checked by every read: the crc32c of each chunk, the checksums of
+the commit record). Ranges of a cached file are read as a local store reads them
+(store/byte_fetch.py); a copy that fails its check is dropped and read once more from the object
+store by the caller (store/span_reader.py), so a local disk fault is never reported as a damaged
+store.
+
+Shared by every process of the node (ranks and their loader workers), safe under concurrency:
+  - the index is an sqlite database (WAL, busy timeout); a file is renamed into place, its row
+    written and least-recently-used files evicted (file deleted, then its row) in one write
+    transaction, so no process renames a file that another's eviction is deleting;
+  - a process updates a file's last use at most once a minute (no write per read);
+  - a file evicted under a process about to read it is simply missing: fetched again, never an error;
+  - two processes missing one file: the first takes a fill lock (an O_EXCL marker), the other
+    waits for the file to appear (up to FILL_WAIT_S, or until the marker goes) and fetches it
+    itself only then; a marker older than FILL_WAIT_S is a dead process's and is taken over.
+A file whose row was lost (a process killed between rename and commit) is counted again on its
+next use. The bound counts file bytes, not the file system's blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+
+from fsspec.implementations.local import LocalFileSystem
+
+from store.byte_fetch import Range
+from store.byte_fetch import fetch as fetch_ranges
+
+TOUCH_EVERY_S = 60.0  # a process writes a file's last use at most this often
+FILL_WAIT_S = 120.0  # how long a process waits for a file another is fetching (and when a marker is stale)
+_POLL_S = 0.02
+_INDEX = "index.sqlite"
+_DISK = LocalFileSystem()
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def commit_identity(record) -> str:
+    """A short hash of a shard's commit record (store/schema.ShardCommit): changes with every commit."""
+    return short_hash(json.dumps(record.to_json(), sort_keys=True))
+
+
+class NodeCache:
+    """A bounded directory of whole store files on this node, shared by its processes (see the module)."""
+
+    def __init__(self, root: str, max_bytes: int) -> None:
+        assert max_bytes >= 0
+        self.root, self.max_bytes = os.path.abspath(root), int(max_bytes)
+        os.makedirs(os.path.join(self.root, ".tmp"), exist_ok=True)
+        os.makedirs(os.path.join(self.root, ".filling"), exist_ok=True)
+        self._local = threading.local()  # one sqlite connection per thread and process
+        self._touched: dict[str, float] = {}
+        self._pid = os.getpid()
+        with self._db() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS files (key TEXT PRIMARY KEY, bytes INTEGER NOT NULL, "
+                       "last_used REAL NOT NULL)")
+            db.execute("CREATE INDEX IF NOT EXISTS by_use ON files (last_used)")
+            db.execute("CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER)")
+            db.execute("INSERT OR IGNORE INTO total VALUES (0, 0)")
+
+    def __getstate__(self) -> dict:  # sent to loader workers: each opens its own connections
+        return {"root": self.root, "max_bytes": self.max_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["root"], state["max_bytes"])
+
+    # -- keys ------------------------------------------------------------------------------
+    def folder(self, location: str, group: str, record) -> str:
+        """Where the files of a shard (its group, e.g. 'shards/00003', at this commit) are kept."""
+        return os.path.join(self.root, short_hash(location), group, commit_identity(record))
+
+    def view(self, location: str, store_root: str) -> StoreFiles:
+        """This cache as one store's readers use it (store_root: the store's path on its file system)."""
+        return StoreFiles(self, location, store_root.rstrip("/"))
+
+    # -- reads -----------------------------------------------------------------------------
+    def fetch(self, fs, ranges: list[Range], local_of) -> list:
+        """byte_fetch.fetch for the ranges of object-store file system `fs`: the files local_of maps to
+        a cache path served from there, fetched whole first when not there; the others fetched as
+        ranges. In place of a range that cannot be read, its exception (FileNotFoundError: no such file)."""
+        out: list = [None] * len(ranges)
+        cached = {i: local_of(r[0]) for i, r in enumerate(ranges)}
+        direct = [i for i, p in cached.items() if p is None]
+        misses = {}  # cache path -> remote path
+        for i, p in cached.items():
+            if p is not None and p not in misses and not os.path.exists(p):
+                misses[p] = ranges[i][0]
+        whole = self._fill(fs, misses, [ranges[i] for i in direct])
+        for i, data in zip(direct, whole.pop(None, [])):
+            out[i] = data
+        hits = [i for i, p in cached.items() if p is not None and p not in whole]
+        for i, p in cached.items():
+            if p is not None and p in whole:
+                out[i] = _cut(whole[p], ranges[i])
+        got = fetch_ranges(_DISK, True, [(cached[i], ranges[i][1], ranges[i][2]) for i in hits])
+        gone = []
+        for i, data in zip(hits, got):
+            if isinstance(data, FileNotFoundError):
+                gone.append(i)  # evicted since it was seen: read from the store
+            else:
+                out[i] = data
+        if gone:
+            for i, data in zip(gone, _ranges(fs, [ranges[i] for i in gone])):
+                out[i] = data
+        self._touch([cached[i] for i in hits if i not in gone])
+        return out
+
+    def drop(self, paths: list[str]) -> None:
+        """Forget these cached files (a copy that failed its check): deleted with their rows."""
+        keys = [self._key(p) for p in paths]
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            for p, key in zip(paths, keys):
+                _unlink(p)
+                self._forget(db, key)
+        for key in keys:
+            self._touched.pop(key, None)
+
+    # -- filling ---------------------------------------------------------------------------
+    def _fill(self, fs, misses: dict[str, str], direct: list[Range]) -> dict:
+        """Fetch the missed files whole (those another process is fetching: waited for) and put them
+        in the cache, and the direct ranges, all in one batch of requests. cache path -> the file's
+        bytes (or its exception), and None -> the direct ranges' results."""
+        mine, theirs = [], []
+        for p in misses:
+            (mine if self._claim(p) else theirs).append(p)
+        try:
+            got = _ranges(fs, [(misses[p], 0, None) for p in mine] + direct)
+            whole = dict(zip(mine, got[:len(mine)]))
+            self._put({p: d for p, d in whole.items() if isinstance(d, bytes)})
+        finally:
+            for p in mine:
+                _unlink(_marker(self.root, p))
+        late = [p for p in self._wait(theirs) if not os.path.exists(p)]
+        if late:  # its fetcher gave up or died: fetch it here
+            got2 = _ranges(fs, [(misses[p], 0, None) for p in late])
+            whole.update(zip(late, got2))
+            self._put({p: d for p, d in zip(late, got2) if isinstance(d, bytes)})
+        whole[None] = got[len(mine):]
+        return whole
+
+    def _claim(self, path: str) -> bool:
+        """Take the fill lock of a cached file (False: another process holds it, and is alive)."""
+        marker = _marker(self.root, path)
+        for _ in range(2):
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return True
+            except FileExistsError:
+                try:
+                    if time.time() - os.stat(marker).st_mtime < FILL_WAIT_S:
+                        return False
+                    os.unlink(marker)  # a dead fetcher's: take it over
+                except FileNotFoundError:
+                    pass
+        return False
+
+    def _wait(self, paths: list[str]) -> list[str]:
+        """Wait until each file is in place or its fill lock is gone (at most FILL_WAIT_S)."""
+        deadline = time.monotonic() + FILL_WAIT_S
+        pending = list(paths)
+        while pending and time.monotonic() < deadline:
+            pending = [p for p in pending if not os.path.exists(p) and os.path.exists(_marker(self.root, p))]
+            if pending:
+                time.sleep(_POLL_S)
+        return paths
+
+    def _put(self, files: dict[str, bytes]) -> None:
+        """Write each file whole under .tmp/, then, in one write transaction, rename it into place,
+        record it and evict the least recently used files beyond the bound."""
+        if not files:
+            return
+        temps = {}
+        for p, data in files.items():
+            temp = os.path.join(self.root, ".tmp", f"{uuid.uuid4().hex}")
+            with open(temp, "wb") as f:
+                f.write(data)
+            temps[p] = temp
+        now = time.time()
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            for p, temp in temps.items():
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                os.replace(temp, p)
+                self._record(db, self._key(p), len(files[p]), now)
+            self._evict(db)
+        for p in temps:
+            self._touched[self._key(p)] = now
+
+    def _touch(self, paths: list[str]) -> None:
+        """Record the use of cached files, each at most once a minute per process; a file with no
+        row (its process died before recording it) is recorded now."""
+        now = time.time()
+        due = [p for p in dict.fromkeys(paths) if now - self._touched.get(self._key(p), 0.0) >= TOUCH_EVERY_S]
+        if not due:
+            return
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            adopted = False
+            for p in due:
+                key = self._key(p)
+                if db.execute("UPDATE files SET last_used = ? WHERE key = ?", (now, key)).rowcount == 0:
+                    try:
+                        self._record(db, key, os.stat(p).st_size, now)
+                        adopted = True
+                    except FileNotFoundError:
+                        continue
+                self._touched[key] = now
+            if adopted:
+                self._evict(db)
+
+    # -- index -----------------------------------------------------------------------------
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection (autocommit off: transactions are explicit; `with` commits)."""
+        if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+            self._local, self._touched, self._pid = threading.local(), {}, os.getpid()
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(os.path.join(self.root, _INDEX), timeout=60, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+        return _Transaction(db)
+
+    def _key(self, path: str) -> str:
+        return os.path.relpath(path, self.root)
+
+    def _record(self, db, key: str, nbytes: int, now: float) -> None:
+        old = db.execute("SELECT bytes FROM files WHERE key = ?", (key,)).fetchone()
+        db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?)", (key, nbytes, now))
+        db.execute("UPDATE total SET bytes = bytes + ?", (nbytes - (old[0] if old else 0),))
+
+    def _forget(self, db, key: str) -> None:
+        old = db.execute("SELECT bytes FROM files WHERE key = ?", (key,)).fetchone()
+        if old:
+            db.execute("DELETE FROM files WHERE key = ?", (key,))
+            db.execute("UPDATE total SET bytes = bytes - ?", (old[0],))
+
+    def _evict(self, db) -> None:
+        """Least recently used files deleted (file, then row) until the total is within the bound."""
+        total = db.execute("SELECT bytes FROM total").fetchone()[0]
+        while total > self.max_bytes:
+            oldest = db.execute("SELECT key, bytes FROM files ORDER BY last_used LIMIT 64").fetchall()
+            if not oldest:
+                break
+            for key, nbytes in oldest:
+                _unlink(os.path.join(self.root, key))
+                db.execute("DELETE FROM files WHERE key = ?", (key,))
+                total -= nbytes
+                if total <= self.max_bytes:
+                    break
+            db.execute("UPDATE total SET bytes = ?", (total,))
+
+    def usage(self) -> tuple[int, int]:
+        """(files, bytes) the index holds."""
+        with self._db() as db:
+            n = db.execute("SELECT COUNT(*) FROM files").fetchone()[0]
+            return n, db.execute("SELECT bytes FROM total").fetchone()[0]
+
+
+class StoreFiles:
+    """The cache as one store's readers use it: which remote files map to which cached copies. A
+    shard's files are cached once its reader admits it with its commit record (store/shard_reader.py);
+    other files are read from the store."""
+
+    def __init__(self, cache: NodeCache, location: str, store_root: str) -> None:
+        self.cache, self.location, self.store_root = cache, location, store_root
+        self._folders: dict[str, str] = {}  # shard group -> its cache folder at the commit admitted last
+
+    def admit(self, group: str, record) -> None:
+        self._folders[group] = self.cache.folder(self.location, group, record)
+
+    def local(self, path: str) -> str | None:
+        """The cache path of a store file, or None when it is not cached (not a shard's, or its shard not admitted)."""
+        if not path.startswith(self.store_root + "/"):
+            return None
+        parts = path[len(self.store_root) + 1:].split("/")
+        folder = self._folders.get("/".join(parts[:2]))
+        return None if folder is None or len(parts) < 3 else os.path.join(folder, *parts[2:])
+
+    def fetch(self, fs, ranges: list[Range]) -> list:
+        return self.cache.fetch(fs, ranges, self.local)
+
+    def drop(self, paths: list[str]) -> None:
+        """Drop the cached copies of these store files (those cached)."""
+        self.cache.drop([p for p in map(self.local, paths) if p is not None])
+
+
+class _Transaction:
+    """`with` over a connection in autocommit mode: COMMIT on success, ROLLBACK on error, when one is open."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.db
+
+    def __exit__(self, kind, value, tb) -> None:
+        if self.db.in_transaction:
+            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+
+
+def _ranges(fs, ranges: list[Range]) -> list:
+    """Ranges fetched from the object store, all in flight together (store/byte_fetch.py)."""
+    return fetch_ranges(fs, False, ranges) if ranges else []
+
+
+def _cut(data, r: Range):
+    """A range's bytes out of its whole file's (or the file's fetch error)."""
+    if isinstance(data, Exception):
+        return data
+    start, end = r[1], r[2]
+    view = memoryview(data)  # no copy of a file that may be hundreds of MB
+    return view[start:] if end is None else view[start:end]
+
+
+def _marker(root: str, path: str) -> str:
+    return os.path.join(root, ".filling", short_hash(path))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,203 @@
+"""The node-local cache of an object store's files (store/node_cache.py): reads through it equal reads
+without it, a cached file is read with no request to the store, the bound and the LRU order hold,
+processes sharing one directory read correct bytes and leave it consistent, a damaged copy is read
+again from the store, and a re-committed shard is not served from its old copies. The "object
+store" here is fsspec's memory file system (a HiddenStore on it reads as from any remote store)
+or, for several processes, local files fetched through a file system the cache treats as remote."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import sqlite3
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from store import node_cache
+from store.errors import StoreCorrupt
+from store.hidden_store import HiddenStore
+from store.node_cache import NodeCache
+from store.shard_reader import ShardReader
+from store.shard_writer import ShardWriter
+from tests.store.node_cache_files import Files, read, reader
+from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, write
+
+
+def upload(local: Path, keys: list[str] | None = None, root: str | None = None) -> str:
+    """Copy a local store (or some of its files) into the memory file system; its location."""
+    root = root or f"/nc-{uuid.uuid4().hex}/s.zarr"
+    mem = fsspec.filesystem("memory")
+    for f in sorted(local.rglob("*")):
+        key = str(f.relative_to(local))
+        if f.is_file() and (keys is None or any(key.startswith(k) for k in keys)):
+            mem.pipe_file(f"{root}/{key}", f.read_bytes())
+    return f"memory://{root}"
+
+
+def samples(store: HiddenStore) -> list:
+    return [(s.tokens, s.loss_mask, s.hidden.view(torch.int16)) for shard in sorted(store.committed())
+            for s in ShardReader(store, shard)]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(all(torch.equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+
+
+def requests(monkeypatch, fs) -> list[str]:
+    """The paths of every request the (memory) file system answers from now on."""
+    sent = []
+    real = fs.cat_file
+
+    def counted(path, *args, **kwargs):
+        sent.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "cat_file", counted)
+    return sent
+
+
+def is_data(path: str) -> bool:
+    """A chunk or shard file of a sample's per-token arrays (what reads fetch through the cache)."""
+    return any(f"/{name}/c/" in path for name in ("hidden", "tokens", "loss_mask"))
+
+
+def cached_files(cache: NodeCache) -> dict[str, int]:
+    """Cache-relative path -> bytes of every cached copy on disk (not the index, temp files or markers)."""
+    out = {}
+    for folder, dirs, files in os.walk(cache.root):
+        dirs[:] = [d for d in dirs if d not in (".tmp", ".filling")]
+        for name in files:
+            if not name.startswith("index.sqlite"):
+                full = os.path.join(folder, name)
+                out[os.path.relpath(full, cache.root)] = os.path.getsize(full)
+    return out
+
+
+def index_rows(cache: NodeCache) -> tuple[dict[str, int], int]:
+    db = sqlite3.connect(os.path.join(cache.root, "index.sqlite"))
+    rows = dict(db.execute("SELECT key, bytes FROM files"))
+    total = db.execute("SELECT bytes FROM total").fetchone()[0]
+    db.close()
+    return rows, total
+
+
+def test_reads_through_the_cache_equal_uncached_reads_and_a_second_read_sends_none(small_store, tmp_path,
+                                                                                   monkeypatch):
+    location = upload(small_store)
+    expected = samples(HiddenStore(str(small_store)))
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
+    first = HiddenStore(location, node_cache=cache)
+    sent = requests(monkeypatch, first.fs)
+    assert first.node is not None and same(samples(first), expected)
+    data = [p for p in sent if is_data(p)]
+    assert data and len(data) == len(set(data))  # each data file fetched once, whole
+    assert set(cached_files(cache)) == set(index_rows(cache)[0]) and len(cached_files(cache)) == len(data)
+    sent.clear()
+    again = HiddenStore(location, node_cache=NodeCache(cache.root, 1 << 30))  # another process's handle
+    assert same(samples(again), expected)
+    assert not [p for p in sent if is_data(p)]
+    assert sent  # the shards' metadata and the root are read from the store (not cached)
+
+
+def test_a_local_store_ignores_the_cache(small_store, tmp_path):
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
+    store = HiddenStore(str(small_store), node_cache=cache)
+    assert store.node is None and same(samples(store), samples(HiddenStore(str(small_store))))
+    assert cached_files(cache) == {}
+
+
+def test_a_damaged_cached_copy_is_read_again_from_the_store(small_store, tmp_path):
+    location = upload(small_store)
+    expected = samples(HiddenStore(str(small_store)))
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
+    samples(HiddenStore(location, node_cache=cache))
+    states = {k: n for k, n in cached_files(cache).items() if "/hidden/" in k}
+    key = max(states, key=states.get)
+    path = Path(cache.root, key)
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 3] ^= 0xFF  # inside a chunk: its crc32c fails
+    path.write_bytes(bytes(bad))
+    assert same(samples(HiddenStore(location, node_cache=cache)), expected)  # not an error
+    assert path.read_bytes() == good  # the copy replaced by the store's
+
+
+def test_damage_in_the_store_itself_is_still_reported(small_store, tmp_path):
+    location = upload(small_store)
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
+    store = HiddenStore(location, node_cache=cache)
+    mem, path = store.fs, store.path("shards/00000/hidden/c/0/0/0")
+    data = bytearray(mem.cat_file(path))
+    data[len(data) // 3] ^= 0xFF
+    mem.pipe_file(path, bytes(data))
+    with pytest.raises(StoreCorrupt, match="crc32c"):
+        samples(store)
+
+
+def test_a_recommitted_shard_is_not_served_from_its_old_copies(small_store, tmp_path):
+    """Shard 1 written, read through the cache, then written again with other states (as --redo
+    does: the same file names, a new commit record): the second read gets the new states."""
+    stores = []
+    for name, sign in (("a", 1), ("b", -1)):
+        (tmp_path / name).mkdir()
+        store = fresh_store(tmp_path / name, small_store)
+        writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
+        write(writer, [sign * p for p in batches(4)])
+        writer.commit(None, run={})
+        stores.append(tmp_path / name / "copy.zarr")
+    location = upload(stores[0])
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
+    old = [s.hidden.view(torch.int16) for s in ShardReader(HiddenStore(location, node_cache=cache), 1)]
+    upload(stores[1], ["shards/00001", "_commits/00001.json"], root=location.removeprefix("memory://"))
+    new = [s.hidden.view(torch.int16) for s in ShardReader(HiddenStore(location, node_cache=cache), 1)]
+    want = [s.hidden.view(torch.int16) for s in ShardReader(HiddenStore(str(stores[1])), 1)]
+    assert all(torch.equal(x, y) for x, y in zip(new, want)) and not torch.equal(old[0], new[0])
+
+
+def test_the_bound_holds_and_the_least_recently_used_files_go_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_cache, "TOUCH_EVERY_S", 0.0)  # every use recorded (a process records one a minute)
+    files = Files(tmp_path, 40, 1000)
+    cache = NodeCache(str(tmp_path / "cache"), 3500)
+    view = files.view(cache)
+    f = files.paths
+    for p in f[:3]:
+        read(view, [p])
+    read(view, [f[0]])  # f0 used again: f1 is now the least recently used
+    read(view, [f[3]])
+    on_disk = {Path(k).name for k in cached_files(cache)}
+    assert on_disk == {"f0", "f2", "f3"}
+    for p in random.Random(0).choices(f, k=200):
+        assert read(view, [p], 10, 20) == [Path(p).read_bytes()[10:20]]
+        assert sum(cached_files(cache).values()) <= 3500
+    rows, total = index_rows(cache)
+    assert rows == cached_files(cache) and total == sum(rows.values())
+
+
+def test_ranges_of_a_cached_file_are_its_bytes(tmp_path):
+    files = Files(tmp_path, 2, 5000)
+    view = files.view(NodeCache(str(tmp_path / "cache"), 1 << 20))
+    want = Path(files.paths[0]).read_bytes()
+    for _ in range(2):  # fetched whole, then read from the cached copy
+        got = view.fetch(LocalFileSystem(), [(files.paths[0], 100, 900), (files.paths[0], -20, None),
+                                             (files.paths[0], 0, None), (str(tmp_path / "nope"), 0, None)])
+        assert [bytes(g) for g in got[:3]] == [want[100:900], want[-20:], want]
+        assert isinstance(got[3], FileNotFoundError)
+
+
+def test_processes_sharing_one_cache_read_correct_bytes_and_leave_it_consistent(tmp_path):
+    files = Files(tmp_path, 30, 4096)
+    root = str(tmp_path / "cache")
+    NodeCache(root, 12 * 4096)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        wrong = pool.starmap(reader, [(root, str(files.folder), 30, seed) for seed in range(4)])
+    assert wrong == [0, 0, 0, 0]
+    cache = NodeCache(root, 12 * 4096)
+    rows, total = index_rows(cache)
+    assert rows == cached_files(cache) and total == sum(rows.values()) <= 12 * 4096
+    assert os.listdir(os.path.join(root, ".tmp")) == [] and os.listdir(os.path.join(root, ".filling")) == []
