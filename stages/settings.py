@@ -71,3 +71,20 @@ def parse_count(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise ValueError("expected a number or 'all'") from None
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def parse_size(text: str) -> int:
+    """'500G' -> 500 x 2^30 bytes; '2T', '1.5T', '800M', '4096' (bytes); a trailing 'B' or 'iB' allowed
+    ('500GB', '500GiB': the same, in powers of 1024, as df -h counts)."""
+    body = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = body[-1:] if body[-1:] in _SIZE_UNITS and body[-1:] else ""
+    try:
+        value = float(body[:len(body) - len(unit)])
+    except ValueError:
+        raise ValueError("expected a size such as '500G', '2T' or a number of bytes") from None
+    if value < 0:
+        raise ValueError("expected a size of at least 0 bytes")
+    return int(value * _SIZE_UNITS[unit])

@@ -22,6 +22,7 @@ from pipeline import device as devices
 from pipeline.decode.acceptance import stats
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.errors import TargetError
+from stages import node_cache
 from stages.evaluate import groups, ranks, report
 from stages.evaluate.conditioning import Checked, build, check_checkpoint, choose_shards
 from stages.evaluate.config import EvalConfig
@@ -83,10 +84,10 @@ def run(config: EvalConfig, log=print) -> dict | None:
 
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
-    store = HiddenStore(config.store)
+    store = HiddenStore(config.store, node_cache=node_cache.make(config))
     if proc.rank == 0:
         writable_dir(config.out, "--out")  # before the replay, not after it; report.write makes it
-    warnings: list[str] = list(filter(None, [store.read_checks().warning()]))
+    warnings: list[str] = list(filter(None, [store.read_checks().warning(), node_cache.warning(config, store)]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     index = _index(store)
     shards = choose_shards(config, store, checked, warnings, index.records if index.records else None)

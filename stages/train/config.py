@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pipeline import device as devices
 from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
+from stages import node_cache
 from stages.settings import at_least, check_choices, parse_count, require, setting
 from stages.train.recipe import BATCHINGS, NOISES, OPTIMIZERS, SCHEDULES, slot_gamma
 
@@ -99,6 +100,8 @@ class TrainConfig:
                                              default_text="256")
     log_every: int = setting(10, "Write a metrics record every N steps.")
     workers: int = setting(2, "Data loader worker processes per training process.")
+    cache_dir: str | None = node_cache.cache_dir_setting()
+    cache_size: int | None = node_cache.cache_size_setting()
     on_corrupt: str = setting("stop", "A sample that cannot be read as committed (a chunk failing its checksum, a "
                                       "damaged or missing file, a shard deleted under the run): stop (one line naming "
                                       "the file, shard and sample, and what to run) or skip (leave it out; counted in "
@@ -145,6 +148,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        node_cache.check(self)
         at_least(self, 1, "eval_samples", "epochs", "block_size", "anchors", "max_length", "batch_size", "grad_accum",
                  "log_every", "max_steps", "anchor_budget")
         at_least(self, 0, "eval_replay_prompts", "noise_std", "save_every", "keep_last", "eval_every", "workers",

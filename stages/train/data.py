@@ -30,9 +30,11 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from stages.node_cache import make as node_cache_of
 from store import layout
 from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError, redo_hint
 from store.hidden_store import HiddenStore
+from store.node_cache import NodeCache
 from store.sample_index import per_sample
 from store.schema import ShardCommit
 from store.shard_reader import ShardReader, read_samples
@@ -261,8 +263,11 @@ class StoreBatches(torch.utils.data.Dataset):
     loader (`loader`) keeps its workers through every epoch, so a shard's reader, its read cache
     (indexes, edge chunks) and its connections are made once per run, not once per epoch."""
 
-    def __init__(self, location: str, batches: Batches | list[list[Row]] = ()) -> None:
-        self.location, self.batches = location, batches
+    def __init__(self, location: str, batches: Batches | list[list[Row]] = (),
+                 node_cache: NodeCache | None = None) -> None:
+        """node_cache: a node-local cache of an object store's shard files (--cache-dir), which the
+        readers fetch through."""
+        self.location, self.batches, self.node_cache = location, batches, node_cache
         self._store: HiddenStore | None = None
         self._readers: dict[int, ShardReader] = {}
 
@@ -296,7 +301,7 @@ class StoreBatches(torch.utils.data.Dataset):
     @property
     def store(self) -> HiddenStore:
         if self._store is None:
-            self._store = HiddenStore(self.location)
+            self._store = HiddenStore(self.location, node_cache=self.node_cache)
         return self._store
 
     def __getitem__(self, key: int | list[Row]) -> Batch:
@@ -343,9 +348,9 @@ def loader(config, batches: Iterable[list[Row]], pin: bool, skipped: set):
     and the workers live as long as this loader. A sample whose read failed (damaged or missing)
     stops the run (--on-corrupt stop: one line naming the file and the fix) or is left out of its
     batch and added to `skipped` (skip)."""
-    workers = torch.utils.data.DataLoader(StoreBatches(config.store), sampler=batches, batch_size=None,
-                                          num_workers=config.workers, pin_memory=pin,
-                                          prefetch_factor=PREFETCH if config.workers else None,
+    dataset = StoreBatches(config.store, node_cache=node_cache_of(config))
+    workers = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None, num_workers=config.workers,
+                                          pin_memory=pin, prefetch_factor=PREFETCH if config.workers else None,
                                           worker_init_fn=quiet_inherited_sessions)
     for batch in workers:
         for shard, index, why in batch.corrupt:

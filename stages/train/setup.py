@@ -20,6 +20,7 @@ from pipeline.drafter.config import DrafterConfig, architecture_fields, default_
 from pipeline.drafter.model import Drafter
 from pipeline.drafter.serving_engines import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.errors import DrafterError
+from stages import node_cache
 from stages.paths import output_dir
 from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
@@ -217,7 +218,8 @@ def _prepare(config: TrainConfig, log) -> Setup:
     records = index.records
     if acc.is_main_process:
         log(where)
-    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning()])]:
+    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning(),
+                                                                     node_cache.warning(config, store)])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, config, records)
     store.require_committed([s for s in eval_ids + ([] if config.follow else train_ids) if s not in records])

@@ -1,0 +1,47 @@
+"""--cache-dir and --cache-size (stages/node_cache.py): parsed and checked alike in train.py and
+evaluate.py, and the training loader's readers fetch through the cache they name."""
+
+import click
+import pytest
+import torch
+
+from stages.evaluate.config import EvalConfig
+from stages.node_cache import warning
+from stages.train.config import TrainConfig
+from stages.train.data import StoreBatches, index_samples
+from store.errors import ConfigError
+from store.hidden_store import HiddenStore
+from store.node_cache import NodeCache
+from tests.stages.test_command import parse
+from tests.store.test_node_cache import cached_files, index_rows, upload
+
+
+@pytest.mark.parametrize("config_cls, extra", [(TrainConfig, []), (EvalConfig, ["--checkpoint", "ck"])])
+def test_sizes_parse_and_a_size_goes_with_a_directory(config_cls, extra, tmp_path):
+    config = parse(config_cls, ["--cache-dir", str(tmp_path), "--cache-size", "1.5T", *extra])
+    assert config.cache_dir == str(tmp_path) and config.cache_size == 3 << 39
+    assert parse(config_cls, ["--cache-dir", "d", "--cache-size", "500GiB", *extra]).cache_size == 500 << 30
+    with pytest.raises(ConfigError, match="--cache-size: is required with --cache-dir"):
+        parse(config_cls, ["--cache-dir", "d", *extra])
+    with pytest.raises(ConfigError, match="--cache-size 1024: is only used with --cache-dir"):
+        parse(config_cls, ["--cache-size", "1K", *extra])
+    with pytest.raises(click.BadParameter, match="expected a size"):
+        parse(config_cls, ["--cache-dir", "d", "--cache-size", "lots", *extra])
+
+
+def test_the_loader_reads_an_object_store_through_the_cache(small_store, tmp_path):
+    rows = [[(r,) for r in index_samples(HiddenStore(str(small_store)), [0, 1], 200)[k:k + 3]] for k in (0, 3)]
+    location = upload(small_store)
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
+    want = [StoreBatches(str(small_store), rows)[k] for k in range(2)]
+    got = [StoreBatches(location, rows, node_cache=cache)[k] for k in range(2)]
+    for a, b in zip(want, got):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))
+    assert cached_files(cache) and cached_files(cache) == index_rows(cache)[0]
+
+
+def test_a_local_store_is_said_to_ignore_the_cache(small_store, tmp_path):
+    config = TrainConfig(store=str(small_store), cache_dir=str(tmp_path), cache_size=1 << 30)
+    assert "is not used" in warning(config, HiddenStore(str(small_store)))
+    assert warning(config, HiddenStore(upload(small_store))) is None
+    assert warning(TrainConfig(store=str(small_store)), HiddenStore(str(small_store))) is None
