@@ -53,3 +53,21 @@ def reader(root: str, folder: str, n: int, seed: int) -> int:
             want = [Path(p).read_bytes()[a:a + 100] for p in part] + [Path(p).read_bytes() for p in part]
             wrong += sum(g != w for g, w in zip(got, want))
     return wrong
+
+
+def digest(location: str, cache_root: str) -> str:
+    """A process reading every sample of a store through a cache: the SHA-256 of their tokens and states."""
+    import hashlib
+
+    import torch
+
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+
+    store = HiddenStore(location, node_cache=NodeCache(cache_root, 1 << 30))
+    h = hashlib.sha256()
+    for shard in sorted(store.committed()):
+        for s in ShardReader(store, shard):
+            h.update(s.tokens.numpy().tobytes())
+            h.update(s.hidden.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
