@@ -27,9 +27,11 @@ Shared by every process of the node (ranks and their loader workers), safe under
     transaction, so no process renames a file that another's eviction is deleting;
   - a process updates a file's last use at most once a minute (no write per read);
   - a file evicted under a process about to read it is simply missing: fetched again, never an error;
+  - a file that cannot be written (the cache's disk full) is read from memory and not kept;
   - two processes missing one file: the first takes a fill lock (an O_EXCL marker), the other
     waits for the file to appear (up to FILL_WAIT_S, or until the marker goes) and fetches it
-    itself only then; a marker older than FILL_WAIT_S is a dead process's and is taken over.
+    itself only then; a marker older than FILL_WAIT_S is a dead process's and is taken over (so a
+    process killed while fetching stalls the others' reads of that file by up to FILL_WAIT_S, once).
 A file whose row was lost (a process killed between rename and commit) is counted again on its
 next use. The bound counts file bytes, not the file system's blocks.
 """
@@ -50,7 +52,7 @@ from store.byte_fetch import Range
 from store.byte_fetch import fetch as fetch_ranges
 
 TOUCH_EVERY_S = 60.0  # a process writes a file's last use at most this often
-FILL_WAIT_S = 120.0  # how long a process waits for a file another is fetching (and when a marker is stale)
+FILL_WAIT_S = 60.0  # how long a process waits for a file another is fetching (and when a marker is stale)
 _POLL_S = 0.02
 _INDEX = "index.sqlite"
 _DISK = LocalFileSystem()
@@ -82,6 +84,8 @@ class NodeCache:
             db.execute("CREATE INDEX IF NOT EXISTS by_use ON files (last_used)")
             db.execute("CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER)")
             db.execute("INSERT OR IGNORE INTO total VALUES (0, 0)")
+        self._local.db.close()  # no connection held across a fork (a loader's workers open their own)
+        self._local = threading.local()
 
     def __getstate__(self) -> dict:  # sent to loader workers: each opens its own connections
         return {"root": self.root, "max_bytes": self.max_bytes}
@@ -198,9 +202,14 @@ class NodeCache:
         temps = {}
         for p, data in files.items():
             temp = os.path.join(self.root, ".tmp", f"{uuid.uuid4().hex}")
-            with open(temp, "wb") as f:
-                f.write(data)
-            temps[p] = temp
+            try:
+                with open(temp, "wb") as f:
+                    f.write(data)
+                temps[p] = temp
+            except OSError:  # the cache's disk full or failing: read on from memory, this file not kept
+                _unlink(temp)
+        if not temps:
+            return
         now = time.time()
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
