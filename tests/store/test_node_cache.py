@@ -11,6 +11,8 @@ import multiprocessing
 import os
 import random
 import sqlite3
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -201,3 +203,45 @@ def test_processes_sharing_one_cache_read_correct_bytes_and_leave_it_consistent(
     rows, total = index_rows(cache)
     assert rows == cached_files(cache) and total == sum(rows.values()) <= 12 * 4096
     assert os.listdir(os.path.join(root, ".tmp")) == [] and os.listdir(os.path.join(root, ".filling")) == []
+
+
+def test_a_file_evicted_just_before_its_read_is_read_from_the_store(tmp_path, monkeypatch):
+    """Another process evicts a file between this one's look and its read: the read gets the store's
+    bytes, no error, and nothing is recorded for the missing copy."""
+    files = Files(tmp_path, 2, 3000)
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 20)
+    view = files.view(cache)
+    read(view, files.paths)
+    cache.drop([view.local(files.paths[0])])  # as an eviction does: the file, then its row
+    monkeypatch.setattr(node_cache.os.path, "exists", lambda p: True)  # it was there when looked for
+    want = Path(files.paths[0]).read_bytes()
+    assert read(view, files.paths, 5, 50) == [want[5:50], Path(files.paths[1]).read_bytes()[5:50]]
+    monkeypatch.undo()
+    assert set(index_rows(cache)[0]) == set(cached_files(cache)) == {os.path.relpath(view.local(files.paths[1]),
+                                                                                     cache.root)}
+
+
+def test_a_file_another_process_is_fetching_is_waited_for_not_fetched_again(tmp_path, monkeypatch):
+    files = Files(tmp_path, 1, 2000)
+    cache = NodeCache(str(tmp_path / "cache"), 1 << 20)
+    view = files.view(cache)
+    path, data = view.local(files.paths[0]), Path(files.paths[0]).read_bytes()
+    marker = node_cache._marker(cache.root, path)
+    Path(marker).touch()  # the other process's fill lock
+
+    def other() -> None:
+        time.sleep(0.3)
+        NodeCache(cache.root, 1 << 20)._put({path: data})
+        os.unlink(marker)
+
+    fetching = threading.Thread(target=other)
+    fetching.start()
+    fs = LocalFileSystem(skip_instance_cache=True)
+    sent = requests(monkeypatch, fs)
+    assert bytes(view.fetch(fs, [(files.paths[0], 0, None)])[0]) == data and sent == []
+    fetching.join()
+    os.remove(path)
+    cache.drop([path])
+    Path(marker).touch()
+    os.utime(marker, (0, 0))  # a lock left by a process that died: taken over, no wait
+    assert bytes(view.fetch(fs, [(files.paths[0], 0, None)])[0]) == data and sent == [files.paths[0]]
