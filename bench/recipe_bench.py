@@ -37,7 +37,8 @@ loops), each as the mean over those prompts.
 
 Every recipe spells out all the fields it sets (BASELINE, the defaults before the bench chose
 them, plus its own), so a recipe keeps its meaning when train.py's defaults change; `default`
-passes no recipe flag at all (whatever train.py's defaults are today) and its train_config is kept.
+passes no recipe flag at all (whatever train.py's defaults are today) and its train_config is kept,
+and the ON_DEFAULTS recipes pass only their own fields on top of it (paired against `default`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ RECIPES: dict[str, dict] = {
     "soft-0.5": {"soft_beta": 0.5},
     "soft-1": {"soft_beta": 1.0},
 }
+# Recipes on top of train.py's defaults of today (as `default`, plus their own fields; no BASELINE under them).
+ON_DEFAULTS: dict[str, dict] = {
+    # issue 38: the node-affine order's randomness cost; one process is one node, so this is 56 shards
+    # shuffled in windows of 8 (80 samples) against one shuffle of all 560
+    "node-window-8": {"data_order": "node", "shuffle_window": 8},
+}
 METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "heldout_ce", "heldout_tau_streak",
            "train_tau_replay", "s_per_step")
 
@@ -103,6 +110,8 @@ METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "h
 def recipe_flags(name: str) -> dict:
     if name == "default":
         return {}
+    if name in ON_DEFAULTS:
+        return dict(ON_DEFAULTS[name])
     base = name.split("+")  # a+b: recipe a's fields, then b's on top
     out = dict(BASELINE)
     for part in base:

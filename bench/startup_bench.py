@@ -4,6 +4,7 @@ step's batch ready, on each rank, for a store of thousands of tiny shards.
     python bench/startup_bench.py build --store /tmp/s2442.zarr --like hs.zarr --shards 2442
     python bench/startup_bench.py time --store /tmp/s2442.zarr --ranks 1,2 [--json out.json]
     python bench/startup_bench.py samples --samples 2500000 [--code DIR] [--json out.json]
+    python bench/startup_bench.py samples --data-order node --local 8 --shuffle-window 64 --json out.json
 
 `build` writes a store with the root (attributes, embeddings) of --like, its shard count set to
 --shards, and every shard a few tiny samples of random states (the sample index and the commit
@@ -19,7 +20,9 @@ synthetic: --samples over 2,442 shards, ~2k tokens each): receiving them (unpick
 broadcast_object_list does), the sample refs (stages/train/data.refs_of), the shared-memory check,
 epoch 0's length, the rank's batches of the epoch and its first batch; for a launch resumed in
 epoch 3 the same from the saved position; and the position a save 3.5 epochs into a run walks to
-(stages/train/position.advance, the main process only), for each --batching. Then, in a second
+(stages/train/position.advance, the main process only), for each --batching (and --data-order:
+node forms the node-affine order of --world / --local nodes, windows of --shuffle-window shards).
+Then, in a second
 pass with tracemalloc, the bytes the rank holds after start-up (refs and its batches) and the peak.
 --code DIR measures the stages/ of another checkout (an older commit) with the same script.
 """
@@ -126,8 +129,12 @@ for s in range(SHARDS):  # lengths ~2k tokens (64-4,095), a first loss pair earl
     first = np.where(rng.random(per) < 0.01, -1, rng.integers(0, 64, per)).astype(np.int32)
     arrays[s] = {{"offsets": np.concatenate([[0], np.cumsum(lengths)]), "first_pairs": first}}
 sent = pickle.dumps(arrays, protocol=pickle.HIGHEST_PROTOCOL)
-config = TrainConfig(batching={batching!r}, max_length=4096, batch_size=1)
+ORDER = {order!r}  # --data-order; node: {local} processes a node, windows of --shuffle-window shards
+config = TrainConfig(batching={batching!r}, max_length=4096, batch_size=1,
+                     **(dict(data_order="node", shuffle_window={window}) if ORDER == "node" else {{}}))
 world, rank = {world}, {world} // 2
+LOCAL = ({local},) if ORDER == "node" else ()  # the node order's extra argument (older checkouts have none)
+LAYOUT = ((world // {local}, {local}),) if ORDER == "node" else ()
 train_ids, eval_ids = list(range(SHARDS - EVAL)), list(range(SHARDS - EVAL, SHARDS))
 
 
@@ -135,8 +142,8 @@ def launch(position):
     got = pickle.loads(sent)
     train, held = refs_of(got, train_ids, config.max_length), refs_of(got, eval_ids, config.max_length)
     shared_memory_need(config, train + held, 5, 5120, 8)
-    micro = epoch_length(config, train, 0) // world
-    mine = rank_batches(config, train, position, position.epoch, rank, world)
+    micro = epoch_length(config, train, 0, *LAYOUT) // world
+    mine = rank_batches(config, train, position, position.epoch, rank, world, *LOCAL)
     first = mine[0]
     return train, held, micro, mine, first
 
@@ -153,24 +160,24 @@ def steps(position):
     (train, held), t["refs_s"] = timed(lambda: (refs_of(got, train_ids, config.max_length),
                                                  refs_of(got, eval_ids, config.max_length)))
     _, t["shm_check_s"] = timed(shared_memory_need, config, train + held, 5, 5120, 8)
-    micro, t["epoch_length_s"] = timed(lambda: epoch_length(config, train, 0) // world)
-    mine, t["rank_batches_s"] = timed(rank_batches, config, train, position, position.epoch, rank, world)
+    micro, t["epoch_length_s"] = timed(lambda: epoch_length(config, train, 0, *LAYOUT) // world)
+    mine, t["rank_batches_s"] = timed(rank_batches, config, train, position, position.epoch, rank, world, *LOCAL)
     _, t["first_batch_s"] = timed(lambda: mine[0])
     t["total_s"] = round(sum(t.values()), 2)
     return t, train, micro
 
 
 fresh, train, micro = steps(Position())
-epoch_s = sorted(timed(rank_batches, config, train, Position(), e, rank, world)[1] for e in (1, 2, 3))[1]
-at, save_s = timed(advance, config, train, Position(), int(3.5 * micro), world)  # epochs 0-3 formed by the run
+epoch_s = sorted(timed(rank_batches, config, train, Position(), e, rank, world, *LOCAL)[1] for e in (1, 2, 3))[1]
+at, save_s = timed(advance, config, train, Position(), int(3.5 * micro), world, *LOCAL)  # epochs 0-3 formed by the run
 cold = refs_of(pickle.loads(sent), train_ids, config.max_length)
-_, walk_s = timed(advance, config, cold, Position(), int(3.5 * micro), world)  # none formed: a resume without position
+_, walk_s = timed(advance, config, cold, Position(), int(3.5 * micro), world, *LOCAL)  # none formed: a resume without position
 resumed, _, _ = steps(Position.from_json(json.loads(json.dumps(at.to_json()))))
 del train, cold
 tracemalloc.start()
 held = launch(Position())
 now, peak = tracemalloc.get_traced_memory()
-print("RESULT", json.dumps({{"batching": {batching!r}, "samples": per * SHARDS, "world": world, "rank": rank,
+print("RESULT", json.dumps({{"batching": {batching!r}, "order": ORDER, "samples": per * SHARDS, "world": world, "rank": rank,
                             "launch": fresh, "resumed_launch_epoch_3": resumed, "next_epoch_s": epoch_s,
                             "save_after_3_5_epochs_s": save_s, "walk_3_5_epochs_cold_s": walk_s,
                             "held_mb": round(now / 1e6, 1), "peak_mb": round(peak / 1e6, 1),
@@ -178,8 +185,10 @@ print("RESULT", json.dumps({{"batching": {batching!r}, "samples": per * SHARDS, 
 """
 
 
-def time_samples(samples: int, world: int, batching: str, code: Path) -> dict:
-    script = SAMPLES_CHILD.format(code=str(code), samples=samples, world=world, batching=batching)
+def time_samples(samples: int, world: int, batching: str, code: Path, order: str = "global", local: int = 8,
+                 window: int = 64) -> dict:
+    script = SAMPLES_CHILD.format(code=str(code), samples=samples, world=world, batching=batching, order=order,
+                                  local=local, window=window)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     if p.returncode:
@@ -204,14 +213,18 @@ def main() -> None:
     m.add_argument("--world", type=int, default=32)
     m.add_argument("--batching", default="random,bucketed,packed")
     m.add_argument("--code", type=Path, default=ROOT, help="the checkout whose stages/ are measured")
+    m.add_argument("--data-order", default="global", help="global, node, or both: global,node")
+    m.add_argument("--local", type=int, default=8, help="--data-order node: processes a node (--world / this: nodes)")
+    m.add_argument("--shuffle-window", type=int, default=64, help="--data-order node: shards a window")
     m.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.cmd == "samples":
-        rows = [time_samples(args.samples, args.world, b, args.code) for b in args.batching.split(",")]
-        print("| batching | launch s | resumed launch s | next epoch s | save s | cold walk s | held MB | peak MB |\n"
-              "|---|---|---|---|---|---|---|---|")
+        rows = [time_samples(args.samples, args.world, b, args.code, o, args.local, args.shuffle_window)
+                for o in args.data_order.split(",") for b in args.batching.split(",")]
+        print("| order | batching | launch s | resumed launch s | next epoch s | save s | cold walk s | held MB | peak MB |\n"
+              "|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['batching']} | {r['launch']['total_s']} | {r['resumed_launch_epoch_3']['total_s']} | "
+            print(f"| {r.get('order', 'global')} | {r['batching']} | {r['launch']['total_s']} | {r['resumed_launch_epoch_3']['total_s']} | "
                   f"{r['next_epoch_s']} | {r['save_after_3_5_epochs_s']} | {r['walk_3_5_epochs_cold_s']} | "
                   f"{r['held_mb']} | {r['peak_mb']} |")
         if args.json:

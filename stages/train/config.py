@@ -8,6 +8,7 @@ from pipeline import device as devices
 from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
 from stages import node_cache
 from stages.settings import at_least, check_choices, parse_count, require, setting
+from stages.train.node_order import DATA_ORDERS
 from stages.train.recipe import BATCHINGS, NOISES, OPTIMIZERS, SCHEDULES, slot_gamma
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
@@ -67,6 +68,21 @@ class TrainConfig:
                                         "labels never crossing samples, positions restarting at each, --anchors per "
                                         "sample.", choices=BATCHINGS, resume="fixed")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.", resume="fixed")
+    data_order: str = setting("global", "Each epoch's sample order: global: one shuffle of all training samples, "
+                                        "dealt to ranks in blocks (every node reads every shard every epoch); node: "
+                                        "shards dealt to nodes (balanced by samples), each node's ranks reading only "
+                                        "its shards, their samples shuffled within windows of --shuffle-window shards, "
+                                        "so a node-local cache holds the node's share and the store is read about once "
+                                        "a deal. It costs randomness: a rank's consecutive batches come from one window, "
+                                        "not from every sample (docs/training.md, Node-affine order).",
+                              choices=DATA_ORDERS, resume="fixed")
+    shuffle_window: int | None = setting(None, "--data-order node: shards whose samples are shuffled together. "
+                                               "Smaller: fewer shards in use at once on a node (open readers, cache "
+                                               "working set), but a batch drawn from fewer samples.",
+                                         default_text="all of a node's shards", resume="fixed")
+    redeal_every: int = setting(0, "--data-order node: epochs between deals of shards to nodes (0: dealt once for "
+                                   "the run). A re-deal gives each node other shards: more variety across epochs, but "
+                                   "a node-local cache fetches its new share again.", resume="fixed")
     seed: int = setting(0, "Seeds the initialization, data order and anchors.", resume="fixed")
     noise_std: float = setting(0.0, "Noise on fc's input only (never the labels): the sd of --noise gaussian, the "
                                     "half-width of --noise uniform.", resume="fixed")
@@ -150,15 +166,17 @@ class TrainConfig:
         check_choices(self)
         node_cache.check(self)
         at_least(self, 1, "eval_samples", "epochs", "block_size", "anchors", "max_length", "batch_size", "grad_accum",
-                 "log_every", "max_steps", "anchor_budget")
+                 "log_every", "max_steps", "anchor_budget", "shuffle_window")
         at_least(self, 0, "eval_replay_prompts", "noise_std", "save_every", "keep_last", "eval_every", "workers",
-                 "grad_clip", "weight_decay", "muon_weight_decay")
+                 "grad_clip", "weight_decay", "muon_weight_decay", "redeal_every")
         require(self, "lr", self.lr > 0, "must be positive")
         require(self, "muon_lr", self.muon_lr is None or self.muon_lr > 0, "must be positive")
         require(self, "muon_lr", self.muon_lr is None or self.optimizer == "muon", "is only used by --optimizer muon")
         require(self, "warmup_ratio", 0 <= self.warmup_ratio < 1, "expected 0 <= ratio < 1")
         require(self, "gamma", self.gamma is None or self.gamma > 0, "must be positive")
         require(self, "gamma", self.gamma is None or self.slot_weights == "exp", "is only used by --slot-weights exp")
+        for name in ("shuffle_window", "redeal_every"):
+            require(self, name, not getattr(self, name) or self.data_order == "node", "is only used by --data-order node")
         require(self, "dpace_alpha", 0 < self.dpace_alpha <= 1, "expected 0 < alpha <= 1")
         require(self, "follow_poll", self.follow_poll > 0, "must be positive")
         require(self, "follow", not (self.follow and self.shard_schedule), "cannot be combined with --shard-schedule "

@@ -7,6 +7,10 @@ come, as [lo, hi) ranges: saved with every step-N, it lets a run resume on any n
 processes, which deal the remaining batches among themselves and go on with the next epochs
 dealt the same way. On the number of processes it was saved with, that deal gives every rank
 exactly the batches it would have read next.
+
+With --data-order node an epoch's list depends on the nodes it is formed for (node_order.py): a
+position mid-epoch records the layout (nodes, processes a node) its epoch was formed with, and a
+resumed run forms that epoch with it, the later ones with its own launch's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.train.data import Batches, Refs, epoch_length, train_batches
+from stages.train.node_order import node_layout
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -25,18 +30,29 @@ Ranges = tuple[tuple[int, int], ...]
 class Position:
     epoch: int = 0
     remaining: Ranges | None = None  # global batch indices of the epoch still to come; None: all of it
+    # --data-order node: (nodes, processes a node) the epoch was formed with; None: the launch's
+    layout: tuple[int, int] | None = None
     # --follow, --shard-schedule: each epoch's shards so far, epoch after epoch (stages/train/shard_schedule.py);
     # None: every epoch trains on the shards fixed at launch
     schedule: tuple[str, ...] | None = None
 
     def to_json(self) -> dict:
-        d = {"epoch": self.epoch, "remaining": None if self.remaining is None else [list(r) for r in self.remaining]}
-        return d if self.schedule is None else {**d, "schedule": list(self.schedule)}
+        out = {"epoch": self.epoch, "remaining": None if self.remaining is None else [list(r) for r in self.remaining]}
+        return (out | ({} if self.layout is None else {"layout": list(self.layout)})
+                | ({} if self.schedule is None else {"schedule": list(self.schedule)}))
 
     @classmethod
     def from_json(cls, d: dict) -> Position:
+        layout = tuple(int(n) for n in d["layout"]) if d.get("layout") else None
         return cls(d["epoch"], None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]),
-                   None if d.get("schedule") is None else tuple(d["schedule"]))
+                   layout, None if d.get("schedule") is None else tuple(d["schedule"]))
+
+    def layout_of(self, config, epoch: int, world: int, local: int) -> tuple[int, int]:
+        """The (nodes, processes a node) epoch `epoch` is formed with under a launch of `world`
+        processes, `local` a node: the recorded one for the position's own epoch, else the launch's."""
+        if epoch == self.epoch and self.layout is not None and config.data_order == "node":
+            return self.layout
+        return node_layout(world, local)
 
 
 def epochs_done(step: int, grad_accum: int, micro_per_epoch: int) -> float:
@@ -59,24 +75,28 @@ def deal(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
     return indices[rank * per:(rank + 1) * per]
 
 
-def rank_batches(config, refs: Refs, position: Position, epoch: int, rank: int, world: int) -> Batches:
-    """This rank's batches of `epoch` (at or after the position's), in order; refs: that epoch's samples."""
-    every = train_batches(config, refs, epoch)
+def rank_batches(config, refs: Refs, position: Position, epoch: int, rank: int, world: int,
+                 local: int = 1) -> Batches:
+    """This rank's batches of `epoch` (at or after the position's), in order; refs: that epoch's
+    samples; local: the launch's processes a node (LOCAL_WORLD_SIZE)."""
+    every = train_batches(config, refs, epoch, layout=position.layout_of(config, epoch, world, local))
     return every[deal(epoch_indices(position, epoch, len(every)), rank, world)]
 
 
-def advance(config, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int) -> Position:
-    """The position after each of `world` ranks read `micro` more micro-batches from `position`.
-    refs: the samples of every epoch, or epoch -> that epoch's (a run whose shards change between
-    epochs: stages/train/shard_schedule.py)."""
+def advance(config, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
+            local: int = 1) -> Position:
+    """The position after each of `world` ranks (`local` a node) read `micro` more micro-batches
+    from `position`. refs: the samples of every epoch, or epoch -> that epoch's (a run whose shards
+    change between epochs: stages/train/shard_schedule.py)."""
     refs_at = refs if callable(refs) else lambda _epoch: refs
     epoch = position.epoch
     while True:
-        indices = epoch_indices(position, epoch, epoch_length(config, refs_at(epoch), epoch))
+        layout = position.layout_of(config, epoch, world, local)
+        indices = epoch_indices(position, epoch, epoch_length(config, refs_at(epoch), epoch, layout))
         per = len(indices) // world
         if micro < per:
             left = indices[:per * world].reshape(world, per)[:, micro:]  # what each rank has still to read
-            return Position(epoch, to_ranges(left.reshape(-1)))
+            return Position(epoch, to_ranges(left.reshape(-1)), layout if config.data_order == "node" else None)
         micro -= per
         epoch += 1
         if micro == 0:

@@ -199,7 +199,7 @@ def micro_batches(setup: Setup, config: TrainConfig):
         while True:
             setup.schedule.decide(epoch, acc)
             yield from rank_batches(config, setup.schedule.refs(epoch), setup.position, epoch, acc.process_index,
-                                    acc.num_processes)
+                                    acc.num_processes, setup.local_processes)
             epoch += 1
 
     yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped)

@@ -120,7 +120,7 @@ def save_step(setup, config, step: int) -> None:
     if acc.is_main_process:
         file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
         at = advance(config, setup.schedule.refs, setup.position, (step - setup.start_step) * config.grad_accum,
-                     acc.num_processes)
+                     acc.num_processes, setup.local_processes)
         epochs = setup.schedule.to_json()  # --follow, --shard-schedule: each epoch's shards so far
         at = dataclasses.replace(at, schedule=None if epochs is None else tuple(epochs))
         state = {"step": step, "total_steps": setup.total_steps, "world_size": acc.num_processes,

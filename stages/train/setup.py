@@ -26,6 +26,7 @@ from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
 from stages.train.grad_comm import GradComm, install, step_bytes
+from stages.train.node_order import check_shards, node_layout
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.ranks import gather, on_main
@@ -61,6 +62,7 @@ class Setup:
     start_step: int
     plan: LossPlan
     position: Position = Position()  # where the data resumes (stages/train/position.py)
+    local_processes: int = 1  # training processes on each node (LOCAL_WORLD_SIZE): --data-order node's layout
     skipped: set = field(default_factory=set)  # (shard, index) left out by --on-corrupt skip
     lock: object = None  # OUT's run lock (stages/train/run_dir.claim), main process only
     grad_comm: GradComm | None = None  # the gradients' all-reduce and its byte count; None alone
@@ -224,18 +226,21 @@ def _prepare(config: TrainConfig, log) -> Setup:
     train_ids, eval_ids = select_shards(store, config, records)
     store.require_committed([s for s in eval_ids + ([] if config.follow else train_ids) if s not in records])
     position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, config.max_length), previous)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
+    layout = node_layout(acc.num_processes, local)
     schedule = schedule_of(config, store, train_ids, index, position.schedule)
-    schedule.wait_for_start(acc, lambda refs: epoch_length(config, refs, 0) // acc.num_processes >= config.grad_accum,
+    schedule.wait_for_start(acc, lambda refs: (epoch_length(config, refs, 0, layout) // acc.num_processes
+                                               >= config.grad_accum and len(set(refs.shard.tolist())) >= layout[0]),
                             log)
     if schedule.mode == "replay" and acc.is_main_process:
         schedule.write(Path(config.out) / FILE)
     train_refs, eval_refs = schedule.refs(position.epoch), refs_of(index.arrays, eval_ids, config.max_length)
     if not train_refs:
         raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     check_shared_memory(config, shared_memory_need(config, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
                                                    local))
-    micro = epoch_length(config, train_refs, 0) // acc.num_processes  # each rank's batches of epoch 0
+    check_shards(config, train_refs.shard, layout)
+    micro = epoch_length(config, train_refs, 0, layout) // acc.num_processes  # each rank's batches of epoch 0
     if micro < config.grad_accum:
         raise ConfigError(flag_of(config, "grad_accum"), config.grad_accum,
                           f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
@@ -272,7 +277,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
                  store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),
                  store_taps=attrs.taps,
-                 micro_per_epoch=micro, total_steps=total, start_step=start, position=position,
+                 micro_per_epoch=micro, total_steps=total, start_step=start, position=position, local_processes=local,
                  plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"), grad_comm=install(model, config.grad_comm))
 
 

@@ -73,7 +73,7 @@ def test_a_saved_schedule_is_replayed_not_looked_up(small_store, tmp_path):
     """--resume of a followed run: the epochs it saved keep their shards though more are committed now."""
     store = HiddenStore(str(small_store))
     index, _ = index_file.load(store)
-    saved = Position(1, ((3, 8),), ("0-1", "0-2")).to_json()
+    saved = Position(1, ((3, 8),), schedule=("0-1", "0-2")).to_json()
     position = Position.from_json(json.loads(json.dumps(saved)))
     (tmp_path / "out").mkdir()
     sched = schedule_of(config(small_store, tmp_path / "out", follow=True), store, [0, 1, 2, 3], index,
