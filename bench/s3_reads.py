@@ -5,6 +5,8 @@ behind a proxy that adds a fixed latency to every request (tools/s3/latency_prox
     git archive 1c3001b | tar -x -C /tmp/before          # the code before, to read with
     python bench/s3_reads.py --tiny /tmp/tiny.zarr --before /tmp/before [--wide /tmp/wide.zarr] \\
         --json bench/results/s3_reads.json
+    python bench/s3_reads.py --like /tmp/tiny.zarr --wide /tmp/wide16k.zarr --wide-shard-tokens 16384  # the 27B rows of
+        bench/results/inodes.json: the states in 16,384-token files instead of 4,096
 
 --tiny: the shipped tiny target's store (`pipeline extract --shards 0-7`); --wide: synthetic shards at
 27B width (hidden 5120, built here with the store's own writer when absent: WIDE_SHARDS shards of
@@ -39,7 +41,7 @@ BATCH = 4
 WIDE_SHARDS, WIDE_SAMPLES, WIDE_TAPS, WIDE_H, WIDE_TOKENS = 2, 4, 2, 5120, 1950
 
 
-def build_wide(path: Path, like: Path) -> None:
+def build_wide(path: Path, like: Path, shard_tokens: int = 4096) -> None:
     """Synthetic 27B-width shards (random bf16 states) on the tiny store's root."""
     import shutil
 
@@ -57,7 +59,7 @@ def build_wide(path: Path, like: Path) -> None:
     store = StoreWriter(str(path))
     g = torch.Generator().manual_seed(0)
     for shard in range(WIDE_SHARDS):
-        w = ShardWriter(store, shard, WIDE_TAPS, WIDE_H, chunk_tokens=256, shard_tokens=4096)
+        w = ShardWriter(store, shard, WIDE_TAPS, WIDE_H, chunk_tokens=256, shard_tokens=shard_tokens)
         for i in range(WIDE_SAMPLES):
             n = WIDE_TOKENS + int(torch.randint(-200, 200, (1,), generator=g))
             w.add(i, [1] * 50, [2] * (n - 50), truncated=False)
@@ -154,6 +156,8 @@ def main() -> None:
     p.add_argument("--tiny", type=Path)
     p.add_argument("--wide", type=Path)
     p.add_argument("--before", type=Path, help="a copy of the code before (git archive), to read with")
+    p.add_argument("--like", type=Path, help="the store whose root --wide is built on (default: --tiny)")
+    p.add_argument("--wide-shard-tokens", type=int, default=4096, help="tokens per state file of the --wide store built")
     p.add_argument("--json", type=Path)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -165,7 +169,7 @@ def main() -> None:
     from tests.s3 import serving
 
     if args.wide and not args.wide.exists():
-        build_wide(args.wide, args.tiny)
+        build_wide(args.wide, args.like or args.tiny, args.wide_shard_tokens)
     trees = {"after": ROOT, **({"before": args.before} if args.before else {})}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

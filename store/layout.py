@@ -17,6 +17,11 @@
       _index/samples-<state>.npz   a cache of the commit records and per-sample index (store/index_file.py)
 
 A shard without its commit file is not part of the store, whatever its arrays hold.
+
+Each array's chunks are files named by zarr's chunk key encoding, which its metadata records: from
+format revision 5 "c.K.0.0" (`CHUNK_SEPARATOR`), a file beside the array's zarr.json; before, zarr's
+default "c/K/0/0", a directory per key level (two thirds of a shard's inodes). Readers follow the
+metadata, or, before they hold it, the shard's commit record (`chunk_key`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ FORMAT_CODECS = {"bf16": "planes", "fp8": "fp8"}
 CODEC = FORMAT_CODECS["bf16"]
 DEFAULT_LEVEL = 1
 LEVELS = PLANE_LEVELS
+CHUNK_SEPARATOR = "."  # what revision 5 on writes between a chunk key's parts (earlier: "/")
+OLD_SEPARATOR = "/"
+
+
+def chunk_key_encoding(separator: str = CHUNK_SEPARATOR) -> dict:
+    """The zarr-3 chunk key encoding of every array the store writes."""
+    return {"name": "default", "separator": separator}
+
+
+def chunk_key(separator: str, *coords: int) -> str:
+    """The key of a chunk (at coords) under an array, as zarr's default encoding names it."""
+    return separator.join(["c", *map(str, coords)])
 
 
 def shard_name(shard: int) -> str:

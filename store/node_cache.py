@@ -6,7 +6,7 @@ share here, so each byte crosses the network about once per run).
       index.sqlite                 file -> bytes, last used; the total (the one place the bound is kept)
       .tmp/                        files being written (renamed into place when whole)
       .filling/                    fill locks: one marker per file a process is fetching
-      <store>/shards/00003/<commit>/hidden/c/0   a copy of STORE/shards/00003/hidden/c/0
+      <store>/shards/00003/<commit>/hidden/c.0.0.0   a copy of STORE/shards/00003/hidden/c.0.0.0
 
 <store> is a short hash of the store's location, <commit> one of the shard's commit record: a shard
 re-extracted with --redo gets new files under the same names and a new record, so it is never

@@ -22,6 +22,7 @@ from numcodecs import Blosc
 
 from store import commit_file, layout
 from store.hidden_store import HiddenStore
+from store.read_checks import chunk_separator, first_chunk
 from store.schema import ShardCommit
 from store.shard_reader import ShardReader
 
@@ -38,13 +39,14 @@ def per_sample(store: HiddenStore, records: dict[int, ShardCommit],
     of reads; shards another layout or a failed check leaves out are read by ShardReader."""
     direct = store.read_checks(records).direct_reads  # else every shard goes through ShardReader (zarr)
     keys = {(s, n, f): store.path(f"{layout.shard_group(s)}/{n}/{f}") for s, rec in records.items()
-            for n in names if direct and n in rec.shapes for f in ("zarr.json", "c/0")}
+            for n in names if direct and n in rec.shapes for f in ("zarr.json", first_chunk(rec))}
     blobs = commit_file.cat_many(store.fs, list(keys.values()))
     got = dict(zip(keys, blobs))
     out = {}
     for s, rec in records.items():
         try:
-            out[s] = {n: _decoded(rec, n, got.get((s, n, "zarr.json")), got.get((s, n, "c/0"))) for n in names}
+            out[s] = {n: _decoded(rec, n, got.get((s, n, "zarr.json")), got.get((s, n, first_chunk(rec))))
+                      for n in names}
         except _NotHere:
             reader = ShardReader(store, s, rec)
             out[s] = {n: getattr(reader, n) for n in names}
@@ -52,7 +54,8 @@ def per_sample(store: HiddenStore, records: dict[int, ShardCommit],
 
 
 def _decoded(rec: ShardCommit, name: str, meta, chunk) -> np.ndarray:
-    """The array `name` from its metadata and chunk bytes, every check passed; else _NotHere."""
+    """The array `name` from its metadata and the bytes of its chunk `first_chunk(rec)`, every check
+    passed (its metadata names that chunk key encoding); else _NotHere."""
     if not isinstance(meta, bytes) or not isinstance(chunk, bytes) or len(chunk) < 4:
         raise _NotHere
     if (rec.metadata or {}).get(f"{name}/zarr.json") not in (None, zlib.crc32(meta)):
@@ -61,7 +64,8 @@ def _decoded(rec: ShardCommit, name: str, meta, chunk) -> np.ndarray:
         m = json.loads(meta)
         shape = m["shape"]
         plain = (m.get("zarr_format") == 3 and len(shape) == 1 and m["chunk_grid"]["configuration"]["chunk_shape"] == shape
-                 and m["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "/"}}
+                 and m["chunk_key_encoding"] == {"name": "default",
+                                                 "configuration": {"separator": chunk_separator(rec)}}
                  and [c["name"] for c in m["codecs"]] == ["bytes", "blosc", "crc32c"]
                  and m["codecs"][0]["configuration"]["endian"] == "little")
         dtype = np.dtype(m["data_type"]).newbyteorder("<")

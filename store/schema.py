@@ -20,7 +20,7 @@ from store.errors import NotAStore, StoreCorrupt
 
 KIND = "dflash-hidden-states"
 SCHEMA_VERSION = 2  # 2: byte-plane codec with a checksum per chunk (1: blosc, read-only now)
-FORMAT_REVISION = 4  # what this version writes; the revisions, and what each lets a reader check: store/read_checks.py
+FORMAT_REVISION = 5  # what this version writes; the revisions, and what each lets a reader check: store/read_checks.py
 TAP_MEANING = "tap k = output of decoder layer k (0-based) = Hugging Face hidden_states[k+1]"
 
 
@@ -238,6 +238,10 @@ class ShardCommit:
     # --category-field: {"labels": the distinct labels, "codes": per sample (in sample order) the index of its
     # label}; None when no category field was given
     categories: dict | None = None
+    # From format revision 5 (None before): the separator of the shard's chunk keys, "." (c.K.0.0: no
+    # directory per key level); None: "/" (zarr's default, c/K/0/0). Its arrays' metadata says the same;
+    # this lets a reader name a chunk file before it holds the metadata (store/layout.py chunk_key).
+    chunk_separator: str | None = None
     run: dict = dataclasses.field(default_factory=dict)
 
     def category(self, index: int) -> str | None:

@@ -14,6 +14,7 @@ from zarr.core.sync import sync
 from store import layout, span_reader, zarr_files
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
+from store.read_checks import first_chunk
 from store.schema import ShardCommit
 
 _PER_TOKEN = ("tokens", "loss_mask", "hidden")
@@ -50,7 +51,7 @@ class ShardReader:
         if self.record is None:
             store.require_committed([shard])
         names = [*sorted({*(self.record.metadata or {}), "zarr.json", *(f"{n}/zarr.json" for n in self.record.shapes)}),
-                 *(f"{n}/c/0" for n in _PER_SAMPLE if n in self.record.shapes)]  # one chunk each (layout.small_codecs)
+                 *(f"{n}/{first_chunk(self.record)}" for n in _PER_SAMPLE if n in self.record.shapes)]  # one chunk each
         group = layout.shard_group(shard)
         self._files = {name.removeprefix(f"{group}/"): data
                        for name, data in store.fetch([f"{group}/{n}" for n in names]).items()}
@@ -118,7 +119,7 @@ class ShardReader:
 
         meta = self._files.get(f"{name}/zarr.json")
         try:
-            data = _decoded(self.record, name, meta, self._files.pop(f"{name}/c/0", None))
+            data = _decoded(self.record, name, meta, self._files.pop(f"{name}/{first_chunk(self.record)}", None))
             self._files.pop(f"{name}/zarr.json", None)
             return data
         except _NotHere:

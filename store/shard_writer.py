@@ -34,6 +34,8 @@ _DONE = object()
 # Every chunk is written, all-fill-value ones too (zarr skips those by default), so that a reader
 # can tell a missing chunk file (damage) from zeros; the commit record says so (`every_chunk`).
 _EVERY_CHUNK = {"write_empty_chunks": True}
+# Chunk keys c.K.0.0, files beside the array's metadata (format revision 5; store/layout.py).
+_KEYS = layout.chunk_key_encoding()
 
 
 @dataclass
@@ -85,7 +87,7 @@ class ShardWriter:
         self.hidden = g.create_array(
             "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
             chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
-            compressors=codecs, fill_value=0, config=_EVERY_CHUNK)
+            compressors=codecs, fill_value=0, config=_EVERY_CHUNK, chunk_key_encoding=_KEYS)
         self._queue: queue.Queue = queue.Queue()
         self._codec = codecs[0]  # whole shard files are encoded here, not by zarr
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
@@ -163,7 +165,7 @@ class ShardWriter:
             self.group.create_array(name, shape=data.shape, dtype=data.dtype,
                                     chunks=(max(1, min(len(data), layout.TOKEN_CHUNK)),),
                                     compressors=layout.small_codecs(), fill_value=0,
-                                    config=_EVERY_CHUNK)[:] = data
+                                    config=_EVERY_CHUNK, chunk_key_encoding=_KEYS)[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
         if lock is not None and not lock.still_held():
@@ -178,7 +180,8 @@ class ShardWriter:
             writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
             agreement=self.stats.agreement, run=run, categories=_categories(self.categories),
             bytes=self.store.shard_bytes(self.shard),
-            metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]), every_chunk=True)
+            metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]), every_chunk=True,
+            chunk_separator=_KEYS["separator"])
         self.store.write_commit(record)
         self._pool.shutdown()
         return record

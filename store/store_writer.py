@@ -128,7 +128,7 @@ class StoreWriter(HiddenStore):
             rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
             g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
                            compressors=layout.hidden_codecs(attrs.compat.compression_level),
-                           fill_value=0, overwrite=True)[:] = bits
+                           fill_value=0, overwrite=True, chunk_key_encoding=layout.chunk_key_encoding())[:] = bits
             checksums[name] = layout.crc32(bits)
         g.attrs.put(to_json(attrs))
         folder = self.root.rstrip("/")
@@ -153,6 +153,8 @@ class StoreWriter(HiddenStore):
             detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))
             hint = (f"; its states are {self.attrs.compat.states}: pass --hidden-format {self.attrs.compat.states}"
                     if "hidden_format" in diff else "")
+            if "shard_tokens" in diff:  # the default grew from 4096 to 16384 with format revision 5
+                hint += f"; pass --shard-tokens {self.attrs.compat.shard_tokens}, the store's"
             raise StoreMismatch(f"{self.location} was made with a different target/taps/config, refusing to add shards "
                                 f"({detail}){hint}")
 

@@ -71,7 +71,8 @@ def fp8_store(tmp_path_factory, small_dataset) -> Path:
 
 def damage_states(store: Path, shard: int, n: int = 256) -> Path:
     """Flip n bytes in the middle of the first state chunk file of a committed shard; returns the file."""
-    chunk = sorted(p for p in (store / f"shards/{shard:05d}/hidden/c").rglob("*") if p.is_file())[0]
+    hidden = store / f"shards/{shard:05d}/hidden"  # chunk files c.K.0.0, or c/K/0/0 before format revision 5
+    chunk = sorted(p for p in hidden.rglob("*") if p.is_file() and p.name != "zarr.json")[0]
     data = bytearray(chunk.read_bytes())
     for k in range(len(data) // 2, len(data) // 2 + n):
         data[k] ^= 0x5A

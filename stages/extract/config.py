@@ -86,7 +86,8 @@ class ExtractConfig:
                                default_text=f"the DFlash formula with {DEFAULT_NUM_TAPS} taps")
     mask_token_id: int | None = setting(None, "Drafter mask token.", default_text="the tokenizer's mask token")
     chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
-    shard_tokens: int = setting(4096, "Tokens per zarr shard file (a multiple of --chunk-tokens).")
+    shard_tokens: int = setting(16384, "Tokens per zarr shard file (a multiple of --chunk-tokens; before format "
+                                       "revision 5 the default was 4096).")
     compression_level: int = setting(layout.DEFAULT_LEVEL, "zstd level of the states' high bytes (bf16; the low bytes "
                                                            "are LZ4) or of their e4m3 bytes (fp8), %d to %d; every "
                                                            "chunk ends in a crc32c."

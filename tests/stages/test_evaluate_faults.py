@@ -49,11 +49,11 @@ def test_sigkill_leaves_no_half_report_and_a_rerun_equals_uninterrupted(small_st
 
 DAMAGE = {  # file -> what is done to it (tests/store/test_damage.py does every file, every kind, in-process)
     "_commits/00003.json": "flip",
-    "shards/00003/offsets/c/0": "delete",
+    "shards/00003/offsets/c.0": "delete",
     "shards/00003/tokens/zarr.json": "cut",
-    "shards/00003/hidden/c/0/0/0": "flip-end",  # the shard index
+    "shards/00003/hidden/c.0.0.0": "flip-end",  # the shard index
     "zarr.json": "digit",  # the root attributes
-    "target/lm_head/c/0/0": "delete",
+    "target/lm_head/c.0.0": "delete",
 }
 
 

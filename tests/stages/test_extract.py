@@ -307,7 +307,7 @@ def test_an_existing_store_keeps_its_shard_count(small_store):
     assert resolve_shards(ExtractConfig(store=str(small_store)), store, 2_500_000) == ([0, 1, 2, 3], 4)
 
 
-@pytest.mark.parametrize("damage", ["zarr.json", "target/lm_head/c/0/0", "_commits/root.json"])
+@pytest.mark.parametrize("damage", ["zarr.json", "target/lm_head/c.0.0", "_commits/root.json"])
 def test_redo_rebuilds_a_damaged_root_made_with_the_same_settings(small_store, store_copy, small_dataset, damage):
     from tests.store.test_damage import damaged, equal, read_everything
 
@@ -315,7 +315,7 @@ def test_redo_rebuilds_a_damaged_root_made_with_the_same_settings(small_store, s
     path = store_copy / damage
     path.write_bytes(damaged(path.read_bytes(), "digit" if damage == "zarr.json" else "flip"))
     config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL)
-    with pytest.raises(StoreCorrupt, match=f"{damage.split('/c/')[0]}.*the store's root is damaged.*--redo"):
+    with pytest.raises(StoreCorrupt, match=f"{damage.split('/c.')[0]}.*the store's root is damaged.*--redo"):
         read_everything(str(store_copy), [0, 1, 2, 3])  # what training and evaluation read
     other = dataclasses.replace(config, redo=True, max_new_tokens=SMALL["max_new_tokens"] + 1)
     with pytest.raises(StoreMismatch, match="cannot be rebuilt from this run: the store was made with other settings"):

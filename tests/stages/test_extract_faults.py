@@ -94,8 +94,8 @@ def fail_commit_file(monkeypatch, fault: DiskFull) -> None:
 FAULTS = {
     "first_state_file": (fail_state_files, f"shards/0000{SHARD}/hidden/", 0),
     "second_state_file": (fail_state_files, f"shards/0000{SHARD}/hidden/", 1),
-    "last_state_file_through_zarr": (fail_zarr_writes, f"shards/0000{SHARD}/hidden/c/", 0),
-    "tokens_array_at_commit": (fail_zarr_writes, f"shards/0000{SHARD}/tokens/c/", 0),
+    "last_state_file_through_zarr": (fail_zarr_writes, f"shards/0000{SHARD}/hidden/c.", 0),
+    "tokens_array_at_commit": (fail_zarr_writes, f"shards/0000{SHARD}/tokens/c.", 0),
     "commit_file": (fail_commit_file, f"_commits/0000{SHARD}.json", 0),
 }
 

@@ -9,6 +9,7 @@ commit record and per-sample index), each shard's commit record, per-sample arra
 sample's tokens, loss mask and states.
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def damaged(data: bytes, kind: str) -> bytes | None:
 def names(message: str, key: str) -> bool:
     """The message names the damaged file, or the array it is a chunk or the metadata of (a deleted
     commit file leaves its shard uncommitted, which is how a crash leaves it: named as such)."""
-    array = key.split("/c/")[0] if "/c/" in key else key
+    array = re.split(r"/c[./]", key)[0]  # a chunk key: c/K/0/0 (before revision 5) or c.K.0.0
     if array.endswith("/zarr.json") and array[:-len("/zarr.json")] in message:
         return True
     uncommitted = key.startswith("_commits/0") and f"shard {int(key[9:14])} is not committed" in message
@@ -85,6 +86,7 @@ KINDS = ("flip", "digit", "flip-end", "cut", "empty", "delete")
 
 
 SCHEMA1 = Path(__file__).parents[1] / "data" / "schema1_store"
+REV4 = Path(__file__).parents[1] / "data" / "rev4_store"  # tests/store/test_chunk_keys.py
 
 
 def unchecked_in_schema1(key: str) -> bool:
@@ -93,15 +95,17 @@ def unchecked_in_schema1(key: str) -> bool:
     a root attribute or a commit file's note (a time, a host) changed into another valid value (a
     change to the counts, shapes or checksums contradicts the arrays, and is seen)."""
     return (key == "zarr.json" or key.startswith("_commits/")
-            or any(f"/{name}/c/" in key for name in ("hidden", "tokens", "loss_mask")))
+            or any(f"/{name}/c/" in key or f"/{name}/c." in key for name in ("hidden", "tokens", "loss_mask")))
 
 
-@pytest.mark.parametrize("schema", [2, 1, "2, fp8"])
+@pytest.mark.parametrize("schema", [2, 1, "2, fp8", "2, revision 4"])
 def test_damage_to_any_file_is_an_error_naming_it_or_changes_nothing(request, tmp_path, schema):
+    """schema 2 in the layout this revision writes (chunk keys c.K.0.0), and in revision 4's (c/K/0/0)."""
     store = tmp_path / "hs.zarr"
-    shutil.copytree(SCHEMA1 if schema == 1 else request.getfixturevalue("fp8_store" if schema == "2, fp8"
-                                                                        else "small_store"), store)
-    shards = [0, 1] if schema == 1 else [0, 1, 2, 3]
+    fixture = {1: SCHEMA1, "2, revision 4": REV4}
+    shutil.copytree(fixture[schema] if schema in fixture else request.getfixturevalue(
+        "fp8_store" if schema == "2, fp8" else "small_store"), store)
+    shards = [0, 1] if schema in fixture else [0, 1, 2, 3]
     clean = read_everything(str(store), shards)
     kept, errors, wrong, unseen = [], [], [], []
     # the index file first: damage to a commit file that leaves it readable is a new state, whose

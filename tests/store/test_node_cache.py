@@ -66,7 +66,7 @@ def requests(monkeypatch, fs) -> list[str]:
 
 def is_data(path: str) -> bool:
     """A chunk or shard file of a sample's per-token arrays (what reads fetch through the cache)."""
-    return any(f"/{name}/c/" in path for name in ("hidden", "tokens", "loss_mask"))
+    return any(f"/{name}/c{sep}" in path for name in ("hidden", "tokens", "loss_mask") for sep in "/.")
 
 
 def cached_files(cache: NodeCache) -> dict[str, int]:
@@ -134,7 +134,7 @@ def test_damage_in_the_store_itself_is_still_reported(small_store, tmp_path):
     location = upload(small_store)
     cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
     store = HiddenStore(location, node_cache=cache)
-    mem, path = store.fs, store.path("shards/00000/hidden/c/0/0/0")
+    mem, path = store.fs, store.path("shards/00000/hidden/c.0.0.0")  # format revision 5's key
     data = bytearray(mem.cat_file(path))
     data[len(data) // 3] ^= 0xFF
     mem.pipe_file(path, bytes(data))

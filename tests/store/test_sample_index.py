@@ -30,7 +30,7 @@ def test_the_batch_gives_shard_readers_arrays_without_a_reader(small_store, monk
             assert got[s][n].dtype == expected[s][n].dtype and np.array_equal(got[s][n], expected[s][n]), (s, n)
 
 
-@pytest.mark.parametrize("what", ["offsets/c/0", "offsets/zarr.json", "first_pairs/c/0"])
+@pytest.mark.parametrize("what", ["offsets/c.0", "offsets/zarr.json", "first_pairs/c.0"])
 @pytest.mark.parametrize("how", ["flip", "delete"])
 def test_a_damaged_file_is_left_to_shard_reader_which_names_it(store_copy, what, how):
     path = store_copy / "shards/00002" / what

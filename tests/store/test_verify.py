@@ -11,7 +11,7 @@ def test_verify_passes_on_a_good_store(small_store):
 
 
 def test_verify_names_a_corrupted_chunk_file(store_copy):
-    chunks = sorted(p for p in (store_copy / "shards/00002/hidden/c").rglob("*") if p.is_file())
+    chunks = sorted(p for p in (store_copy / "shards/00002/hidden").glob("c.*"))
     assert chunks
     data = bytearray(chunks[0].read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of a compressed chunk
@@ -22,7 +22,7 @@ def test_verify_names_a_corrupted_chunk_file(store_copy):
 
 
 def test_verify_names_a_deleted_chunk_and_a_missing_shard(store_copy):
-    next(p for p in (store_copy / "shards/00001/hidden/c").rglob("*") if p.is_file()).unlink()
+    next(p for p in (store_copy / "shards/00001/hidden").glob("c.*")).unlink()
     (store_copy / "_commits/00003.json").unlink()
     report = verify(HiddenStore(str(store_copy)), expected=[0, 1, 2, 3])
     assert list(report.problems) == [1] and report.missing == [3] and report.partial == [3]
@@ -50,7 +50,7 @@ def test_verify_checks_the_frozen_embedding(store_copy):
 
 def test_chosen_shards_in_parallel_processes(store_copy):
     """--shards limits what is read; two processes find what one finds."""
-    chunks = sorted(p for p in (store_copy / "shards/00002/hidden/c").rglob("*") if p.is_file())
+    chunks = sorted(p for p in (store_copy / "shards/00002/hidden").glob("c.*"))
     data = bytearray(chunks[0].read_bytes())
     data[len(data) // 2] ^= 0xFF
     chunks[0].write_bytes(bytes(data))
@@ -71,7 +71,7 @@ def test_a_sample_of_chunks_states_its_coverage_and_finds_damage_it_reads(store_
     decoded, total = sampled.chunks
     assert full.chunks == [total, total] and 0 < decoded < total
     assert f"{decoded} of {total} chunks decoded" in sampled.verdict()
-    files = sorted(p for p in (store_copy / "shards/00001/hidden/c").rglob("*") if p.is_file())
+    files = sorted(p for p in (store_copy / "shards/00001/hidden").glob("c.*"))
     data = bytearray(files[0].read_bytes())
     for k in range(0, len(data) - 64, 97):  # damage every chunk of the file: any sampled one is hit
         data[k] ^= 0xFF
