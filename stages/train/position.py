@@ -103,6 +103,21 @@ def advance(config, refs: Refs | Callable[[int], Refs], position: Position, micr
             return Position(epoch, None)
 
 
+def epochs_walked(config, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
+                  local: int = 1) -> float:
+    """Epochs a run has made once each rank read `micro` more micro-batches from `position`, to 3
+    decimals, the epoch under way counted by the share of its batches read: for runs whose epochs
+    differ in size (--follow, --shard-schedule), where epochs_done's count of epoch 0's batches
+    would not measure them."""
+    at = advance(config, refs, position, micro, world, local)
+    if at.remaining is None:
+        return float(at.epoch)
+    refs_at = refs if callable(refs) else lambda _epoch: refs
+    total = epoch_length(config, refs_at(at.epoch), at.epoch, at.layout_of(config, at.epoch, world, local))
+    left = sum(hi - lo for lo, hi in at.remaining)
+    return round(at.epoch + max(0, total - left) / max(1, total), 3)
+
+
 def to_ranges(indices: np.ndarray) -> Ranges:
     """Ascending-run ranges [lo, hi) of [k] indices, in their order."""
     if not len(indices):

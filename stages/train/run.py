@@ -21,9 +21,9 @@ from stages.out_dir import removed_if_failed_empty
 from stages.train.config import TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
-from stages.train.position import epochs_done, rank_batches
+from stages.train.position import rank_batches
 from stages.train.recipe import INTERRUPTED  # noqa: F401 - the line an interrupted run ends with (train.py)
-from stages.train.run_dir import LAUNCH_MARK, MetricsLog, save_step, write_audit, write_drafter
+from stages.train.run_dir import LAUNCH_MARK, MetricsLog, epochs_at, save_step, write_audit, write_drafter
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate
@@ -50,7 +50,7 @@ def _run(setup: Setup, config: TrainConfig) -> dict:
         metrics.write({"split": "eval", "step": 0, **validate(setup, config, replay=bool(config.init_from))})
     bar = tqdm(total=setup.total_steps, initial=setup.start_step, unit="step", desc="train", dynamic_ncols=True,
                disable=not acc.is_main_process)
-    window, seen = Window(setup), []
+    window, seen = Window(setup, config), []
     batches = micro_batches(setup, config)
     try:
         for step in range(setup.start_step, setup.total_steps):
@@ -111,8 +111,8 @@ def check_finite(loss: torch.Tensor, step: int, micro: int, batch) -> None:
 class Window:
     """Loss statistics since the last record, summed over ranks when flushed."""
 
-    def __init__(self, setup: Setup) -> None:
-        self.setup = setup
+    def __init__(self, setup: Setup, config: TrainConfig) -> None:
+        self.setup, self.config = setup, config
         self.sums = zero_sums(setup.drafter_config.block_size, setup.accelerator.device)
         self.tokens, self.t0 = 0, time.perf_counter()
         self.steps, self.sent0 = 0, self.sent()
@@ -132,7 +132,7 @@ class Window:
         setup, acc = self.setup, self.setup.accelerator
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
-        epoch = epochs_done(step, acc.gradient_accumulation_steps, setup.micro_per_epoch)
+        epoch = epochs_at(setup, self.config, step)
         record = {"split": "train", "step": step, "epoch": epoch, "lr": setup.schedulers[-1].get_last_lr()[0],
                   **({"muon_lr": setup.schedulers[0].get_last_lr()[0]} if len(setup.schedulers) > 1 else {}), **m,
                   "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),

@@ -23,7 +23,7 @@ from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
 from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
-from stages.train.position import advance, epochs_done
+from stages.train.position import advance, epochs_done, epochs_walked
 from store import file_modes
 from store.errors import ConfigError
 from store.locks import LockFile
@@ -87,8 +87,17 @@ def training_record(setup, config, step: int) -> TrainingRecord:
                           store_placement=setup.store_placement,
                           store=config.store, store_taps=setup.store_taps,
                           train_shards=setup.train_shards_text, eval_shards=setup.eval_shards_text, step=step,
-                          epochs=epochs_done(step, config.grad_accum, setup.micro_per_epoch),
+                          epochs=epochs_at(setup, config, step),
                           train_config=asdict(config))
+
+
+def epochs_at(setup, config, step: int) -> float:
+    """Epochs made after `step` optimizer steps: counted in epoch 0's batches (epochs_done), or, when
+    epochs differ in size (--follow, --shard-schedule), walked epoch by epoch (epochs_walked)."""
+    if setup.schedule.mode == "fixed":
+        return epochs_done(step, config.grad_accum, setup.micro_per_epoch)
+    return epochs_walked(config, setup.schedule.refs, setup.position, (step - setup.start_step) * config.grad_accum,
+                         setup.accelerator.num_processes, setup.local_processes)
 
 
 def write_drafter(setup, config, directory: Path, step: int, atomic: bool = True) -> None:

@@ -93,3 +93,21 @@ def test_a_saved_position_is_what_the_per_object_walk_gave(batching):
             assert advance(c, REFS, Position(), micro, world) == walked(Position(), micro, world)
     resumed = advance(c, REFS, Position(), 7, 2)
     assert all(advance(c, REFS, resumed, m, 3) == walked(resumed, m, 3) for m in range(0, 30, 2))
+
+
+def test_epochs_walked_counts_each_epoch_in_its_own_batches():
+    """Epochs of different sizes (--follow): an epoch counts 1 however many batches it has; with one
+    size throughout, the walk agrees with epochs_done's count of epoch 0's batches."""
+    from stages.train.config import TrainConfig
+    from stages.train.data import Refs
+    from stages.train.position import Position, epochs_done, epochs_walked
+
+    config = TrainConfig(store="s", batch_size=1)
+    small, large = Refs.of([0] * 8, range(8), [10] * 8), Refs.of([0] * 24, range(24), [10] * 24)
+    sizes = {0: small, 1: small, 2: large}
+    by_epoch = lambda e: sizes.get(e, large)  # noqa: E731
+    assert epochs_walked(config, by_epoch, Position(), 4, 2) == 1.0  # epoch 0: 8 batches, 4 a rank
+    assert epochs_walked(config, by_epoch, Position(), 8, 2) == 2.0
+    assert epochs_walked(config, by_epoch, Position(), 14, 2) == 2.5  # 6 of epoch 2's 12 a rank
+    for micro in (1, 3, 4, 7):
+        assert epochs_walked(config, small, Position(), micro, 2) == epochs_done(micro, 1, 4)

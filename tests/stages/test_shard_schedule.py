@@ -151,6 +151,10 @@ def test_a_followed_run_equals_its_schedule_replayed(small_store, tmp_path):
     saved = json.loads((followed / "step-40" / "trainer_state.json").read_text())["position"]["schedule"]
     assert schedule[:len(saved)] == saved
 
+    records = [json.loads(x) for x in (followed / "metrics.jsonl").read_text().splitlines()]
+    walked = [x["epoch"] for x in records if x["split"] == "train"]  # epochs of their own sizes, walked
+    assert walked == sorted(walked) and len(schedule) - 2 < walked[-1] <= len(schedule), (walked, schedule)
+
     r = train(["--store", small_store, "--out", replayed, "--shard-schedule", followed / FILE, *common])
     assert r.returncode == 0, r.stderr
     assert losses(replayed) == losses(followed) and len(losses(followed)) == 60
