@@ -20,13 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
 from pipeline import device as devices  # noqa: E402
-from pipeline.decode import live, replay  # noqa: E402
+from pipeline.decode import live  # noqa: E402
 from pipeline.target import loading  # noqa: E402
 from pipeline.target.verifier import LiveTarget  # noqa: E402
 from stages.evaluate.conditioning import build, check_checkpoint  # noqa: E402
 from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402
+from tests.pipeline.decode import reference_replay as replay  # noqa: E402
 
 
 def timed(fn, items) -> tuple[float, list]:

@@ -2,7 +2,7 @@
 
     python bench/replay_bench.py --store hs.zarr --checkpoint runs/a/final --prompts 64 --slots 1,8,32
 
-Serial is the one-prompt reference (pipeline/decode/replay.py: one DraftSession per prompt and
+Serial is the one-prompt reference (tests/pipeline/decode/reference_replay.py: one DraftSession per prompt and
 policy, a forward and a host sync per round). Batched is what evaluate.py runs
 (pipeline/decode/batch_replay.py: context K/V once per prompt shared by every policy, --slots
 prompts per forward, one device-to-host copy per round). Both replay chain + DDTree-8/16/32/64 over
@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
 from pipeline import device as devices  # noqa: E402
-from pipeline.decode import replay  # noqa: E402
 from pipeline.decode.batch_replay import BatchReplay  # noqa: E402
 from stages.evaluate.conditioning import build, check_checkpoint  # noqa: E402
 from stages.evaluate.prompts import Prompts  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.ranges import parse_ranges  # noqa: E402
+from tests.pipeline.decode import reference_replay as replay  # noqa: E402
 
 BUDGETS = (8, 16, 32, 64)
 

@@ -212,9 +212,9 @@ def replayed(store, tmp_path, ck, name="rep", **over) -> dict:
 
 def test_batched_replay_gives_every_prompt_the_serial_rounds(small_store, trained_drafter, tmp_path):
     """evaluate.py's batched replay (fp32) against the one-prompt reference, prompt by prompt."""
-    from pipeline.decode import replay
     from stages.evaluate.conditioning import build, check_checkpoint
     from stages.evaluate.prompts import Prompts
+    from tests.pipeline.decode import reference_replay as replay
 
     rep = replayed(small_store, tmp_path, trained_drafter, dtype="fp32", batch_prompts=5)
     store = HiddenStore(str(small_store))

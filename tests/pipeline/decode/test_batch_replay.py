@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.decode import ddtree, replay
+from pipeline.decode import ddtree
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.drafter.model import Drafter
 from store.shard_reader import Sample
 from tests.drafters import TAPS, H, config
+from tests.pipeline.decode import reference_replay as replay
 
 V = 6  # a small vocabulary: drafts are often accepted, so rounds are long and varied
 

@@ -37,7 +37,7 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     import torch
 
     from pipeline import TINY_TARGET
-    from pipeline.decode import live, replay
+    from pipeline.decode import live
     from pipeline.drafter.model import Drafter
     from pipeline.target import loading
     from pipeline.target.verifier import LiveTarget
@@ -45,6 +45,7 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     from stages.train.config import TrainConfig
     from stages.train.setup import drafter_config
     from store.hidden_store import HiddenStore
+    from tests.pipeline.decode import reference_replay as replay
 
     store = HiddenStore(str(small_store))
     attrs = store.attrs

@@ -2,11 +2,11 @@
 
 import torch
 
-from pipeline.decode.replay import chain, replay
 from pipeline.decode.session import DraftSession
 from pipeline.drafter import masks
 from store.shard_reader import Sample
 from tests.drafters import TAPS, B, H, V, config, drafter
+from tests.pipeline.decode.reference_replay import chain, replay
 
 
 def sample(T=40, P=9, seed=0) -> Sample:

@@ -1,4 +1,9 @@
-"""Replay greedy speculative decoding from stored states and the stored greedy completion.
+"""The reference replay: one prompt at a time, one forward a round, what evaluate.py's batched replay
+(pipeline/decode/batch_replay.py) is tested against, prompt by prompt (tests/pipeline/decode/
+test_batch_replay.py, tests/stages/test_evaluate.py), and what bench/replay_bench.py times it against.
+A test aid, so it lives with the tests (issue 39).
+
+Replay greedy speculative decoding from stored states and the stored greedy completion.
 
 The stored completion IS the target's greedy continuation, and the stored states ARE what the
 target computes for it, so verifying a draft is a comparison with the stored tokens. Rounds start
