@@ -99,7 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=248_320)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--json", default=str(ROOT / "bench/results/frozen_cpu.json"))
+    ap.add_argument("--json", default=None, help="write the result here (the committed one: bench/results/frozen_cpu.json); "
+                    "without it the result is printed only")
     ap.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -116,9 +117,11 @@ def main() -> None:
               "args": {"vocab": args.vocab, "hidden": args.hidden},
               "machine": {"python": platform.python_version(), "torch": __import__("torch").__version__},
               "one_bf16_tensor_mib": round(one_bf16, 1), "results": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    print(json.dumps(record, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

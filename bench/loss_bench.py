@@ -1,7 +1,7 @@
 """The DFlash loss at the real vocabulary width on CPU: the previous chunked-checkpoint loss against
 the fused linear + cross-entropy (a measurement, not a test).
 
-    python bench/loss_bench.py                      # all variants, writes bench/results/loss_cpu.json
+    python bench/loss_bench.py --json bench/results/loss_cpu.json   # all variants
     python bench/loss_bench.py --rows 2048 --hidden 128 --repeat 2
 
 V = 248,320 (Qwen3.6-27B's vocabulary) with a small hidden size and a few thousand labelled rows, so
@@ -122,7 +122,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2048, help="labelled rows (at most 4096: one old chunk)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "loss_cpu.json"))
+    ap.add_argument("--json", default=None, help="write the result here (the committed one: bench/results/loss_cpu.json); "
+                    "without it the result is printed only")
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "ROWS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -138,7 +139,9 @@ def main() -> None:
     doc = {"command": "python " + " ".join(sys.argv), "machine": {"cpus": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__}, "results": results,
            "full_size": full_size()}
-    Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

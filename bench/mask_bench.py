@@ -91,7 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3, help="timed builds per construction (the new one at least 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--json", default=str(ROOT / "bench/results/mask_cpu.json"))
+    ap.add_argument("--json", default=None, help="write the result here (the committed one: bench/results/mask_cpu.json); "
+                    "without it the result is printed only")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,9 +109,11 @@ def main() -> None:
               "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                           "python": platform.python_version(), "torch": torch.__version__},
               "results": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    print(json.dumps(record, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
