@@ -222,15 +222,24 @@ class HiddenStore:
             raise next(iter(damaged.values()))
         return good
 
-    def commits(self) -> tuple[dict[int, ShardCommit], dict[int, StoreCorrupt]]:
-        """(shard -> commit record, shard -> the error of its damaged commit file), in shard order."""
-        good, damaged = {}, {}
+    def commit_ids(self, fresh: bool = False) -> list[int]:
+        """The shards with a commit file, from one listing of `_commits/`; fresh: listed again, not
+        from a listing this process cached earlier (a store that is still being extracted)."""
+        folder = self.path("_commits")
+        if fresh:
+            self.fs.invalidate_cache(folder)
         try:
-            names = self.fs.ls(self.path("_commits"), detail=False)
+            names = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
-            return good, damaged
-        shards = [int(b[:-5]) for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
-                  if b.endswith(".json") and b[:-5].isdigit()]
+            return []
+        return [int(b[:-5]) for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
+                if b.endswith(".json") and b[:-5].isdigit()]
+
+    def commits(self, shards: list[int] | None = None) -> tuple[dict[int, ShardCommit], dict[int, StoreCorrupt]]:
+        """(shard -> commit record, shard -> the error of its damaged commit file), in shard order, of
+        every committed shard, or of those of `shards` committed; their commit files in one batch of reads."""
+        good, damaged = {}, {}
+        shards = self.commit_ids() if shards is None else shards
         paths = [self.path(layout.commit_key(s)) for s in shards]
         for shard, path, data in zip(shards, paths, commit_file.cat_many(self.fs, paths)):  # one batch of reads
             if isinstance(data, FileNotFoundError):

@@ -26,7 +26,7 @@ from stages.settings import flag_of, with_role
 from stages.train.config import TrainConfig
 from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
 from stages.train.grad_comm import GradComm, install, step_bytes
-from stages.train.node_order import check_shards, node_layout
+from stages.train.node_order import check_shards, node_layout, shard_counts
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.ranks import gather, on_main
@@ -230,7 +230,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
     layout = node_layout(acc.num_processes, local)
     schedule = schedule_of(config, store, train_ids, index, position.schedule)
     schedule.wait_for_start(acc, lambda refs: (epoch_length(config, refs, 0, layout) // acc.num_processes
-                                               >= config.grad_accum and len(set(refs.shard.tolist())) >= layout[0]),
+                                               >= config.grad_accum and len(shard_counts(refs.shard)) >= layout[0]),
                             log)
     if schedule.mode == "replay" and acc.is_main_process:
         schedule.write(Path(config.out) / FILE)

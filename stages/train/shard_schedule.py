@@ -67,27 +67,23 @@ class ShardSchedule:
             return
         assert epoch == len(self.epochs), (epoch, len(self.epochs))
         known = set(self.epochs[-1]) if self.epochs else set()
-        fresh = time.monotonic() - self._looked >= self.config.follow_poll
-        new = on_main(acc, lambda: self._look(known) if fresh else {})
+        fresh = time.monotonic() - self._looked >= self.config.follow_poll  # the main process's clock decides
+        new, arrays = on_main(acc, lambda: self._look(known) if fresh else ([], {}))
         self._looked = time.monotonic() if fresh else self._looked
-        self.arrays.update(new)
+        self.arrays.update(arrays)
         self.epochs.append(tuple(sorted(known | set(new))))
         if acc.is_main_process:
             self.write(Path(self.config.out) / FILE)
 
-    def _look(self, known: set[int]) -> dict:
-        """The per-sample arrays of the shards of the range committed since `known` was decided."""
-        names = self.store.fs.ls(self.store.path("_commits"), detail=False) if self._has_commits() else []
-        committed = {int(b[:-5]) for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
-                     if b.endswith(".json") and b[:-5].isdigit()}
-        new = sorted((committed & set(self.range)) - known)
-        records = {s: r for s in new if (r := self.store.commit_record(s)) is not None}
-        return per_sample(self.store, records) if records else {}
-
-    def _has_commits(self) -> bool:
-        folder = self.store.path("_commits")
-        self.store.fs.invalidate_cache(folder)  # a listing cached earlier in this process is stale by design here
-        return self.store.fs.exists(folder)
+    def _look(self, known: set[int]) -> tuple[list[int], dict]:
+        """(the shards of the range committed since `known` was decided, the per-sample arrays of
+        those not known at launch): one fresh listing of the commit files, then the commit files and
+        arrays of the shards committed since launch only (the launch's index holds the others)."""
+        new = sorted((set(self.store.commit_ids(fresh=True)) & set(self.range)) - known)
+        records, damaged = self.store.commits([s for s in new if s not in self.arrays])
+        if damaged:
+            raise next(iter(damaged.values()))
+        return [s for s in new if s in self.arrays or s in records], per_sample(self.store, records) if records else {}
 
     def wait_for_start(self, acc, enough, log) -> None:
         """--follow: decide epoch 0, waiting (one look every --follow-poll seconds) until its
