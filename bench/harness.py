@@ -1,0 +1,121 @@
+"""The one harness every bench script uses: its command line, timing, peak memory and result file.
+
+A bench is a module run from the repository root as `python -m bench.NAME ...` (so it imports the
+project as it is checked out, with no path set-up of its own). It builds its parser with `parser`,
+times with `medians`, measures peak memory with `in_child` or `run_measured` (one way for all: the
+peak resident set of a fresh child process, ru_maxrss, as the kernel counts it), and ends with
+`emit`, which prints the result and writes it only where --json names a file, never over an
+existing one unless --force is given. Each script lists, in `TOY`, the argument lists that run it at
+toy size; `pytest -m bench` (tests/test_bench.py) runs them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The script's parser (its docstring as the help), with the flags every bench shares."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="Also write the result to PATH (refused if it exists, unless --force).")
+    p.add_argument("--force", action="store_true", help="Let --json replace an existing file (a committed result).")
+    p.add_argument("--toy", action="store_true", help="Run at toy size: seconds, to check the script works.")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: two threads thrash when shared).")
+    return p
+
+
+def torch_setup(threads: int) -> None:
+    """What every torch process of a bench does first: its thread count, and denormals flushed."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
+def medians(fn, repeat: int, *, warmup: int = 0) -> dict:
+    """Call fn() warmup + repeat times; the seconds of the timed calls and their median."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(runs), "runs_s": runs}
+
+
+def median_of(values) -> float:
+    return statistics.median(list(values))
+
+
+def _child(conn, fn, args, kwargs) -> None:
+    start_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    conn.send(("ok", (result, start_kb * 1024, peak_kb * 1024)))
+
+
+def in_child(fn, *args, **kwargs) -> tuple[object, dict]:
+    """fn(*args, **kwargs) in a fresh (spawned) process: its result, and {"start_rss_bytes": the child's
+    peak before fn ran (imports included), "peak_rss_bytes": its peak after}. fn must be a module-level
+    function and its result picklable."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs))
+    proc.start()
+    child.close()
+    status, payload = parent.recv()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"bench child failed: {payload}")
+    result, start, peak = payload
+    return result, {"start_rss_bytes": start, "peak_rss_bytes": peak}
+
+
+def run_measured(argv: list[str], *, env: dict | None = None, cwd: str | Path = REPO) -> dict:
+    """Run a command to its end: {"returncode", "seconds", "peak_rss_bytes" (its own process's peak,
+    from wait4), "stdout", "stderr"}."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, text=True, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # reaps it: Popen's own wait would lose the usage
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return {"returncode": proc.returncode, "seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024,
+                "stdout": out.read(), "stderr": err.read()}
+
+
+def python(*args: str) -> list[str]:
+    """argv that runs this interpreter with args (a module or script of the repository)."""
+    return [sys.executable, *args]
+
+
+def emit(result: dict, args: argparse.Namespace) -> None:
+    """Print the result as JSON; write it to --json PATH when given (an existing file only with --force)."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if not args.json:
+        return
+    path = Path(args.json)
+    if path.exists() and not args.force:
+        sys.exit(f"error: {path} exists (a committed result?); pass --force to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")

@@ -1,0 +1,46 @@
+"""Every bench script runs at toy size (`pytest -m bench`, opt-in): each module of bench/ that lists
+argument lists in `TOY` is run with each, as `python -m bench.NAME --toy ARGS`, and must end with
+status 0 having printed its result. Placeholders in the arguments: {store} (a copy of the small
+store), {fp8_store}, {checkpoint} (a drafter trained on the small store), {tmp} (a fresh directory)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.bench
+
+
+def toy_runs() -> list[tuple[str, tuple[str, ...]]]:
+    """(module, args) for every TOY entry of every bench module, read without importing them."""
+    runs = []
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TOY" for t in node.targets):
+                runs += [(path.stem, tuple(args)) for args in ast.literal_eval(node.value)]
+    return runs
+
+
+def test_every_bench_script_lists_its_toy_runs():
+    scripts = {p.stem for p in (REPO / "bench").glob("*.py")} - {"harness", "__init__"}
+    assert scripts <= {module for module, _ in toy_runs()}, "a bench script without TOY runs"
+
+
+@pytest.mark.parametrize(("module", "args"), toy_runs(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_toy_run(module, args, small_store, fp8_store, trained_drafter, tmp_path):
+    store = tmp_path / "store.zarr"
+    shutil.copytree(small_store, store)
+    (tmp_path / "tmp").mkdir()
+    fill = {"store": store, "fp8_store": fp8_store, "checkpoint": trained_drafter, "tmp": tmp_path / "tmp"}
+    argv = [sys.executable, "-m", f"bench.{module}", *[a.format(**fill) for a in args], "--toy"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.strip(), "printed no result"
