@@ -1,7 +1,8 @@
 """Extraction benchmark on the shipped tiny target (a measurement, not a test).
 
-    python -m bench.extract_bench --shards 0-7 --dtype bf16 --repeat 3 [--json bench/results/cpu_bf16.json]
-    python -m bench.extract_bench --shards 0-7 --dtype fp32 --repeat 3 [--json bench/results/cpu_fp32.json]
+    python -m bench.extract_bench --shards 0-7 --dtype bf16 --repeat 3 --threads 2 [--json bench/results/cpu_bf16.json]
+    python -m bench.extract_bench --shards 0-7 --dtype fp32 --repeat 3 --threads 2 [--json bench/results/cpu_fp32.json]
+    python -m bench.extract_bench --shards 0-7 --dtype bf16 --repeat 3 [--json bench/results/cpu_bf16_1thread.json]
     python -m bench.extract_bench --device cuda --shards 0-7 --repeat 1      # bench/gpu_check.sh
 
 Reports, per repeat and as medians: tokens/s of the extraction loop, the share of loop time
