@@ -4,6 +4,11 @@ Each stage's config is a frozen, keyword-only dataclass whose fields are made by
 default and the help text live there and nowhere else. The command line is generated from those
 fields (stages/command.py), and `__post_init__` validates with the helpers below, so a bad value
 is refused the same way from the command line, from Python, and from a resumed run.
+
+A stage with many settings is made of component configs (`part`: TrainConfig's data, optimizer,
+loss ...), each with its own settings and checks; the stage's flags are then every component's
+settings (`leaves`), each named once, and `build` / `flat` go between the config and the flat
+{setting: value} of its flags and records.
 """
 
 from __future__ import annotations
