@@ -24,7 +24,7 @@ def main(config: TrainConfig) -> None:
     public DFlash layout plus the training state) and OUT/final/. --resume continues a stopped run
     exactly (same flags, same number of processes).
     """
-    check_inputs(config.store, config.out)  # before torch is imported: a mistake answers at once
+    check_inputs(config.data.store, config.run.out)  # before torch is imported: a mistake answers at once
     from stages.train.run import done_line, run
 
     summary = run(config, log=log)

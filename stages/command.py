@@ -12,7 +12,7 @@ import typing
 import click
 
 from stages.paths import describe, refusal
-from stages.settings import flag_of
+from stages.settings import build, flag_of, leaves, owner_of
 from store.errors import UserError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -24,21 +24,22 @@ def log(message: str) -> None:
 
 
 def options(config_cls):
-    """Decorator: one click option per field of config_cls (flag, type, default and help from the
-    field); the command is called with config=config_cls(**values) plus its own other options."""
-    fields = dataclasses.fields(config_cls)
-    hints = typing.get_type_hints(config_cls)
+    """Decorator: one click option per setting of config_cls, its components' included (flag, type,
+    default and help from the field); the command is called with config=config_cls made from their
+    values (stages/settings.build) plus its own other options."""
+    fields = leaves(config_cls)
+    hints = {name: typing.get_type_hints(owner_of(config_cls, name))[name] for name in fields}
 
     def decorate(fn):
         @functools.wraps(fn)
         def command(**kw):
-            return fn(config=config_cls(**{f.name: kw.pop(f.name) for f in fields}), **kw)
+            return fn(config=build(config_cls, {name: kw.pop(name) for name in fields}), **kw)
 
-        for f in reversed(fields):
-            flag = flag_of(config_cls, f.name)
-            if _base(hints[f.name]) is bool and f.default is True:  # on by default: --x/--no-x
+        for name, f in reversed(fields.items()):
+            flag = flag_of(config_cls, name)
+            if _base(hints[name]) is bool and f.default is True:  # on by default: --x/--no-x
                 flag = f"{flag}/--no-{flag[2:]}"
-            command = click.option(flag, f.name, **_option(f, hints[f.name]))(command)
+            command = click.option(flag, name, **_option(f, hints[name]))(command)
         return command
 
     return decorate

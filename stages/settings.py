@@ -4,6 +4,11 @@ Each stage's config is a frozen, keyword-only dataclass whose fields are made by
 default and the help text live there and nowhere else. The command line is generated from those
 fields (stages/command.py), and `__post_init__` validates with the helpers below, so a bad value
 is refused the same way from the command line, from Python, and from a resumed run.
+
+A stage with many settings is made of component configs (`part`: TrainConfig's data, optimizer,
+loss ...), each with its own settings and checks; the stage's flags are then every component's
+settings (`leaves`), each named once, and `build` / `flat` go between the config and the flat
+{setting: value} of its flags and records.
 """
 
 from __future__ import annotations
@@ -26,14 +31,70 @@ def setting(default=dataclasses.MISSING, help: str = "", *, flag: str | None = N
     return dataclasses.field(default=default, metadata=meta)
 
 
+def part(config_cls) -> dataclasses.Field:
+    """A field holding a component's config (a config of `setting` fields) inside a stage's config: its
+    settings are the stage's flags, as if they were the stage's own fields (`leaves`)."""
+    return dataclasses.field(default_factory=config_cls, metadata={"part": config_cls})
+
+
+def parts(config_cls) -> dict[str, type]:
+    """{field name: component config class} for the `part` fields of config_cls (none for a flat config)."""
+    return {f.name: f.metadata["part"] for f in dataclasses.fields(config_cls) if f.metadata.get("part")}
+
+
+def leaves(config_cls) -> dict[str, dataclasses.Field]:
+    """{name: field} of every setting of config_cls, its components' included, in field order: the
+    stage's flags. A name is unique across the components (it is the flag, and the record's key)."""
+    out = {}
+    for f in dataclasses.fields(config_cls):
+        found = leaves(f.metadata["part"]) if f.metadata.get("part") else {f.name: f}
+        assert not set(found) & set(out), sorted(set(found) & set(out))
+        out.update(found)
+    return out
+
+
+def owner_of(config_cls, name: str) -> type:
+    """The config class (config_cls or one of its components) that holds setting `name`."""
+    if name in {f.name for f in dataclasses.fields(config_cls)}:
+        return config_cls
+    return next(owner_of(c, name) for c in parts(config_cls).values() if name in leaves(c))
+
+
+def build(config_cls, values: dict):
+    """config_cls from {setting name: value} (the flags' values, or a flat record): each component
+    made from its own settings; a name given that is no setting of config_cls is a TypeError."""
+    unknown = set(values) - set(leaves(config_cls))
+    if unknown:
+        raise TypeError(f"{config_cls.__name__} has no setting {', '.join(sorted(unknown))}")
+    kw = {}
+    for f in dataclasses.fields(config_cls):
+        if f.metadata.get("part"):
+            mine = {k: v for k, v in values.items() if k in leaves(f.metadata["part"])}
+            kw[f.name] = build(f.metadata["part"], mine)
+        elif f.name in values:
+            kw[f.name] = values[f.name]
+    return config_cls(**kw)
+
+
+def flat(config) -> dict:
+    """{setting name: value} of a config and its components: the flat record a run keeps."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out.update(flat(value) if f.metadata.get("part") else {f.name: value})
+    return out
+
+
 def with_role(config_cls, role: str) -> dict[str, str]:
-    """{field name: its role's value} for the fields of config_cls that carry `role` (setting's roles)."""
-    return {f.name: f.metadata[role] for f in dataclasses.fields(config_cls) if f.metadata.get(role)}
+    """{field name: its role's value} for the settings of config_cls (its components' included) that
+    carry `role` (setting's roles)."""
+    return {name: f.metadata[role] for name, f in leaves(config_cls).items() if f.metadata.get(role)}
 
 
 def flag_of(config, name: str) -> str:
-    """The command-line flag of field `name` of a config (class or instance)."""
-    f = {f.name: f for f in dataclasses.fields(config)}[name]
+    """The command-line flag of setting `name` of a config (class or instance; a component's setting
+    through the config holding it)."""
+    f = leaves(config if isinstance(config, type) else type(config))[name]
     return f.metadata.get("flag") or "--" + name.replace("_", "-")
 
 

@@ -52,9 +52,7 @@ def test_a_row_edited_by_hand_is_named(doc_tables, docs_copy):
     path = docs_copy / "docs" / "training.md"
     path.write_text(path.read_text().replace("| `--epochs INTEGER` | 6 |", "| `--epochs INTEGER` | 7 |"))
     assert doc_tables.stale(docs_copy) == [
-        "docs/training.md: the table under <!-- flags: train --max-steps --epochs --lr --warmup-ratio --schedule "
-        "--optimizer --muon-lr --muon-weight-decay --grad-clip --weight-decay --grad-accum --seed --grad-comm "
-        "--mixed-precision --> is out of date; run `python tools/doc_tables.py`"]
+        "docs/training.md: the table under <!-- flags: train run --> is out of date; run `python tools/doc_tables.py`"]
     path.write_text(doc_tables.render(path.read_text()))
     assert doc_tables.stale(docs_copy) == []
 
@@ -62,13 +60,28 @@ def test_a_row_edited_by_hand_is_named(doc_tables, docs_copy):
 def test_a_flag_missing_from_the_markers_or_unknown_is_named(doc_tables, docs_copy):
     path = docs_copy / "docs" / "training.md"
     text = path.read_text()
-    path.write_text(text.replace(" --audit -->", " -->"))
+    marker = "<!-- flags: train shard_plan -->"  # a component's flags (TrainConfig.shard_plan), not a list
+    assert text.count(marker) == 1
+    path.write_text(text.replace(marker, "<!-- flags: train --follow --follow-poll -->"))
     assert doc_tables.coverage(docs_copy) == [
-        "train: --audit in no table (add them to a <!-- flags: train ... --> marker, then run "
+        "train: --shard-schedule in no table (add them to a <!-- flags: train ... --> marker, then run "
         "`python tools/doc_tables.py`)"]
-    path.write_text(text.replace(" --audit -->", " --audit --no-such-flag -->"))
+    path.write_text(text.replace(marker, "<!-- flags: train shard_plan --no-such-flag -->"))
     assert doc_tables.coverage(docs_copy) == ["train: no option --no-such-flag (remove it from its marker)"]
     assert doc_tables.stale(docs_copy) == ["docs/training.md: train has no option --no-such-flag"]
+    path.write_text(text.replace(marker, "<!-- flags: train shards -->"))
+    named = "docs/training.md: train has no component 'shards' (one of data, shard_plan, optim, loss, drafter, run)"
+    assert doc_tables.coverage(docs_copy) == doc_tables.stale(docs_copy) == [named]
+
+
+def test_the_train_tables_are_its_components(doc_tables):
+    """Each train flag table is one component of TrainConfig, so a new setting lands in its table."""
+    from stages.settings import parts
+    from stages.train.config import TrainConfig
+
+    doc = (REPO / "docs" / "training.md").read_text()
+    markers = [m.group(2) for m, _ in doc_tables.tables(doc) if m.group(1) == "flags"]
+    assert sorted(m for m in markers if m.startswith("train")) == sorted(f"train {p}" for p in parts(TrainConfig))
 
 
 def mapped_files(doc: str) -> set[str]:

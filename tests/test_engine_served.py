@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     store = root / "hs.zarr"
     extract(ExtractConfig(store=str(store), target=str(TINY_TARGET), shards="0-2", num_shards=32, dtype="bf16",
                           device="cpu", max_new_tokens=64, max_length=512, batch_size=8), log=lambda m: None)
-    train(TrainConfig(store=str(store), out=str(root / "run"), eval_shards="2", max_steps=150, batch_size=4,
+    train(TrainConfig.of(store=str(store), out=str(root / "run"), eval_shards="2", max_steps=150, batch_size=4,
                       anchors=64), log=lambda m: None)
     return {"store": store, "drafter": root / "run" / "final", "python": str(build_venv()), "root": root}
 

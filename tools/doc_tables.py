@@ -10,6 +10,8 @@ field's default_text, else its value) and the field's help text, from the stage'
     <!-- flags: extract -->                every option of the stage, in --help order
     <!-- flags: train --store --out -->    these options, in this order; the tables of a stage
                                            together list each of its options exactly once
+    <!-- flags: train optim -->            the options of one component of the stage's config
+                                           (TrainConfig.optim: stages/settings.py `part`), in order
     ...
     <!-- /flags -->
 
@@ -73,11 +75,13 @@ def flag_rows(stage: str) -> dict[str, str]:
     """{flag: its table row} for every option of a stage, in --help order."""
     import click
 
+    from stages.settings import leaves
+
     known = stages()
     if stage not in known:
         raise ValueError(f"no stage {stage!r} (one of {', '.join(known)})")
     command, config_cls = known[stage]
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    fields = leaves(config_cls)
     ctx = click.Context(command)
     rows = {}
     for option in command.params:
@@ -90,8 +94,26 @@ def flag_rows(stage: str) -> dict[str, str]:
     return rows
 
 
-def flag_table(stage: str, flags: list[str]) -> str:
+def named_flags(stage: str, names: list[str]) -> list[str]:
+    """A marker's names as flags: a flag as it is, a component of the stage's config as its options."""
+    from stages.settings import flag_of, leaves, parts
+
+    config_cls = stages()[stage][1]
+    components = parts(config_cls)
+    out = []
+    for name in names:
+        if name.startswith("--"):
+            out.append(name)
+        elif name in components:
+            out += [flag_of(config_cls, setting) for setting in leaves(components[name])]
+        else:
+            raise ValueError(f"{stage} has no component {name!r} (one of {', '.join(components) or 'none'})")
+    return out
+
+
+def flag_table(stage: str, names: list[str]) -> str:
     rows = flag_rows(stage)
+    flags = named_flags(stage, names)
     unknown = [f for f in flags if f not in rows]
     if unknown:
         raise ValueError(f"{stage} has no option {', '.join(unknown)}")
@@ -159,7 +181,10 @@ def coverage(root: Path = REPO) -> list[str]:
                 if stage not in listed:
                     return [f"{path.relative_to(root)}: {m.group(0).splitlines()[0]} names no stage of "
                             f"{', '.join(listed)}"]
-                listed[stage] += flags or list(flag_rows(stage))
+                try:
+                    listed[stage] += named_flags(stage, flags) if flags else list(flag_rows(stage))
+                except ValueError as e:
+                    return [f"{path.relative_to(root)}: {e}"]
     problems = []
     for stage, flags in listed.items():
         every = list(flag_rows(stage))

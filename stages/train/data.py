@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from stages.node_cache import make as node_cache_of
+from stages.train.config import DataConfig
 from stages.train.node_order import NodeOrder, node_counts, node_samples, shuffled_within
 from store import layout
 from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError, redo_hint
@@ -249,14 +250,14 @@ def _rows(refs: Refs, order: np.ndarray, batching: str, row_tokens: int | None) 
     return packed_rows(refs.length[order], row_tokens)
 
 
-def node_order(config, layout: tuple[int, int]) -> NodeOrder | None:
+def node_order(config: DataConfig, layout: tuple[int, int]) -> NodeOrder | None:
     """The run's node-affine order for a launch of layout (nodes, processes a node); None: the global order."""
     if config.data_order != "node":
         return None
     return NodeOrder(nodes=layout[0], local=layout[1], window=config.shuffle_window, redeal_every=config.redeal_every)
 
 
-def train_batches(config, refs: Refs, epoch: int, rank: int = 0, world: int = 1,
+def train_batches(config: DataConfig, refs: Refs, epoch: int, rank: int = 0, world: int = 1,
                   layout: tuple[int, int] = (1, 1)) -> Batches:
     """This rank's batches of one epoch under the run's --batching (packed rows hold --max-length
     tokens) and --data-order, its nodes and processes a node given by layout (node_order.node_layout)."""
@@ -264,7 +265,7 @@ def train_batches(config, refs: Refs, epoch: int, rank: int = 0, world: int = 1,
                          node_order(config, layout))
 
 
-def epoch_length(config, refs: Refs, epoch: int, layout: tuple[int, int] = (1, 1)) -> int:
+def epoch_length(config: DataConfig, refs: Refs, epoch: int, layout: tuple[int, int] = (1, 1)) -> int:
     """The number of batches of `epoch` in all (train_batches with one rank), without forming them
     unless rows are packed (their count depends on the epoch's order): one row a sample otherwise,
     in the node order the nodes' sample counts (the deal alone)."""
@@ -400,7 +401,7 @@ class StoreBatches(torch.utils.data.Dataset):
         return out
 
 
-def loader(config, batches: Iterable[list[Row]], pin: bool, skipped: set):
+def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped: set):
     """Batches read and padded by --workers worker processes, in order. `batches` may be endless
     (every epoch's, formed as they are reached): its batches go to the workers as they are taken,
     and the workers live as long as this loader. A sample whose read failed (damaged or missing)
@@ -428,7 +429,7 @@ def quiet_inherited_sessions(_worker: int) -> None:
         lambda r: not str(r.msg).startswith(("Unclosed client session", "Unclosed connector")))
 
 
-def shared_memory_need(config, refs: Refs, n_taps: int, hidden_size: int, local_processes: int) -> int:
+def shared_memory_need(config: DataConfig, refs: Refs, n_taps: int, hidden_size: int, local_processes: int) -> int:
     """Bytes of shared memory the loader workers of one node's `local_processes` training
     processes may hold at once: each worker's PREFETCH batches of bf16 states, rows as long as
     the longest sample (packed rows: --max-length)."""
@@ -439,7 +440,7 @@ def shared_memory_need(config, refs: Refs, n_taps: int, hidden_size: int, local_
     return local_processes * config.workers * PREFETCH * batch
 
 
-def check_shared_memory(config, need: int, path: str = SHM) -> None:
+def check_shared_memory(config: DataConfig, need: int, path: str = SHM) -> None:
     """Refuse up front, in one line, a run whose loader workers would run out of shared memory at
     the first batches (a container's default /dev/shm is 64 MB); no check where there is none."""
     if not need or not os.path.isdir(path):

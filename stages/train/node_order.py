@@ -16,10 +16,14 @@ Numpy only: a Python step per shard, none per sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from store.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stages.train.config import DataConfig
 
 DATA_ORDERS = ("global", "node")
 
@@ -39,7 +43,7 @@ class NodeOrder:
         return epoch // self.redeal_every if self.redeal_every else 0
 
 
-def check_shards(config, shard: np.ndarray, layout: tuple[int, int]) -> None:
+def check_shards(config: DataConfig, shard: np.ndarray, layout: tuple[int, int]) -> None:
     """Refuse, naming the counts, a node order with more nodes than training shards (a node without
     a shard would leave every node's section empty)."""
     shards = len(shard_counts(shard))

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from stages.train.config import OptimConfig
+
 
 def muon_split(model: torch.nn.Module) -> tuple[list, list]:
     """(the 2-D matrices with both sides > 1, everything else) among the trainable parameters,
@@ -115,7 +117,7 @@ def rms_ratio(adjust_lr_fn: str | None, shape) -> float:
     return 0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else 1.0
 
 
-def build_optimizers(config, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+def build_optimizers(config: OptimConfig, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
     """The run's optimizers, in the order their states are saved."""
     if config.optimizer == "adamw":
         return [torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)]
@@ -126,11 +128,11 @@ def build_optimizers(config, model: torch.nn.Module) -> list[torch.optim.Optimiz
     return [muon] + ([torch.optim.AdamW(rest, lr=config.lr, weight_decay=config.weight_decay)] if rest else [])
 
 
-def muon_lr(config) -> float:
+def muon_lr(config: OptimConfig) -> float:
     return config.muon_lr if config.muon_lr is not None else 10 * config.lr
 
 
-def build_schedules(config, optimizers: list, total: int) -> list:
+def build_schedules(config: OptimConfig, optimizers: list, total: int) -> list:
     """One LambdaLR per optimizer, all following lr_lambda."""
     f = lr_lambda(total, config.warmup_ratio, config.schedule)
     return [torch.optim.lr_scheduler.LambdaLR(opt, f) for opt in optimizers]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stages.train.config import DataConfig
 from stages.train.data import Batches, Refs, epoch_length, train_batches
 from stages.train.node_order import node_layout
 
@@ -47,7 +48,7 @@ class Position:
         return cls(d["epoch"], None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]),
                    layout, None if d.get("schedule") is None else tuple(d["schedule"]))
 
-    def layout_of(self, config, epoch: int, world: int, local: int) -> tuple[int, int]:
+    def layout_of(self, config: DataConfig, epoch: int, world: int, local: int) -> tuple[int, int]:
         """The (nodes, processes a node) epoch `epoch` is formed with under a launch of `world`
         processes, `local` a node: the recorded one for the position's own epoch, else the launch's."""
         if epoch == self.epoch and self.layout is not None and config.data_order == "node":
@@ -75,7 +76,7 @@ def deal(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
     return indices[rank * per:(rank + 1) * per]
 
 
-def rank_batches(config, refs: Refs, position: Position, epoch: int, rank: int, world: int,
+def rank_batches(config: DataConfig, refs: Refs, position: Position, epoch: int, rank: int, world: int,
                  local: int = 1) -> Batches:
     """This rank's batches of `epoch` (at or after the position's), in order; refs: that epoch's
     samples; local: the launch's processes a node (LOCAL_WORLD_SIZE)."""
@@ -83,7 +84,7 @@ def rank_batches(config, refs: Refs, position: Position, epoch: int, rank: int, 
     return every[deal(epoch_indices(position, epoch, len(every)), rank, world)]
 
 
-def advance(config, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
+def advance(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
             local: int = 1) -> Position:
     """The position after each of `world` ranks (`local` a node) read `micro` more micro-batches
     from `position`. refs: the samples of every epoch, or epoch -> that epoch's (a run whose shards
@@ -103,7 +104,7 @@ def advance(config, refs: Refs | Callable[[int], Refs], position: Position, micr
             return Position(epoch, None)
 
 
-def epochs_walked(config, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
+def epochs_walked(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
                   local: int = 1) -> float:
     """Epochs a run has made once each rank read `micro` more micro-batches from `position`, to 3
     decimals, the epoch under way counted by the share of its batches read: for runs whose epochs

@@ -5,7 +5,12 @@ imported (docs/reliability.md). The modules that carry them out import them from
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pipeline.drafter.config import default_gamma
+
+if TYPE_CHECKING:
+    from stages.train.config import LossConfig
 
 BATCHINGS = ("bucketed", "random", "packed")
 OPTIMIZERS = ("adamw", "muon")
@@ -14,7 +19,7 @@ NOISES = ("gaussian", "uniform")
 INTERRUPTED = "interrupted; rerun with --resume to continue from the last step-N"
 
 
-def slot_gamma(config, block_size: int) -> float | None:
+def slot_gamma(config: LossConfig, block_size: int) -> float | None:
     """The decay of --slot-weights exp for a drafter of this block size: --gamma, else the block size's
     default (a ConfigError naming --block-size when it has none); None with D-PACE. The one place it
     is resolved: TrainConfig checks it with --block-size, the loss plan takes it with the drafter's

@@ -18,7 +18,7 @@ from pipeline import device as devices
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
 from stages.out_dir import removed_if_failed_empty
-from stages.train.config import TrainConfig
+from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
 from stages.train.position import rank_batches
@@ -33,7 +33,7 @@ from store.ranges import format_ranges
 def run(config: TrainConfig, log=print) -> dict:
     """A failed run removes OUT again if it created it and left it empty (main process)."""
     main = devices.Process.from_env().rank == 0
-    with removed_if_failed_empty(config.out, scratch=(LAUNCH_MARK,), owner=main):
+    with removed_if_failed_empty(config.run.out, scratch=(LAUNCH_MARK,), owner=main):
         setup = prepare(config, log)
         try:
             return _run(setup, config)
@@ -43,28 +43,29 @@ def run(config: TrainConfig, log=print) -> dict:
 
 
 def _run(setup: Setup, config: TrainConfig) -> dict:
-    acc, out = setup.accelerator, Path(config.out)
+    acc, out = setup.accelerator, Path(config.run.out)
     metrics = MetricsLog(acc, out, setup.start_step, setup.total_steps)
     if setup.eval_refs and setup.start_step == 0:
         # a fresh drafter drafts nothing yet: replaying it would cost the most rounds (one a token) to show tau ~1
-        metrics.write({"split": "eval", "step": 0, **validate(setup, config, replay=bool(config.init_from))})
+        metrics.write({"split": "eval", "step": 0, **validate(setup, config, replay=bool(config.drafter.init_from))})
     bar = tqdm(total=setup.total_steps, initial=setup.start_step, unit="step", desc="train", dynamic_ncols=True,
                disable=not acc.is_main_process)
     window, seen = Window(setup, config), []
-    batches = micro_batches(setup, config)
+    batches = micro_batches(setup, config.data)
     try:
         for step in range(setup.start_step, setup.total_steps):
-            window.add(*train_step(setup, config, batches, step, seen if config.audit else None))
+            window.add(*train_step(setup, config, batches, step, seen if config.run.audit else None))
             done = step + 1
             bar.update(1)
-            if done % config.log_every == 0 or done == setup.total_steps:
+            if done % config.run.log_every == 0 or done == setup.total_steps:
                 record = window.flush(done)
                 metrics.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau_streak']:.2f}")
             t_side = time.perf_counter()
-            if setup.eval_refs and config.eval_every and done % config.eval_every == 0 and done != setup.total_steps:
+            every = config.run.eval_every
+            if setup.eval_refs and every and done % every == 0 and done != setup.total_steps:
                 metrics.write({"split": "eval", "step": done, **validate(setup, config)})
-            if config.save_every and done % config.save_every == 0:
+            if config.run.save_every and done % config.run.save_every == 0:
                 save_step(setup, config, done)
             window.t0 += time.perf_counter() - t_side  # tokens/s counts training time only
     finally:
@@ -77,18 +78,18 @@ def train_step(setup: Setup, config: TrainConfig, batches, step: int, seen: list
     acc = setup.accelerator
     setup.model.train()
     sums, tokens = 0, 0
-    for micro in range(config.grad_accum):
+    for micro in range(config.optim.grad_accum):
         batch = next(batches).to(acc.device)
         if seen is not None:
             seen += batch.refs.tolist()
         tokens += int(batch.lengths.sum())
         with acc.accumulate(setup.model):
-            gen = step_generator(config.seed, step, micro, acc.process_index, acc.device)
+            gen = step_generator(config.data.seed, step, micro, acc.process_index, acc.device)
             out = forward_loss(setup.model, setup.raw, batch, setup.plan, gen)
             check_finite(out.loss, step, micro, batch)
             acc.backward(out.loss)
-            if acc.sync_gradients and config.grad_clip > 0:
-                acc.clip_grad_norm_(setup.model.parameters(), config.grad_clip)
+            if acc.sync_gradients and config.optim.grad_clip > 0:
+                acc.clip_grad_norm_(setup.model.parameters(), config.optim.grad_clip)
             for opt in setup.optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -152,11 +153,11 @@ def corrupt_skipped(setup: Setup) -> int:
 
 def finish(setup: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
     """Final validation, the last step checkpoint, OUT/final, the curve, audit files."""
-    acc, out = setup.accelerator, Path(config.out)
+    acc, out = setup.accelerator, Path(config.run.out)
     final = {"split": "eval", "step": setup.total_steps, **validate(setup, config)} if setup.eval_refs else None
     if final:
         metrics.write(final)
-    if config.save_every and setup.total_steps % config.save_every:
+    if config.run.save_every and setup.total_steps % config.run.save_every:
         save_step(setup, config, setup.total_steps)
     write_drafter(setup, config, out / "final", setup.total_steps)
     if acc.is_main_process:
@@ -165,8 +166,9 @@ def finish(setup: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -
         except ImportError:  # matplotlib is a dependency, but a bare GPU image may lack it
             learning_curve = None
         if learning_curve is not None:
-            learning_curve(metrics.path, out / "curve.png", title=f"{config.store} shards {setup.train_shards_text}")
-    if config.audit:
+            learning_curve(metrics.path, out / "curve.png",
+                           title=f"{config.data.store} shards {setup.train_shards_text}")
+    if config.run.audit:
         write_audit(setup, out, seen)
     skipped = corrupt_skipped(setup)
     acc.wait_for_everyone()
@@ -189,7 +191,7 @@ def done_line(summary: dict) -> str:
                "never trained on" if summary.get("never_read") else ""))
 
 
-def micro_batches(setup: Setup, config: TrainConfig):
+def micro_batches(setup: Setup, config: DataConfig):
     """This rank's micro-batches from the run's position on (stages/train/position.py), through the
     epochs, read by one loader's worker processes for the whole run (their shard readers kept)."""
     acc = setup.accelerator

@@ -15,14 +15,13 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
-from stages.settings import flag_of, with_role
-from stages.train.config import TrainConfig
+from stages.settings import flag_of, leaves, with_role
+from stages.train.config import RunConfig, TrainConfig
 from stages.train.position import advance, epochs_done, epochs_walked
 from store import file_modes
 from store.errors import ConfigError
@@ -82,25 +81,26 @@ def kept(record: dict, start: int, total: int) -> bool:
     return 0 < start and record["step"] <= start
 
 
-def training_record(setup, config, step: int) -> TrainingRecord:
+def training_record(setup, config: TrainConfig, step: int) -> TrainingRecord:
     return TrainingRecord(store_fingerprint=setup.store_fingerprint, store_conditioning=setup.store_conditioning,
                           store_placement=setup.store_placement,
-                          store=config.store, store_taps=setup.store_taps,
+                          store=config.data.store, store_taps=setup.store_taps,
                           train_shards=setup.train_shards_text, eval_shards=setup.eval_shards_text, step=step,
                           epochs=epochs_at(setup, config, step),
-                          train_config=asdict(config))
+                          train_config=config.record())
 
 
-def epochs_at(setup, config, step: int) -> float:
+def epochs_at(setup, config: TrainConfig, step: int) -> float:
     """Epochs made after `step` optimizer steps: counted in epoch 0's batches (epochs_done), or, when
     epochs differ in size (--follow, --shard-schedule), walked epoch by epoch (epochs_walked)."""
     if setup.schedule.mode == "fixed":
-        return epochs_done(step, config.grad_accum, setup.micro_per_epoch)
-    return epochs_walked(config, setup.schedule.refs, setup.position, (step - setup.start_step) * config.grad_accum,
+        return epochs_done(step, config.optim.grad_accum, setup.micro_per_epoch)
+    return epochs_walked(config.data, setup.schedule.refs, setup.position,
+                         (step - setup.start_step) * config.optim.grad_accum,
                          setup.accelerator.num_processes, setup.local_processes)
 
 
-def write_drafter(setup, config, directory: Path, step: int, atomic: bool = True) -> None:
+def write_drafter(setup, config: TrainConfig, directory: Path, step: int, atomic: bool = True) -> None:
     """The drafter in the released layout (bf16), written by the main process: atomically into
     DIRECTORY, or into an existing directory the caller publishes itself."""
     state = setup.accelerator.get_state_dict(setup.model)
@@ -114,11 +114,11 @@ def write_drafter(setup, config, directory: Path, step: int, atomic: bool = True
     setup.accelerator.wait_for_everyone()
 
 
-def save_step(setup, config, step: int) -> None:
+def save_step(setup, config: TrainConfig, step: int) -> None:
     """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizer, scheduler, RNG),
     built in a temporary directory and published by a rename."""
     acc = setup.accelerator
-    final = Path(config.out) / f"step-{step}"
+    final = Path(config.run.out) / f"step-{step}"
     tmp = final.with_name(f".step-{step}.tmp")
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -128,16 +128,16 @@ def save_step(setup, config, step: int) -> None:
     write_drafter(setup, config, tmp, step, atomic=False)
     if acc.is_main_process:
         file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
-        at = advance(config, setup.schedule.refs, setup.position, (step - setup.start_step) * config.grad_accum,
+        at = advance(config.data, setup.schedule.refs, setup.position, (step - setup.start_step) * config.optim.grad_accum,
                      acc.num_processes, setup.local_processes)
         epochs = setup.schedule.to_json()  # --follow, --shard-schedule: each epoch's shards so far
         at = dataclasses.replace(at, schedule=None if epochs is None else tuple(epochs))
         state = {"step": step, "total_steps": setup.total_steps, "world_size": acc.num_processes,
-                 "micro_per_epoch": setup.micro_per_epoch, "position": at.to_json(), "train_config": asdict(config),
+                 "micro_per_epoch": setup.micro_per_epoch, "position": at.to_json(), "train_config": config.record(),
                  "store_fingerprint": setup.store_fingerprint}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         checkpoint.publish(tmp, final)
-        prune_steps(Path(config.out), step, config.keep_last)
+        prune_steps(Path(config.run.out), step, config.run.keep_last)
     acc.wait_for_everyone()
 
 
@@ -193,7 +193,7 @@ def latest_step(out: Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
-def resume_dir(config) -> Path | None:
+def resume_dir(config: RunConfig) -> Path | None:
     """The checkpoint --resume continues from; None for a fresh run, and for `--resume` (latest) when
     OUT holds no complete step-N yet (a run killed before its first save starts over)."""
     if not config.resume:
@@ -206,31 +206,33 @@ def resume_dir(config) -> Path | None:
     return d
 
 
-def resume_point(config, fingerprint: str) -> tuple[Path | None, dict | None]:
+def resume_point(config: TrainConfig, fingerprint: str) -> tuple[Path | None, dict | None]:
     """(step directory, its trainer_state) for --resume, after checking the run may continue from
     it; (None, None) for a fresh run, which refuses an OUT that already holds one."""
-    rdir = resume_dir(config)
-    if rdir is None and config.resume:
+    rdir = resume_dir(config.run)
+    if rdir is None and config.run.resume:
         return None, None  # nothing complete to continue: from step 0 (metrics.jsonl is started over)
     if rdir is None:
-        used = sorted(p.name for p in Path(config.out).glob("*")
+        used = sorted(p.name for p in Path(config.run.out).glob("*")
                       if p.name in ("metrics.jsonl", "final") or p.name.startswith("step-"))
         if used:
-            raise ConfigError("--out", config.out, f"already holds a run ({', '.join(used[:3])}); "
+            raise ConfigError("--out", config.run.out, f"already holds a run ({', '.join(used[:3])}); "
                                                    "pass --resume to continue it, or choose another --out")
         return None, None
     previous = json.loads((rdir / "trainer_state.json").read_text())
     resumable(config, previous["train_config"])
     if previous["store_fingerprint"] != fingerprint:
         raise ConfigError("--resume", rdir, f"trained on store {previous['store_fingerprint'][:12]}, "
-                                            f"{config.store} is {fingerprint[:12]}")
+                                            f"{config.data.store} is {fingerprint[:12]}")
     return rdir, previous
 
 
-def resumable(config, previous: dict) -> None:
-    """A field a run saved before it existed had its behaviour then: BEFORE_THE_FIELD, else its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)} | BEFORE_THE_FIELD
-    diff = [f"{flag_of(config, k)} was {previous.get(k, defaults[k])!r}, now {getattr(config, k)!r}"
-            for k in RESUME_FIXED if previous.get(k, defaults[k]) != getattr(config, k)]
+def resumable(config: TrainConfig, previous: dict) -> None:
+    """previous: the run's record (TrainConfig.record). A field a run saved before it existed had its
+    behaviour then: BEFORE_THE_FIELD, else its default."""
+    defaults = {name: f.default for name, f in leaves(TrainConfig).items()} | BEFORE_THE_FIELD
+    now = config.record()
+    diff = [f"{flag_of(config, k)} was {previous.get(k, defaults[k])!r}, now {now[k]!r}"
+            for k in RESUME_FIXED if previous.get(k, defaults[k]) != now[k]]
     if diff:
         raise ConfigError("--resume", None, "the run's settings changed (" + "; ".join(diff) + ")")

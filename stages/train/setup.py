@@ -23,7 +23,7 @@ from pipeline.errors import DrafterError
 from stages import node_cache
 from stages.paths import output_dir
 from stages.settings import flag_of, with_role
-from stages.train.config import TrainConfig
+from stages.train.config import DataConfig, DrafterArchConfig, RunConfig, TrainConfig
 from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
 from stages.train.grad_comm import GradComm, install, step_bytes
 from stages.train.node_order import check_shards, node_layout, shard_counts
@@ -68,7 +68,7 @@ class Setup:
     grad_comm: GradComm | None = None  # the gradients' all-reduce and its byte count; None alone
 
 
-def make_accelerator(config: TrainConfig):
+def make_accelerator(config: RunConfig, grad_accum: int):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -80,7 +80,7 @@ def make_accelerator(config: TrainConfig):
     # Frozen embedding/lm_head buffers are identical on every rank: never re-broadcast them per step.
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets (one copy, not two).
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
-    acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
+    acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=grad_accum,
                       log_with=trackers or None, project_dir=config.out,
                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False,
                                                                      gradient_as_bucket_view=True)])
@@ -91,7 +91,7 @@ def make_accelerator(config: TrainConfig):
     return acc
 
 
-def select_shards(store: HiddenStore, config: TrainConfig, records: dict) -> tuple[list[int], list[int]]:
+def select_shards(store: HiddenStore, config: DataConfig, records: dict) -> tuple[list[int], list[int]]:
     """(training shards, held-out shards) from --shards and --eval-shards, which may not share a
     shard; records: the store's commit records."""
     n = store.num_shards
@@ -115,14 +115,14 @@ def select_shards(store: HiddenStore, config: TrainConfig, records: dict) -> tup
 
 def drafter_config(config: TrainConfig, attrs: StoreAttrs, resume_dir: Path | None) -> tuple[DrafterConfig, dict | None]:
     """The drafter config and, for --init-from, its tensors; checked against the store."""
-    tensors = None
+    tensors, arch = None, config.drafter
     if resume_dir is not None:
         dc, _ = read_config(resume_dir)
-    elif config.init_from:
-        dc, tensors, _ = checkpoint.load(config.init_from)
+    elif arch.init_from:
+        dc, tensors, _ = checkpoint.load(arch.init_from)
     else:
-        dc = fresh_config(config, attrs)
-    check_against_store(dc, attrs, config.init_from or resume_dir or "the drafter config")
+        dc = fresh_config(arch, config.loss.block_size, attrs)
+    check_against_store(dc, attrs, arch.init_from or resume_dir or "the drafter config")
     return with_target_facts(dc, attrs), tensors
 
 
@@ -139,16 +139,16 @@ def with_target_facts(dc: DrafterConfig, attrs: StoreAttrs) -> DrafterConfig:
     return dc
 
 
-def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
-    """A new drafter for this store: sizes from --drafter-config (every architecture field of it) or
-    from the store's hidden size, then the flags that were given."""
+def fresh_config(config: DrafterArchConfig, block_size: int, attrs: StoreAttrs) -> DrafterConfig:
+    """A new drafter of block_size (--block-size) for this store: sizes from --drafter-config (every
+    architecture field of it) or from the store's hidden size, then the flags that were given."""
     if config.drafter_config:
         base, _ = read_config(config.drafter_config)
         arch = {k: getattr(base, k) for k in architecture_fields()}
     else:
         arch = default_sizes(attrs.hidden_size)
         arch.update(layer_types=("full_attention",) * arch["num_hidden_layers"])
-    given = {target: getattr(config, name) for name, target in with_role(TrainConfig, "drafter").items()}
+    given = {target: getattr(config, name) for name, target in with_role(DrafterArchConfig, "drafter").items()}
     arch.update({k: v for k, v in given.items() if v is not None})
     if config.num_heads is not None and config.num_kv_heads is None:
         arch["num_key_value_heads"] = max(1, config.num_heads // 4)
@@ -158,7 +158,7 @@ def fresh_config(config: TrainConfig, attrs: StoreAttrs) -> DrafterConfig:
         arch["rope_parameters"] = {**arch.get("rope_parameters", DrafterConfig.default_rope()),
                                    "rope_theta": config.rope_theta}
     dc = DrafterConfig(
-        hidden_size=attrs.hidden_size, vocab_size=attrs.vocab_size, block_size=config.block_size,
+        hidden_size=attrs.hidden_size, vocab_size=attrs.vocab_size, block_size=block_size,
         mask_token_id=config.mask_token_id if config.mask_token_id is not None else attrs.mask_token_id,
         target_layer_ids=attrs.taps, num_target_layers=attrs.num_layers, **arch)
     sized = (config.num_heads, config.num_kv_heads, config.head_dim)
@@ -199,8 +199,8 @@ def check_against_store(dc: DrafterConfig, attrs: StoreAttrs, where) -> None:
 
 def prepare(config: TrainConfig, log) -> Setup:
     if devices.Process.from_env().rank == 0:
-        output_dir(config.out, "--out")  # before any work: OUT's lock, metrics and checkpoints go there
-    lock = claim(Path(config.out))
+        output_dir(config.run.out, "--out")  # before any work: OUT's lock, metrics and checkpoints go there
+    lock = claim(Path(config.run.out))
     try:
         return dataclasses.replace(_prepare(config, log), lock=lock)
     except BaseException:
@@ -210,10 +210,11 @@ def prepare(config: TrainConfig, log) -> Setup:
 
 
 def _prepare(config: TrainConfig, log) -> Setup:
-    store = HiddenStore(config.store)
+    data, optim, out = config.data, config.optim, Path(config.run.out)
+    store = HiddenStore(data.store)
     attrs = store.attrs
-    acc = make_accelerator(config)
-    shared_out(acc, Path(config.out))
+    acc = make_accelerator(config.run, optim.grad_accum)
+    shared_out(acc, out)
     rdir, previous = on_main(acc, lambda: resume_point(config, attrs.fingerprint))  # one decides, all follow
     dc, init = drafter_config(config, attrs, rdir)
     index, where = on_main(acc, lambda: index_file.load(store))  # by one process: the index file, else every shard's
@@ -221,39 +222,39 @@ def _prepare(config: TrainConfig, log) -> Setup:
     if acc.is_main_process:
         log(where)
     for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning(),
-                                                                     node_cache.warning(config, store)])]:
+                                                                     node_cache.warning(data, store)])]:
         log(f"warning: {line}")
-    train_ids, eval_ids = select_shards(store, config, records)
-    store.require_committed([s for s in eval_ids + ([] if config.follow else train_ids) if s not in records])
-    position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, config.max_length), previous)
+    train_ids, eval_ids = select_shards(store, data, records)
+    store.require_committed([s for s in eval_ids + ([] if config.shard_plan.follow else train_ids) if s not in records])
+    position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, data.max_length), previous)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     layout = node_layout(acc.num_processes, local)
     schedule = schedule_of(config, store, train_ids, index, position.schedule)
-    schedule.wait_for_start(acc, lambda refs: (epoch_length(config, refs, 0, layout) // acc.num_processes
-                                               >= config.grad_accum and len(shard_counts(refs.shard)) >= layout[0]),
+    schedule.wait_for_start(acc, lambda refs: (epoch_length(data, refs, 0, layout) // acc.num_processes
+                                               >= optim.grad_accum and len(shard_counts(refs.shard)) >= layout[0]),
                             log)
     if schedule.mode == "replay" and acc.is_main_process:
-        schedule.write(Path(config.out) / FILE)
-    train_refs, eval_refs = schedule.refs(position.epoch), refs_of(index.arrays, eval_ids, config.max_length)
+        schedule.write(out / FILE)
+    train_refs, eval_refs = schedule.refs(position.epoch), refs_of(index.arrays, eval_ids, data.max_length)
     if not train_refs:
-        raise StoreError(f"{config.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
-    check_shared_memory(config, shared_memory_need(config, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
+        raise StoreError(f"{data.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
+    check_shared_memory(data, shared_memory_need(data, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
                                                    local))
-    check_shards(config, train_refs.shard, layout)
-    micro = epoch_length(config, train_refs, 0, layout) // acc.num_processes  # each rank's batches of epoch 0
-    if micro < config.grad_accum:
-        raise ConfigError(flag_of(config, "grad_accum"), config.grad_accum,
+    check_shards(data, train_refs.shard, layout)
+    micro = epoch_length(data, train_refs, 0, layout) // acc.num_processes  # each rank's batches of epoch 0
+    if micro < optim.grad_accum:
+        raise ConfigError(flag_of(optim, "grad_accum"), optim.grad_accum,
                           f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
-                          f"{config.batch_size}, {acc.num_processes} ranks)")
+                          f"{data.batch_size}, {acc.num_processes} ranks)")
     # a resumed run keeps its step count (its schedule was built for it), on any number of processes
-    total = previous["total_steps"] if previous else config.max_steps or config.epochs * (micro // config.grad_accum)
+    total = previous["total_steps"] if previous else config.run.max_steps or config.run.epochs * (micro // optim.grad_accum)
     embed, lm_head = frozen_tensors(store, acc.device)  # [V, H] each, on the device
     raw, model, opts, scheds = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
     if rdir is not None:
         acc.load_state(str(rdir / "training"))
         start = previous["step"]
-        finished = (Path(config.out) / "final" / "config.json").exists()
+        finished = (out / "final" / "config.json").exists()
         if start > total or (start == total and finished):  # at the end without final/: only finish() is redone
             raise ConfigError("--resume", rdir, f"already at step {start} of {total}")
     if acc.is_main_process:
@@ -261,16 +262,16 @@ def _prepare(config: TrainConfig, log) -> Setup:
         log((f"resumed from {rdir} at step {start}" + (f" (saved on {previous['world_size']} processes)" if
                                                        previous["world_size"] != acc.num_processes else "") + "\n"
              if rdir else "")
-            + (f"--resume: no complete step-N in {config.out} yet, starting from step 0\n" if config.resume and not rdir
-               else "")
+            + (f"--resume: no complete step-N in {config.run.out} yet, starting from step 0\n"
+               if config.run.resume and not rdir else "")
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(list(schedule.shards(position.epoch)))}"
-            + (f" (epoch {position.epoch}'s; --shards {config.shards}, {'followed' if config.follow else 'scheduled'} "
-               f"epoch by epoch, recorded in {Path(config.out) / FILE})" if schedule.mode != "fixed" else "")
+            + (f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_plan.follow else 'scheduled'} "
+               f"epoch by epoch, recorded in {out / FILE})" if schedule.mode != "fixed" else "")
             + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}"
-            + (f"; gradients all-reduced in {config.grad_comm}, {step_bytes(raw, config.grad_comm) / 1e9:.3g} GB a "
+            + (f"; gradients all-reduced in {optim.grad_comm}, {step_bytes(raw, optim.grad_comm) / 1e9:.3g} GB a "
                "step per process" if acc.num_processes > 1 else ""))
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
                  train_refs=train_refs, schedule=schedule, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
@@ -278,7 +279,8 @@ def _prepare(config: TrainConfig, log) -> Setup:
                  store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),
                  store_taps=attrs.taps,
                  micro_per_epoch=micro, total_steps=total, start_step=start, position=position, local_processes=local,
-                 plan=LossPlan.of(config, dc, flex=acc.device.type == "cuda"), grad_comm=install(model, config.grad_comm))
+                 plan=LossPlan.of(config.loss, dc, acc.device.type == "cuda", data.batching == "packed"),
+                 grad_comm=install(model, optim.grad_comm))
 
 
 def resume_position(config: TrainConfig, refs, previous: dict | None) -> Position:
@@ -289,7 +291,7 @@ def resume_position(config: TrainConfig, refs, previous: dict | None) -> Positio
         return Position()
     if "position" in previous:
         return Position.from_json(previous["position"])
-    return advance(config, refs, Position(), previous["step"] * config.grad_accum, previous["world_size"])
+    return advance(config.data, refs, Position(), previous["step"] * config.optim.grad_accum, previous["world_size"])
 
 
 def shared_out(acc, out: Path) -> None:
@@ -327,16 +329,16 @@ def build_model(config: TrainConfig, acc, dc: DrafterConfig, embed, lm_head, ini
     copy), its optimizers and their schedules (optim.py), prepared by Accelerate. The schedulers are
     stepped by us once per optimizer step (Accelerate would step them once per process) and saved
     with the training state."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.data.seed)
     with torch.device(acc.device):  # parameters made on the device: no host copy of the fp32 drafter (6.9 GB at 27B)
         raw = Drafter(dc, embed, lm_head)
-    raw.init_weights(torch.Generator().manual_seed(config.seed))  # values from a CPU generator, on any device
+    raw.init_weights(torch.Generator().manual_seed(config.data.seed))  # values from a CPU generator, on any device
     if init is not None:
         checkpoint.load_into(raw, init)
     raw.to(acc.device)
-    raw.checkpoint_layers = config.grad_checkpoint
-    opts = build_optimizers(config, raw)
-    scheds = build_schedules(config, opts, total)
+    raw.checkpoint_layers = config.run.grad_checkpoint
+    opts = build_optimizers(config.optim, raw)
+    scheds = build_schedules(config.optim, opts, total)
     model, *opts = acc.prepare(raw, *opts)
     for sched in scheds:
         acc.register_for_checkpointing(sched)

@@ -23,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from stages.train.config import ShardPlanConfig, TrainConfig
 from stages.train.data import Refs, refs_of
 from stages.train.ranks import on_main
 from store.errors import ConfigError
@@ -38,7 +39,7 @@ class ShardSchedule:
     shard known so far (shard -> {offsets, first_pairs}); `epochs`: the shard lists decided so far,
     epoch after epoch (empty for a run fixed at launch, whose every epoch is `shards`)."""
 
-    def __init__(self, config, store: HiddenStore, shards: list[int], arrays: dict, epochs: list[tuple[int, ...]],
+    def __init__(self, config: TrainConfig, store: HiddenStore, shards: list[int], arrays: dict, epochs: list[tuple[int, ...]],
                  mode: str) -> None:
         assert mode in ("fixed", "follow", "replay"), mode
         self.config, self.store, self.range, self.arrays = config, store, shards, arrays
@@ -57,7 +58,7 @@ class ShardSchedule:
         if key not in self._refs:
             if len(self._refs) > 4:  # epochs come in order: the old shard lists are not asked again
                 self._refs.pop(next(iter(self._refs)))
-            self._refs[key] = refs_of(self.arrays, list(key), self.config.max_length)
+            self._refs[key] = refs_of(self.arrays, list(key), self.config.data.max_length)
         return self._refs[key]
 
     def decide(self, epoch: int, acc) -> None:
@@ -67,13 +68,13 @@ class ShardSchedule:
             return
         assert epoch == len(self.epochs), (epoch, len(self.epochs))
         known = set(self.epochs[-1]) if self.epochs else set()
-        fresh = time.monotonic() - self._looked >= self.config.follow_poll  # the main process's clock decides
+        fresh = time.monotonic() - self._looked >= self.config.shard_plan.follow_poll  # the main process's clock decides
         new, arrays = on_main(acc, lambda: self._look(known) if fresh else ([], {}))
         self._looked = time.monotonic() if fresh else self._looked
         self.arrays.update(arrays)
         self.epochs.append(tuple(sorted(known | set(new))))
         if acc.is_main_process:
-            self.write(Path(self.config.out) / FILE)
+            self.write(Path(self.config.run.out) / FILE)
 
     def _look(self, known: set[int]) -> tuple[list[int], dict]:
         """(the shards of the range committed since `known` was decided, the per-sample arrays of
@@ -97,9 +98,9 @@ class ShardSchedule:
             if acc.is_main_process:
                 log(f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "
                     f"{format_ranges(self.range)} committed ({format_ranges(list(self.epochs[0])) or 'none'}), too few "
-                    f"to begin; looking again in {self.config.follow_poll:g} s")
+                    f"to begin; looking again in {self.config.shard_plan.follow_poll:g} s")
             self.epochs.clear()
-            time.sleep(self.config.follow_poll)
+            time.sleep(self.config.shard_plan.follow_poll)
 
     def missing(self) -> list[int]:
         """The shards of the range no epoch decided so far trains on."""
@@ -116,18 +117,18 @@ class ShardSchedule:
         os.replace(tmp, path)
 
 
-def schedule_of(config, store: HiddenStore, shards: list[int], index, saved: list[str] | None) -> ShardSchedule:
+def schedule_of(config: TrainConfig, store: HiddenStore, shards: list[int], index, saved: list[str] | None) -> ShardSchedule:
     """The run's schedule: fixed at launch, following the store (--follow), or replayed
     (--shard-schedule); a resumed run continues from its saved epochs. index: the store's sample
     index at launch (records, arrays)."""
-    mode = "follow" if config.follow else "replay" if config.shard_schedule else "fixed"
-    epochs = saved if saved is not None else read_schedule(config) if mode == "replay" else []
+    mode = "follow" if config.shard_plan.follow else "replay" if config.shard_plan.shard_schedule else "fixed"
+    epochs = saved if saved is not None else read_schedule(config.shard_plan) if mode == "replay" else []
     epochs = [tuple(parse_ranges(e, store.num_shards, FILE)) for e in epochs]
     listed = sorted(set(shards).union(*map(set, epochs)))
     outside = [s for s in listed if s not in set(shards)]
     if outside:
-        raise ConfigError(flag_of_schedule(config), config.shard_schedule or config.resume,
-                          f"lists shards {format_ranges(outside)}, outside --shards {config.shards}")
+        raise ConfigError(flag_of_schedule(config.shard_plan), config.shard_plan.shard_schedule or config.run.resume,
+                          f"lists shards {format_ranges(outside)}, outside --shards {config.data.shards}")
     needed = shards if mode == "fixed" else sorted(set().union(*map(set, epochs)))
     missing = [s for s in needed if s not in index.records]
     if missing:
@@ -136,7 +137,7 @@ def schedule_of(config, store: HiddenStore, shards: list[int], index, saved: lis
     return ShardSchedule(config, store, shards, arrays, epochs, mode)
 
 
-def read_schedule(config) -> list[str]:
+def read_schedule(config: ShardPlanConfig) -> list[str]:
     """The epochs of --shard-schedule's file (OUT/shards.json of a --follow run)."""
     path = Path(config.shard_schedule)
     try:
@@ -150,6 +151,6 @@ def read_schedule(config) -> list[str]:
     return epochs
 
 
-def flag_of_schedule(config) -> str:
+def flag_of_schedule(config: ShardPlanConfig) -> str:
     return "--shard-schedule" if config.shard_schedule else "--resume"
 

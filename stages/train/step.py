@@ -12,6 +12,7 @@ from pipeline.drafter.blocks import make_blocks, sample_anchors
 from pipeline.drafter.config import DrafterConfig
 from pipeline.drafter.loss import LossOut, dflash_loss
 from pipeline.drafter.model import Drafter
+from stages.train.config import LossConfig
 from stages.train.recipe import slot_gamma
 
 CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
@@ -35,13 +36,13 @@ class LossPlan:
     packed: bool = False  # --batching packed: rows hold several documents (batch.starts is read)
 
     @classmethod
-    def of(cls, config, drafter: DrafterConfig, flex: bool) -> LossPlan:
-        """From the TrainConfig and the drafter's config (an --init-from checkpoint's block size)."""
+    def of(cls, config: LossConfig, drafter: DrafterConfig, flex: bool, packed: bool = False) -> LossPlan:
+        """From the loss's settings and the drafter's config (an --init-from checkpoint's block size);
+        packed: --batching packed."""
         gamma = slot_gamma(config, drafter.block_size)
         alpha = None if config.slot_weights == "exp" else config.dpace_alpha
         return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
-                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise,
-                   config.batching == "packed")
+                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise, packed)
 
     @property
     def width(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.drafter.loss import summarize, zero_sums
+from stages.train.config import TrainConfig
 from stages.train.data import epoch_batches, loader, sample_refs
 from stages.train.step import forward_loss, step_generator
 from store.hidden_store import HiddenStore
@@ -25,29 +26,29 @@ REPLAY_SLOTS = 32  # prompts replayed together (one drafter forward per round fo
 
 
 @torch.no_grad()
-def validate(setup, config, replay: bool = True) -> dict:
+def validate(setup, config: TrainConfig, replay: bool = True) -> dict:
     """The teacher-forced figures and, when asked and --eval-replay-prompts is not 0, the replayed ones."""
     acc = setup.accelerator
     setup.model.eval()
-    refs = sample_refs(setup.eval_refs, config.eval_samples, config.seed)
-    batches = epoch_batches(refs, config.batch_size, config.seed, 0)[acc.process_index::acc.num_processes]
+    refs = sample_refs(setup.eval_refs, config.run.eval_samples, config.data.seed)
+    batches = epoch_batches(refs, config.data.batch_size, config.data.seed, 0)[acc.process_index::acc.num_processes]
     total = zero_sums(setup.drafter_config.block_size, acc.device)
-    for i, batch in enumerate(loader(config, batches, acc.device.type == "cuda", setup.skipped)):
+    for i, batch in enumerate(loader(config.data, batches, acc.device.type == "cuda", setup.skipped)):
         batch = batch.to(acc.device)
-        gen = step_generator(config.seed, -1, i, acc.process_index, acc.device)
+        gen = step_generator(config.data.seed, -1, i, acc.process_index, acc.device)
         with acc.autocast():
             total += forward_loss(setup.model, setup.raw, batch, setup.plan, gen).sums
     record = {**summarize(acc.reduce(total, reduction="sum")), "samples": len(refs)}
-    return record | (replayed(setup, config) if replay and config.eval_replay_prompts != 0 else {})
+    return record | (replayed(setup, config) if replay and config.run.eval_replay_prompts != 0 else {})
 
 
-def replayed(setup, config) -> dict:
+def replayed(setup, config: TrainConfig) -> dict:
     """tau_replay (mean over prompts of tokens per round, chain drafting) and tau_replay_pooled (all
     tokens / all rounds) over a fixed sample of --eval-replay-prompts held-out prompts, each rank
     replaying every world-th of them."""
     acc = setup.accelerator
-    refs = sample_refs(setup.eval_refs, config.eval_replay_prompts, config.seed)
-    sums = replay_sums(setup.raw, HiddenStore(config.store), refs[acc.process_index::acc.num_processes])
+    refs = sample_refs(setup.eval_refs, config.run.eval_replay_prompts, config.data.seed)
+    sums = replay_sums(setup.raw, HiddenStore(config.data.store), refs[acc.process_index::acc.num_processes])
     tau_sum, prompts, tokens, rounds = acc.reduce(sums.to(acc.device), reduction="sum").tolist()
     return {"tau_replay": tau_sum / prompts if prompts else float("nan"),
             "tau_replay_pooled": tokens / rounds if rounds else float("nan"), "replay_prompts": int(prompts)}

@@ -107,7 +107,7 @@ def test_the_batches_are_the_reference_algorithms_bit_for_bit(batching, seed):
 def test_batches_formed_again_with_other_arguments_are_those_arguments_batches():
     """Refs remember the epoch they last formed and every epoch's count: asking again in any order,
     with one argument changed at a time, gives each time the reference algorithm's batches."""
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
     from stages.train.data import epoch_length
 
     r = refs_of(synthetic_arrays(5, shards=4, most=400), list(range(4)), 2048)
@@ -118,7 +118,7 @@ def test_batches_formed_again_with_other_arguments_are_those_arguments_batches()
     for args in asks + asks[::-1]:
         assert list(epoch_batches(r, *args)) == reference_batches(listed, *args), args
     for bs, seed, epoch, _, _, batching, row_tokens in asks:
-        config = TrainConfig(batch_size=bs, seed=seed, batching=batching, max_length=row_tokens)
+        config = DataConfig(batch_size=bs, seed=seed, batching=batching, max_length=row_tokens)
         assert epoch_length(config, r, epoch) == len(reference_batches(listed, bs, seed, epoch, 0, 1, batching,
                                                                        row_tokens))
 
@@ -276,11 +276,11 @@ def test_a_sample_is_read_as_its_own_span(small_store, monkeypatch):
 
 @pytest.mark.parametrize("batching", BATCHINGS)
 def test_the_shared_memory_need_bounds_every_batch_and_is_met_by_the_largest(small_store, batching):
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
     from stages.train.data import PREFETCH, shared_memory_need
 
     store = HiddenStore(str(small_store))
-    config = TrainConfig(store=str(small_store), batch_size=3, max_length=60, workers=2, batching=batching)
+    config = DataConfig(store=str(small_store), batch_size=3, max_length=60, workers=2, batching=batching)
     r = index_samples(store, [0, 1, 2, 3], config.max_length)
     need = shared_memory_need(config, r, len(store.attrs.taps), store.attrs.hidden_size, local_processes=8)
     per_batch, rest = divmod(need, 8 * config.workers * PREFETCH)
@@ -297,14 +297,14 @@ def test_the_shared_memory_need_bounds_every_batch_and_is_met_by_the_largest(sma
 def test_too_little_shared_memory_is_refused_in_one_line_naming_the_need_and_the_fix(tmp_path):
     import shutil
 
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
     from stages.train.data import check_shared_memory
     from store.errors import ConfigError
 
     free = shutil.disk_usage(tmp_path).free
-    check_shared_memory(TrainConfig(workers=2), free // 2, str(tmp_path))  # fits: nothing said
+    check_shared_memory(DataConfig(workers=2), free // 2, str(tmp_path))  # fits: nothing said
     with pytest.raises(ConfigError) as e:
-        check_shared_memory(TrainConfig(workers=2), 2 * free, str(tmp_path))
+        check_shared_memory(DataConfig(workers=2), 2 * free, str(tmp_path))
     line = str(e.value)
     assert "\n" not in line and line.startswith("--workers 2: ") and str(tmp_path) in line
     assert "--shm-size=" in line and "--workers 0" in line
@@ -319,11 +319,11 @@ def test_the_index_is_the_same_from_held_records_in_the_shards_order(small_store
 
 @pytest.mark.parametrize("batching", BATCHINGS)
 def test_an_epochs_length_is_the_number_of_its_batches(batching):
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
     from stages.train.data import epoch_length, train_batches
 
     for n in (1, 3, 4, 103):
-        config = TrainConfig(batch_size=4, batching=batching, max_length=400)
+        config = DataConfig(batch_size=4, batching=batching, max_length=400)
         assert [epoch_length(config, refs(n), e) for e in range(3)] == [len(train_batches(config, refs(n), e))
                                                                         for e in range(3)]
 
@@ -335,7 +335,7 @@ def test_one_loader_keeps_its_workers_and_their_shard_readers_through_the_epochs
     import os
 
     from stages.train import data
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
 
     opened = tmp_path / "opened"
 
@@ -349,7 +349,7 @@ def test_one_loader_keeps_its_workers_and_their_shard_readers_through_the_epochs
     store = HiddenStore(str(small_store))
     refs = index_samples(store, [0, 1, 2], 200)
     epochs = [epoch_batches(refs, 2, 0, e) for e in (0, 1)]
-    config = TrainConfig(store=str(small_store), workers=2, on_corrupt="stop")
+    config = DataConfig(store=str(small_store), workers=2, on_corrupt="stop")
     got = list(data.loader(config, (b for batches in epochs for b in batches), False, set()))
     want = [b for batches in epochs for b in batches]
     lines = [tuple(map(int, x.split())) for x in opened.read_text().splitlines()]

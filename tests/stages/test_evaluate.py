@@ -25,7 +25,7 @@ def our_checkpoint(store_path, directory, **record):
     from stages.train.setup import drafter_config
 
     store = HiddenStore(str(store_path))
-    dc, _ = drafter_config(TrainConfig(num_layers=2), store.attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(num_layers=2), store.attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens"), store.embedding("lm_head"))
     m.init_weights(torch.Generator().manual_seed(0))
     info = {"store_fingerprint": store.attrs.fingerprint, "train_shards": "0-2", "eval_shards": "3", "step": 7}

@@ -30,7 +30,7 @@ def drafter_checkpoint(store_path, directory, train: dict | None = None, **recor
     from stages.train.setup import drafter_config
 
     store = HiddenStore(str(store_path))
-    dc, _ = drafter_config(TrainConfig(num_layers=2, **(train or {})), store.attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(num_layers=2, **(train or {})), store.attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens"), store.embedding("lm_head"))
     m.init_weights(torch.Generator().manual_seed(0))
     info = {"store_fingerprint": store.attrs.fingerprint, "store": str(store_path), "train_shards": "0-2",

@@ -7,7 +7,7 @@ import torch
 
 from stages.evaluate.config import EvalConfig
 from stages.node_cache import warning
-from stages.train.config import TrainConfig
+from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import StoreBatches, index_samples
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
@@ -18,9 +18,13 @@ from tests.store.test_node_cache import cached_files, index_rows, upload
 
 @pytest.mark.parametrize("config_cls, extra", [(TrainConfig, []), (EvalConfig, ["--checkpoint", "ck"])])
 def test_sizes_parse_and_a_size_goes_with_a_directory(config_cls, extra, tmp_path):
-    config = parse(config_cls, ["--cache-dir", str(tmp_path), "--cache-size", "1.5T", *extra])
+    def cache(args):  # train.py's are the data's settings
+        config = parse(config_cls, [*args, *extra])
+        return getattr(config, "data", config)
+
+    config = cache(["--cache-dir", str(tmp_path), "--cache-size", "1.5T"])
     assert config.cache_dir == str(tmp_path) and config.cache_size == 3 << 39
-    assert parse(config_cls, ["--cache-dir", "d", "--cache-size", "500GiB", *extra]).cache_size == 500 << 30
+    assert cache(["--cache-dir", "d", "--cache-size", "500GiB"]).cache_size == 500 << 30
     with pytest.raises(ConfigError, match="--cache-size: is required with --cache-dir"):
         parse(config_cls, ["--cache-dir", "d", *extra])
     with pytest.raises(ConfigError, match="--cache-size 1024: is only used with --cache-dir"):
@@ -41,7 +45,7 @@ def test_the_loader_reads_an_object_store_through_the_cache(small_store, tmp_pat
 
 
 def test_a_local_store_is_said_to_ignore_the_cache(small_store, tmp_path):
-    config = TrainConfig(store=str(small_store), cache_dir=str(tmp_path), cache_size=1 << 30)
+    config = DataConfig(store=str(small_store), cache_dir=str(tmp_path), cache_size=1 << 30)
     assert "is not used" in warning(config, HiddenStore(str(small_store)))
     assert warning(config, HiddenStore(upload(small_store))) is None
-    assert warning(TrainConfig(store=str(small_store)), HiddenStore(str(small_store))) is None
+    assert warning(DataConfig(store=str(small_store)), HiddenStore(str(small_store))) is None

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from stages.train.config import TrainConfig
+from stages.train.config import DataConfig
 from stages.train.data import BUCKET, Refs, epoch_length, train_batches
 from stages.train.node_order import check_shards, deal_shards, node_layout
 from stages.train.position import Position, advance, rank_batches
@@ -29,7 +29,7 @@ REFS = shard_refs()
 
 
 def config(batching, **kw):
-    return TrainConfig(batch_size=3, seed=5, batching=batching, max_length=400, data_order="node", **kw)
+    return DataConfig(batch_size=3, seed=5, batching=batching, max_length=400, data_order="node", **kw)
 
 
 def read(c, refs, position, epoch, world, local, micro=None):
@@ -174,7 +174,7 @@ def test_an_epochs_length_under_the_node_order_is_the_number_of_its_batches():
 
 @pytest.mark.parametrize("batching", BATCHINGS)
 def test_the_global_order_ignores_the_layout_and_saves_positions_as_before(batching):
-    c = TrainConfig(batch_size=3, seed=5, batching=batching, max_length=400)
+    c = DataConfig(batch_size=3, seed=5, batching=batching, max_length=400)
     assert train_batches(c, REFS, 1, layout=(4, 2)) == train_batches(c, REFS, 1)
     assert read(c, REFS, Position(), 0, 4, 2) == read(c, REFS, Position(), 0, 4, 1)
     at = advance(c, REFS, Position(), 5, 4, 2)
@@ -184,15 +184,15 @@ def test_the_global_order_ignores_the_layout_and_saves_positions_as_before(batch
 
 def test_the_node_orders_settings_are_checked():
     with pytest.raises(ConfigError, match="--shuffle-window"):
-        TrainConfig(shuffle_window=4)  # global order: no window
+        DataConfig(shuffle_window=4)  # global order: no window
     with pytest.raises(ConfigError, match="--redeal-every"):
-        TrainConfig(redeal_every=2)
+        DataConfig(redeal_every=2)
     with pytest.raises(ConfigError, match="--shuffle-window"):
-        TrainConfig(data_order="node", shuffle_window=0)
+        DataConfig(data_order="node", shuffle_window=0)
     with pytest.raises(ConfigError, match="--data-order"):
-        TrainConfig(data_order="shard")
+        DataConfig(data_order="shard")
     with pytest.raises(ConfigError, match="3 nodes need at least as many training shards; the run has 2"):
         check_shards(config("random"), np.array([4, 4, 9]), (3, 2))
     check_shards(config("random"), np.array([4, 4, 9]), (2, 2))
-    check_shards(TrainConfig(), np.array([4]), (3, 2))  # the global order: any number of shards
+    check_shards(DataConfig(), np.array([4]), (3, 2))  # the global order: any number of shards
     assert node_layout(8, 4) == (2, 4) and node_layout(6, 4) == (1, 6) and node_layout(1, 1) == (1, 1)

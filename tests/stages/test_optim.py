@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.train.config import TrainConfig
+from stages.train.config import OptimConfig
 from stages.train.optim import build_optimizers, build_schedules, lr_lambda, muon_split
 from store.errors import ConfigError
 from tests.drafters import config, drafter
@@ -22,16 +22,16 @@ def test_muon_takes_every_matrix_and_adamw_the_norms():
 
 def test_optimizers_and_their_rates():
     m = drafter(config())
-    (adamw,) = build_optimizers(TrainConfig(lr=3e-4, optimizer="adamw"), m)
+    (adamw,) = build_optimizers(OptimConfig(lr=3e-4, optimizer="adamw"), m)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["lr"] == 3e-4
-    muon, rest = build_optimizers(TrainConfig(lr=3e-4), m)  # the default
+    muon, rest = build_optimizers(OptimConfig(lr=3e-4), m)  # the default
     assert isinstance(muon, torch.optim.Muon) and isinstance(rest, torch.optim.AdamW)
     assert muon.ns_dtype == torch.float32  # on CPU: no native bf16 matmul
     assert muon.param_groups[0]["lr"] == pytest.approx(3e-3) and rest.param_groups[0]["lr"] == 3e-4
     assert muon.param_groups[0]["weight_decay"] == 0.1 and muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
-    muon, _ = build_optimizers(TrainConfig(optimizer="muon", muon_lr=0.02), m)
+    muon, _ = build_optimizers(OptimConfig(optimizer="muon", muon_lr=0.02), m)
     assert muon.param_groups[0]["lr"] == 0.02
-    scheds = build_schedules(TrainConfig(optimizer="muon", warmup_ratio=0.2, schedule="linear"), [muon, rest], 10)
+    scheds = build_schedules(OptimConfig(optimizer="muon", warmup_ratio=0.2, schedule="linear"), [muon, rest], 10)
     assert [s.get_last_lr()[0] for s in scheds] == [pytest.approx(0.01), pytest.approx(1.5e-4)]  # x (0 + 1) / 2, warming up
 
 
@@ -48,9 +48,9 @@ def test_schedules_warm_up_then_decay_to_zero(schedule):
 
 def test_muon_flags_are_checked():
     with pytest.raises(ConfigError, match="--muon-lr 0.01: is only used by --optimizer muon"):
-        TrainConfig(optimizer="adamw", muon_lr=0.01)
+        OptimConfig(optimizer="adamw", muon_lr=0.01)
     with pytest.raises(ConfigError, match="--muon-lr -1.0: must be positive"):
-        TrainConfig(optimizer="muon", muon_lr=-1.0)
+        OptimConfig(optimizer="muon", muon_lr=-1.0)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -4,7 +4,7 @@ and none is lost beyond the tail a deal drops; on the same number, every rank re
 import numpy as np
 import pytest
 
-from stages.train.config import TrainConfig
+from stages.train.config import DataConfig
 from stages.train.data import Refs
 from stages.train.position import Position, advance, rank_batches, to_ranges
 from stages.train.recipe import BATCHINGS
@@ -13,7 +13,7 @@ REFS = Refs.of(np.zeros(150), np.arange(150), [10 + (i * 37) % 200 for i in rang
 
 
 def config(batching):
-    return TrainConfig(batch_size=4, seed=3, batching=batching, max_length=400)
+    return DataConfig(batch_size=4, seed=3, batching=batching, max_length=400)
 
 
 def read(c, position, epoch, world, micro):
@@ -98,11 +98,11 @@ def test_a_saved_position_is_what_the_per_object_walk_gave(batching):
 def test_epochs_walked_counts_each_epoch_in_its_own_batches():
     """Epochs of different sizes (--follow): an epoch counts 1 however many batches it has; with one
     size throughout, the walk agrees with epochs_done's count of epoch 0's batches."""
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
     from stages.train.data import Refs
     from stages.train.position import Position, epochs_done, epochs_walked
 
-    config = TrainConfig(store="s", batch_size=1)
+    config = DataConfig(store="s", batch_size=1)
     small, large = Refs.of([0] * 8, range(8), [10] * 8), Refs.of([0] * 24, range(24), [10] * 24)
     sizes = {0: small, 1: small, 2: large}
     by_epoch = lambda e: sizes.get(e, large)  # noqa: E731

@@ -108,8 +108,8 @@ def test_keep_last_is_validated():
     from stages.train.config import TrainConfig
 
     with pytest.raises(ConfigError, match="--keep-last"):
-        TrainConfig(keep_last=-1)
-    assert TrainConfig().keep_last == 2
+        TrainConfig.of(keep_last=-1)
+    assert TrainConfig().run.keep_last == 2
 
 
 def test_pruned_run_keeps_the_newest_two_and_resumes_exactly(small_store, tmp_path):

@@ -43,7 +43,7 @@ def commit(src: Path, dst: Path, shard: int) -> None:
 
 
 def config(store, out, **kw) -> TrainConfig:
-    return TrainConfig(store=str(store), out=str(out), shards="0-3", max_steps=10, follow_poll=1e-9, **kw)
+    return TrainConfig.of(store=str(store), out=str(out), shards="0-3", max_steps=10, follow_poll=1e-9, **kw)
 
 
 def test_follow_takes_shards_at_epoch_starts_and_records_them(small_store, tmp_path):
@@ -102,21 +102,21 @@ def test_follow_waits_for_enough_shards_to_begin(small_store, tmp_path):
 
 def test_schedule_mistakes_are_refused(small_store, tmp_path):
     with pytest.raises(ConfigError, match="--max-steps"):
-        TrainConfig(store="s", shards="0-3", follow=True)
+        TrainConfig.of(store="s", shards="0-3", follow=True)
     with pytest.raises(ConfigError, match="--shards"):
-        TrainConfig(store="s", max_steps=3, shard_schedule="x.json")
+        TrainConfig.of(store="s", max_steps=3, shard_schedule="x.json")
     with pytest.raises(ConfigError, match="--shard-schedule"):
-        TrainConfig(store="s", shards="0-3", max_steps=3, follow=True, shard_schedule="x.json")
+        TrainConfig.of(store="s", shards="0-3", max_steps=3, follow=True, shard_schedule="x.json")
     store = HiddenStore(str(small_store))
     index, _ = index_file.load(store)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"epochs": ["0-1", "2-3"]}))
     with pytest.raises(ConfigError, match="outside --shards 0-1"):
-        schedule_of(TrainConfig(store=str(small_store), shards="0-1", max_steps=3, shard_schedule=str(bad)), store,
+        schedule_of(TrainConfig.of(store=str(small_store), shards="0-1", max_steps=3, shard_schedule=str(bad)), store,
                     [0, 1], index, None)
     partial = growing(small_store, tmp_path / "grow.zarr")
     with pytest.raises(NotCommitted, match="shards 2-3"):
-        schedule_of(TrainConfig(store=str(partial), shards="0-3", max_steps=3, shard_schedule=str(bad)),
+        schedule_of(TrainConfig.of(store=str(partial), shards="0-3", max_steps=3, shard_schedule=str(bad)),
                     HiddenStore(str(partial)), [0, 1, 2, 3], index_file.load(HiddenStore(str(partial)))[0], None)
 
 

@@ -3,19 +3,19 @@ slot-weighting and anchor-budget options are checked and named, a run trains wit
 the budget, and its checkpoint records them."""
 
 import json
-from dataclasses import asdict
 
 import pytest
 
-from stages.train.config import TrainConfig
+from stages.train.config import LossConfig, TrainConfig
 from store.errors import ConfigError
 
 
 def test_defaults_are_the_recipe_benchs_choice():
     """docs/training.md, "Choosing the defaults": Muon, D-PACE, random batches; the rest as SPEC."""
     c = TrainConfig()
-    assert (c.optimizer, c.slot_weights, c.batching, c.anchor_budget) == ("muon", "dpace", "random", None)
-    assert (c.lr, c.muon_lr, c.schedule, c.warmup_ratio, c.loss_norm, c.anchor_rule, c.noise_std) == \
+    assert (c.optim.optimizer, c.loss.slot_weights, c.data.batching, c.loss.anchor_budget) == ("muon", "dpace", "random", None)
+    assert (c.optim.lr, c.optim.muon_lr, c.optim.schedule, c.optim.warmup_ratio, c.loss.loss_norm, c.loss.anchor_rule,
+            c.loss.noise_std) == \
         (6e-4, None, "cosine", 0.04, "weights", "pair", 0.0)
 
 
@@ -31,7 +31,7 @@ def test_defaults_are_the_recipe_benchs_choice():
 ])
 def test_bad_values_are_named(over, needle):
     with pytest.raises(ConfigError) as e:
-        TrainConfig(**over)
+        TrainConfig.of(**over)
     assert needle in str(e.value)
 
 
@@ -39,11 +39,11 @@ def test_dpace_needs_no_gamma_and_plans_carry_the_options():
     from stages.train.step import LossPlan
     from tests.drafters import config
 
-    TrainConfig(slot_weights="dpace", block_size=12)  # no default gamma for B=12, and none needed
+    TrainConfig.of(slot_weights="dpace", block_size=12)  # no default gamma for B=12, and none needed
     dc = config(block_size=16)
-    plan = LossPlan.of(TrainConfig(slot_weights="dpace", dpace_alpha=0.3, anchor_budget=40, anchors=16), dc, False)
+    plan = LossPlan.of(LossConfig(slot_weights="dpace", dpace_alpha=0.3, anchor_budget=40, anchors=16), dc, False)
     assert (plan.gamma, plan.dpace_alpha, plan.anchor_budget, plan.width) == (None, 0.3, 40, 16)
-    plan = LossPlan.of(TrainConfig(anchor_budget=8, anchors=16, slot_weights="exp"), dc, True)
+    plan = LossPlan.of(LossConfig(anchor_budget=8, anchors=16, slot_weights="exp"), dc, True)
     assert (plan.gamma, plan.dpace_alpha, plan.width) == (7.0, None, 8)  # exp: the default gamma of B=16
 
 
@@ -53,34 +53,34 @@ def test_gamma_is_resolved_once_for_the_check_and_the_plan():
     from stages.train.step import LossPlan, slot_gamma
     from tests.drafters import config
 
-    assert slot_gamma(TrainConfig(), 16) is None and slot_gamma(TrainConfig(slot_weights="exp"), 8) == 4.0
-    assert slot_gamma(TrainConfig(slot_weights="exp", gamma=2.5), 12) == 2.5
+    assert slot_gamma(LossConfig(), 16) is None and slot_gamma(LossConfig(slot_weights="exp"), 8) == 4.0
+    assert slot_gamma(LossConfig(slot_weights="exp", gamma=2.5), 12) == 2.5
     with pytest.raises(ConfigError, match="--block-size 12: no default loss decay"):
-        TrainConfig(slot_weights="exp", block_size=12)
-    warm = TrainConfig(slot_weights="exp", block_size=12, init_from="ckpt")  # the checkpoint's size decides
-    assert warm.gamma is None  # the config holds what was given: a resumed run compares it (RESUME_FIXED)
-    assert LossPlan.of(warm, config(block_size=8), False).gamma == 4.0
+        TrainConfig.of(slot_weights="exp", block_size=12)
+    warm = TrainConfig.of(slot_weights="exp", block_size=12, init_from="ckpt")  # the checkpoint's size decides
+    assert warm.loss.gamma is None  # the config holds what was given: a resumed run compares it (RESUME_FIXED)
+    assert LossPlan.of(warm.loss, config(block_size=8), False).gamma == 4.0
     with pytest.raises(ConfigError, match="--block-size 12: no default loss decay"):
-        LossPlan.of(TrainConfig(slot_weights="exp", init_from="ckpt"), config(block_size=12), False)
+        LossPlan.of(LossConfig(slot_weights="exp"), config(block_size=12), False)
 
 
 def test_resume_refuses_changed_options():
     from stages.train.run_dir import resumable
 
-    before = asdict(TrainConfig())
+    before = TrainConfig().record()
     for over in ({"slot_weights": "exp"}, {"dpace_alpha": 0.7}, {"anchor_budget": 64}, {"batching": "packed"},
                  {"optimizer": "adamw"}, {"muon_lr": 0.01}, {"schedule": "linear"}, {"noise": "uniform"},
                  {"loss_norm": "labels"}, {"anchor_rule": "single"}, {"muon_weight_decay": 0.0}):
         with pytest.raises(ConfigError, match="--" + next(iter(over)).replace("_", "-")):
-            resumable(TrainConfig(**over), before)
+            resumable(TrainConfig.of(**over), before)
     new = ("slot_weights", "dpace_alpha", "anchor_budget", "batching", "optimizer", "muon_lr", "muon_weight_decay",
            "schedule", "noise", "loss_norm", "anchor_rule")
     older = {k: v for k, v in before.items() if k not in new}
     then = {"slot_weights": "exp", "batching": "bucketed", "optimizer": "adamw"}
-    resumable(TrainConfig(**then), older)  # a run saved before the options existed: what training did then
-    with pytest.raises(ConfigError, match="--optimizer was 'adamw', now 'muon'.*--batching was 'bucketed', now "
-                                          "'random'.*--slot-weights was 'exp', now 'dpace'"):  # in field order
-        resumable(TrainConfig(), older)
+    resumable(TrainConfig.of(**then), older)  # a run saved before the options existed: what training did then
+    with pytest.raises(ConfigError, match="--batching was 'bucketed', now 'random'.*--optimizer was 'adamw', now "
+                                          "'muon'.*--slot-weights was 'exp', now 'dpace'"):  # in field order
+        resumable(TrainConfig.of(), older)
 
 
 def test_run_with_dpace_and_a_budget_trains_and_records_them(small_store, tmp_path):
@@ -88,7 +88,7 @@ def test_run_with_dpace_and_a_budget_trains_and_records_them(small_store, tmp_pa
     from stages.train.run import run
 
     out = tmp_path / "run"
-    run(TrainConfig(store=str(small_store), out=str(out), max_steps=16, save_every=0, log_every=1, workers=0,
+    run(TrainConfig.of(store=str(small_store), out=str(out), max_steps=16, save_every=0, log_every=1, workers=0,
                     threads=1, num_layers=1, anchors=16, batch_size=2, slot_weights="dpace", dpace_alpha=0.4,
                     anchor_budget=12), log=lambda m: None)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -123,7 +123,7 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, 
 
     monkeypatch.setattr(attention, "compiled_flex", lambda: flex_attention)
     store = HiddenStore(str(small_store))
-    config = TrainConfig(anchors=64, **over)
+    config = TrainConfig.of(anchors=64, **over)
     dc, _ = drafter_config(config, store.attrs, None)
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
     model.init_weights(torch.Generator().manual_seed(0), std=0.1)
@@ -132,7 +132,7 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for flex in (False, True):
-            outs.append(forward_loss(model, model, batch, LossPlan.of(config, dc, flex),
+            outs.append(forward_loss(model, model, batch, LossPlan.of(config.loss, dc, flex),
                                      step_generator(0, 1, 0, 0, torch.device("cpu"))))
     assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
     assert torch.equal(outs[0].sums[2:4], outs[1].sums[2:4])  # same blocks and streaks
@@ -183,12 +183,12 @@ def test_a_packed_row_gives_each_sample_the_loss_it_gets_alone(small_store, monk
 
     monkeypatch.setattr(attention, "compiled_flex", lambda: flex_attention)
     store = HiddenStore(str(small_store))
-    config = TrainConfig(anchors=6, num_layers=2, batching="packed", **over)
+    config = TrainConfig.of(anchors=6, num_layers=2, batching="packed", **over)
     dc, _ = drafter_config(config, store.attrs, None)
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
     model.init_weights(torch.Generator().manual_seed(0), std=0.1)
     refs = index_samples(store, [0, 1], 60)[:3]
-    plan = LossPlan.of(config, dc, flex)
+    plan = LossPlan.of(config.loss, dc, flex, packed=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         packed, seen = recorded_forward(model, StoreBatches(str(small_store), [[tuple(refs)]])[0], plan, monkeypatch)
@@ -222,11 +222,11 @@ def test_label_normalisation_divides_by_the_number_of_labels(small_store):
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(str(small_store))
-    dc, _ = drafter_config(TrainConfig(num_layers=1), store.attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(num_layers=1), store.attrs, None)
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
     model.init_weights(torch.Generator().manual_seed(0))
     batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0], 200)[:2]]])[0]
-    outs = {norm: forward_loss(model, model, batch, LossPlan.of(TrainConfig(anchors=8, loss_norm=norm), dc, False),
+    outs = {norm: forward_loss(model, model, batch, LossPlan.of(LossConfig(anchors=8, loss_norm=norm), dc, False),
                                step_generator(0, 1, 0, 0, torch.device("cpu"))) for norm in ("weights", "labels")}
     sums = outs["weights"].sums
     labels = float(sums[5 + dc.block_size:].sum())

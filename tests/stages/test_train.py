@@ -99,7 +99,7 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     2 to the end: each part goes on from the saved step with the schedule (every later step's
     learning rate is the uninterrupted curve's), and the last reads only samples of the epoch the
     earlier parts had not read."""
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig, OptimConfig
     from stages.train.data import index_samples
     from stages.train.optim import lr_lambda
     from stages.train.position import Position, advance, rank_batches
@@ -116,12 +116,12 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     assert r.returncode == 0 and "at step 6 (saved on 1 processes)" in r.stderr, r.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     lrs = {x["step"]: x["lr"] for x in records if x["split"] == "train"}
-    f = lr_lambda(8, TrainConfig().warmup_ratio)
+    f = lr_lambda(8, OptimConfig().warmup_ratio)
     assert sorted(lrs) == list(range(1, 9))
     assert all(math.isclose(lrs[k], lrs[1] / f(1) * f(k), rel_tol=1e-9) for k in range(5, 9))
     audits = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in range(2)]
     assert [a["world_size"] for a in audits] == [2, 2]
-    config = TrainConfig(store=str(small_store), batch_size=1)
+    config = DataConfig(store=str(small_store), batch_size=1)
     refs = index_samples(HiddenStore(str(small_store)), list(range(4)), config.max_length)
     at4 = advance(config, refs, Position(), 4, 2)
     earlier = [rank_batches(config, refs, Position(), 0, r, 2)[:4] for r in range(2)]
@@ -137,18 +137,18 @@ def setup_error(small_store, tmp_path, **over) -> str:
     from stages.train.setup import prepare
 
     with pytest.raises(UserError) as e:
-        prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), **over), log=lambda m: None)
+        prepare(TrainConfig.of(store=str(small_store), out=str(tmp_path / "x"), **over), log=lambda m: None)
     return str(e.value)
 
 
 def test_default_shards_are_the_committed_ones_not_held_out(small_store):
     """Without --shards, training takes every committed shard but the held-out ones: no overlap to refuse."""
-    from stages.train.config import TrainConfig
+    from stages.train.config import DataConfig
     from stages.train.setup import select_shards
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(str(small_store))
-    config = TrainConfig(store=str(small_store), eval_shards="1,3")
+    config = DataConfig(store=str(small_store), eval_shards="1,3")
     assert select_shards(store, config, store.committed()) == ([0, 2], [1, 3])
 
 
@@ -203,21 +203,21 @@ def test_a_failed_run_removes_the_out_it_created_and_only_that(small_store, tmp_
                              (tmp_path / "nope.zarr", tmp_path / "runs" / "b", {}),
                              (small_store, tmp_path / "there", {"eval_shards": "60-63"})]:
         with pytest.raises(UserError):
-            run(TrainConfig(store=str(store), out=str(out), **over), log=lambda m: None)
+            run(TrainConfig.of(store=str(store), out=str(out), **over), log=lambda m: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any((tmp_path / "there").iterdir())
 
 
 def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
     import stages.train.step as st
     from pipeline.drafter.model import Drafter
-    from stages.train.config import TrainConfig
+    from stages.train.config import LossConfig, TrainConfig
     from stages.train.data import StoreBatches, index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(str(small_store))
-    dc, _ = drafter_config(TrainConfig(num_layers=1), store.attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(num_layers=1), store.attrs, None)
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float())
     model.init_weights(torch.Generator().manual_seed(0))
     batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0, 1], 200)[:2]]])[0]
@@ -228,7 +228,7 @@ def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
                         or real_loss(h, labels, *a, **k), raising=True)
     model.fc.register_forward_pre_hook(lambda m, a: seen.setdefault("fc_in", []).append(a[0].clone()))
     model.layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("x", []).append(a[0].clone()))
-    losses_ = [forward_loss(model, model, batch, LossPlan.of(TrainConfig(noise_std=std, anchors=8), dc, flex=False),
+    losses_ = [forward_loss(model, model, batch, LossPlan.of(LossConfig(noise_std=std, anchors=8), dc, flex=False),
                             step_generator(0, 3, 0, 0, torch.device("cpu"))).loss for std in (0.0, 0.5)]
     assert torch.equal(seen["labels"][0], seen["labels"][1])  # labels: from tokens, untouched
     assert torch.equal(seen["x"][0], seen["x"][1])  # block inputs (target embeddings of tokens): untouched
@@ -244,19 +244,20 @@ def test_out_holding_a_run_needs_resume(small_store, tmp_path):
 
 
 def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
-    from stages.train.config import TrainConfig
+    from stages.train.config import DrafterArchConfig
     from stages.train.setup import fresh_config
     from store.hidden_store import HiddenStore
     from tests.drafters import RELEASED_27B
 
     (tmp_path / "config.json").write_text(json.dumps(RELEASED_27B))
     attrs = HiddenStore(str(small_store)).attrs
-    c = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json")), attrs)
+    c = fresh_config(DrafterArchConfig(drafter_config=str(tmp_path / "config.json")), 16, attrs)
     assert c.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and c.sliding_window == 2048
     assert c.rope_parameters["rope_theta"] == 1e7 and (c.num_attention_heads, c.num_key_value_heads) == (32, 8)
     assert c.hidden_size == 128 and c.target_layer_ids == attrs.taps and c.mask_token_id == attrs.mask_token_id
-    c2 = fresh_config(TrainConfig(drafter_config=str(tmp_path / "config.json"), num_layers=2, num_heads=4,
-                                  head_dim=32, intermediate_size=256, layer_types="sliding,full", rope_theta=1e4), attrs)
+    c2 = fresh_config(DrafterArchConfig(drafter_config=str(tmp_path / "config.json"), num_layers=2, num_heads=4,
+                                        head_dim=32, intermediate_size=256, layer_types="sliding,full", rope_theta=1e4),
+                      16, attrs)
     assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
 
 
@@ -265,16 +266,16 @@ def test_the_default_drafter_is_one_vllm_serves_beside_the_stores_target(small_s
     head would put the drafter's 5 layers in 3 of vLLM's KV-cache groups (refused); the default takes
     the target's layout. A layout the user chose is kept, and setup says vLLM will refuse it."""
     from pipeline.drafter.serving_engines import vllm_kv_problem
-    from stages.train.config import TrainConfig
+    from stages.train.config import DrafterArchConfig, TrainConfig
     from stages.train.setup import fresh_config, prepare
     from store.hidden_store import HiddenStore
 
     attrs = HiddenStore(str(small_store)).attrs
     assert (attrs.target.num_key_value_heads, attrs.target.head_dim) == (2, 32)
-    c = fresh_config(TrainConfig(), attrs)
+    c = fresh_config(DrafterArchConfig(), 16, attrs)
     assert (c.num_key_value_heads, c.head_dim, c.num_attention_heads) == (2, 32, 4)
     assert vllm_kv_problem(c, attrs.target) is None
-    chosen = fresh_config(TrainConfig(num_kv_heads=1), attrs)
+    chosen = fresh_config(DrafterArchConfig(num_kv_heads=1), 16, attrs)
     assert chosen.num_key_value_heads == 1 and vllm_kv_problem(chosen, attrs.target)
 
     class Warned(Exception):
@@ -285,7 +286,7 @@ def test_the_default_drafter_is_one_vllm_serves_beside_the_stores_target(small_s
             raise Warned(line)
 
     with pytest.raises(Warned, match=r"vLLM will refuse this drafter.*--num-kv-heads 2 --head-dim 32"):
-        prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), num_kv_heads=1), log=log)
+        prepare(TrainConfig.of(store=str(small_store), out=str(tmp_path / "x"), num_kv_heads=1), log=log)
 
 
 def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_path):
@@ -331,7 +332,7 @@ def test_a_fresh_drafter_takes_the_targets_context_length(small_store):
     from store.hidden_store import HiddenStore
 
     attrs = HiddenStore(str(small_store)).attrs
-    dc, _ = drafter_config(TrainConfig(), attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(), attrs, None)
     assert dc.max_position_embeddings == 4096 and dc.num_target_layers == attrs.num_layers
     yarn = dataclasses.replace(dc, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
                                max_position_embeddings=40960)
@@ -350,7 +351,7 @@ def test_a_drafter_with_an_embedding_scale_is_warned_about(small_store, tmp_path
     d["dflash_config"]["input_embedding_scale"] = 0.5
     (tmp_path / "rel" / "config.json").write_text(json.dumps(d))
     lines = []
-    prepare(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"),
+    prepare(TrainConfig.of(store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"),
                         workers=0), log=lines.append)
     assert any("input_embedding_scale 0.5: no serving consumer applies it" in x for x in lines)
 
@@ -365,11 +366,11 @@ def test_a_corrupt_chunk_stops_training_naming_it_or_is_skipped_and_counted(stor
     damage_states(store_copy, 1)
     common = dict(store=str(store_copy), eval_shards="3", max_steps=4, batch_size=4, anchors=8, workers=0)
     with pytest.raises(StoreCorrupt) as e:
-        train_run(TrainConfig(out=str(tmp_path / "stop"), **common), log=lambda m: None)
+        train_run(TrainConfig.of(out=str(tmp_path / "stop"), **common), log=lambda m: None)
     msg = str(e.value)
     assert "shards/00001/hidden" in msg and "fails its crc32c checksum" in msg and "\n" not in msg
     assert f"pipeline verify {store_copy} --shards 1" in msg and "--shards 1 --redo" in msg
-    summary = train_run(TrainConfig(out=str(tmp_path / "skip"), on_corrupt="skip", **common), log=lambda m: None)
+    summary = train_run(TrainConfig.of(out=str(tmp_path / "skip"), on_corrupt="skip", **common), log=lambda m: None)
     assert summary["corrupt_skipped"] > 0 and "corrupt sample(s) left out" in done_line(summary)
     records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert records[-2]["split"] == "train" and records[-2]["corrupt_skipped"] == summary["corrupt_skipped"]
@@ -394,7 +395,7 @@ def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_sto
     dead = subprocess.Popen(["true"])
     dead.wait()  # a killed run's lock: its pid is gone, so the next run takes it over
     lock.write_text(json.dumps({"host": HOST, "pid": dead.pid, "identity": IDENTITY, "since": 0}))
-    summary = train_run(TrainConfig(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, batch_size=2,
+    summary = train_run(TrainConfig.of(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, batch_size=2,
                                     anchors=4, workers=0), log=lambda m: None)
     assert summary["steps"] == 1 and not lock.exists()  # released at the end
 
@@ -415,7 +416,7 @@ def test_a_non_finite_loss_stops_before_the_weights_naming_step_and_samples(smal
         return out
 
     monkeypatch.setattr(train_module, "forward_loss", poisoned)
-    config = TrainConfig(store=str(small_store), out=str(tmp_path / "run"), max_steps=5, save_every=2, batch_size=2,
+    config = TrainConfig.of(store=str(small_store), out=str(tmp_path / "run"), max_steps=5, save_every=2, batch_size=2,
                          anchors=4, workers=0)
     with pytest.raises(TrainingError) as e:
         train_module.run(config, log=lambda m: None)

@@ -67,7 +67,7 @@ def test_a_shard_deleted_under_a_running_trainer_stops_it_naming_the_shard_or_is
 
     def deleting(s, config, batches, step, seen):
         if step == 2 and not step_at:
-            store = config.store
+            store = config.data.store
             step_at["deleted"] = step
             if gone == "states":
                 for chunk in Path(f"{store}/shards/00001/hidden").glob("c.*"):  # format revision 5's chunk files
@@ -83,7 +83,7 @@ def test_a_shard_deleted_under_a_running_trainer_stops_it_naming_the_shard_or_is
         step_at.clear()
         store = tmp_path / f"{on_corrupt}.zarr"
         shutil.copytree(small_store, store)
-        config = TrainConfig(store=str(store), out=str(tmp_path / on_corrupt), shards="0-2", eval_shards="3",
+        config = TrainConfig.of(store=str(store), out=str(tmp_path / on_corrupt), shards="0-2", eval_shards="3",
                              max_steps=14, batch_size=2, anchors=4, workers=1, on_corrupt=on_corrupt)
         if on_corrupt == "stop":
             with pytest.raises(StoreError) as e:

@@ -49,7 +49,7 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
 
     store = HiddenStore(str(small_store))
     attrs = store.attrs
-    dc, _ = drafter_config(TrainConfig(num_layers=2, block_size=8), attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(num_layers=2, block_size=8), attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float())
     m.init_weights(torch.Generator().manual_seed(3), std=0.3)
     lt = LiveTarget(loading.load(str(TINY_TARGET), "cpu", attrs.dtype, "auto"), list(attrs.taps))
