@@ -145,7 +145,7 @@ class TimedBatches:
 
 def train_steps(s, config, clock: Clock, warmup: int, steps: int) -> dict:
     """stages.train.train_step, `warmup` untimed steps then `steps` timed ones."""
-    batches = TimedBatches(T.micro_batches(s, config), clock)
+    batches = TimedBatches(T.micro_batches(s, config.data), clock)
     per_step = []  # [longest sequence, tokens, seconds] of each timed step
     tokens = seqs = padded = 0
     losses = []
@@ -160,7 +160,7 @@ def train_steps(s, config, clock: Clock, warmup: int, steps: int) -> dict:
                     b = batches.last  # with --grad-accum > 1 the step's last micro-batch
                     per_step.append([b.tokens.shape[1], n, round(dt, 4)])
                     tokens, padded = tokens + n, padded + b.tokens.numel()
-                    seqs += len(b.lengths) * config.grad_accum  # exact with --grad-accum 1
+                    seqs += len(b.lengths) * config.optim.grad_accum  # exact with --grad-accum 1
                     losses.append(float(sums[0] / sums[1]))
     finally:
         clock.on = False
@@ -169,7 +169,7 @@ def train_steps(s, config, clock: Clock, warmup: int, steps: int) -> dict:
     wall = sum(x[2] for x in per_step)
     t["fwd_model"] = wall - sum(t.get(k, 0.0) for k in STEP_PARTS if k != "fwd_model")  # the rest of the step
     r = {"steps": steps, "wall_s": wall, "steps_per_s": steps / wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-         "sequences_per_s": seqs / wall, "padding_share": 1 - tokens / padded if config.grad_accum == 1 else None,
+         "sequences_per_s": seqs / wall, "padding_share": 1 - tokens / padded if config.optim.grad_accum == 1 else None,
          "first_loss": losses[0], "last_loss": losses[-1], "slowest_step_s": max(x[2] for x in per_step),
          "median_step_s": harness.median_of(x[2] for x in per_step)}
     r.update({f"{k}_s": t.get(k, 0.0) for k in STEP_PARTS})
@@ -180,7 +180,7 @@ def train_steps(s, config, clock: Clock, warmup: int, steps: int) -> dict:
 
 def loader_alone(s, config, n: int) -> dict:
     """The same n micro-batches through a fresh stages.train.micro_batches loader, nothing else running."""
-    batches = T.micro_batches(s, config)
+    batches = T.micro_batches(s, config.data)
     try:
         t0 = time.perf_counter()
         next(batches)
@@ -196,8 +196,8 @@ def loader_alone(s, config, n: int) -> dict:
 
 def build_in_process(s, config, n: int) -> dict:
     """What a worker spends per batch: StoreBatches[i] in this process, its shard readers opened first."""
-    mine = train_batches(config, s.train_refs, 0)[:n]
-    ds = StoreBatches(config.store, mine)
+    mine = train_batches(config.data, s.train_refs, 0)[:n]
+    ds = StoreBatches(config.data.store, mine)
     for b in mine:
         for row in b:
             for r in row:
@@ -212,7 +212,7 @@ def one_repeat(args) -> tuple[dict, dict]:
     """One repeat of `speed` (run in a fresh process) -> (figures, what ran)."""
     harness.torch_setup(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        config = TrainConfig(store=args.store, out=str(Path(tmp) / "run"), shards=args.shards,
+        config = TrainConfig.of(store=args.store, out=str(Path(tmp) / "run"), shards=args.shards,
                                max_steps=args.warmup + args.steps, batch_size=args.batch_size,
                                grad_accum=args.grad_accum, anchors=args.anchors, max_length=args.max_length,
                                num_layers=args.num_layers, workers=args.workers, threads=args.threads,
@@ -290,7 +290,7 @@ def long_run(store: str, shard: int, length: int, ckpt: bool, threads: int) -> f
     from stages.train.run import run
 
     with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig(store=store, out=f"{out}/run", shards=str(shard), max_length=length, batch_size=1,
+        config = TrainConfig.of(store=store, out=f"{out}/run", shards=str(shard), max_length=length, batch_size=1,
                              workers=0, max_steps=3, threads=threads, grad_checkpoint=ckpt, eval_every=0,
                              save_every=0, log_every=1)
         t = time.perf_counter()
@@ -320,7 +320,7 @@ def kernel_agreement(store_path: str, anchors: int, dtype: str) -> dict:
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(store_path)
-    config = TrainConfig(anchors=anchors, layer_types="sliding,sliding,sliding,sliding,full", sliding_window=64)
+    config = TrainConfig.of(anchors=anchors, layer_types="sliding,sliding,sliding,sliding,full", sliding_window=64)
     dc, _ = drafter_config(config, store.attrs, None)
     dev = torch.device("cuda")
     model = Drafter(dc, store.embedding("embed_tokens").to(dev, torch.bfloat16),
@@ -361,7 +361,7 @@ def training(store_path: str, steps: int, batch_size: int, anchors: int, run_dir
     out = Path(run_dir) if run_dir else Path(tempfile.mkdtemp()) / "run"
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    summary = run(TrainConfig(store=store_path, out=str(out), max_steps=steps, batch_size=batch_size, anchors=anchors,
+    summary = run(TrainConfig.of(store=store_path, out=str(out), max_steps=steps, batch_size=batch_size, anchors=anchors,
                               log_every=10), log=lambda m: print(m, file=sys.stderr))
     wall = time.perf_counter() - t
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
