@@ -15,7 +15,7 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.evaluate.config import EvalConfig
-from store import layout
+from store import hidden_formats
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
@@ -65,8 +65,8 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
                         "vocabulary and mask token were checked")
     elif trained_on is not None:
         check = (f"cross-format: trained on {trained_on} states (store {fp[:12]}), replayed on this store's "
-                 f"{attrs.compat.states} states; the conditioning is otherwise the same")
-        warnings.append(f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.states} states "
+                 f"{attrs.compat.format.name} states; the conditioning is otherwise the same")
+        warnings.append(f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.format.name} states "
                         f"({store.location}): a cross-format evaluation, allowed because nothing else in the "
                         "conditioning differs")
     elif other_data:
@@ -80,9 +80,9 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
 def other_format(record: TrainingRecord, compat: Compat) -> str | None:
     """The hidden format a checkpoint was trained on when it is not this store's and is the only
     difference in conditioning (an fp8-trained drafter replayed on bf16 states, as it is served); else None."""
-    for fmt in layout.HIDDEN_FORMATS:
-        if fmt != compat.states and record.store_conditioning == compat.as_format(fmt).conditioning():
-            return fmt
+    for fmt in hidden_formats.FORMATS.values():
+        if fmt != compat.format and record.store_conditioning == compat.as_format(fmt.name).conditioning():
+            return fmt.name
     return None
 
 
