@@ -7,6 +7,7 @@ with a warning: serving hands a drafter bf16 states, so that is the tau an fp8-t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipeline import device as devices
@@ -48,7 +49,11 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
                 (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
     fp = record.store_fingerprint if record else None
     other_store = fp is not None and fp != attrs.fingerprint
-    other_data = other_store and record.store_conditioning == attrs.compat.conditioning()
+    unrecorded = other_store and record.store_conditioning == unrecorded_conv1d(attrs.compat)
+    other_data = other_store and (record.store_conditioning == attrs.compat.conditioning() or unrecorded)
+    if unrecorded:
+        warnings.append(f"{path} was trained on a store that did not record its conv1d kernel; this store's states "
+                        f"were made with {attrs.compat.conv1d}: the conditioning is otherwise the same")
     trained_on = other_format(record, attrs.compat) if other_store else None
     if other_store and not other_data and trained_on is None:
         problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
@@ -75,6 +80,12 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
     else:
         check = "store fingerprint matches"
     return Checked(path, config, record, check)
+
+
+def unrecorded_conv1d(compat: Compat) -> str | None:
+    """The conditioning of these settings as a store made before the conv1d kernel was recorded
+    has it (docs/store.md); None when this store records none either."""
+    return None if compat.conv1d is None else dataclasses.replace(compat, conv1d=None).conditioning()
 
 
 def other_format(record: TrainingRecord, compat: Compat) -> str | None:
