@@ -3,7 +3,9 @@ checkpoints carry the store fingerprint; a released one is checked on what it ca
 hidden size, vocabulary, mask token), and which shards to replay (`choose_shards`: a checkpoint's held-out
 shards apply only to the store whose prompts they number). A checkpoint trained on a store
 whose conditioning differs from this one's only in the hidden format (fp8 against bf16) is replayed
-with a warning: serving hands a drafter bf16 states, so that is the tau an fp8-trained drafter gets."""
+with a warning: serving hands a drafter bf16 states, so that is the tau an fp8-trained drafter gets. So
+is one trained on a store made before the conv1d kernel was recorded (compat.conv1d) whose conditioning
+is otherwise this one's, the kernel named in the warning."""
 
 from __future__ import annotations
 
