@@ -109,7 +109,7 @@ def test_a_checkpoint_of_a_store_that_did_not_record_its_conv1d_kernel_is_replay
     assert compat.conv1d == "torch"
     old = dataclasses.replace(compat, conv1d=None)
     ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64,
-                        store_conditioning=old.conditioning())
+                        store_conditioning=old.conditioning(), store_placement=compat.placement())
     rep = evaluate(small_store, tmp_path, ck)
     assert rep["checkpoints"][0]["check"].startswith("conditioning matches")
     assert len(rep["warnings"]) == 1 and "did not record its conv1d kernel" in rep["warnings"][0]
