@@ -3,7 +3,8 @@
 reads these JSON keys. The JSON is documented in docs/store.md. Fields added after format revision 1
 (store/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
 while None, so older stores load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
-schema-1 stores are read-only (`StoreWriter.check_compatible`).
+schema-1 stores are read-only (`StoreWriter.check_compatible`). What layout a store has, read from
+these records once, is store/read_checks.py's `Layout`; its hidden format, store/hidden_formats.py's.
 """
 
 from __future__ import annotations

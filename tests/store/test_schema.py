@@ -16,7 +16,14 @@ from pipeline import fingerprint
 from pipeline.drafter.config import OUR_KEY, read_config
 from store import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
-from store.schema import CONDITIONING, PLACEMENT, Compat, ShardCommit, StoreAttrs, to_json
+from store.schema import (
+    CONDITIONING,
+    PLACEMENT,
+    Compat,
+    ShardCommit,
+    StoreAttrs,
+    to_json,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "schema1"
 REV4 = DATA.parent / "rev4_store"
