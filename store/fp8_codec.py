@@ -1,6 +1,6 @@
 """`dflash.fp8_e4m3`: bf16 states kept as FP8 (e4m3) values with one power-of-two scale per group.
 
-The store's fp8 hidden format (issue 24). `quantize` rounds bf16 states, per token and tap (a group
+The store's fp8 hidden format (store/hidden_formats.py). `quantize` rounds bf16 states, per token and tap (a group
 is the last axis, H values), to e4m3 x 2^k: k is the smallest exponent that keeps the group's largest
 magnitude within e4m3's 448, so no value saturates; values below e4m3's smallest subnormal at that
 scale (2^(k-9)) become zero. A power of two, not amax / 448, so that every quantized value is a bf16
@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from numcodecs import Zstd
-from zarr.registry import register_codec
 
-from store.codec import LEVELS, PackedCodec
+from store.chunk_codec import HEADER, LEVELS, PackedCodec, register
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +34,6 @@ NAME = "dflash.fp8_e4m3"
 # neither rounding nor decoding meets a subnormal (which flush-to-zero on CPU would change); a group
 # whose largest magnitude is below about 2^-109 uses -117 and loses its values under 2^-126.
 K_RANGE = (-117, 120)
-_HEADER = np.dtype("<u4")
 _ROW_LOOKUP = 1024  # groups at least this wide are decoded a group at a time
 
 
@@ -91,6 +89,11 @@ class Fp8E4m3(PackedCodec):
         if not LEVELS[0] <= self.level <= LEVELS[1]:
             raise ValueError(f"{NAME}: zstd level {self.level}, expected {LEVELS[0]} to {LEVELS[1]}")
 
+    @classmethod
+    def for_states(cls, level: int, hidden_size: int) -> Fp8E4m3:
+        """The codec of a store's fp8 states: one scale per token and tap (a group of hidden_size)."""
+        return cls(group=hidden_size, level=level)
+
     def to_dict(self):
         return {"name": NAME, "configuration": {"group": self.group, "level": self.level}}
 
@@ -123,7 +126,7 @@ class Fp8E4m3(PackedCodec):
         if not np.array_equal(self.decode_codes(codes, ks), bits.numpy().view(np.uint16)):
             raise ValueError(f"{NAME}: values that are not e4m3 x 2^k per group of {self.group} (store.fp8_codec."
                              "quantize them first)")
-        return [np.array([len(ks)], _HEADER).tobytes(), ks.tobytes(), self._zstd.encode(codes)]
+        return [np.array([len(ks)], HEADER).tobytes(), ks.tobytes(), self._zstd.encode(codes)]
 
     def decode_codes(self, codes: np.ndarray, ks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """codes: [G, group] uint8 e4m3 bytes, ks: [G] int8 -> [G, group] uint16 bf16 bits (into out).
@@ -142,7 +145,7 @@ class Fp8E4m3(PackedCodec):
     def codes(self, data: np.ndarray, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """An encoded chunk (uint8) -> its e4m3 bytes [G, group] and exponents [G]. into: a uint8
         array of the chunk's values to decode the bytes into (a reader reuses it from chunk to chunk)."""
-        groups = int(data[:4].view(_HEADER)[0])
+        groups = int(data[:4].view(HEADER)[0])
         ks = data[4:4 + groups].view(np.int8)
         frame = data[4 + groups:]
         codes = (np.frombuffer(self._zstd.decode(frame), np.uint8) if into is None
@@ -155,5 +158,13 @@ class Fp8E4m3(PackedCodec):
         """data: an encoded chunk (uint8). Returns the chunk's bytes (uint8), bf16 bits little-endian."""
         return self.decode_codes(*self.codes(data)).reshape(-1).view(np.uint8)
 
+    def decode_values(self, body: np.ndarray, values: int, first: int, out: np.ndarray, buffer) -> None:
+        """How a span is read: the chunk `body` (checked bytes, `values` values) -> its values
+        first..first + out.size (whole groups) into out (uint16 bf16 bits), looked up straight into it.
+        buffer(slot, nbytes): a reusable uint8 buffer (store/span_reader.py) the e4m3 bytes go to."""
+        codes, ks = self.codes(body, into=buffer("codes", values))
+        g, n = first // self.group, out.size // self.group
+        self.decode_codes(codes[g:g + n], ks[g:g + n], out=out.reshape(n, -1))
 
-register_codec(NAME, Fp8E4m3)
+
+register(Fp8E4m3)

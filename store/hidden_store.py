@@ -28,7 +28,7 @@ from store import commit_file, layout, read_cache, zarr_files
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
 from store.node_cache import NodeCache
 from store.ranges import format_ranges
-from store.read_checks import ReadChecks, read_checks
+from store.read_checks import Layout, ReadChecks, layout_of, read_checks
 from store.schema import RootCommit, ShardCommit, StoreAttrs
 
 S3_CONNECTIONS = 64  # requests in flight at once per S3 file system: a batch of reads, several threads' readers
@@ -87,7 +87,12 @@ class HiddenStore:
     def read_checks(self, records: dict[int, ShardCommit] | None = None) -> ReadChecks:
         """What reading this store checks (store/read_checks.py); records: the commit records of the
         shards asked about (default: every committed one)."""
-        return read_checks(self.location, self.attrs, self.root_commit, self.commits()[0] if records is None else records)
+        return read_checks(self.location, self.layout, self.commits()[0] if records is None else records)
+
+    @property
+    def layout(self) -> Layout:
+        """The store's layout (store/read_checks.py), read from its root."""
+        return layout_of(self.attrs, self.root_commit)
 
     def shard_damage(self, e: StoreCorrupt, shard: int, sample: int | None = None) -> StoreCorrupt:
         """e, told which shard (and sample) it lies in and what to run about it."""

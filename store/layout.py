@@ -4,7 +4,7 @@
       zarr.json                    root group; attributes = provenance (store/schema.py)
       target/embed_tokens          [V, H] uint16 (bf16 bits), the target's input embedding
       target/lm_head               [V, H] uint16 (bf16 bits), the target's output projection
-      shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens; bf16 planes or fp8
+      shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens; its hidden format's codec
       shards/00003/tokens          [T] int32     prompt + completion ids of every sample
       shards/00003/loss_mask       [T] uint8     1 exactly on completion tokens
       shards/00003/offsets         [N+1] int64   sample i is tokens offsets[i]:offsets[i+1]
@@ -32,9 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
-from store.codec import LEVELS as PLANE_LEVELS
-from store.codec import Bf16Planes
-from store.fp8_codec import Fp8E4m3
+from store.bf16_codec import Bf16Planes
+from store.chunk_codec import LEVELS as PLANE_LEVELS
 
 if TYPE_CHECKING:
     import torch
@@ -49,16 +48,10 @@ ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, 
                 "prompt_lens": np.int32, "row_ids": np.int64, "first_pairs": np.int32}
 TOKEN_CHUNK = 1 << 16  # elements per chunk of the per-token arrays: a sample's span decodes little
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected", "nonfinite")
-# The hidden states' codec, recorded in compat.codec: "planes", this package's byte-plane codec
-# (store/codec.py: high plane zstd at the level, low plane LZ4), each chunk ending in a crc32c that
-# every read verifies. Older stores may hold "blosc" (blosc zstd, byte shuffle, no checksum; schema 1
-# and the retired `--codec blosc`), which zarr reads; store/read_checks.py says what each allows.
-# A store's states come in one hidden format, fixed when it is created (compat.hidden_format): bf16, the
-# target's states bit for bit ("planes"), or fp8, each rounded to e4m3 x 2^k with one k per token and tap
-# (store/fp8_codec.py, "fp8": about half the bytes, and conditioning of its own).
-HIDDEN_FORMATS = ("bf16", "fp8")
-FORMAT_CODECS = {"bf16": "planes", "fp8": "fp8"}
-CODEC = FORMAT_CODECS["bf16"]
+# A store's states come in one hidden format, fixed when it is created, each with its codec, each chunk
+# ending in a crc32c that every read verifies: store/hidden_formats.py. Older stores may hold "blosc"
+# (blosc zstd, byte shuffle, no checksum; schema 1 and the retired `--codec blosc`), which zarr reads;
+# store/read_checks.py says what each layout allows.
 DEFAULT_LEVEL = 1
 LEVELS = PLANE_LEVELS
 CHUNK_SEPARATOR = "."  # what revision 5 on writes between a chunk key's parts (earlier: "/")
@@ -88,17 +81,8 @@ def commit_key(shard: int | str) -> str:
 
 
 def hidden_codecs(level: int) -> list:
-    """The codec chain of bf16 bits (states, embedding, lm_head); lossless."""
-    return [Bf16Planes(level=level, low="lz4"), Crc32cCodec()]
-
-
-def state_codecs(level: int, hidden_format: str, hidden_size: int) -> list:
-    """The codec chain of a shard's `hidden` array in `hidden_format`; lossless on what it is given
-    (fp8: states already rounded by fp8_codec.quantize)."""
-    if hidden_format == "fp8":
-        return [Fp8E4m3(group=hidden_size, level=level), Crc32cCodec()]
-    assert hidden_format == "bf16", hidden_format
-    return hidden_codecs(level)
+    """The codec chain of bf16 bits (the embedding, lm_head; a bf16 store's states); lossless."""
+    return [Bf16Planes.for_states(level, 0), Crc32cCodec()]
 
 
 def first_pairs(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -1,6 +1,9 @@
-"""What reading a store verifies, derived from its layout in one place: every reader (ShardReader,
-the sample index), `pipeline info` and `pipeline verify` ask `read_checks` rather than looking at
-schema numbers and codec names themselves, so a new layout is added here and nowhere else.
+"""A store's layout and what reading it verifies, derived in one place: `Layout` is read once from the
+root (schema_version, format_revision or what the root's records show, compat.codec,
+compat.hidden_format), and every reader (ShardReader, the sample index), the writer's check,
+`pipeline info` and `pipeline verify` ask it or `read_checks` rather than combining schema numbers,
+revisions and codec names themselves, so a new layout is added here and nowhere else. What varies
+per shard (its chunk keys' separator, whether every chunk was written) is read from its commit file.
 
 The format's revisions (a root records its own as `format_revision` from revision 4 on; an older
 root is read as the revision its records show, `revision_of`):
@@ -28,8 +31,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from store import layout
+from store.hidden_formats import HiddenFormat
 from store.ranges import format_ranges
-from store.schema import RootCommit, ShardCommit, StoreAttrs
+from store.schema import SCHEMA_VERSION, RootCommit, ShardCommit, StoreAttrs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a store's root says its shards are laid out: the one value readers and the writer ask."""
+
+    schema: int  # schema_version: 1 blosc (read-only), 2 byte-plane codecs with chunk checksums
+    revision: int  # the root's format revision (`revision_of`)
+    format: HiddenFormat  # the states' hidden format (compat.hidden_format)
+    codec: str  # the states' codec (compat.codec; "blosc" where absent: schema 1)
+
+    @property
+    def format_coded(self) -> bool:
+        """The states are coded by their format's codec, a crc32c ending every state and token
+        chunk (else blosc: schema 1 and the retired --codec blosc, which zarr reads)."""
+        return self.schema >= 2 and self.codec == self.format.codec
+
+    @property
+    def writable(self) -> bool:
+        """This version may add shards to it (else it is read-only: new shards go into a new store)."""
+        return self.schema == SCHEMA_VERSION and self.format_coded
+
+    def describe(self) -> str:
+        """`pipeline info`'s words for it."""
+        return f"schema {self.schema}, {self.format.name} states, codec {self.codec}"
+
+
+def layout_of(attrs: StoreAttrs, root: RootCommit) -> Layout:
+    """The layout the root's attributes and commit record say."""
+    return Layout(schema=attrs.schema_version, revision=revision_of(attrs, root), format=attrs.compat.format,
+                  codec=attrs.compat.codec or "blosc")
 
 
 @dataclass(frozen=True)
@@ -90,9 +125,9 @@ def revision_of(attrs: StoreAttrs, root: RootCommit) -> int:
     return 2 if root.metadata is None else 3
 
 
-def read_checks(location: str, attrs: StoreAttrs, root: RootCommit, records: dict[int, ShardCommit]) -> ReadChecks:
-    """What reading the shards of `records` checks, for the store at `location`."""
-    planes = attrs.schema_version >= 2 and attrs.compat.codec in layout.FORMAT_CODECS.values()
-    return ReadChecks(location=location, revision=revision_of(attrs, root), schema=attrs.schema_version, chunk_checksums=planes,
-                      direct_reads=planes,
-                      zero_filled=tuple(s for s, r in sorted(records.items()) if planes and not r.every_chunk))
+def read_checks(location: str, shape: Layout, records: dict[int, ShardCommit]) -> ReadChecks:
+    """What reading the shards of `records` checks, for the store at `location` laid out as `shape`."""
+    coded = shape.format_coded
+    return ReadChecks(location=location, revision=shape.revision, schema=shape.schema, chunk_checksums=coded,
+                      direct_reads=coded,
+                      zero_filled=tuple(s for s, r in sorted(records.items()) if coded and not r.every_chunk))

@@ -3,7 +3,8 @@
 reads these JSON keys. The JSON is documented in docs/store.md. Fields added after format revision 1
 (store/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
 while None, so older stores load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
-schema-1 stores are read-only (`StoreWriter.check_compatible`).
+schema-1 stores are read-only (`StoreWriter.check_compatible`). What layout a store has, read from
+these records once, is store/read_checks.py's `Layout`; its hidden format, store/hidden_formats.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import types
 import typing
 from dataclasses import dataclass
 
+from store import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
+from store.hidden_formats import HiddenFormat
 
 KIND = "dflash-hidden-states"
 SCHEMA_VERSION = 2  # 2: byte-plane codec with a checksum per chunk (1: blosc, read-only now)
@@ -29,48 +32,69 @@ def completion_limit(max_new_tokens: int, max_length: int, prompt_len: int) -> i
     return min(max_new_tokens, max_length - prompt_len)
 
 
-def recorded_format(hidden_format: str) -> str | None:
-    """compat.hidden_format for states in `hidden_format`: None for bf16 (absent, as in stores made
-    before fp8 existed, so their fingerprints stay what they were), else the format's name."""
-    return None if hidden_format == "bf16" else hidden_format
+# The roles a Compat field may have (`role`): "conditioning", the settings that decide what state a
+# token gets (the target, how it ran, where the taps are, the token space, and the hidden format, since
+# fp8 rounds every state): two stores that agree on them condition a drafter alike, whatever their data,
+# template, lengths, responses or lossless codec; "placement", the settings that decide which rows shard
+# s holds (pipeline/prompts.py: rows [s*N//K, (s+1)*N//K) of the dataset): stores that agree on them
+# number the same prompts alike, whatever their conditioning. Each has its digest (`Compat.conditioning`,
+# `Compat.placement`), which checkpoints record.
+ROLES = ("conditioning", "placement")
+
+
+def role(name: str, default=dataclasses.MISSING):
+    """A Compat field whose value is part of the digest of role `name` (ROLES)."""
+    assert name in ROLES, name
+    return dataclasses.field(default=default, metadata={"role": name})
+
+
+def with_role(cls, name: str) -> tuple[str, ...]:
+    """The fields of record `cls` with role `name`, in their order."""
+    assert name in ROLES, name
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("role") == name)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Compat:
     """Every setting a shard's content depends on. Runs that differ in any of them may not add
-    shards to the same store; the store's fingerprint is the hash of this record."""
+    shards to the same store; the store's fingerprint is the hash of this record. Fields with a
+    role (`role`) are also part of that role's digest."""
 
     schema_version: int
-    target_fingerprint: str
-    model_class: str
-    tokenizer_sha256: str
+    target_fingerprint: str = role("conditioning")
+    model_class: str = role("conditioning")
+    tokenizer_sha256: str = role("conditioning")
     chat_template_sha256: str
-    taps: tuple[int, ...]
-    mask_token_id: int
-    dataset_sha256: str
-    dataset_rows: int
+    taps: tuple[int, ...] = role("conditioning")
+    mask_token_id: int = role("conditioning")
+    dataset_sha256: str = role("placement")
+    dataset_rows: int = role("placement")
     dataset_fields: dict
     responses: str
     max_new_tokens: int
     max_length: int
-    dtype: str
-    device_type: str
-    linear_attention: str
-    attention: str | None
-    num_shards: int
+    dtype: str = role("conditioning")
+    device_type: str = role("conditioning")
+    linear_attention: str = role("conditioning")
+    attention: str | None = role("conditioning")
+    num_shards: int = role("placement")
     chunk_tokens: int
     shard_tokens: int
     compression_level: int
     references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
     turns: str | None = None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
-    codec: str | None = None  # the states' codec (store/layout.py); None in schema 1: blosc
+    codec: str | None = None  # the states' codec (store/hidden_formats.py); None in schema 1: blosc
     chat_template_kwargs: dict | None = None  # --chat-template-kwargs (None: none given)
-    hidden_format: str | None = None  # "fp8": states rounded to e4m3 x 2^k per token and tap (None: bf16, as captured)
+    # "fp8": states rounded to e4m3 x 2^k per token and tap (None: bf16, as captured; store/hidden_formats.py)
+    hidden_format: str | None = role("conditioning", default=None)
+    # The conv1d kernel of the target's linear-attention layers, as observed ("causal_conv1d", "torch",
+    # "none", "mixed": Backends.conv1d); None: not recorded (stores made before it was).
+    conv1d: str | None = role("conditioning", default=None)
 
     @property
-    def states(self) -> str:
-        """The hidden format of the states: "bf16" or "fp8" (store/layout.py HIDDEN_FORMATS)."""
-        return self.hidden_format or "bf16"
+    def format(self) -> HiddenFormat:
+        """The hidden format of the states (store/hidden_formats.py)."""
+        return hidden_formats.of_recorded(self.hidden_format, "compat")
 
     def conditioning(self) -> str:
         """SHA-256 of the settings that decide what state a token gets (CONDITIONING), not which
@@ -83,13 +107,13 @@ class Compat:
         return self._digest(PLACEMENT)
 
     def _digest(self, fields: tuple[str, ...]) -> str:
-        """SHA-256 of these fields' values, as canonical JSON."""
+        """SHA-256 of these fields' values, as canonical JSON (a field not recorded is left out)."""
         body = {k: v for k, v in to_json(self).items() if k in fields}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    def as_format(self, hidden_format: str) -> Compat:
-        """These settings with the states in another hidden format ("bf16" or "fp8")."""
-        return dataclasses.replace(self, hidden_format=recorded_format(hidden_format))
+    def as_format(self, name: str) -> Compat:
+        """These settings with the states in hidden format `name` ("bf16" or "fp8")."""
+        return dataclasses.replace(self, hidden_format=hidden_formats.of(name).recorded)
 
     def completion_limit(self, prompt_len: int) -> int:
         """The completion length these settings allow after a prompt of prompt_len tokens."""
@@ -101,14 +125,8 @@ class Compat:
         return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
-# The Compat fields a token's stored state depends on (the target, how it ran, where the taps are, the
-# token space, and the hidden format, since fp8 rounds every state): two stores that agree on them
-# condition a drafter alike, whatever their data, template, lengths, responses or lossless codec.
-CONDITIONING = ("target_fingerprint", "model_class", "tokenizer_sha256", "taps", "mask_token_id", "dtype",
-                "device_type", "linear_attention", "attention", "hidden_format")
-# The Compat fields that decide which rows shard s holds (pipeline/prompts.py: rows [s*N//K, (s+1)*N//K)
-# of the dataset): stores that agree on them number the same prompts alike, whatever their conditioning.
-PLACEMENT = ("dataset_sha256", "dataset_rows", "num_shards")
+CONDITIONING = with_role(Compat, "conditioning")
+PLACEMENT = with_role(Compat, "placement")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,7 +223,9 @@ class StoreAttrs:
         if d.get("schema_version", 0) > SCHEMA_VERSION:
             raise NotAStore(f"{where}: store schema {d['schema_version']} is newer than this tool's "
                             f"({SCHEMA_VERSION}); upgrade dflash-pipeline")
-        return from_json(cls, d, f"{where}: root attributes", NotAStore)
+        attrs = from_json(cls, d, f"{where}: root attributes", NotAStore)
+        hidden_formats.of_recorded(attrs.compat.hidden_format, f"{where}: root attributes")  # one this version reads
+        return attrs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,15 +50,15 @@ class ShardStats:
 
 class ShardWriter:
     def __init__(self, store: StoreWriter, shard: int, n_taps: int, hidden_size: int,
-                 chunk_tokens: int, shard_tokens: int, level: int | None = None, hidden_format: str = "bf16",
+                 chunk_tokens: int, shard_tokens: int, level: int | None = None,
                  max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
-        """hidden_format: the store's (layout.HIDDEN_FORMATS); fp8 states come already rounded
-        (fp8_codec.quantize, by the capture), and their codec refuses any that are not."""
+        """The states are coded in the hidden format of the store written (store/hidden_formats.py):
+        fp8 states come already rounded (by the capture), and their codec refuses any that are not."""
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
-        codecs = layout.state_codecs(layout.DEFAULT_LEVEL if level is None else level, hidden_format, hidden_size)
+        codecs = store.layout.format.codecs(layout.DEFAULT_LEVEL if level is None else level, hidden_size)
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -132,11 +132,6 @@ class ShardWriter:
             self._queued += len(hidden)
         self._queue.put(hidden)
         self.stall_s += time.perf_counter() - t0
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of states handed over and not yet written."""
-        return self._held_tokens * self._token_bytes
 
     def skip(self, reason: str) -> None:
         self.stats.skipped[reason] += 1

@@ -9,8 +9,9 @@ output:
   - per-token (and per-sample) arrays: chunks of little-endian values, blosc, then crc32c
     (layout.small_codecs), one object each;
   - states: zarr shard files (index at the end, itself checksummed) of chunks encoded with
-    `dflash.bf16_planes` or `dflash.fp8_e4m3`, then crc32c (layout.state_codecs; store/shard_file.py
-    writes them); fp8 bytes are looked up as bf16 bits straight into the output.
+    a hidden format's codec, then crc32c (store/hidden_formats.py; store/shard_file.py writes them),
+    each chunk decoded by its codec's `decode_values` (fp8 bytes looked up as bf16 bits straight
+    into the output).
 `read_spans` reads a batch of spans (of any arrays and shards) in at most two rounds of requests,
 each round's in flight together on an object store (store/byte_fetch.py): first what the spans'
 byte ranges depend on and the store's read cache (store/read_cache.py) does not hold (the shard
@@ -32,10 +33,9 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
 
+from store import hidden_formats
 from store.byte_fetch import Range, fetch
-from store.codec import Bf16Planes, interleave
 from store.errors import StoreCorrupt
-from store.fp8_codec import Fp8E4m3
 from store.read_cache import ReadCache
 
 _MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)
@@ -83,7 +83,7 @@ def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: Read
 def _plane_shards(sharding: ShardingCodec, meta) -> bool:
     inner, index = sharding.codecs, sharding.index_codecs
     return (sharding.index_location == ShardingCodecIndexLocation.end
-            and len(inner) == 3 and _little(inner[0]) and isinstance(inner[1], (Bf16Planes, Fp8E4m3))
+            and len(inner) == 3 and _little(inner[0]) and isinstance(inner[1], hidden_formats.CODEC_CLASSES)
             and isinstance(inner[2], Crc32cCodec) and len(index) == 2 and _little(index[0])
             and isinstance(index[1], Crc32cCodec) and meta.dtype.to_native_dtype().itemsize == 2
             and tuple(sharding.chunk_shape[1:]) == tuple(meta.shape[1:]))
@@ -317,8 +317,8 @@ class ChunkSpans(SpanReader):
 
 
 class ShardSpans(SpanReader):
-    """A sharded array of bf16 bits: each shard file's chunks encoded by `dflash.bf16_planes` or
-    `dflash.fp8_e4m3`. The first round reads the files' indexes, the second the chunks' bytes."""
+    """A sharded array of bf16 bits: each shard file's chunks encoded by a hidden format's codec
+    (store/hidden_formats.py). The first round reads the files' indexes, the second the chunks' bytes."""
 
     def __init__(self, fs, local: bool, path: str, meta, missing_is_damage: bool, cache: ReadCache) -> None:
         sharding = meta.codecs[0]
@@ -396,13 +396,4 @@ class ShardSpans(SpanReader):
 
     def _decode(self, body: np.ndarray, first_row: int, out: np.ndarray) -> None:
         """A chunk's checked bytes (less their crc32c), its rows from first_row on, into out."""
-        values = self.chunk_rows * self.row_values
-        if isinstance(self.codec, Fp8E4m3):
-            codes, ks = self.codec.codes(body, into=_buffer("codes", values))
-            per_row = self.row_values // self.codec.group  # scale groups per row: one a tap
-            first, n = first_row * per_row, len(out) * per_row
-            self.codec.decode_codes(codes[first:first + n], ks[first:first + n], out=out.reshape(n, -1))
-            return
-        high, low = self.codec.planes(body, into=_buffer("planes", 2 * values).reshape(2, -1))
-        first, n = first_row * self.row_values, out.size
-        interleave(high[first:first + n], low[first:first + n], out)
+        self.codec.decode_values(body, self.chunk_rows * self.row_values, first_row * self.row_values, out, _buffer)

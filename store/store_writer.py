@@ -10,6 +10,7 @@ then be given disjoint shard ranges.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -140,21 +141,24 @@ class StoreWriter(HiddenStore):
         self.write_json(layout.commit_key("root"), to_json(record))
 
     def check_compatible(self, compat: Compat) -> None:
-        if self.attrs.schema_version < SCHEMA_VERSION:
-            raise StoreMismatch(f"{self.location} is a schema-{self.attrs.schema_version} store (an earlier "
+        shape = self.layout
+        if shape.schema < SCHEMA_VERSION:
+            raise StoreMismatch(f"{self.location} is a schema-{shape.schema} store (an earlier "
                                 f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
                                 f"go into a new store (schema {SCHEMA_VERSION})")
-        if self.attrs.compat.codec not in layout.FORMAT_CODECS.values():
-            raise StoreMismatch(f"{self.location} holds states coded with {self.attrs.compat.codec} (the retired "
+        if not shape.writable:
+            raise StoreMismatch(f"{self.location} holds states coded with {shape.codec} (the retired "
                                 f"--codec option): training and evaluation still read it, but new shards go into a "
-                                f"new store ({layout.CODEC})")
-        diff = self.attrs.compat.differences(compat)
+                                f"new store ({shape.format.codec})")
+        diff = self.attrs.compat.differences(as_recorded(self.attrs.compat, compat))
         if diff:
             detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))
-            hint = (f"; its states are {self.attrs.compat.states}: pass --hidden-format {self.attrs.compat.states}"
+            hint = (f"; its states are {shape.format.name}: pass --hidden-format {shape.format.name}"
                     if "hidden_format" in diff else "")
             if "shard_tokens" in diff:  # the default grew from 4096 to 16384 with format revision 5
                 hint += f"; pass --shard-tokens {self.attrs.compat.shard_tokens}, the store's"
+            if "conv1d" in diff:
+                hint += conv1d_hint(self.attrs.compat.conv1d)
             raise StoreMismatch(f"{self.location} was made with a different target/taps/config, refusing to add shards "
                                 f"({detail}){hint}")
 
@@ -181,6 +185,19 @@ class StoreWriter(HiddenStore):
         with self.fs.open(path, "wb") as fh:
             for piece in pieces:
                 fh.write(piece)
+
+
+def as_recorded(stored: Compat, run: Compat) -> Compat:
+    """The run's settings as the store records them: a store made before the conv1d kernel was
+    recorded (compat.conv1d absent) takes shards of either kernel, as it always did; each shard's
+    commit file names the kernel that made it (run.backends)."""
+    return run if stored.conv1d is not None else dataclasses.replace(run, conv1d=None)
+
+
+def conv1d_hint(stored: str) -> str:
+    """What to do when this run's conv1d kernel (compat.conv1d) is not the store's."""
+    return (f"; its states were made with the {stored} conv1d kernel: add shards from a node that runs it "
+            "(causal_conv1d: the causal-conv1d package, on CUDA)")
 
 
 def _short(v) -> str:

@@ -66,8 +66,7 @@ def summarize(store: HiddenStore) -> dict:
                 f"; each row's own from field {attrs.compat.dataset_fields['template_kwargs']!r}"
                 if "template_kwargs" in attrs.compat.dataset_fields else ""),
             "versions": attrs.versions,
-            "layout": (f"schema {attrs.schema_version}, {attrs.compat.states} states, codec "
-                       f"{attrs.compat.codec or 'blosc'} level "
+            "layout": (f"{store.layout.describe()} level "
                        f"{attrs.compat.compression_level}, chunks of {attrs.layout.chunk_tokens} tokens in files of "
                        f"{attrs.layout.shard_tokens}"),
             "checks": checks.describe(),

@@ -3,10 +3,13 @@ checkpoints carry the store fingerprint; a released one is checked on what it ca
 hidden size, vocabulary, mask token), and which shards to replay (`choose_shards`: a checkpoint's held-out
 shards apply only to the store whose prompts they number). A checkpoint trained on a store
 whose conditioning differs from this one's only in the hidden format (fp8 against bf16) is replayed
-with a warning: serving hands a drafter bf16 states, so that is the tau an fp8-trained drafter gets."""
+with a warning: serving hands a drafter bf16 states, so that is the tau an fp8-trained drafter gets. So
+is one trained on a store made before the conv1d kernel was recorded (compat.conv1d) whose conditioning
+is otherwise this one's, the kernel named in the warning."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipeline import device as devices
@@ -15,7 +18,7 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.evaluate.config import EvalConfig
-from store import layout
+from store import hidden_formats
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
@@ -48,7 +51,11 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
                 (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
     fp = record.store_fingerprint if record else None
     other_store = fp is not None and fp != attrs.fingerprint
-    other_data = other_store and record.store_conditioning == attrs.compat.conditioning()
+    unrecorded = other_store and record.store_conditioning == unrecorded_conv1d(attrs.compat)
+    other_data = other_store and (record.store_conditioning == attrs.compat.conditioning() or unrecorded)
+    if unrecorded:
+        warnings.append(f"{path} was trained on a store that did not record its conv1d kernel; this store's states "
+                        f"were made with {attrs.compat.conv1d}: the conditioning is otherwise the same")
     trained_on = other_format(record, attrs.compat) if other_store else None
     if other_store and not other_data and trained_on is None:
         problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
@@ -65,8 +72,8 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
                         "vocabulary and mask token were checked")
     elif trained_on is not None:
         check = (f"cross-format: trained on {trained_on} states (store {fp[:12]}), replayed on this store's "
-                 f"{attrs.compat.states} states; the conditioning is otherwise the same")
-        warnings.append(f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.states} states "
+                 f"{attrs.compat.format.name} states; the conditioning is otherwise the same")
+        warnings.append(f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.format.name} states "
                         f"({store.location}): a cross-format evaluation, allowed because nothing else in the "
                         "conditioning differs")
     elif other_data:
@@ -77,12 +84,18 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
     return Checked(path, config, record, check)
 
 
+def unrecorded_conv1d(compat: Compat) -> str | None:
+    """The conditioning of these settings as a store made before the conv1d kernel was recorded
+    has it (docs/store.md); None when this store records none either."""
+    return None if compat.conv1d is None else dataclasses.replace(compat, conv1d=None).conditioning()
+
+
 def other_format(record: TrainingRecord, compat: Compat) -> str | None:
     """The hidden format a checkpoint was trained on when it is not this store's and is the only
     difference in conditioning (an fp8-trained drafter replayed on bf16 states, as it is served); else None."""
-    for fmt in layout.HIDDEN_FORMATS:
-        if fmt != compat.states and record.store_conditioning == compat.as_format(fmt).conditioning():
-            return fmt
+    for fmt in hidden_formats.FORMATS.values():
+        if fmt != compat.format and record.store_conditioning == compat.as_format(fmt.name).conditioning():
+            return fmt.name
     return None
 
 

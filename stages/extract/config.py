@@ -9,7 +9,7 @@ from pipeline import DEFAULT_PROMPTS, TINY_TARGET
 from pipeline import device as devices
 from pipeline.target.taps import DEFAULT_NUM_TAPS
 from stages.settings import at_least, check_choices, fill, flag_of, require, setting
-from store import layout
+from store import hidden_formats, layout
 from store.errors import ConfigError
 from store.locks import LEASE_S
 
@@ -98,7 +98,7 @@ class ExtractConfig:
                 "never saturates; relative RMS error 2.7%) and coded losslessly from there, 0.35-0.41x raw at 27B "
                 "width. Read back as bf16 either way; fixed when the store is created and part of its conditioning "
                 "(docs/store.md).",
-        choices=layout.HIDDEN_FORMATS)
+        choices=hidden_formats.NAMES)
     agreement: bool = setting(True, "Run the capture forward on to the target's lm_head along each completion and "
                                     "record how often the completion token is the target's own argmax (per shard and "
                                     "in `pipeline info`; ~100% for regenerated references, lower for another engine "

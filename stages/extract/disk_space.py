@@ -13,7 +13,7 @@ The estimate (`Need`, made by `needed`) is upper-ish, by design:
   prompt plus a completion at its full limit (`--max-new-tokens`, within `--max-length`), the mean
   over a sample of the rows to write (`tokens_per_row` over `SAMPLED_ROWS` rows, `spread` evenly);
   per token, `n_taps x H x 2` bytes of bf16 states times a conservative stored fraction
-  (`STORED_FRACTION`; `STORED_FRACTION_FP8` for an fp8 store's states), plus the token ids and the loss mask; a new store adds its embedding and
+  (its hidden format's `stored_fraction`, store/hidden_formats.py), plus the token ids and the loss mask; a new store adds its embedding and
   lm_head. Completions that end early and better compression only make the real size smaller.
 
 Object stores (any fsspec URL that is not a local path) are not checked: the line says so.
@@ -34,18 +34,16 @@ from pipeline import chat_template
 from pipeline import prompts as prompt_sets
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
+from store import hidden_formats
 from store.errors import StoreError
+from store.hidden_formats import HiddenFormat
 from store.hidden_store import HiddenStore
 from store.schema import ShardCommit, StoreAttrs, completion_limit
 from store.summary import human_bytes
 
-# Stored bytes of bf16 states over their raw bytes, on the conservative side of what was measured
-# (docs/performance.md, "The store layout"): planes 0.504 on the tiny target's store (1.98x) and
-# 0.651 at 27B width without shared prefixes (1.54x). The embedding and lm_head are planes coded.
-STORED_FRACTION = 0.70
-# The same for the states of an fp8 store ("The fp8 hidden format"): 0.275 on the tiny target's
-# store, 0.41 at 27B width without repeated rows.
-STORED_FRACTION_FP8 = 0.45
+# Stored bytes over raw bytes of the embedding and lm_head, planes coded as bf16 states are; a store's
+# states take their hidden format's `stored_fraction` (store/hidden_formats.py).
+STORED_FRACTION = hidden_formats.BF16.stored_fraction
 SMALL_BYTES_PER_TOKEN = 5  # tokens (int32) and loss_mask (uint8), stored as they are at worst
 SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs
 HEADROOM = 1.2  # on the bytes per row measured from committed shards
@@ -82,7 +80,7 @@ def needed(config: ExtractConfig, store: HiddenStore, target: Target, attrs: Sto
         return need
     root = 0 if store.exists() else 2 * attrs.vocab_size * attrs.hidden_size * 2  # embed_tokens + lm_head, bf16
     per_row = tokens_per_row(config, target, prompt_set, spread(list(rows.values()), SAMPLED_ROWS))
-    return from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, root, attrs.compat.states)
+    return from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, root, attrs.compat.format)
 
 
 def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Need | None:
@@ -98,10 +96,10 @@ def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Nee
 
 
 def from_limits(rows: dict[int, int], tokens_per_row: float, n_taps: int, hidden_size: int, root_raw: int,
-                hidden_format: str = "bf16") -> Need:
+                hidden_format: HiddenFormat = hidden_formats.BF16) -> Need:
     """rows: shard to write -> its dataset rows; tokens_per_row: prompt + completion at its limit, a
     mean; root_raw: raw bytes of the embedding and lm_head of a store this run creates (else 0)."""
-    frac = STORED_FRACTION_FP8 if hidden_format == "fp8" else STORED_FRACTION
+    frac = hidden_format.stored_fraction
     per_token = n_taps * hidden_size * 2 * frac + SMALL_BYTES_PER_TOKEN
     per_row = tokens_per_row * per_token + SMALL_BYTES_PER_ROW
     return Need({s: ceil(per_row * n) for s, n in rows.items()}, ceil(root_raw * STORED_FRACTION),

@@ -21,7 +21,7 @@ from pipeline.reference_server import ReferenceServer
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.extract.progress import Progress
-from store import fp8_codec, layout
+from store import layout
 from store.locks import LockFile
 from store.schema import ShardCommit, completion_limit
 from store.shard_writer import ShardWriter
@@ -75,6 +75,7 @@ class Extractor:
     def __init__(self, config: ExtractConfig, store: StoreWriter, target: Target, taps: list[int],
                  prompt_set: prompt_sets.PromptSet, num_shards: int, engine: ReferenceServer | None = None) -> None:
         self.config, self.store, self.target, self.taps = config, store, target, taps
+        self.format = store.layout.format  # the store's, as created or opened (store/hidden_formats.py)
         self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
         self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight
         self.summary = {
@@ -139,7 +140,7 @@ class Extractor:
                 return None
             c = self.config
             job.writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
-                                     c.shard_tokens, c.compression_level, c.hidden_format,
+                                     c.shard_tokens, c.compression_level,
                                      max_held_bytes=int(c.writer_memory_gb * 2**30), threads=c.writer_threads)
         except BaseException:
             job.release()
@@ -203,7 +204,7 @@ class Extractor:
         if ready:
             t = time.perf_counter()
             seqs = [r.prompt + c for r, c in ready]
-            rounding = fp8_codec.quantize if self.config.hidden_format == "fp8" else None
+            rounding = self.format.rounding
             if self.config.agreement:
                 hidden, agreement = self.target.capture(seqs, self.taps, [len(r.prompt) for r, _ in ready],
                                                         rounding=rounding)

@@ -11,7 +11,7 @@ from pipeline.prompts import PromptSet
 from pipeline.reference_server import ServerInfo, redact
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
-from store import layout
+from store import hidden_formats, layout
 from store.schema import (
     FORMAT_REVISION,
     SCHEMA_VERSION,
@@ -20,7 +20,6 @@ from store.schema import (
     DatasetRecord,
     LayoutRecord,
     StoreAttrs,
-    recorded_format,
     to_json,
 )
 
@@ -30,6 +29,7 @@ PACKAGES = ("torch", "transformers", "flash-linear-attention", "triton", "zarr",
 def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id: int, num_shards: int,
                 prompt_set: PromptSet, backends: Backends, engine: ServerInfo | None) -> StoreAttrs:
     described = prompt_set.describe()
+    hidden_format = hidden_formats.of(config.hidden_format)
     compat = Compat(
         schema_version=SCHEMA_VERSION, target_fingerprint=target.record.fingerprint,
         model_class=target.record.model_class, tokenizer_sha256=target.record.tokenizer_sha256,
@@ -39,7 +39,7 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
         attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
         shard_tokens=config.shard_tokens, compression_level=config.compression_level,
-        codec=layout.FORMAT_CODECS[config.hidden_format], hidden_format=recorded_format(config.hidden_format),
+        codec=hidden_format.codec, hidden_format=hidden_format.recorded, conv1d=backends.conv1d,
         references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None)
     return StoreAttrs(
@@ -51,9 +51,8 @@ def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id:
         hidden_dtype=layout.HIDDEN_DTYPE, target=target.record,
         dataset=DatasetRecord(**described, split=config.split), backends=backends, device=str(target.device),
         dtype=config.dtype, layout=LayoutRecord(chunk_tokens=config.chunk_tokens, shard_tokens=config.shard_tokens,
-                                                compressor=[c.to_dict() for c in layout.state_codecs(
-                                                    config.compression_level, config.hidden_format,
-                                                    target.hidden_size)]),
+                                                compressor=[c.to_dict() for c in hidden_format.codecs(
+                                                    config.compression_level, target.hidden_size)]),
         versions=versions(), engine=asdict(engine) if engine else None, format_revision=FORMAT_REVISION)
 
 

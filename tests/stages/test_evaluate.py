@@ -98,6 +98,28 @@ def test_another_store_replays_its_own_shards_not_the_training_stores_numbers(sm
     assert rep["warnings"] == []  # its training shards 0-5 number the other store's prompts: no overlap claimed
 
 
+def test_a_checkpoint_of_a_store_that_did_not_record_its_conv1d_kernel_is_replayed_with_a_warning(small_store,
+                                                                                                  tmp_path):
+    """Trained on a store made before compat.conv1d was recorded, otherwise of this conditioning:
+    replayed, the kernel named in a warning; this store's own digest, or the unrecorded one with
+    another difference, as before."""
+    import dataclasses
+
+    compat = HiddenStore(str(small_store)).attrs.compat
+    assert compat.conv1d == "torch"
+    old = dataclasses.replace(compat, conv1d=None)
+    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64,
+                        store_conditioning=old.conditioning(), store_placement=compat.placement())
+    rep = evaluate(small_store, tmp_path, ck)
+    assert rep["checkpoints"][0]["check"].startswith("conditioning matches")
+    assert len(rep["warnings"]) == 1 and "did not record its conv1d kernel" in rep["warnings"][0]
+    assert "made with torch" in rep["warnings"][0]
+    other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64,
+                           store_conditioning=dataclasses.replace(old, taps=(1, 2)).conditioning())
+    with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
+        evaluate(small_store, tmp_path, other)
+
+
 def test_a_store_of_the_same_prompts_replays_the_held_out_shards(small_store, tmp_path):
     """Another store that holds the same prompts under the same shard numbers (the placement the
     checkpoint recorded: the bf16 store beside an fp8 one) replays the checkpoint's held-out shards;

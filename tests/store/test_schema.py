@@ -14,10 +14,27 @@ import pytest
 
 from pipeline import fingerprint
 from pipeline.drafter.config import OUR_KEY, read_config
+from store import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
-from store.schema import ShardCommit, StoreAttrs, to_json
+from store.schema import (
+    CONDITIONING,
+    PLACEMENT,
+    Compat,
+    ShardCommit,
+    StoreAttrs,
+    to_json,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "schema1"
+REV4 = DATA.parent / "rev4_store"
+# The digests of stores made before the roles and compat.conv1d existed (computed at 38531f2, from
+# CONDITIONING and PLACEMENT as hand-kept lists): tests/data/rev4_store, and the conftest's small store
+# extracted afresh (its conditioning without the conv1d kernel it now records).
+REV4_CONDITIONING = "1387c9ce4dcd3d64c17e246013d53df73ba48aaf8d73c51ae1256af57fb8671a"
+REV4_PLACEMENT = "3641cd28f6c85887a5d0f0e1ed38ca7041b69df2e17b65ad2318b98dd23db993"
+REV4_FINGERPRINT = "9d9ae5d51a200796add9db8264e4a611e2444fdbcf18052497432f3a3cb363cf"
+SMALL_CONDITIONING = REV4_CONDITIONING  # the same target, kernels, taps and token space
+SMALL_PLACEMENT = "70e82bbaa929a5124993b7282684839c969ae3e085f8f7eb09afe948e22afa7c"
 
 
 def load(name: str) -> dict:
@@ -129,3 +146,42 @@ def test_a_schema1_store_still_trains_and_evaluates_but_takes_no_new_shards(tmp_
     with pytest.raises(StoreMismatch, match="is a schema-1 store .* new shards go into a new store"):
         extract(ExtractConfig(store=str(path), shards="2", max_new_tokens=16, max_length=128, chunk_tokens=32,
                               shard_tokens=64, dtype="fp32", device="cpu"), log=lambda m: None)
+
+
+def test_each_role_names_fields_of_the_record_and_no_field_twice():
+    """The roles are read from the fields, so none can name a field that is not there; these are the
+    lists they replaced (the conv1d kernel added), so a role dropped or misspelt is seen."""
+    assert CONDITIONING == ("target_fingerprint", "model_class", "tokenizer_sha256", "taps", "mask_token_id", "dtype",
+                            "device_type", "linear_attention", "attention", "hidden_format", "conv1d")
+    assert PLACEMENT == ("dataset_sha256", "dataset_rows", "num_shards")
+    names = {f for f in Compat.__dataclass_fields__}
+    assert set(CONDITIONING) <= names and set(PLACEMENT) <= names and not set(CONDITIONING) & set(PLACEMENT)
+
+
+def test_every_conditioning_field_changes_the_digest_and_no_other_does():
+    compat = StoreAttrs.from_json(json.loads((REV4 / "zarr.json").read_text())["attributes"], "rev4").compat
+    changed = {f: replace(compat, **{f: "other"}) for f in Compat.__dataclass_fields__ if f != "schema_version"}
+    assert {f for f, c in changed.items() if c.conditioning() != compat.conditioning()} == set(CONDITIONING)
+    assert {f for f, c in changed.items() if c.placement() != compat.placement()} == set(PLACEMENT)
+
+
+def test_the_digests_of_existing_stores_are_unchanged(small_store):
+    """compat.conv1d, absent from a store made before it was recorded, leaves its digests and its
+    fingerprint as they were; a new store records its kernel, and without it has the old digest."""
+    from store.hidden_store import HiddenStore
+
+    old = HiddenStore(str(REV4)).attrs
+    assert old.compat.conv1d is None and "conv1d" not in to_json(old.compat)
+    assert (old.compat.conditioning(), old.compat.placement()) == (REV4_CONDITIONING, REV4_PLACEMENT)
+    assert old.fingerprint == fingerprint.sha256_json(to_json(old.compat)) == REV4_FINGERPRINT
+    new = HiddenStore(str(small_store)).attrs.compat
+    assert new.conv1d == "torch" and new.conditioning() != SMALL_CONDITIONING
+    assert replace(new, conv1d=None).conditioning() == SMALL_CONDITIONING and new.placement() == SMALL_PLACEMENT
+
+
+def test_a_store_in_a_hidden_format_this_version_does_not_know_is_refused_naming_the_field():
+    old = load("root_attributes.json")
+    with pytest.raises(NotAStore, match="old store: root attributes: compat.hidden_format 'fp4' is not a hidden format"):
+        StoreAttrs.from_json({**old, "compat": {**old["compat"], "hidden_format": "fp4"}}, "old store")
+    assert [StoreAttrs.from_json(old, "s").compat.as_format(f).format for f in hidden_formats.NAMES] == [
+        hidden_formats.BF16, hidden_formats.FP8]

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from store import fp8_codec, layout
+from store import hidden_formats, layout
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
 from store.store_writer import StoreWriter
@@ -23,11 +23,16 @@ def fresh_store(tmp_path, small_store) -> StoreWriter:
     return StoreWriter(str(path))
 
 
+def made_in(request, hidden_format: str):
+    """The path of the small store extracted in hidden_format (the session's fixture)."""
+    return request.getfixturevalue({"bf16": "small_store", "fp8": "fp8_store"}[hidden_format])
+
+
 def batches(n: int, tokens: int = 20, hidden_format: str = "bf16"):
-    """n batches of states; fp8: rounded as the capture rounds them (what an fp8 writer is given)."""
+    """n batches of states; rounded as the capture rounds them in hidden_format (what its writer is given)."""
     g = torch.Generator().manual_seed(0)
     parts = [torch.randn(tokens, TAPS, H, generator=g).to(torch.bfloat16) for _ in range(n)]
-    return [fp8_codec.quantize(p) for p in parts] if hidden_format == "fp8" else parts
+    return [hidden_formats.of(hidden_format).round(p) for p in parts]
 
 
 def write(writer: ShardWriter, parts: list[torch.Tensor]) -> None:
@@ -36,13 +41,13 @@ def write(writer: ShardWriter, parts: list[torch.Tensor]) -> None:
         writer.add_hidden(h)
 
 
-@pytest.mark.parametrize("hidden_format", layout.HIDDEN_FORMATS)
-def test_states_round_trip_bit_for_bit(tmp_path, small_store, hidden_format):
+@pytest.mark.parametrize("hidden_format", hidden_formats.NAMES)
+def test_states_round_trip_bit_for_bit(tmp_path, request, hidden_format):
     """bf16: what the target gave; fp8: what the capture rounded, both bit for bit (the direct reader
     of the shipped layouts; the rounding error itself is tests/store/test_fp8_codec.py's)."""
-    store = fresh_store(tmp_path, small_store)
+    store = fresh_store(tmp_path, made_in(request, hidden_format))
     parts = batches(7, hidden_format=hidden_format)
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, hidden_format=hidden_format)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
     write(writer, parts)
     record = writer.commit(None, run={})
     assert record.tokens == 140 and record.shapes["hidden"] == [140, TAPS, H]
@@ -53,9 +58,9 @@ def test_states_round_trip_bit_for_bit(tmp_path, small_store, hidden_format):
         assert torch.equal(reader[i].hidden, h)
 
 
-def test_an_fp8_writer_refuses_states_that_were_not_rounded(tmp_path, small_store):
-    store = fresh_store(tmp_path, small_store)
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, hidden_format="fp8")
+def test_an_fp8_writer_refuses_states_that_were_not_rounded(tmp_path, fp8_store):
+    store = fresh_store(tmp_path, fp8_store)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
     with pytest.raises(RuntimeError, match="quantize them first"):
         write(writer, batches(7))
         writer.commit(None, run={})
@@ -64,21 +69,27 @@ def test_an_fp8_writer_refuses_states_that_were_not_rounded(tmp_path, small_stor
 
 
 def test_held_states_stay_within_the_byte_bound(tmp_path, small_store, monkeypatch):
+    """Held: the bytes of states handed over less those of the shard files written (8 tokens each),
+    counted as each add_hidden returns; the writer counts a file as written only after it is, so
+    this never exceeds what it holds."""
     store = fresh_store(tmp_path, small_store)
     real_write = StoreWriter.write_pieces
+    files = []
 
     def slow_write(self, key, pieces):  # a disk slower than the model
         time.sleep(0.05)
         real_write(self, key, pieces)
+        files.append(key)
 
     monkeypatch.setattr(StoreWriter, "write_pieces", slow_write)
     limit = 50 * TOKEN_BYTES  # two and a half batches of 20 tokens
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=4, shard_tokens=8, max_held_bytes=limit)
-    seen = []
+    seen, handed = [], 0
     for i, h in enumerate(batches(12)):
         writer.add(i, [1] * 5, [2] * 15, truncated=False)
         writer.add_hidden(h)
-        seen.append(writer.held_bytes)
+        handed += h.numel() * 2
+        seen.append(handed - 8 * TOKEN_BYTES * sum("/hidden/" in k for k in files))
     writer.commit(None, run={})
     assert max(seen) <= limit and max(seen) > 20 * TOKEN_BYTES  # bounded, and the bound was reached
     assert writer.stall_s > 0  # the model thread waited for the writer
@@ -100,22 +111,21 @@ def test_a_failed_write_surfaces_and_nothing_is_committed(tmp_path, small_store,
 
 
 @pytest.mark.parametrize("threads,hidden_format", [(1, "bf16"), (3, "bf16"), (2, "fp8")])
-def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, small_store, threads, hidden_format):
+def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, request, threads, hidden_format):
     """The writer encodes whole shard files itself (store/shard_file.py); each file holds exactly
     the bytes zarr's own sharding codec writes for the same states, and the partial last one goes
     through zarr."""
     import numpy as np
     import zarr
 
-    store = fresh_store(tmp_path, small_store)
+    store = fresh_store(tmp_path, made_in(request, hidden_format))
     parts = batches(9, tokens=23, hidden_format=hidden_format)  # 207 tokens: 6 whole shard files of 32, a partial one
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, threads=threads,
-                         hidden_format=hidden_format)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, threads=threads)
     write(writer, parts)
     writer.commit(None, run={})
     bits = layout.to_bits(torch.cat(parts))
     ref = zarr.create_array(str(tmp_path / "ref.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(8, TAPS, H),
-                            shards=(32, TAPS, H), compressors=layout.state_codecs(1, hidden_format, H), fill_value=0,
+                            shards=(32, TAPS, H), compressors=hidden_formats.of(hidden_format).codecs(1, H), fill_value=0,
                             chunk_key_encoding=layout.chunk_key_encoding())
     ref[:] = bits
     ours = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden"

@@ -7,23 +7,23 @@ import pytest
 import torch
 import zarr
 
-from store import layout, span_reader
+from store import hidden_formats, layout, span_reader
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader, read_samples
 from store.shard_writer import ShardWriter
-from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, write
+from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, made_in, write
 
 ARRAYS = ("hidden", "tokens", "loss_mask")
 
 
-def written(tmp_path, small_store, hidden_format: str = "bf16") -> HiddenStore:
+def written(tmp_path, request, hidden_format: str = "bf16") -> HiddenStore:
     """Shard 1: 207 tokens in shard files of 32 (chunks of 8): six whole files written by the
     writer, a partial seventh by zarr, whose first chunk is all zeros (written all the same)."""
-    store = fresh_store(tmp_path, small_store)
+    store = fresh_store(tmp_path, made_in(request, hidden_format))
     parts = batches(9, tokens=23, hidden_format=hidden_format)
     parts[-1][8:16] = 0  # tokens 192-199: the partial file's first chunk
-    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, hidden_format=hidden_format)
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
     write(writer, parts)
     writer.commit(None, run={})
     return store
@@ -53,9 +53,9 @@ def assert_spans_equal_zarr(store: HiddenStore, missing_is_damage: bool) -> None
             assert got.dtype == whole.dtype and np.array_equal(got, whole[a:b]), (name, a, b)
 
 
-@pytest.mark.parametrize("hidden_format", layout.HIDDEN_FORMATS)
-def test_every_span_equals_what_zarr_reads(tmp_path, small_store, hidden_format):
-    store = written(tmp_path, small_store, hidden_format)
+@pytest.mark.parametrize("hidden_format", hidden_formats.NAMES)
+def test_every_span_equals_what_zarr_reads(tmp_path, request, hidden_format):
+    store = written(tmp_path, request, hidden_format)
     index = partial_file_index(tmp_path)
     assert index[0, 0] != 2**64 - 1 and index[1, 0] != 2**64 - 1  # the zero chunk is written too
     assert store.commit_record(1).every_chunk
@@ -64,9 +64,9 @@ def test_every_span_equals_what_zarr_reads(tmp_path, small_store, hidden_format)
         readers(store)["hidden"][0].read(200, 208)
 
 
-def test_chunks_zarr_left_out_read_as_zeros_in_older_stores_and_as_damage_in_new_ones(tmp_path, small_store):
+def test_chunks_zarr_left_out_read_as_zeros_in_older_stores_and_as_damage_in_new_ones(tmp_path, request):
     """Before `every_chunk`, zarr left all-zero chunks out: a missing chunk then reads as zeros."""
-    store = written(tmp_path, small_store)
+    store = written(tmp_path, request)
     hidden = zarr.open_array(store.path("shards/00001/hidden"), mode="r+")  # zarr's default: skip fill chunks
     hidden[192:207] = hidden[192:207]
     index = partial_file_index(tmp_path)
@@ -90,8 +90,8 @@ def test_extracted_stores_are_read_directly_and_samples_match(store_copy):
 
 
 @pytest.mark.parametrize("where,hidden_format", [("chunk", "bf16"), ("index", "bf16"), ("chunk", "fp8")])
-def test_a_damaged_byte_is_an_error_naming_the_file(tmp_path, small_store, where, hidden_format):
-    store = written(tmp_path, small_store, hidden_format)
+def test_a_damaged_byte_is_an_error_naming_the_file(tmp_path, request, where, hidden_format):
+    store = written(tmp_path, request, hidden_format)
     path = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c.2.0.0"
     data = bytearray(path.read_bytes())
     data[100 if where == "chunk" else -10] ^= 0x01
@@ -102,8 +102,8 @@ def test_a_damaged_byte_is_an_error_naming_the_file(tmp_path, small_store, where
     assert np.array_equal(direct.read(0, 64), zarr.open_array(str(path.parent), mode="r")[0:64])
 
 
-def test_a_damaged_token_chunk_is_an_error(tmp_path, small_store):
-    store = written(tmp_path, small_store)
+def test_a_damaged_token_chunk_is_an_error(tmp_path, request):
+    store = written(tmp_path, request)
     path = tmp_path / "copy.zarr" / "shards" / "00001" / "tokens" / "c.0"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -135,12 +135,12 @@ def remote_like(store: HiddenStore) -> HiddenStore:
     return store
 
 
-@pytest.mark.parametrize("hidden_format", layout.HIDDEN_FORMATS)
+@pytest.mark.parametrize("hidden_format", hidden_formats.NAMES)
 @pytest.mark.parametrize("local", [True, False])
-def test_samples_read_in_one_batch_are_bit_identical_to_zarr(tmp_path, small_store, hidden_format, local):
+def test_samples_read_in_one_batch_are_bit_identical_to_zarr(tmp_path, request, hidden_format, local):
     """Every sample of shard 1 (spans across chunk and shard-file edges, the partial last file), read
     in batches of 4 in two orders (the second from a warm cache), equals zarr's read of its rows."""
-    written(tmp_path, small_store, hidden_format)
+    written(tmp_path, request, hidden_format)
     store = HiddenStore(str(tmp_path / "copy.zarr"))
     store = store if local else remote_like(store)
     reader = ShardReader(store, 1)
@@ -157,11 +157,11 @@ def test_samples_read_in_one_batch_are_bit_identical_to_zarr(tmp_path, small_sto
     assert local or store.cache.bytes > 0  # edges, indexes and token chunks were kept
 
 
-@pytest.mark.parametrize("hidden_format", layout.HIDDEN_FORMATS)
-def test_a_damaged_chunk_fails_only_its_samples_in_a_batch(tmp_path, small_store, hidden_format):
+@pytest.mark.parametrize("hidden_format", hidden_formats.NAMES)
+def test_a_damaged_chunk_fails_only_its_samples_in_a_batch(tmp_path, request, hidden_format):
     """A flipped byte in a chunk of shard file 2 (tokens 64-95): the samples over that chunk are
     refused, naming the file, the others of the same batch read."""
-    written(tmp_path, small_store, hidden_format)
+    written(tmp_path, request, hidden_format)
     store = remote_like(HiddenStore(str(tmp_path / "copy.zarr")))
     reader = ShardReader(store, 1)
     path = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c.2.0.0"

@@ -1,4 +1,4 @@
-"""The byte-plane codec (store/codec.py): bit-exact, finds repeated rows, every read checked,
+"""The byte-plane codec (store/bf16_codec.py): bit-exact, finds repeated rows, every read checked,
 readable by plain zarr through the package's entry point."""
 
 import subprocess
@@ -11,7 +11,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from store import layout
-from store.codec import Bf16Planes
+from store.bf16_codec import Bf16Planes
 from tests.store.test_layout import special_bf16
 
 

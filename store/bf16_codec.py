@@ -1,4 +1,4 @@
-"""`dflash.bf16_planes`: a lossless zarr v3 codec for bf16 bits, byte plane by byte plane.
+"""`dflash.bf16_planes`: the bf16 hidden format's codec, lossless on bf16 bits, byte plane by byte plane.
 
 In bf16 hidden states the high byte of each value (sign, 7 exponent bits) carries about 3 bits of
 information and the low byte (1 exponent bit, 7 mantissa bits) almost 8. Compressing the two
@@ -15,61 +15,17 @@ this package installed reads the store.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
 from numcodecs import LZ4, Zstd
-from zarr.abc.codec import BytesBytesCodec
-from zarr.core.common import parse_named_configuration
-from zarr.registry import register_codec
+
+from store.chunk_codec import HEADER, LEVELS, PackedCodec, register
 
 NAME = "dflash.bf16_planes"
 LOW_PLANES = ("lz4", "raw")
-LEVELS = (-7, 22)  # the zstd levels of the high-byte plane
-_HEADER = np.dtype("<u4")
-
-
-class PackedCodec(BytesBytesCodec):
-    """A zarr codec of this package whose subclass packs and unpacks a chunk's bytes (numpy):
-    zarr's sync and async entry points, run in threads (zstd and LZ4 release the GIL)."""
-
-    is_fixed_size = False
-    name: ClassVar[str]
-
-    def pack(self, data: np.ndarray) -> bytes:
-        """data: the chunk's bytes (uint8). Returns the encoded chunk."""
-        return b"".join(self.pack_parts(data))
-
-    def pack_parts(self, data: np.ndarray) -> list:
-        """The encoded chunk as the pieces it is made of (joined, they are `pack`'s bytes), so a
-        writer can hand them to the file without another copy."""
-        raise NotImplementedError
-
-    def unpack(self, data: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    @classmethod
-    def from_dict(cls, data):
-        _, config = parse_named_configuration(data, cls.name)
-        return cls(**config)
-
-    def _encode_sync(self, chunk_bytes, chunk_spec):
-        return chunk_spec.prototype.buffer.from_bytes(self.pack(chunk_bytes.as_numpy_array()))
-
-    def _decode_sync(self, chunk_bytes, chunk_spec):
-        return chunk_spec.prototype.buffer.from_array_like(self.unpack(chunk_bytes.as_numpy_array()))
-
-    async def _encode_single(self, chunk_bytes, chunk_spec):  # chunks in parallel
-        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
-
-    async def _decode_single(self, chunk_bytes, chunk_spec):
-        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
-
-    def compute_encoded_size(self, input_byte_length: int, chunk_spec) -> int:
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -83,6 +39,11 @@ class Bf16Planes(PackedCodec):
             raise ValueError(f"{NAME}: low plane {self.low!r}, expected one of {LOW_PLANES}")
         if not LEVELS[0] <= self.level <= LEVELS[1]:
             raise ValueError(f"{NAME}: zstd level {self.level}, expected {LEVELS[0]} to {LEVELS[1]}")
+
+    @classmethod
+    def for_states(cls, level: int, hidden_size: int) -> Bf16Planes:
+        """The codec of a store's bf16 states at zstd level `level` (any hidden size)."""
+        return cls(level=level, low="lz4")
 
     def to_dict(self):
         return {"name": NAME, "configuration": {"level": self.level, "low": self.low}}
@@ -105,7 +66,7 @@ class Bf16Planes(PackedCodec):
         high = self._high.encode(np.ascontiguousarray(pairs[:, 1]))
         low = np.ascontiguousarray(pairs[:, 0])
         low = self._low.encode(low) if self._low is not None else low.tobytes()
-        return [np.array([len(high)], _HEADER).tobytes(), high, low]
+        return [np.array([len(high)], HEADER).tobytes(), high, low]
 
     def unpack(self, data: np.ndarray) -> np.ndarray:
         """data: an encoded chunk (uint8). Returns the chunk's bytes (uint8), values little-endian."""
@@ -118,7 +79,7 @@ class Bf16Planes(PackedCodec):
         """An encoded chunk's high and low byte planes (uint8, one byte per value each). into: a
         [2, values] uint8 array to decode them into, which a reader reuses from chunk to chunk:
         fresh buffers of a 13 MB chunk cost more in page faults than the decoding."""
-        n_high = int(data[:4].view(_HEADER)[0])
+        n_high = int(data[:4].view(HEADER)[0])
         frame, low = data[4:4 + n_high], data[4 + n_high:]
         if into is None:
             high = np.frombuffer(self._high.decode(frame), np.uint8)
@@ -130,6 +91,13 @@ class Bf16Planes(PackedCodec):
             raise ValueError(f"{NAME}: planes of {len(high)} and {len(low)} bytes")
         return high, low
 
+    def decode_values(self, body: np.ndarray, values: int, first: int, out: np.ndarray, buffer) -> None:
+        """How a span is read: the chunk `body` (checked bytes, `values` bf16 values) -> its values
+        first..first + out.size into out (uint16, C-contiguous). buffer(slot, nbytes): a reusable
+        uint8 buffer (store/span_reader.py); the planes are decoded into it, then interleaved."""
+        high, low = self.planes(body, into=buffer("planes", 2 * values).reshape(2, -1))
+        interleave(high[first:first + out.size], low[first:first + out.size], out)
+
 
 def interleave(high: np.ndarray, low: np.ndarray, out: np.ndarray) -> None:
     """Write the values made of two byte planes into out (a C-contiguous uint16 array of as many
@@ -140,4 +108,4 @@ def interleave(high: np.ndarray, low: np.ndarray, out: np.ndarray) -> None:
     np.bitwise_or(values, low, out=values)
 
 
-register_codec(NAME, Bf16Planes)
+register(Bf16Planes)
