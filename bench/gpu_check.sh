@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (run on a CUDA machine from the repo root; about 300 s on one H200; writes bench/gpu/, or
+# GPU check (run on a CUDA machine from the repo root; about 500 s on one H200 (run it with a 600 s limit); writes bench/gpu/, or
 # $OUT/gpu_check.tar.gz plus $OUT/summary.txt where $OUT is set):
 #  1. extract shards 0-3 twice on CUDA in bf16, once with the fla kernels (under torchrun, one rank
 #     per visible GPU) and once with the PyTorch fallback, over the SAME token sequences (--responses
@@ -54,7 +54,7 @@ step train 90 python3 -m bench.train_bench gpu --store /tmp/regen.zarr --steps 3
   --json "$out/train.json" --force
 step eval 90 python3 evaluate.py --store /tmp/regen.zarr --checkpoint /tmp/gpu_run/final --shards 0-3 --live \
   --live-prompts 8 --target pipeline/assets/tiny_target --device cuda --out "$out/eval" --force
-step extract_bench 90 python3 -m bench.extract_bench --device cuda --shards 0-7 --repeat 1 --json "$out/bench.json" --force
-step replay 60 python3 -m bench.eval_bench replay --device cuda --width 2048 --vocab 65536 --prompts 4 --slots 1,4 \
+step extract_bench 90 python3 -m bench.extract_bench --device cuda --shards 0-3 --repeat 1 --json "$out/bench.json" --force
+step replay 150 python3 -m bench.eval_bench replay --device cuda --width 2048 --vocab 65536 --prompts 4 --slots 1,4 \
   --repeat 1 --json "$out/replay.json" --force
 cat "$out/summary.txt"
