@@ -307,7 +307,8 @@ def run_build(args) -> dict:
 
 
 def subcommand(sub, name: str, doc: str):
-    """A subcommand's parser, with the flags every bench shares (after the subcommand's name)."""
+    """A subcommand's parser, with the flags every bench shares (after the subcommand's name). The
+    scripts with subcommands (store_bench, s3_bench) take it from here."""
     return sub.add_parser(name, help=doc, description=doc, add_help=False, parents=[harness.parser(None)])
 
 

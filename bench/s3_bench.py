@@ -71,6 +71,7 @@ import time
 from pathlib import Path
 
 from bench import harness
+from bench.read_bench import subcommand
 
 TOY = [["reads", "--local", "{store}", "--shards", "0-3", "--samples", "20"],
        ["startup", "--startup", "{store}", "--eval-shards", "3"],
@@ -469,11 +470,6 @@ def run_train(args) -> dict:
     base = rows[0]["s_per_step"]
     return {"store": str(args.store), "setting": SETTING, "extra": args.extra, "runs": rows,
             "steps_per_s_ratio": {r["delay_ms"]: round(base / r["s_per_step"], 3) for r in rows}}
-
-
-def subcommand(sub, name: str, doc: str):
-    """A subcommand's parser, with the flags every bench shares (after the subcommand's name)."""
-    return sub.add_parser(name, help=doc, description=doc, add_help=False, parents=[harness.parser(None)])
 
 
 def main() -> None:

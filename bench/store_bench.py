@@ -55,6 +55,7 @@ else:
 import numpy as np  # noqa: E402
 
 from bench import harness  # noqa: E402
+from bench.read_bench import subcommand  # noqa: E402
 
 TOY = [["layouts", "--store", "{store}"], ["fp8", "--bf16", "{store}", "--fp8", "{fp8_store}"]]
 WIDE_H, TOY_H = 5120, 512  # the 27B's width; the toy run's
@@ -450,11 +451,6 @@ def run_fp8(args, tmp: Path) -> dict:
         result["27B width (random-init forward)"] = wide_fp8(tokens, args.width, tmp, args.bf16, args.repeat)
     result["seconds"] = round(time.time() - t0)
     return result
-
-
-def subcommand(sub, name: str, doc: str):
-    """A subcommand's parser, with the flags every bench shares (after the subcommand's name)."""
-    return sub.add_parser(name, help=doc, description=doc, add_help=False, parents=[harness.parser(None)])
 
 
 def main() -> None:
