@@ -35,7 +35,8 @@ a run walks to (stages/train/position.advance, the main process only), for each 
 --shuffle-window shards). Then, in a second pass with tracemalloc, the bytes the rank holds after
 start-up (refs and its batches) and the peak. --code DIR measures the stages/ of another checkout
 (an older commit) with the same script. Each start-up step is one timed call (a start-up happens
-once).
+once). --toy: `worker` writes 40 samples a shard and reads 30 batches; the rest take their sizes from
+the flags (TOY).
 """
 
 from __future__ import annotations

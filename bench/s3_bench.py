@@ -55,6 +55,8 @@ its requests. Each run's s/step is the median over its metrics records after the
 first reads, loader warm-up), so steady training is compared; the requests are the run's total.
 Issue 38's goal: with the latency at which serial reads would take ~3x the step (300 ms at the tiny
 width), at least 0.8x the steps/s of the run without it.
+
+--toy: `cache` builds its synthetic samples of ~200 tokens; the rest take their sizes from the flags (TOY).
 """
 
 from __future__ import annotations
