@@ -1,71 +1,101 @@
-"""bf16 state layouts side by side: size, write and read speed, random sample reads.
+"""How states are stored: bf16 layouts side by side (`layouts`), and the fp8 format against bf16 (`fp8`).
 
-    python bench/store_bench.py --store hs.zarr [--threads 1] [--wide-tokens 2048] [--json bench/results/store_cpu_1thread.json]
+    python -m bench.store_bench layouts --store hs.zarr [--threads 1] [--wide-tokens 2048] \\
+        [--json bench/results/store_cpu_1thread.json]
+    pipeline extract --store bf16.zarr --shards 0-63
+    pipeline extract --store fp8.zarr --shards 0-63 --hidden-format fp8
+    python -m bench.store_bench fp8 --bf16 bf16.zarr --fp8 fp8.zarr [--wide-tokens 2048] \\
+        [--json bench/results/fp8_cpu.json]
 
-Reads every committed shard's states from a store (the shipped target's full store, say) and
-writes them again through zarr in each candidate layout, with the store's chunking (256-token
-chunks in 4,096-token shard files): today's (blosc zstd-3, byte shuffle), blosc zstd-1 with bit
-shuffle (built-in codecs only), and this package's byte-plane codec (store/codec.py: high plane
-zstd-1, low plane raw or LZ4), the last three with a crc32c checksum per chunk. Two kinds of data:
-the store as it is, the same states with every repeated token row dropped (prompts that share a
-template prefix give identical rows, which some layouts find and others cannot), and states of
+`layouts` reads every committed shard's states from a store (the shipped target's full store, say)
+and writes them again through zarr in each candidate layout, with the store's chunking (256-token
+chunks in 4,096-token shard files): blosc zstd-3 with byte shuffle, blosc zstd-1 with bit shuffle
+(built-in codecs only), and this package's byte-plane codec (store/codec.py: high plane zstd-1, low
+plane raw or LZ4), the last three with a crc32c checksum per chunk. Three kinds of data: the store
+as it is, the same states with every repeated token row dropped (prompts that share a template
+prefix give identical rows, which some layouts find and others cannot), and states of
 Qwen3.6-27B's shape ([T, 5, 5120]) from a random-initialised model run on the store's tokens
-(27B-sized chunks, 13 MB each, where codec speed rather than zarr's per-chunk overhead counts). Reported per
-layout and data: size against raw bf16, write and sequential read MB/s (of raw bf16) with
-`--threads` codec threads in zarr's pool, and the median time to read one random sample; for the
-layouts store/span_reader.py decodes (the planes ones), the same two reads straight from the chunk
-files, one thread (what training's ShardReader does). blosc runs one thread inside each call, so
-thread counts compare like with like. Best of 3 per figure.
-Then the extractor's own ShardWriter on the 27B-width states (schema 1: blosc through zarr;
-schema 2: whole shard files encoded by the writer, store/shard_file.py), with `--threads` threads:
-MB/s as fast as it takes batches, and the producer's stall when a GPU-like producer hands it
-500 MB/s with room for two shard files. Last, training's reads of those two stores: ShardReader's
-random sample (through zarr for schema 1, straight from the chunk files for schema 2,
-store/span_reader.py) and a DataLoader's MB/s with 1 and `--threads` workers.
+(27B-sized chunks, 13 MB each, where codec speed rather than zarr's per-chunk overhead counts).
+Reported per layout and data: size against raw bf16, write and sequential read MB/s (of raw bf16)
+with `--threads` codec threads in zarr's pool, and the median time to read one random sample; for
+the layouts store/span_reader.py decodes (the planes ones), the same two reads straight from the
+chunk files, one thread (what training's ShardReader does). blosc runs one thread inside each call,
+so thread counts compare like with like. Then the extractor's own ShardWriter on the 27B-width
+states, with `--threads` threads: MB/s as fast as it takes batches, and the producer's stall when a
+GPU-like producer hands it 500 MB/s with room for two shard files; and training's reads of that
+store: ShardReader's random sample and a DataLoader's MB/s with 1 and `--threads` workers.
+
+`fp8` takes the shipped target's stores of the same prompts in both formats: the states' bytes on
+disk (commit records) against raw bf16, and the round trip's error per tap (max and mean absolute,
+relative RMS, and the worst token) between the two stores' states. Then the 27B-width states above
+(their first layers barely mix context, so rows repeat where the prompts' template does, which zstd
+finds: `unique_rows_per_tap` says how many): the same error figures, the size of each layout
+written through zarr, the information in the e4m3 bytes (order-0 entropy of sign, exponent and
+mantissa fields: what a coder without context can reach), one core's speed of the rounding (as the
+capture runs it on CPU), of zarr's write and of the direct reader, and the ShardWriter with one and
+two threads, as fast as it takes and fed at 500 MB/s (an H200 capturing at 27B width).
+
+Speeds are medians of 3 (--toy: 1), MB/s of raw bf16 states. --toy: 256 tokens of 512-wide states.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--threads" in sys.argv:  # zarr sizes its codec thread pool once, from the environment, at first use
     os.environ["ZARR_THREADING__MAX_WORKERS"] = sys.argv[sys.argv.index("--threads") + 1]
 else:
     os.environ["ZARR_THREADING__MAX_WORKERS"] = "1"
 
-import fsspec  # noqa: E402
-import numcodecs.blosc  # noqa: E402
 import numpy as np  # noqa: E402
-import zarr  # noqa: E402
-from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec  # noqa: E402
 
-from bench.report import emit  # noqa: E402
-from pipeline import fingerprint  # noqa: E402
-from store import layout, span_reader  # noqa: E402
-from store.codec import Bf16Planes  # noqa: E402
-from store.hidden_store import HiddenStore  # noqa: E402
-from store.store_writer import StoreWriter  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.read_bench import subcommand  # noqa: E402
 
-LAYOUTS = {
-    "blosc zstd-3 byte shuffle (today)": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle,
-                                                             typesize=2)],
-    "blosc zstd-1 bit shuffle + crc32c": lambda: [BloscCodec(cname="zstd", clevel=1, shuffle=BloscShuffle.bitshuffle,
-                                                             typesize=2), Crc32cCodec()],
-    "planes zstd-1 / raw + crc32c": lambda: [Bf16Planes(level=1, low="raw"), Crc32cCodec()],
-    "planes zstd-1 / lz4 + crc32c": lambda: [Bf16Planes(level=1, low="lz4"), Crc32cCodec()],
-}
+TOY = [["layouts", "--store", "{store}"], ["fp8", "--bf16", "{store}", "--fp8", "{fp8_store}"]]
+WIDE_H, TOY_H = 5120, 512  # the 27B's width; the toy run's
+
+
+def layouts():
+    from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
+
+    from store.codec import Bf16Planes
+
+    return {
+        "blosc zstd-3 byte shuffle": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle,
+                                                         typesize=2)],
+        "blosc zstd-1 bit shuffle + crc32c": lambda: [BloscCodec(cname="zstd", clevel=1,
+                                                                 shuffle=BloscShuffle.bitshuffle, typesize=2),
+                                                      Crc32cCodec()],
+        "planes zstd-1 / raw + crc32c": lambda: [Bf16Planes(level=1, low="raw"), Crc32cCodec()],
+        "planes zstd-1 / lz4 + crc32c": lambda: [Bf16Planes(level=1, low="lz4"), Crc32cCodec()],
+    }
+
+
+def timed(f, repeat: int) -> float:
+    """Median seconds of f() over repeat calls."""
+    return harness.medians(f, repeat)["median_s"]
+
+
+def sample_ms(read, calls) -> float:
+    """Median milliseconds of read(*args) over the argument tuples in calls (one sample each)."""
+    t = []
+    for args in calls:
+        t0 = time.perf_counter()
+        read(*args)
+        t.append(time.perf_counter() - t0)
+    return round(1e3 * harness.median_of(t), 3)
 
 
 def load(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Every committed shard's states, [T, n_taps, H] uint16, and the sample offsets."""
+    from store.hidden_store import HiddenStore
+
     store = HiddenStore(path)
     parts, lengths = [], []
     for shard in store.committed():
@@ -75,24 +105,30 @@ def load(path: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(parts), np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
 
 
-def wide_states(tokens: np.ndarray) -> np.ndarray:
+def store_tokens(path: str, n: int) -> np.ndarray:
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(path)
+    return np.concatenate([store.shard_arrays(s)["tokens"][:] for s in store.committed()])[:n]
+
+
+def wide_states(tokens: np.ndarray, width: int = WIDE_H) -> np.ndarray:
     """States of Qwen3.6-27B's width (5,120) and tap count (5): a random-initialised 5-layer
     qwen3_5_text (the 27B's layer pattern, narrower heads and MLP) run on real token ids."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     sys.modules.setdefault("fla", None)
-    torch.set_flush_denormal(True)
     config = Qwen3_5TextConfig(
-        vocab_size=4096, hidden_size=5120, intermediate_size=1024, num_hidden_layers=5,
+        vocab_size=4096, hidden_size=width, intermediate_size=1024, num_hidden_layers=5,
         layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"], num_attention_heads=8,
         num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=len(tokens))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        out = model.model(torch.from_numpy(tokens.astype(np.int64))[None], output_hidden_states=True)
-    hidden = torch.stack([out.hidden_states[k + 1][0] for k in range(5)], 1)  # [T, 5, 5120] bf16
+        out = model.model(torch.from_numpy(tokens.astype(np.int64) % 4096)[None], output_hidden_states=True)
+    hidden = torch.stack([out.hidden_states[k + 1][0] for k in range(5)], 1)  # [T, 5, width] bf16
     return hidden.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
@@ -101,19 +137,15 @@ def without_repeats(x: np.ndarray) -> np.ndarray:
     return x[np.sort(first)]
 
 
-def best(f, n: int = 3) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path, repeat: int) -> dict:
+    """x [T, n_taps, H] uint16 written through zarr with codecs(): size, write/read MB/s, sample reads."""
+    import fsspec
+    import zarr
 
+    from store import span_reader
 
-def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
     shape, raw = x.shape, x.nbytes
     chunk, shard = (256, *shape[1:]), (4096, *shape[1:])
-
     path = tmp / "w.zarr"
 
     def write():
@@ -122,28 +154,18 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path) -> dict:
         for s in range(0, len(x), shard[0]):
             a[s:s + shard[0]] = x[s:s + shard[0]]
 
-    out = {"write_MBps": round(raw / best(write) / 1e6)}
+    out = {"write_MBps": round(raw / timed(write, repeat) / 1e6)}
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     a = zarr.open_array(str(path), mode="r")
     assert np.array_equal(a[:], x)
-    out["read_MBps"] = round(raw / best(lambda: a[:]) / 1e6)
-    picks = np.random.default_rng(0).integers(0, len(offsets) - 1, 200)
-    sample_s = []
-    for i in picks:
-        t = time.perf_counter()
-        a[offsets[i]:offsets[i + 1]]
-        sample_s.append(time.perf_counter() - t)
-    out["sample_read_ms"] = round(1e3 * statistics.median(sample_s), 3)
+    out["read_MBps"] = round(raw / timed(lambda: a[:], repeat) / 1e6)
+    picks = [(int(offsets[i]), int(offsets[i + 1])) for i in np.random.default_rng(0).integers(0, len(offsets) - 1, 200)]
+    out["sample_read_ms"] = sample_ms(lambda s, e: a[s:e], picks)
     direct = span_reader.for_array(fsspec.filesystem("file"), str(path), a)
     if direct is not None:  # the same file read straight from its chunks, as ShardReader does
         assert np.array_equal(direct.read(0, len(x)), x)
-        out["direct_read_MBps"] = round(raw / best(lambda: direct.read(0, len(x))) / 1e6)
-        sample_s = []
-        for i in picks:
-            t = time.perf_counter()
-            direct.read(int(offsets[i]), int(offsets[i + 1]))
-            sample_s.append(time.perf_counter() - t)
-        out["direct_sample_read_ms"] = round(1e3 * statistics.median(sample_s), 3)
+        out["direct_read_MBps"] = round(raw / timed(lambda: direct.read(0, len(x)), repeat) / 1e6)
+        out["direct_sample_read_ms"] = sample_ms(direct.read, picks)
     out["ratio"] = round(size / raw, 4)
     return out
 
@@ -156,7 +178,11 @@ def root_of(store: str, path: Path, x: np.ndarray, hidden_format: str) -> None:
 
     import torch
 
+    from pipeline import fingerprint
+    from store import layout
+    from store.hidden_store import HiddenStore
     from store.schema import to_json
+    from store.store_writer import StoreWriter
 
     attrs = HiddenStore(store).attrs
     compat = dataclasses.replace(attrs.compat.as_format(hidden_format), taps=tuple(range(x.shape[1])),
@@ -178,6 +204,7 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_
     import torch
 
     from store.shard_writer import ShardWriter
+    from store.store_writer import StoreWriter
 
     states = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     batch = 256
@@ -187,9 +214,9 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_
     path.mkdir()
     if root:
         root_of(root, path, x, hidden_format)
-    store = StoreWriter(str(path))
-    w = ShardWriter(store, 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
-                    threads=threads, hidden_format=hidden_format, max_held_bytes=2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40)
+    held = 2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40
+    w = ShardWriter(StoreWriter(str(path)), 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
+                    threads=threads, hidden_format=hidden_format, max_held_bytes=held)
     t0 = time.perf_counter()
     for k in range(16 * len(x) // batch):
         if producer_mb_s:
@@ -207,6 +234,11 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_
     return out
 
 
+def writer_runs(x: np.ndarray, fmt: str, threads: int, tmp: Path, root: str) -> dict:
+    return {"as fast as it takes": writer(x, fmt, threads, tmp),
+            "at 500 MB/s": writer(x, fmt, threads, tmp, producer_mb_s=500, root=root)}
+
+
 def reader(path: Path, workers: list[int]) -> dict:
     """The training side of a store the writer made (samples of 256 tokens, 13 MB at 27B width):
     the median time ShardReader takes to read one random sample, and the raw MB/s a DataLoader
@@ -214,16 +246,12 @@ def reader(path: Path, workers: list[int]) -> dict:
     import torch
 
     from stages.train.data import Ref, StoreBatches
+    from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 
     r = ShardReader(HiddenStore(str(path)), 0)
     rng = np.random.default_rng(0)
-    times = []
-    for i in rng.integers(0, len(r), 60):
-        t = time.perf_counter()
-        r.read(int(i))
-        times.append(time.perf_counter() - t)
-    out = {"sample_read_ms": round(1e3 * statistics.median(times), 2), "loader_MBps": {}}
+    out = {"sample_read_ms": sample_ms(r.read, [(int(i),) for i in rng.integers(0, len(r), 60)]), "loader_MBps": {}}
     lengths = np.diff(r.offsets)
     batches = [[(Ref(0, int(i), int(lengths[i])),) for i in rng.integers(0, len(r), 4)] for _ in range(48)]
     for n in workers:
@@ -238,41 +266,214 @@ def reader(path: Path, workers: list[int]) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True)
-    p.add_argument("--threads", type=int, default=1, help="zarr's codec threads (each a core's worth of work)")
-    p.add_argument("--wide-tokens", type=int, default=2048, help="tokens of 27B-width states (0: none)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
-    numcodecs.blosc.set_nthreads(1)
+def run_layouts(args, tmp: Path) -> dict:
     x, offsets = load(args.store)
-    data = {"store as it is": (x, offsets)}
     y = without_repeats(x)
-    data["repeated rows dropped"] = (y, np.linspace(0, len(y), len(offsets)).astype(np.int64))
-    if args.wide_tokens:
-        tokens = np.concatenate([HiddenStore(args.store).shard_arrays(s)["tokens"][:]
-                                 for s in HiddenStore(args.store).committed()])[:args.wide_tokens]
-        w = wide_states(tokens)
-        data["27B width (random-init forward)"] = (w, np.arange(0, len(w) + 1, 512))
+    data = {"store as it is": (x, offsets),
+            "repeated rows dropped": (y, np.linspace(0, len(y), len(offsets)).astype(np.int64))}
     result = {"store": args.store, "threads": args.threads, "results": {}}
+    if args.wide_tokens:
+        w = wide_states(store_tokens(args.store, args.wide_tokens), args.width)
+        data["27B width (random-init forward)"] = (w, np.arange(0, len(w) + 1, 512 if len(w) > 512 else 64))
+        result["writer"] = {"planes": writer_runs(w, "bf16", args.threads, tmp, args.store)}
+        result["reader"] = {"planes": reader(tmp / "writer-bf16.zarr", sorted({1, args.threads}))}
+        print("ShardWriter, ShardReader, 27B width:", result["writer"], result["reader"], file=sys.stderr)
+    for label, (d, off) in data.items():
+        print(f"== {label}: {d.shape}, {d.nbytes / 1e6:.1f} MB raw", file=sys.stderr)
+        for name, codecs in layouts().items():
+            result["results"].setdefault(label, {})[name] = measure(d, off, codecs, tmp, args.repeat)
+    return result
+
+
+def on_disk(path: str) -> dict:
+    """The states' bytes in the store's commit records against raw bf16."""
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(path)
+    records = store.committed().values()
+    raw = sum(r.tokens for r in records) * len(store.attrs.taps) * store.attrs.hidden_size * 2
+    states = sum(r.bytes["hidden"] for r in records)
+    return {"raw_MB": round(raw / 1e6, 2), "states_MB": round(states / 1e6, 2), "ratio": round(states / raw, 4),
+            "shards_MB": round(sum(r.bytes["shard"] for r in records) / 1e6, 2)}
+
+
+class Errors:
+    """Per tap: max and mean |fp8 - bf16|, relative RMS, cosine, and where the largest error is."""
+
+    def __init__(self, taps: int) -> None:
+        self.abs_sum, self.sq_err, self.sq_ref, self.n = np.zeros(taps), np.zeros(taps), np.zeros(taps), 0
+        self.dot, self.sq_q = np.zeros(taps), np.zeros(taps)
+        self.max = np.zeros(taps)
+        self.worst: list[dict | None] = [None] * taps
+
+    def add(self, ref, q, where: dict) -> None:
+        """ref, q: [T, n_taps, H] bf16 tensors."""
+        x, y = ref.double(), q.double()
+        e = (y - x).abs()
+        self.abs_sum += e.sum((0, 2)).numpy()
+        self.sq_err += (e ** 2).sum((0, 2)).numpy()
+        self.sq_ref += (x ** 2).sum((0, 2)).numpy()
+        self.sq_q += (y ** 2).sum((0, 2)).numpy()
+        self.dot += (x * y).sum((0, 2)).numpy()
+        self.n += e.shape[0] * e.shape[2]
+        for j in range(e.shape[1]):
+            m = float(e[:, j].max())
+            if m > self.max[j]:
+                t, c = divmod(int(e[:, j].argmax()), e.shape[2])
+                self.max[j] = m
+                self.worst[j] = {**where, "token": t, "channel": c, "value": float(x[t, j, c]),
+                                 "stored": float(y[t, j, c]), "token_max_abs": float(x[t, j].abs().max())}
+
+    def result(self, taps) -> dict:
+        return {str(k): {"max_abs": float(self.max[j]), "mean_abs": float(self.abs_sum[j] / self.n),
+                         "relative_rms": float(np.sqrt(self.sq_err[j] / self.sq_ref[j])),
+                         "cosine": float(self.dot[j] / np.sqrt(self.sq_ref[j] * self.sq_q[j])),
+                         "worst": self.worst[j]} for j, k in enumerate(taps)}
+
+
+def shipped_errors(bf16: str, fp8: str) -> dict:
+    import torch
+
+    from store.fp8_codec import quantize
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+
+    a, b = HiddenStore(bf16), HiddenStore(fp8)
+    assert a.attrs.compat.as_format("fp8").conditioning() == b.attrs.compat.conditioning()
+    errors, exact = Errors(len(a.attrs.taps)), True
+    for shard in a.committed():
+        ra, rb = ShardReader(a, shard), ShardReader(b, shard)
+        for i in range(len(ra)):
+            x, y = ra[i], rb[i]
+            assert torch.equal(x.tokens, y.tokens)
+            exact &= torch.equal(quantize(x.hidden), y.hidden)
+            errors.add(x.hidden, y.hidden, {"shard": shard, "sample": i})
+    return {"fp8_equals_rounded_bf16": bool(exact), "per_tap": errors.result(a.attrs.taps)}
+
+
+def entropy(values: np.ndarray) -> float:
+    counts = np.bincount(values.reshape(-1))
+    p = counts[counts > 0] / values.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def information(q) -> dict:
+    """Order-0 entropy, in bits a value, of the e4m3 bytes' fields and of the scale exponents."""
+    import torch
+
+    from store.fp8_codec import exponents
+
+    k = exponents(q.view(torch.int16))
+    e4m3 = (q.float() * torch.exp2(-k.float())).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    fields = {"sign": entropy(e4m3 >> 7), "exponent": entropy((e4m3 >> 3) & 0xF), "mantissa": entropy(e4m3 & 7),
+              "byte": entropy(e4m3)}
+    fields["exponents_k_per_group"] = entropy((k.numpy() + 128).astype(np.int64))
+    fields["floor_ratio"] = round(fields["byte"] / 16, 4)  # bits a value over bf16's 16
+    fields["byte_per_tap"] = [entropy(e4m3[:, j]) for j in range(e4m3.shape[1])]  # each tap's own statistics
+    fields["unique_rows_per_tap"] = [len(np.unique(e4m3[:, j], axis=0)) for j in range(e4m3.shape[1])]
+    return fields
+
+
+def decode_speed(q: np.ndarray, repeat: int) -> dict:
+    """One 256-token chunk of rounded states: MB/s of raw bf16 out of its zstd frame and its lookup."""
+    from store.fp8_codec import Fp8E4m3
+
+    codec = Fp8E4m3(group=q.shape[-1])
+    chunk = np.ascontiguousarray(q[:256])
+    data = np.frombuffer(codec.pack(chunk.view(np.uint8)), np.uint8)
+    buf, out = np.empty(chunk.size, np.uint8), np.empty((chunk.size // q.shape[-1], q.shape[-1]), np.uint16)
+    codes, ks = codec.codes(data, into=buf)
+    unzstd = timed(lambda: codec.codes(data, into=buf), 5 * repeat)
+    lookup = timed(lambda: codec.decode_codes(codes, ks, out=out), 5 * repeat)
+    return {"zstd_MBps": round(chunk.nbytes / unzstd / 1e6), "lookup_MBps": round(chunk.nbytes / lookup / 1e6),
+            "decode_MBps": round(chunk.nbytes / (unzstd + lookup) / 1e6)}
+
+
+def direct_read(bits: np.ndarray, codecs: list, tmp: Path, repeat: int) -> int:
+    """MB/s (raw bf16) of store/span_reader.py reading the whole array into one reused buffer, as a
+    training batch is decoded into (a fresh 100 MB output each time would measure its page faults)."""
+    import fsspec
+    import zarr
+
+    from store import span_reader
+
+    a = zarr.create_array(str(tmp / "direct.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(256, *bits.shape[1:]),
+                          shards=(len(bits), *bits.shape[1:]), compressors=codecs, fill_value=0, overwrite=True)
+    a[:] = bits
+    reader_ = span_reader.for_array(fsspec.filesystem("file"), str(tmp / "direct.zarr"), a)
+    out = np.empty_like(bits)
+    seconds = timed(lambda: reader_.read(0, len(bits), out), 2 * repeat + 1)
+    assert np.array_equal(out, bits)
+    return round(bits.nbytes / seconds / 1e6)
+
+
+def wide_fp8(tokens: np.ndarray, width: int, tmp: Path, root: str, repeat: int) -> dict:
+    from zarr.codecs import Crc32cCodec
+
+    from store import layout
+    from store.fp8_codec import Fp8E4m3, quantize
+
+    bits = wide_states(tokens, width)  # [T, 5, width] uint16
+    x = layout.from_bits(bits)
+    q = quantize(x)
+    rounding = timed(lambda: quantize(x), repeat)
+    errors = Errors(x.shape[1])
+    errors.add(x, q, {})
+    qbits = layout.to_bits(q)
+    offsets = np.arange(0, len(bits) + 1, 512 if len(bits) > 512 else 64)
+    H = x.shape[2]
+    out = {"shape": list(x.shape), "raw_MB": round(bits.nbytes / 1e6, 1),
+           "quantize_MBps": round(bits.nbytes / rounding / 1e6),
+           "per_tap": errors.result(range(x.shape[1])), "information": information(q),
+           "decode": decode_speed(qbits, repeat),
+           "zarr": {"bf16 (planes zstd-1 / lz4)": measure(bits, offsets, lambda: layout.hidden_codecs(1), tmp, repeat),
+                    "fp8 (e4m3 x 2^k, zstd-1)": measure(qbits, offsets,
+                                                        lambda: [Fp8E4m3(group=H, level=1), Crc32cCodec()], tmp,
+                                                        repeat)},
+           "direct_read_into_a_buffer_MBps": {
+               "bf16": direct_read(bits, layout.hidden_codecs(1), tmp, repeat),
+               "fp8": direct_read(qbits, [Fp8E4m3(group=H), Crc32cCodec()], tmp, repeat)}}
+    for fmt, data in (("bf16", bits), ("fp8", qbits)):
+        out.setdefault("writer", {})[fmt] = {f"{n} thread(s)": writer_runs(data, fmt, n, tmp, root) for n in (1, 2)}
+        out.setdefault("reader", {})[fmt] = reader(tmp / f"writer-{fmt}.zarr", [1])
+        print(fmt, out["writer"][fmt], out["reader"][fmt], file=sys.stderr)
+    return out
+
+
+def run_fp8(args, tmp: Path) -> dict:
+    t0 = time.time()
+    result = {"bf16": args.bf16, "fp8": args.fp8,
+              "shipped": {"on_disk": {"bf16": on_disk(args.bf16), "fp8": on_disk(args.fp8)},
+                          **shipped_errors(args.bf16, args.fp8)}}
+    print(result["shipped"]["on_disk"], file=sys.stderr)
+    if args.wide_tokens:
+        tokens = store_tokens(args.bf16, args.wide_tokens)
+        result["27B width (random-init forward)"] = wide_fp8(tokens, args.width, tmp, args.bf16, args.repeat)
+    result["seconds"] = round(time.time() - t0)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = subcommand(sub, "layouts", "bf16 layouts side by side: size, write and read speed, random sample reads")
+    s.add_argument("--store", required=True)
+    f = subcommand(sub, "fp8", "the fp8 format against bf16: size, rounding error, write and read speed")
+    f.add_argument("--bf16", required=True, help="a bf16 store")
+    f.add_argument("--fp8", required=True, help="the fp8 store of the same prompts")
+    for q in (s, f):
+        q.add_argument("--wide-tokens", type=int, default=2048, help="tokens of 27B-width states (0: none)")
+    args = p.parse_args()
+    import numcodecs.blosc
+
+    harness.torch_setup(args.threads)
+    numcodecs.blosc.set_nthreads(1)
+    args.repeat, args.width = (1, TOY_H) if args.toy else (3, WIDE_H)
+    if args.toy:
+        args.wide_tokens = min(args.wide_tokens, 256)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.wide_tokens:
-            for codec in ("planes",):  # blosc, retired as a write option, was measured before (bench/results)
-                r = {"as fast as it takes": writer(w, "bf16", args.threads, Path(tmp)),
-                     "at 500 MB/s": writer(w, "bf16", args.threads, Path(tmp), producer_mb_s=500, root=args.store)}
-                print(f"ShardWriter, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
-                result.setdefault("writer", {})[codec] = r
-                r = reader(Path(tmp) / "writer-bf16.zarr", sorted({1, args.threads}))
-                print(f"ShardReader, 27B width, {codec:6s} {json.dumps(r)}", file=sys.stderr)
-                result.setdefault("reader", {})[codec] = r
-        for label, (d, off) in data.items():
-            print(f"== {label}: {d.shape}, {d.nbytes / 1e6:.1f} MB raw", file=sys.stderr)
-            for name, codecs in LAYOUTS.items():
-                r = measure(d, off, codecs, Path(tmp))
-                print(f"{name:38s} {json.dumps(r)}", file=sys.stderr)
-                result["results"].setdefault(label, {})[name] = r
-    emit(result, args.json)
+        result = (run_layouts if args.cmd == "layouts" else run_fp8)(args, Path(tmp))
+    harness.emit(result, args)
 
 
 if __name__ == "__main__":
