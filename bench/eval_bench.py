@@ -204,7 +204,7 @@ def replay_bench(args) -> dict:
 def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
     """A subcommand with the harness's shared flags (--json, --force, --toy, --threads), and the
     store, checkpoint and prompts both benches take."""
-    s = subs.add_parser(name, help=help, parents=[harness.parser(None)], conflict_handler="resolve")
+    s = harness.subcommand(subs, name, help)
     s.add_argument("--store", default="hs.zarr")
     s.add_argument("--checkpoint", help="a trained drafter of the store (not with --width)")
     s.add_argument("--shards", default="0-63")

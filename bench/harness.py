@@ -3,7 +3,7 @@
 A bench is a module run from the repository root as `python -m bench.NAME ...` (so it imports the
 project as it is checked out, with no path set-up of its own). It builds its parser with `parser`,
 times with `medians`, measures peak memory with `in_child` or `run_measured` (one way for all: the
-peak resident set of a fresh child process, ru_maxrss, as the kernel counts it), and ends with
+peak resident set of a fresh child process, VmHWM or its wait4 usage, never the bench's own), and ends with
 `emit`, which prints the result and writes it only where --json names a file, never over an
 existing one unless --force is given. Each script lists, in `TOY`, the argument lists that run it at
 toy size; `pytest -m bench` (tests/test_bench.py) runs them all.
@@ -15,7 +15,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,11 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--toy", action="store_true", help="Run at toy size: seconds, to check the script works.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: two threads thrash when shared).")
     return p
+
+
+def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand's parser (of `subs`, from add_subparsers) with the shared flags, given after its name."""
+    return subs.add_parser(name, help=help, description=help, parents=[parser(None)], conflict_handler="resolve")
 
 
 def torch_setup(threads: int) -> None:
@@ -60,21 +64,30 @@ def median_of(values) -> float:
     return statistics.median(list(values))
 
 
+def _vm_hwm() -> int:
+    """This process's peak resident set in bytes (VmHWM: of its own address space, unlike ru_maxrss,
+    which a spawned child inherits from the process it was forked from)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _child(conn, fn, args, kwargs) -> None:
-    start_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # the peak so far (imports) reset to what is resident now
+    start = _vm_hwm()
     try:
         result = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    conn.send(("ok", (result, start_kb * 1024, peak_kb * 1024)))
+    conn.send(("ok", (result, start, _vm_hwm())))
 
 
 def in_child(fn, *args, **kwargs) -> tuple[object, dict]:
-    """fn(*args, **kwargs) in a fresh (spawned) process: its result, and {"start_rss_bytes": the child's
-    peak before fn ran (imports included), "peak_rss_bytes": its peak after}. fn must be a module-level
-    function and its result picklable."""
+    """fn(*args, **kwargs) in a fresh (spawned) process: its result, and {"start_rss_bytes": what the
+    child held resident when fn began (its imports included), "peak_rss_bytes": its peak while fn
+    ran}. fn must be a module-level function and its result picklable."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, fn, args, kwargs))
@@ -88,19 +101,27 @@ def in_child(fn, *args, **kwargs) -> tuple[object, dict]:
     return result, {"start_rss_bytes": start, "peak_rss_bytes": peak}
 
 
+# Runs a command and writes its peak resident set (bytes) to argv[1]. A command's ru_maxrss counts the
+# address space it was forked from, so it is forked from this small process, not from the bench.
+_PEAK = ("import os, subprocess, sys\n"
+         "p = subprocess.Popen(sys.argv[2:])\n"
+         "_, status, usage = os.wait4(p.pid, 0)\n"
+         "open(sys.argv[1], 'w').write(str(usage.ru_maxrss * 1024))\n"
+         "sys.exit(os.waitstatus_to_exitcode(status) % 256)\n")
+
+
 def run_measured(argv: list[str], *, env: dict | None = None, cwd: str | Path = REPO) -> dict:
-    """Run a command to its end: {"returncode", "seconds", "peak_rss_bytes" (its own process's peak,
-    from wait4), "stdout", "stderr"}."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    """Run a command to its end: {"returncode", "seconds", "peak_rss_bytes" (its own process's peak),
+    "stdout", "stderr"}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "peak"
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, text=True, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)  # reaps it: Popen's own wait would lose the usage
+        p = subprocess.run([sys.executable, "-c", _PEAK, str(peak_file), *argv], cwd=cwd, capture_output=True,
+                           text=True, env={**os.environ, **(env or {})})
         seconds = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return {"returncode": proc.returncode, "seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024,
-                "stdout": out.read(), "stderr": err.read()}
+        peak = int(peak_file.read_text()) if peak_file.exists() else None
+    return {"returncode": p.returncode, "seconds": seconds, "peak_rss_bytes": peak, "stdout": p.stdout,
+            "stderr": p.stderr}
 
 
 def python(*args: str) -> list[str]:

@@ -159,20 +159,15 @@ def fla_compare(args) -> dict:
     return result
 
 
-def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand with the harness's shared flags (--json, --force, --toy, --threads)."""
-    return subs.add_parser(name, help=help, parents=[harness.parser(None)], conflict_handler="resolve")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subs = p.add_subparsers(dest="cmd", required=True)
-    c = subcommand(subs, "compare", "per tap, store B's states against store A's")
+    c = harness.subcommand(subs, "compare", "per tap, store B's states against store A's")
     c.add_argument("a")
     c.add_argument("b")
     fla = subs.add_parser("fla", help="the fla kernels against the PyTorch fallback").add_subparsers(dest="step",
                                                                                                     required=True)
-    e = subcommand(fla, "extract", "the four stores (run in the fla-interpret venv)")
+    e = harness.subcommand(fla, "extract", "the four stores (run in the fla-interpret venv)")
     e.add_argument("--store", required=True, help="a torch-path store whose prompts and completions to use")
     e.add_argument("--shards", default="0-1")
     e.add_argument("--out", required=True)
@@ -180,7 +175,7 @@ def main() -> None:
     e.add_argument("--paths", default=",".join(PATHS), help="which paths to extract, comma-separated; runs "
                    "with other --shards may extract into the same stores side by side")
     e.add_argument("--dtypes", default=",".join(DTYPES), help="of the target's forward, comma-separated")
-    fc = subcommand(fla, "compare", "per dtype and tap, the fla path against the torch path")
+    fc = harness.subcommand(fla, "compare", "per dtype and tap, the fla path against the torch path")
     fc.add_argument("--out", required=True)
     args = p.parse_args()
     harness.torch_setup(args.threads)

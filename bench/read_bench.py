@@ -169,15 +169,15 @@ def time_child(store: str, out: str, eval_shards: str) -> None:
     from stages.train.setup import prepare
 
     imports = time.perf_counter() - t0
-    config = TrainConfig(store=store, out=out, eval_shards=eval_shards, workers=1, batch_size=2, max_steps=1,
-                         threads=1)
+    config = TrainConfig.of(store=store, out=out, eval_shards=eval_shards, workers=1, batch_size=2, max_steps=1,
+                            threads=1)
     t = time.perf_counter()
     s = prepare(config, log=lambda m: None)
     setup = time.perf_counter() - t
     acc = s.accelerator
-    mine = train_batches(config, s.train_refs, 0, acc.process_index, acc.num_processes)
+    mine = train_batches(config.data, s.train_refs, 0, acc.process_index, acc.num_processes)
     t = time.perf_counter()
-    next(iter(loader(config, mine, False, set())))
+    next(iter(loader(config.data, mine, False, set())))
     first = time.perf_counter() - t
     print("RESULT", json.dumps({"rank": acc.process_index, "ranks": acc.num_processes, "imports_s": round(imports, 2),
                                 "setup_s": round(setup, 2), "first_batch_s": round(first, 2),
@@ -219,8 +219,11 @@ for s in range(SHARDS):  # lengths ~2k tokens (64-4,095), a first loss pair earl
     arrays[s] = {{"offsets": np.concatenate([[0], np.cumsum(lengths)]), "first_pairs": first}}
 sent = pickle.dumps(arrays, protocol=pickle.HIGHEST_PROTOCOL)
 ORDER = {order!r}  # --data-order; node: {local} processes a node, windows of --shuffle-window shards
-config = TrainConfig(batching={batching!r}, max_length=4096, batch_size=1,
-                     **(dict(data_order="node", shuffle_window={window}) if ORDER == "node" else {{}}))
+settings = dict(batching={batching!r}, max_length=4096, batch_size=1,
+                **(dict(data_order="node", shuffle_window={window}) if ORDER == "node" else {{}}))
+# the data settings (config.data since TrainConfig is composed of component configs; older checkouts: flat)
+config = getattr(TrainConfig, "of", TrainConfig)(**settings)
+config = getattr(config, "data", config)
 world, rank = {world}, {world} // 2
 LOCAL = ({local},) if ORDER == "node" else ()  # the node order's extra argument (older checkouts have none)
 LAYOUT = ((world // {local}, {local}),) if ORDER == "node" else ()
@@ -314,25 +317,19 @@ def run_build(args) -> dict:
     return {"built": args.store, "shards": args.shards, "seconds": round(time.time() - t0)}
 
 
-def subcommand(sub, name: str, doc: str):
-    """A subcommand's parser, with the flags every bench shares (after the subcommand's name). The
-    scripts with subcommands (store_bench, s3_bench) take it from here."""
-    return sub.add_parser(name, help=doc, description=doc, add_help=False, parents=[harness.parser(None)])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    w = subcommand(sub, "worker", "a loader worker's memory and the training index's time against the shard count")
+    w = harness.subcommand(sub, "worker", "a loader worker's memory and the training index's time against the shard count")
     w.add_argument("--shards", default="8,64")
     w.add_argument("--like", required=True, help="a store whose root the synthetic shards are written under")
     startup = sub.add_parser("startup", help="training's start-up at the real job's shard count").add_subparsers(
         dest="step", required=True)
-    b = subcommand(startup, "build", "a store of thousands of tiny shards")
+    b = harness.subcommand(startup, "build", "a store of thousands of tiny shards")
     b.add_argument("--store", required=True)
     b.add_argument("--like", required=True)
     b.add_argument("--shards", type=int, default=2442)
-    t = subcommand(startup, "time", "train.py's setup and first batch, per rank")
+    t = harness.subcommand(startup, "time", "train.py's setup and first batch, per rank")
     t.add_argument("--store", required=True)
     t.add_argument("--ranks", default="1,2")
     t.add_argument("--eval-shards", default="2400-2441")
@@ -340,7 +337,7 @@ def main() -> None:
     c.add_argument("--store", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--eval-shards", required=True)
-    m = subcommand(startup, "samples", "the start-up work that grows with the sample count, on one rank")
+    m = harness.subcommand(startup, "samples", "the start-up work that grows with the sample count, on one rank")
     m.add_argument("--samples", type=int, default=2_500_000)
     m.add_argument("--world", type=int, default=32)
     m.add_argument("--batching", default="random,bucketed,packed")

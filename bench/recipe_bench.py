@@ -104,9 +104,6 @@ RECIPES: dict[str, dict] = {
     "lr-2e-3": {"lr": 2e-3},
     "warmup-0.01": {"warmup_ratio": 0.01},
     "warmup-0.1": {"warmup_ratio": 0.1},
-    # Soft targets (python -m bench.soft_target_bench, a prototype): beta KL to the target's distribution + (1-beta) CE.
-    "soft-0.5": {"soft_beta": 0.5},
-    "soft-1": {"soft_beta": 1.0},
 }
 # Recipes on top of train.py's defaults of today (as `default`, plus their own fields; no BASELINE under them).
 ON_DEFAULTS: dict[str, dict] = {
@@ -138,8 +135,7 @@ def tagged(name: str, tag: str) -> str:
     return f"{name}@{tag}" if tag else name
 
 
-def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, soft_states: str | None,
-            replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False) -> Path:
+def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False) -> Path:
     """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
     the training store in the run directory, label the result (default: train_tag); a finished training
     of the same recipe, seed and train_tag is replayed again rather than redone (replay_store: another
@@ -152,7 +148,7 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     done = run_dir / "train_seconds.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not done.exists():
-        train_s = train_one(store, name, seed, steps, run_dir, env, soft_states)
+        train_s = train_one(store, name, seed, steps, run_dir, env)
         done.write_text(f"{train_s}\n")
     train_s = float(done.read_text())
     report = run_dir / f"report-{label or train_tag or 'own'}"
@@ -170,20 +166,15 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     return out
 
 
-def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict, soft_states: str | None) -> float:
+def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict) -> float:
     """Train one (recipe, seed) into run_dir (from scratch) -> seconds taken."""
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     flags = recipe_flags(name)
     trainer = [str(ROOT / "train.py")]
-    if "soft_beta" in flags:
-        if not soft_states:
-            raise SystemExit(f"{name}: give --soft-states (python -m bench.soft_target_bench states)")
-        trainer = ["-m", "bench.soft_target_bench", "train", "--states", soft_states, "--beta",
-                   str(flags["soft_beta"]), "--"]
     t0 = time.time()
     train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
-             "--seed", str(seed), *argv({**FIXED, **{k: v for k, v in flags.items() if k != "soft_beta"}})]
+             "--seed", str(seed), *argv({**FIXED, **flags})]
     _call(train, env, run_dir.parent / f"s{seed}.train.log")
     return time.time() - t0
 
@@ -307,15 +298,10 @@ def _versus(p: dict | None, reference: bool) -> str:
     return f"{p['diff']:+.3f} ({100 * p['relative']:+.1f}%)" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
 
 
-def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand with the harness's shared flags (--json, --force, --toy, --threads)."""
-    return subs.add_parser(name, help=help, parents=[harness.parser(None)], conflict_handler="resolve")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = subcommand(sub, "run", "train and replay (recipe, seed) runs not kept yet")
+    r = harness.subcommand(sub, "run", "train and replay (recipe, seed) runs not kept yet")
     r.add_argument("--store", required=True)
     r.add_argument("--recipes", required=True, help="comma-separated names of RECIPES, 'a+b' combinations, or default")
     r.add_argument("--seeds", default="0,1,2")
@@ -323,13 +309,12 @@ def main() -> None:
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--runs", default="/tmp/recipe_bench", help="where run directories go (large; not kept)")
     r.add_argument("--results", default=str(RESULTS))
-    r.add_argument("--soft-states", help="final states for the soft-* recipes (python -m bench.soft_target_bench states)")
     r.add_argument("--replay-store", help="replay on this store of the same prompts (default: --store)")
     r.add_argument("--train-tag", default="", help="names the training store: runs are kept as RECIPE@TAG")
     r.add_argument("--allow-mismatch", action="store_true", help="replay on a --replay-store whose conditioning "
                    "differs from the training store's (evaluate.py --allow-mismatch; the result records it)")
     r.add_argument("--label", default="", help="results are kept as RECIPE@LABEL (default: --train-tag)")
-    t = subcommand(sub, "table", "summarize the kept runs of one budget")
+    t = harness.subcommand(sub, "table", "summarize the kept runs of one budget")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--against", default="baseline")
     t.add_argument("--results", default=str(RESULTS))
@@ -344,7 +329,7 @@ def main() -> None:
         jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
-                                   args.soft_states, args.replay_store, args.train_tag, args.label, args.allow_mismatch)
+                                   args.replay_store, args.train_tag, args.label, args.allow_mismatch)
                        for n, s in jobs]
             kept = {f"{n} seed {s}": str(f.result()) for (n, s), f in zip(jobs, futures)}
         harness.emit({"runs": kept}, args)

@@ -73,7 +73,6 @@ import time
 from pathlib import Path
 
 from bench import harness
-from bench.read_bench import subcommand
 
 TOY = [["reads", "--local", "{store}", "--shards", "0-3", "--samples", "20"],
        ["startup", "--startup", "{store}", "--eval-shards", "3"],
@@ -247,7 +246,7 @@ def start_up(url: str, prompts: int) -> dict:
     shards = choose_shards(config, store, [], [], index.records or None)
     sample = Prompts(store, shards.ids, config.max_prompts, config.seed, index)
     embed, lm_head = store.embedding("embed_tokens"), store.embedding("lm_head")
-    dc, _ = drafter_config(TrainConfig(num_layers=1), store.attrs, None)
+    dc, _ = drafter_config(TrainConfig.of(num_layers=1), store.attrs, None)
     m = Drafter(dc, embed, lm_head)
     m.init_weights(torch.Generator().manual_seed(0))
     engine = BatchReplay(m.eval(), (), 1, sample.max_length, max_rounds=1)
@@ -477,20 +476,20 @@ def run_train(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = subcommand(sub, "reads", "samples/s a loader worker reads from S3 against the local disk")
+    r = harness.subcommand(sub, "reads", "samples/s a loader worker reads from S3 against the local disk")
     r.add_argument("--local", required=True)
     r.add_argument("--shards", default="0-7")
     r.add_argument("--samples", type=int, default=300)
-    s = subcommand(sub, "startup", "train.py's setup on a many-shard store through S3, with its requests")
+    s = harness.subcommand(sub, "startup", "train.py's setup on a many-shard store through S3, with its requests")
     s.add_argument("--startup", required=True, help="a many-shard store (read_bench startup build)")
     s.add_argument("--eval-shards", default="2400-2441")
-    e = subcommand(sub, "eval-startup", "evaluation's start-up through S3 with a per-request latency")
+    e = harness.subcommand(sub, "eval-startup", "evaluation's start-up through S3 with a per-request latency")
     e.add_argument("--local", required=True, help="a many-shard store (read_bench startup build)")
     e.add_argument("--delay-ms", type=float, default=50.0, help="latency the proxy adds to every request")
     e.add_argument("--prompts", type=int, default=2000, help="evaluate.py's --max-prompts")
     e.add_argument("--old-shards", type=int, default=40, help="shards the per-shard opening is timed on")
     e.add_argument("--code", type=Path, help="run on the code of this checkout instead (before/after figures)")
-    c = subcommand(sub, "cache", "two epochs of reads from S3 with and without the node-local cache")
+    c = harness.subcommand(sub, "cache", "two epochs of reads from S3 with and without the node-local cache")
     c.add_argument("--tiny", type=Path, required=True)
     c.add_argument("--wide", type=Path, required=True)
     c.add_argument("--shards", type=int, default=4)
@@ -500,7 +499,7 @@ def main() -> None:
     child.add_argument("--epochs", type=int, required=True)
     child.add_argument("--counts", required=True)
     child.add_argument("--cache-dir")
-    t = subcommand(sub, "train", "train.py's steps/s from S3 with a per-request latency against without")
+    t = harness.subcommand(sub, "train", "train.py's steps/s from S3 with a per-request latency against without")
     t.add_argument("--store", type=Path, required=True, help="a local store to copy into moto")
     t.add_argument("--steps", type=int, default=40)
     t.add_argument("--delays", default="0,300", help="latencies per request, ms")

@@ -10,7 +10,7 @@
 `layouts` reads every committed shard's states from a store (the shipped target's full store, say)
 and writes them again through zarr in each candidate layout, with the store's chunking (256-token
 chunks in 4,096-token shard files): blosc zstd-3 with byte shuffle, blosc zstd-1 with bit shuffle
-(built-in codecs only), and this package's byte-plane codec (store/codec.py: high plane zstd-1, low
+(built-in codecs only), and this package's byte-plane codec (store/bf16_codec.py: high plane zstd-1, low
 plane raw or LZ4), the last three with a crc32c checksum per chunk. Three kinds of data: the store
 as it is, the same states with every repeated token row dropped (prompts that share a template
 prefix give identical rows, which some layouts find and others cannot), and states of
@@ -55,7 +55,6 @@ else:
 import numpy as np  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.read_bench import subcommand  # noqa: E402
 
 TOY = [["layouts", "--store", "{store}"], ["fp8", "--bf16", "{store}", "--fp8", "{fp8_store}"]]
 WIDE_H, TOY_H = 5120, 512  # the 27B's width; the toy run's
@@ -64,7 +63,7 @@ WIDE_H, TOY_H = 5120, 512  # the 27B's width; the toy run's
 def layouts():
     from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
-    from store.codec import Bf16Planes
+    from store.bf16_codec import Bf16Planes
 
     return {
         "blosc zstd-3 byte shuffle": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle,
@@ -179,26 +178,27 @@ def root_of(store: str, path: Path, x: np.ndarray, hidden_format: str) -> None:
     import torch
 
     from pipeline import fingerprint
-    from store import layout
+    from store import hidden_formats
     from store.hidden_store import HiddenStore
     from store.schema import to_json
     from store.store_writer import StoreWriter
 
     attrs = HiddenStore(store).attrs
     compat = dataclasses.replace(attrs.compat.as_format(hidden_format), taps=tuple(range(x.shape[1])),
-                                 codec=layout.FORMAT_CODECS[hidden_format])
+                                 codec=hidden_formats.of(hidden_format).codec)
     attrs = dataclasses.replace(attrs, compat=compat, fingerprint=fingerprint.sha256_json(to_json(compat)),
                                 hidden_size=x.shape[2], taps=compat.taps)
     zeros = torch.zeros(attrs.vocab_size, x.shape[2], dtype=torch.bfloat16)
     StoreWriter(str(path)).create_or_check(attrs, zeros, zeros)
 
 
-def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_mb_s: float | None = None,
-           root: str | None = None) -> dict:
+def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, root: str,
+           producer_mb_s: float | None = None) -> dict:
     """The extractor's ShardWriter on x (16 passes; fp8: x already rounded, as the capture hands it
     over), as fast as it takes batches of 256 tokens or fed at producer_mb_s with room for two shard
     files (the default --writer-memory-gb is 4 GiB, about 20 at 27B width): MB/s (of raw bf16) until
-    committed, and the producer's stall. root: a store whose root to copy (for `reader`)."""
+    committed, and the producer's stall. root: a store whose root to copy (the writer codes the states in
+    the format of the store it writes, and `reader` reads them back)."""
     import shutil
 
     import torch
@@ -212,11 +212,10 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_
     path = tmp / f"writer-{hidden_format}.zarr"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir()
-    if root:
-        root_of(root, path, x, hidden_format)
+    root_of(root, path, x, hidden_format)
     held = 2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40
     w = ShardWriter(StoreWriter(str(path)), 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
-                    threads=threads, hidden_format=hidden_format, max_held_bytes=held)
+                    threads=threads, max_held_bytes=held)
     t0 = time.perf_counter()
     for k in range(16 * len(x) // batch):
         if producer_mb_s:
@@ -235,8 +234,8 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, producer_
 
 
 def writer_runs(x: np.ndarray, fmt: str, threads: int, tmp: Path, root: str) -> dict:
-    return {"as fast as it takes": writer(x, fmt, threads, tmp),
-            "at 500 MB/s": writer(x, fmt, threads, tmp, producer_mb_s=500, root=root)}
+    return {"as fast as it takes": writer(x, fmt, threads, tmp, root),
+            "at 500 MB/s": writer(x, fmt, threads, tmp, root, producer_mb_s=500)}
 
 
 def reader(path: Path, workers: list[int]) -> dict:
@@ -456,9 +455,9 @@ def run_fp8(args, tmp: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = subcommand(sub, "layouts", "bf16 layouts side by side: size, write and read speed, random sample reads")
+    s = harness.subcommand(sub, "layouts", "bf16 layouts side by side: size, write and read speed, random sample reads")
     s.add_argument("--store", required=True)
-    f = subcommand(sub, "fp8", "the fp8 format against bf16: size, rounding error, write and read speed")
+    f = harness.subcommand(sub, "fp8", "the fp8 format against bf16: size, rounding error, write and read speed")
     f.add_argument("--bf16", required=True, help="a bf16 store")
     f.add_argument("--fp8", required=True, help="the fp8 store of the same prompts")
     for q in (s, f):

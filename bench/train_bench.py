@@ -383,15 +383,10 @@ def gpu(args) -> dict:
             "training": training(args.store, args.steps, args.batch_size, args.anchors, args.run_dir)}
 
 
-def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand with the harness's shared flags (--json, --force, --toy, --threads)."""
-    return subs.add_parser(name, help=help, parents=[harness.parser(None)], conflict_handler="resolve")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subs = p.add_subparsers(dest="cmd", required=True)
-    s = subcommand(subs, "speed", "steps/s, tokens/s and their split on CPU; the loader's headroom")
+    s = harness.subcommand(subs, "speed", "steps/s, tokens/s and their split on CPU; the loader's headroom")
     s.add_argument("--store", default="hs.zarr", help="store of the tiny target (pipeline extract --shards 0-63)")
     s.add_argument("--shards", default="0-15", help="training shards")
     s.add_argument("--steps", type=int, default=20, help="timed optimizer steps per repeat")
@@ -404,11 +399,11 @@ def main() -> None:
     s.add_argument("--num-layers", type=int, default=None, help="drafter layers (default: 5)")
     s.add_argument("--workers", type=int, default=2, help="data loader worker processes")
     s.add_argument("--seed", type=int, default=0)
-    c = subcommand(subs, "long-context", "peak memory against --max-length, with and without --grad-checkpoint")
+    c = harness.subcommand(subs, "long-context", "peak memory against --max-length, with and without --grad-checkpoint")
     c.add_argument("--like", required=True, help="a store of the target whose root (embeddings, taps) to copy")
     c.add_argument("--store", required=True, help="where the store of random samples goes (reused if there)")
     c.add_argument("--lengths", default="1024,2048,4096,8192")
-    g = subcommand(subs, "gpu", "flex against block-local SDPA, and a short bf16 run (CUDA)")
+    g = harness.subcommand(subs, "gpu", "flex against block-local SDPA, and a short bf16 run (CUDA)")
     g.add_argument("--store", required=True)
     g.add_argument("--steps", type=int, default=60)
     g.add_argument("--batch-size", type=int, default=8)
