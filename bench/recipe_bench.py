@@ -243,7 +243,8 @@ def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
     runs: dict[str, dict[int, dict]] = {}
     for f in sorted((results / str(steps)).glob("*/s*.json")):
         r = json.loads(f.read_text())
-        runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {"blocks_per_step": r["blocks_per_step"]}
+        runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {"blocks_per_step": r["blocks_per_step"],
+                                                                       "flags": r["flags"]}
     return runs
 
 
@@ -255,7 +256,7 @@ def table(results: Path, steps: int, against: str, only: list[str] | None = None
         runs = {name: seeds for name, seeds in runs.items() if name in only or name == against}
     out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
     for name, seeds in sorted(runs.items()):
-        row = {"seeds": sorted(seeds), "flags": recipe_flags(name.split("@")[0])}
+        row = {"seeds": sorted(seeds), "flags": seeds[min(seeds)]["flags"]}  # as the runs recorded them
         common = sorted(set(seeds) & set(ref))
         for k in METRICS + ("blocks_per_step",):
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
