@@ -1,5 +1,5 @@
 """A node-local cache of an object store's shard files: each file fetched whole once per node, then
-read from the node's own disk (issue 38: a node that reads only its share of the shards keeps that
+read from the node's own disk (a node that reads only its share of the shards keeps that
 share here, so each byte crosses the network about once per run).
 
     CACHE/

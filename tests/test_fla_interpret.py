@@ -60,14 +60,14 @@ def test_the_chunked_fla_kernel_under_the_interpreter_equals_the_naive_recurrenc
     assert kernel_error("chunk_gated_delta_rule")["max_abs"] < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="measured 2026-12-03: in bf16, fla 0.6.0's chunked kernel is wrong by ~1e9 "
+@pytest.mark.xfail(strict=True, reason="in bf16, fla 0.6.0's chunked kernel is wrong by ~1e9 "
                                        "under Triton 3.7.1's interpreter (its bf16 is not the GPU's): parity in bf16 "
                                        "needs a GPU (bench/gpu_check.sh)")
 def test_the_chunked_fla_kernel_in_bf16_under_the_interpreter_is_close_to_the_naive_recurrence():
     assert kernel_error("chunk_gated_delta_rule", "bfloat16")["max_abs"] < 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="measured 2026-12-03: fla 0.6.0's fused recurrent kernel returns NaN under "
+@pytest.mark.xfail(strict=True, reason="fla 0.6.0's fused recurrent kernel returns NaN under "
                                        "Triton 3.7.1's interpreter with these shims (generation's decode steps); "
                                        "stage one therefore captures stored completions (--responses dataset)")
 def test_the_fused_recurrent_fla_kernel_under_the_interpreter_equals_the_naive_recurrence():

@@ -2,7 +2,7 @@
 (pipeline/decode/batch_replay.py) is tested against, prompt by prompt (tests/pipeline/decode/
 test_batch_replay.py, tests/stages/test_evaluate.py), and what `python -m bench.eval_bench replay`
 times it against.
-A test aid, so it lives with the tests (issue 39).
+A test aid, so it lives with the tests.
 
 Replay greedy speculative decoding from stored states and the stored greedy completion.
 

@@ -4,7 +4,7 @@ import dataclasses
 
 from pipeline.drafter.config import DrafterConfig, architecture_fields
 
-# The list stages/train/setup.py's fresh_config kept by hand before the fields declared it (issue 23).
+# The list stages/train/setup.py's fresh_config kept by hand before the fields declared it.
 ARCHITECTURE_BEFORE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                        "intermediate_size", "layer_types", "sliding_window", "is_causal", "rms_norm_eps",
                        "rope_parameters", "max_position_embeddings", "input_embedding_scale")
