@@ -159,12 +159,13 @@ class LossConfig:
     loss_norm: str = setting("weights", "Divide a micro-batch's weighted CE by the sum of the slot weights (SPEC) or "
                                         "by the number of labelled slots (labels, as speculators).", choices=NORMS,
                              resume="fixed")
-    acceptance_weight: float = setting(0.0, "Weight lam of the expected-acceptance objective: loss = lam * (1 - "
-                                            "E/(B-1)) + (1 - lam) * the weighted CE, E the expected number of leading "
-                                            "drafts accepted, the product of the drafter's probabilities of the "
-                                            "target's tokens (docs/training.md). The product weights the slots "
-                                            "itself: --slot-weights apply to the CE part only (at 1, not at all). "
-                                            "0: cross-entropy alone.", resume="fixed")
+    acceptance_weight: float = setting(0.0, "Weight lam of the expected-acceptance objective: loss = lam (1 - "
+                                            "E/(B-1)) + (1 - lam) the weighted CE, E = sum over j of the product of "
+                                            "the drafter's probabilities of the target's tokens at slots 1..j, the "
+                                            "expected number of leading drafts accepted (docs/training.md, Blocks, "
+                                            "labels and loss). The product weights the slots itself: --slot-weights "
+                                            "weight the CE part only (at 1, nothing). 0: cross-entropy alone.",
+                                       resume="fixed")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -272,5 +272,5 @@ def test_the_acceptance_weight_reaches_the_loss_and_leaves_the_metrics(small_sto
     sums = outs[0.0].sums
     assert all(torch.equal(out.sums, sums) for out in outs.values())
     assert torch.allclose(outs[0.0].loss, sums[0] / sums[1])
-    assert 0 < float(outs[1.0].loss) < 1 and not torch.allclose(outs[1.0].loss, outs[0.0].loss)
+    assert 0 < outs[1.0].loss.item() < 1 and not torch.allclose(outs[1.0].loss, outs[0.0].loss)
     assert torch.allclose(outs[0.5].loss, (outs[0.0].loss + outs[1.0].loss) / 2)
