@@ -177,10 +177,9 @@ def expected_accepted(ce: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 def acceptance_loss(ce: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """L_acc = mean over counted blocks of 1 - E/K (K = B-1): a scalar, 0 when no block counts."""
-    blocks = keep[..., 1]  # [b, N]: as `_sums` counts blocks
+    n = keep[..., 1].sum()  # blocks that count, as `_sums` counts them; the others have E = 0
     k = max(keep.shape[-1] - 1, 1)
-    n = blocks.sum()
-    return (n - expected_accepted(ce, keep)[blocks].sum() / k) / n.clamp_min(1)
+    return (n - expected_accepted(ce, keep).sum() / k) / n.clamp_min(1)
 
 
 def zero_sums(block_size: int, device=None) -> torch.Tensor:
