@@ -110,6 +110,9 @@ ON_DEFAULTS: dict[str, dict] = {
     # the node-affine order's randomness cost; one process is one node, so this is 56 shards
     # shuffled in windows of 8 (80 samples) against one shuffle of all 560
     "node-window-8": {"data_order": "node", "shuffle_window": 8},
+    # the expected-acceptance objective (docs/training.md): mixed half and half with the CE, and alone
+    "accept-0.5": {"acceptance_weight": 0.5},
+    "accept-1": {"acceptance_weight": 1.0},
 }
 METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "heldout_ce", "heldout_tau_streak",
            "train_tau_replay", "s_per_step")

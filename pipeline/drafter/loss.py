@@ -11,6 +11,22 @@ label. Hard labels only. Two slot weightings:
   weights are data, not part of the graph: no gradient flows through them. Unlabelled slots are
   a factor 1 in C and add nothing to the sums.
 
+Expected acceptance (mixed in with weight `acceptance`, default 0: cross-entropy only). With hard
+labels, slot i's acceptance chance is the drafter's probability of the target's token there,
+alpha_i = exp(-CE_i) (it equals 1 - TV_i between the drafter's distribution and the one-hot target, so
+the TV/L1 form and the product form coincide here). A_j = alpha_1 ... alpha_j = exp(-(CE_1 + ... +
+CE_j)) is the chance drafts 1..j are all accepted, E = A_1 + ... + A_K (K = B-1) the expected number of
+accepted drafts, and L_acc = 1 - E/K per block, averaged over the blocks that count (slot 1 labelled,
+as the metrics count them). A slot without a label stops acceptance: A_j = 0 from there on, and no
+gradient flows from it. The product weights the slots itself (a miss at slot 1 costs every later
+A_j), so the exp/D-PACE slot weights apply to the CE part only:
+loss = acceptance * L_acc + (1 - acceptance) * CE_loss.
+
+Not here: a top-k term for trees. DDTree acceptance depends on the rank of the target's token at each
+depth (a tree with k branches a depth accepts when the token is among its top k), so its term would
+put the drafter's top-k mass of the target's token, P(rank < k), in place of alpha_i; that is not
+differentiable as it stands (a rank), and no smooth surrogate was measured.
+
 Logits are made only for labelled slots, by a fused linear + cross-entropy that holds one bounded
 slice of logits at a time (LOGITS_BYTES) in the forward and again in the backward, so a 248k
 vocabulary never holds [rows, V] for the whole batch.
@@ -117,11 +133,14 @@ class LossOut:
 
 
 def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float | None,
-                dpace: float | None = None, chunk_rows: int | None = None, norm: str = "weights") -> LossOut:
+                dpace: float | None = None, chunk_rows: int | None = None, norm: str = "weights",
+                acceptance: float = 0.0) -> LossOut:
     """h: [b, N*B, H] drafter output (after its norm); labels: [b, N, B] (IGNORE = no loss);
     lm_head: [V, H] frozen. Slot weights: exp(-(k-1)/gamma), or D-PACE with smoothing alpha = dpace
     when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES).
-    norm: divide the weighted CE by the sum of the weights or by the number of labels (config.NORMS)."""
+    norm: divide the weighted CE by the sum of the weights or by the number of labels (config.NORMS).
+    acceptance: the expected-acceptance term's weight in [0, 1] (module doc); 0: the weighted CE alone.
+    The sums (metrics) are the same whatever the weight: their `loss` is the weighted CE."""
     b, n, B = labels.shape
     keep = labels != IGNORE
     h_sel = h.reshape(b, n, B, -1)[keep]  # [M, H]
@@ -129,6 +148,10 @@ def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, ga
     ce, pred = linear_cross_entropy(h_sel, lm_head, y, chunk_rows)  # [M] fp32, [M] long
     w = _weights(ce, keep, gamma, dpace)  # [M] fp32, no grad
     loss = (w * ce).sum() / (w.sum() if norm == "weights" else w.new_tensor(float(len(w)))).clamp_min(1e-12)
+    if acceptance == 1:
+        loss = acceptance_loss(ce, keep)
+    elif acceptance:
+        loss = acceptance * acceptance_loss(ce, keep) + (1 - acceptance) * loss
     correct = torch.zeros(b, n, B, dtype=torch.bool, device=h.device)
     correct[keep] = pred == y
     return LossOut(loss, _sums(ce.detach(), w, correct, keep))
@@ -142,6 +165,21 @@ def _weights(ce, keep, gamma, dpace) -> torch.Tensor:
         return dpace_weights(full, keep, dpace)[keep]
     assert gamma is not None, "exp slot weights need gamma"
     return slot_weights(keep.shape[-1], gamma).to(ce.device).expand(keep.shape)[keep]
+
+
+def expected_accepted(ce: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """E per block (module doc): ce [M] fp32 in `labels[keep]` order, differentiable; keep [b, N, B]
+    bool -> [b, N] fp32, the expected number of leading drafts (slots 1..B-1) accepted."""
+    full = ce.new_zeros(keep.shape).masked_scatter(keep, ce)  # [b, N, B], row-major as labels[keep]
+    reach = keep[..., 1:].to(ce.dtype).cumprod(-1)  # [b, N, K]: 0 from the first unlabelled slot on
+    return (torch.exp(-full[..., 1:].cumsum(-1)) * reach).sum(-1)  # A_j summed over j
+
+
+def acceptance_loss(ce: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """L_acc = mean over counted blocks of 1 - E/K (K = B-1): a scalar, 0 when no block counts."""
+    n = keep[..., 1].sum()  # blocks that count, as `_sums` counts them; the others have E = 0
+    k = max(keep.shape[-1] - 1, 1)
+    return (n - expected_accepted(ce, keep).sum() / k) / n.clamp_min(1)
 
 
 def zero_sums(block_size: int, device=None) -> torch.Tensor:

@@ -159,6 +159,13 @@ class LossConfig:
     loss_norm: str = setting("weights", "Divide a micro-batch's weighted CE by the sum of the slot weights (SPEC) or "
                                         "by the number of labelled slots (labels, as speculators).", choices=NORMS,
                              resume="fixed")
+    acceptance_weight: float = setting(0.0, "Weight lam of the expected-acceptance objective: loss = lam (1 - "
+                                            "E/(B-1)) + (1 - lam) the weighted CE, E = sum over j of the product of "
+                                            "the drafter's probabilities of the target's tokens at slots 1..j, the "
+                                            "expected number of leading drafts accepted (docs/training.md, Blocks, "
+                                            "labels and loss). The product weights the slots itself: --slot-weights "
+                                            "weight the CE part only (at 1, nothing). 0: cross-entropy alone.",
+                                       resume="fixed")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -167,6 +174,7 @@ class LossConfig:
         require(self, "gamma", self.gamma is None or self.gamma > 0, "must be positive")
         require(self, "gamma", self.gamma is None or self.slot_weights == "exp", "is only used by --slot-weights exp")
         require(self, "dpace_alpha", 0 < self.dpace_alpha <= 1, "expected 0 < alpha <= 1")
+        require(self, "acceptance_weight", 0 <= self.acceptance_weight <= 1, "expected 0 <= weight <= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

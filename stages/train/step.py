@@ -34,6 +34,7 @@ class LossPlan:
     loss_norm: str = "weights"  # drafter config's NORMS
     noise: str = "gaussian"  # recipe.NOISES
     packed: bool = False  # --batching packed: rows hold several documents (batch.starts is read)
+    acceptance: float = 0.0  # the expected-acceptance term's weight (loss.dflash_loss); 0: CE alone
 
     @classmethod
     def of(cls, config: LossConfig, drafter: DrafterConfig, flex: bool, packed: bool = False) -> LossPlan:
@@ -42,7 +43,7 @@ class LossPlan:
         gamma = slot_gamma(config, drafter.block_size)
         alpha = None if config.slot_weights == "exp" else config.dpace_alpha
         return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
-                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise, packed)
+                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise, packed, config.acceptance_weight)
 
     @property
     def width(self) -> int:
@@ -76,7 +77,8 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
     mask = masks.build(raw.rules, anchors, valid, ctx_len, plan.block_size, "flex" if plan.flex else "local",
                        None if starts is None else blocks.starts)
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
-    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha, norm=plan.loss_norm)
+    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha, norm=plan.loss_norm,
+                       acceptance=plan.acceptance)
 
 
 def make_noise(plan: LossPlan, shape, gen: torch.Generator, device) -> torch.Tensor:

@@ -28,6 +28,7 @@ def test_defaults_are_the_recipe_benchs_choice():
     ({"dpace_alpha": 0.0}, "--dpace-alpha 0.0: expected 0 < alpha <= 1"),
     ({"dpace_alpha": 1.5}, "--dpace-alpha 1.5: expected 0 < alpha <= 1"),
     ({"anchor_budget": 0}, "--anchor-budget 0: must be at least 1"),
+    ({"acceptance_weight": 2.0}, "--acceptance-weight 2.0: expected 0 <= weight <= 1"),
 ])
 def test_bad_values_are_named(over, needle):
     with pytest.raises(ConfigError) as e:
@@ -246,3 +247,30 @@ def test_uniform_noise_is_bounded_by_its_half_width():
     assert 0.049 < float(x.abs().max()) <= 0.05 and abs(float(x.std()) - 0.05 / 3 ** 0.5) < 2e-3
     y = make_noise(LossPlan(8, 16, 0, 7.0, 0.05, False), (4000,), g, "cpu")
     assert abs(float(y.std()) - 0.05) < 3e-3 and float(y.abs().max()) > 0.1  # Gaussian: sd 0.05, tails beyond it
+
+
+def test_the_acceptance_weight_reaches_the_loss_and_leaves_the_metrics(small_store):
+    """--acceptance-weight mixes 1 - E/(B-1) into the step's loss: 0 is the weighted CE (sums[0] /
+    sums[1]), 1 a value in (0, 1), 0.5 their mean; the metrics' sums are the same for all three."""
+    import torch
+
+    from pipeline.drafter.model import Drafter
+    from stages.train.data import StoreBatches, index_samples
+    from stages.train.setup import drafter_config
+    from stages.train.step import LossPlan, forward_loss, step_generator
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(str(small_store))
+    dc, _ = drafter_config(TrainConfig.of(num_layers=1), store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
+    model.init_weights(torch.Generator().manual_seed(0))
+    batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0], 200)[:2]]])[0]
+    plans = {lam: LossPlan.of(LossConfig(anchors=8, acceptance_weight=lam), dc, False) for lam in (0.0, 0.5, 1.0)}
+    assert [p.acceptance for p in plans.values()] == [0.0, 0.5, 1.0]
+    outs = {lam: forward_loss(model, model, batch, plan, step_generator(0, 1, 0, 0, torch.device("cpu")))
+            for lam, plan in plans.items()}
+    sums = outs[0.0].sums
+    assert all(torch.equal(out.sums, sums) for out in outs.values())
+    assert torch.allclose(outs[0.0].loss, sums[0] / sums[1])
+    assert 0 < outs[1.0].loss.item() < 1 and not torch.allclose(outs[1.0].loss, outs[0.0].loss)
+    assert torch.allclose(outs[0.5].loss, (outs[0.0].loss + outs[1.0].loss) / 2)

@@ -17,10 +17,11 @@ OPTIONS = ["--optimizer", "adamw", "--schedule", "linear", "--batching", "packed
            "uniform", "--slot-weights", "exp", "--loss-norm", "labels", "--anchor-rule", "single"]
 
 
-@pytest.mark.parametrize("recipe", [[], OPTIONS], ids=["defaults", "options"])
+@pytest.mark.parametrize("recipe", [[], OPTIONS, ["--acceptance-weight", 0.5]], ids=["defaults", "options", "acceptance"])
 def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     """The defaults (Muon's and AdamW's states, random batches, D-PACE) and every other option (AdamW alone, the
-    linear schedule, packed epochs, uniform noise, exp weights, label normalisation, single anchors) resume exactly."""
+    linear schedule, packed epochs, uniform noise, exp weights, label normalisation, single anchors, the
+    expected-acceptance term mixed in) resume exactly."""
     common = ["--store", small_store, "--max-steps", 20, "--save-every", 10, "--noise-std", 0.05, *TINY, *recipe]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = train([*common, "--out", straight])

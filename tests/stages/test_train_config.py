@@ -26,12 +26,14 @@ FLAT_DEFAULTS = {
     "intermediate_size": None, "layer_types": None, "sliding_window": None, "rope_theta": None, "mask_token_id": None,
     "drafter_config": None, "init_from": None, "resume": None, "grad_comm": "fp32", "grad_checkpoint": False,
     "mixed_precision": "auto", "audit": False}
+LATER = {"acceptance_weight": 0.0}  # settings added since, each at a default that trains as before it existed
+RECORD = FLAT_DEFAULTS | LATER
 OLD_CHECKPOINT = Path(__file__).parents[1] / "data" / "schema1" / "checkpoint_config.json"  # a drafter of an early run
 
 
 def test_the_record_is_the_flat_one():
-    assert TrainConfig().record() == FLAT_DEFAULTS
-    assert json.loads(json.dumps(TrainConfig().record())) == FLAT_DEFAULTS  # as written to JSON
+    assert TrainConfig().record() == RECORD
+    assert json.loads(json.dumps(TrainConfig().record())) == RECORD  # as written to JSON
 
 
 def test_a_config_round_trips_through_its_record():
@@ -40,7 +42,7 @@ def test_a_config_round_trips_through_its_record():
     given = {"eval_shards": "3", "follow_poll": 2.0, "muon_lr": 0.01, "anchors": 64, "num_layers": 2, "keep_last": 5}
     config = TrainConfig.of(**given)
     record = json.loads(json.dumps(config.record()))
-    assert record == FLAT_DEFAULTS | given
+    assert record == RECORD | given
     assert TrainConfig.of(**record) == config
     assert (config.data.eval_shards, config.shard_plan.follow_poll, config.optim.muon_lr, config.loss.anchors,
             config.drafter.num_layers, config.run.keep_last) == tuple(given.values())
@@ -54,7 +56,7 @@ def test_an_old_record_still_loads_and_resumes():
     old = json.loads(OLD_CHECKPOINT.read_text())["dflash_pipeline"]["train_config"]
     assert len(old) == 37 and set(old) < set(FLAT_DEFAULTS)
     config = TrainConfig.of(**old)
-    assert config.record() == FLAT_DEFAULTS | old
+    assert config.record() == RECORD | old
     then = {k: v for k, v in BEFORE_THE_FIELD.items() if k not in old}
     resumable(TrainConfig.of(**old, **then), old)
     with pytest.raises(ConfigError, match="--optimizer was 'adamw', now 'muon'"):
@@ -70,13 +72,15 @@ def test_an_unknown_setting_is_refused():
 
 def test_every_setting_belongs_to_one_component_and_keeps_its_flag():
     names = [name for cls in parts(TrainConfig).values() for name in leaves(cls)]
-    assert sorted(names) == sorted(FLAT_DEFAULTS)  # each once: a record key is one component's setting
+    assert sorted(names) == sorted(RECORD)  # each once: a record key is one component's setting
     assert flag_of(TrainConfig, "muon_lr") == flag_of(OptimConfig, "muon_lr") == "--muon-lr"
 
 
 @pytest.mark.parametrize("make,message", [
     (lambda: OptimConfig(optimizer="adamw", muon_lr=0.01), "--muon-lr 0.01: is only used by --optimizer muon"),
     (lambda: LossConfig(gamma=7.0), "--gamma 7.0: is only used by --slot-weights exp"),
+    (lambda: LossConfig(acceptance_weight=1.5), "--acceptance-weight 1.5: expected 0 <= weight <= 1"),
+    (lambda: LossConfig(acceptance_weight=-0.1), "--acceptance-weight -0.1: expected 0 <= weight <= 1"),
     (lambda: DataConfig(shuffle_window=4), "--shuffle-window 4: is only used by --data-order node"),
     (lambda: TrainConfig.of(follow=True, shards="0-3"), "--follow True: needs --max-steps"),
     (lambda: TrainConfig.of(shard_schedule="s.json", max_steps=3), "--shard-schedule s.json: needs --shards"),

@@ -1,5 +1,6 @@
 """The DFlash loss and its metrics on hand-made cases; the fused linear + cross-entropy against a plain
-reference (full logits, F.cross_entropy) at the tiny target's sizes; D-PACE slot weights."""
+reference (full logits, F.cross_entropy) at the tiny target's sizes; D-PACE slot weights; the
+expected-acceptance term (a one-hot drafter's is its streak; loss and gradient against the definition)."""
 
 import math
 
@@ -260,3 +261,120 @@ def test_dpace_weights_follow_the_confidence_and_carry_no_gradient():
     assert L.dpace_weights(sure, keep, 0.5)[0, 0, 2] > L.dpace_weights(unsure, keep, 0.5)[0, 0, 2]
     ce = sure.clone().requires_grad_()
     assert not L.dpace_weights(ce, keep, 0.5).requires_grad
+
+
+# --- expected acceptance ------------------------------------------------------------------------------------
+def reference_acceptance(h, labels, head):
+    """1 - E/K per counted block, averaged, by the definition with full logits and Python loops."""
+    b, n, B = labels.shape
+    logp = F.log_softmax(F.linear(h.reshape(b, n, B, -1), head).float(), -1)  # [b, N, B, V]
+    total, blocks = 0.0, 0
+    for i in range(b):
+        for j in range(n):
+            if labels[i, j, 1] == IGNORE:
+                continue
+            blocks += 1
+            reach, e = 1.0, 0.0
+            for k in range(1, B):
+                if labels[i, j, k] == IGNORE:
+                    break
+                reach = reach * logp[i, j, k, labels[i, j, k]].exp()  # A_k
+                e = e + reach
+            total = total + 1 - e / (B - 1)
+    return total / max(blocks, 1)
+
+
+def one_hot_case(seed, b=3, n=6, B=8, v=8):
+    """Drafter outputs whose logits are 50 on one token (its probability is 1.0 in fp32), labels equal
+    to those tokens or not, with blocks cut short (sequence ended) and mid-block holes."""
+    g = torch.Generator().manual_seed(seed)
+    pred = torch.randint(0, v, (b, n, B), generator=g)
+    miss = torch.rand(b, n, B, generator=g) < 0.25
+    labels = torch.where(miss, (pred + 1 + torch.randint(0, v - 1, (b, n, B), generator=g)) % v, pred)
+    labels[..., 0] = IGNORE
+    ends = torch.randint(1, B + 1, (b, n), generator=g)  # labels stop at slot `end`
+    labels[torch.arange(B) >= ends[..., None]] = IGNORE
+    labels[torch.rand(b, n, B, generator=g) < 0.05] = IGNORE
+    h = 50.0 * F.one_hot(pred, v).float().reshape(b, n * B, v)
+    return h, labels, torch.eye(v), pred
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expected_acceptance_of_a_one_hot_drafter_is_its_streak(seed):
+    h, labels, head, pred = one_hot_case(seed)
+    keep = labels != IGNORE
+    ce, _ = L.linear_cross_entropy(h.reshape(*labels.shape, -1)[keep], head, labels[keep])
+    e = L.expected_accepted(ce, keep)  # [b, N]
+    streak = streaks(pred == labels, keep)
+    assert streak.max() >= 3 and (streak == 0).any()  # long streaks and immediate misses both present
+    assert torch.allclose(e, streak.float(), atol=1e-5)
+    blocks = keep[..., 1]
+    loss = dflash_loss(h, labels, head, 7.0, acceptance=1.0).loss
+    assert math.isclose(float(loss), float((1 - streak[blocks] / 7).mean()), abs_tol=1e-6)
+
+
+def test_a_hand_made_one_hot_block():
+    # slots 1..4: right, right, wrong, right; slot 5 right; then the sequence ends: E = 2
+    pred = [0, 1, 2, 3, 4, 0, 1, 2]
+    labels = torch.tensor([[[IGNORE, 1, 2, 0, 4, 0, IGNORE, IGNORE]]])
+    h = torch.tensor([[[50.0 if t == p else 0.0 for t in range(V)] for p in pred]])
+    keep = labels != IGNORE
+    ce, _ = L.linear_cross_entropy(h[0][keep[0, 0]], HEAD, labels[keep])
+    assert torch.allclose(L.expected_accepted(ce, keep), torch.tensor([[2.0]]), atol=1e-6)
+    labels[0, 0, 3] = 3  # now right: 5 leading drafts, then no label
+    ce, _ = L.linear_cross_entropy(h[0][keep[0, 0]], HEAD, labels[keep])
+    assert torch.allclose(L.expected_accepted(ce, keep), torch.tensor([[5.0]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("lam", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("rows", [None, 7])
+def test_acceptance_loss_and_gradient_equal_the_reference(lam, rows):
+    h, labels, head = tiny_case(seed=4)
+    h = h * 0.05  # soft: probabilities well inside (0, 1), so every A_j moves
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    dflash_loss(h1, labels, head, 7.0, chunk_rows=rows, acceptance=lam).loss.backward()
+    ce_only, _ = reference_loss(h2, labels, head, 7.0)
+    (lam * reference_acceptance(h2, labels, head) + (1 - lam) * ce_only).backward()
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-7) and h1.grad.abs().sum() > 0
+
+
+def test_acceptance_gradient_reaches_every_slot_up_to_the_first_unlabelled_one():
+    g = torch.Generator().manual_seed(5)
+    B, head = 8, torch.randn(TINY_V, TINY_H, generator=g) * 0.2
+    h = (torch.randn(1, 3 * B, TINY_H, generator=g) * 0.05).requires_grad_()
+    labels = torch.randint(0, TINY_V, (1, 3, B), generator=g)
+    labels[..., 0] = IGNORE
+    labels[0, 1, 5:] = IGNORE  # the sequence ends after slot 4
+    labels[0, 2, 3] = IGNORE  # a hole: acceptance stops at slot 2; slots 4.. have labels but are never reached
+    dflash_loss(h, labels, head, 7.0, acceptance=1.0).loss.backward()
+    moved = h.grad.reshape(3, B, -1).abs().sum(-1) > 0  # [N, B]
+    reached = torch.zeros(3, B, dtype=torch.bool)
+    reached[0, 1:], reached[1, 1:5], reached[2, 1:3] = True, True, True
+    assert torch.equal(moved, reached)
+
+
+def test_acceptance_weight_zero_is_the_cross_entropy_exactly():
+    h, labels, head = tiny_case(seed=6)
+    outs = {}
+    for lam in (None, 0.0, 0.5, 1.0):
+        x = h.clone().requires_grad_()
+        out = dflash_loss(x, labels, head, None, dpace=0.5, chunk_rows=7, **({} if lam is None else {"acceptance": lam}))
+        out.loss.backward()
+        outs[lam] = (out.loss.detach(), x.grad, out.sums)
+    assert torch.equal(outs[None][0], outs[0.0][0]) and torch.equal(outs[None][1], outs[0.0][1])
+    keep = labels != IGNORE
+    ce, _ = L.linear_cross_entropy(h.reshape(*labels.shape, -1)[keep], head, labels[keep], 7)
+    acc = L.acceptance_loss(ce, keep)
+    assert torch.equal(outs[1.0][0], acc)
+    assert torch.allclose(outs[0.5][0], 0.5 * acc + 0.5 * outs[0.0][0])
+    assert 0 < float(acc) < 1 and not torch.allclose(outs[1.0][0], outs[0.0][0])
+    assert all(torch.equal(outs[lam][2], outs[None][2]) for lam in outs)  # the metrics are the weighted CE's
+
+
+def test_acceptance_with_no_counted_block():
+    h = torch.randn(1, 32, TINY_H, requires_grad=True)
+    labels = torch.full((1, 2, 16), IGNORE)
+    labels[0, 0, 0] = 3  # slot 0 only: no draft has a label, no block counts
+    out = dflash_loss(h, labels, torch.randn(TINY_V, TINY_H), 7.0, acceptance=1.0)
+    out.loss.backward()
+    assert out.loss.item() == 0 and not h.grad.any()
