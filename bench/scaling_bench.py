@@ -174,7 +174,7 @@ def size(results: Path, steps: int, against: str, relative: float, recipes: list
     tau = statistics.mean(statistics.mean(v.values()) for v in ref.values())
     half = relative * tau
     need = {}
-    for S in (1, 3, 5, 10, 20):
+    for S in (1, 3, 5, 6, 8, 10, 20):
         room = (half / Z95) ** 2 - pooled["var_seed"] / S
         n = (pooled["var_prompt"] + pooled["var_resid"] / S) / room if room > 0 else None
         need[S] = {"prompts": None if n is None else math.ceil(n),
