@@ -85,7 +85,8 @@ def run(args) -> dict:
 def table(results: Path) -> dict:
     """{"rows": [...]} per (samples, steps), and the two curves as lists of row indices."""
     cells: dict[tuple[int, int], dict[int, dict]] = {}
-    for budget in sorted(int(p.name) for p in results.iterdir() if p.name.isdigit()):
+    budgets = sorted(int(p.name) for p in results.iterdir() if p.name.isdigit()) if results.is_dir() else []
+    for budget in budgets:
         for name, seeds in recipe_bench.load(results, budget).items():
             cells[(int(name.split("@n")[1]), budget)] = seeds
     rows = []
@@ -168,6 +169,8 @@ def components(a: dict, b: dict) -> dict:
 def size(results: Path, steps: int, against: str, relative: float, recipes: list[str] | None) -> dict:
     names = recipes or sorted(p.name for p in (results / str(steps)).iterdir() if p.name.startswith(against + "+"))
     ref = per_prompt(results, steps, against)
+    if not ref or not names:
+        raise SystemExit(f"error: {results / str(steps)}: no kept runs of {against!r} and recipes to pair with it")
     pairs = {name: components(per_prompt(results, steps, name), ref) for name in names}
     pooled = {k: statistics.mean(c[k] for c in pairs.values()) for k in ("var_prompt", "var_seed", "var_resid")}
     pooled["sd_prompt"] = math.sqrt(statistics.mean(c["sd_prompt"] ** 2 for c in pairs.values()))
