@@ -138,12 +138,14 @@ def tagged(name: str, tag: str) -> str:
     return f"{name}@{tag}" if tag else name
 
 
-def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False) -> Path:
+def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False, fixed: dict | None = None, replay_shards: str | None = None) -> Path:
     """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
     the training store in the run directory, label the result (default: train_tag); a finished training
     of the same recipe, seed and train_tag is replayed again rather than redone (replay_store: another
     store of the same prompts, such as the bf16 store of an fp8-trained drafter; allow_mismatch: replay
-    it below the evaluator's fingerprint check, as the result then records)."""
+    it below the evaluator's fingerprint check, as the result then records). fixed: what the run shares
+    instead of FIXED; replay_shards: the shards of the replay store to replay (default: its eval_shards)."""
+    fixed = fixed or FIXED
     out = results / str(steps) / tagged(name, label or train_tag) / f"s{seed}.json"
     if out.exists():
         return out
@@ -151,25 +153,25 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     done = run_dir / "train_seconds.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not done.exists():
-        train_s = train_one(store, name, seed, steps, run_dir, env)
+        train_s = train_one(store, name, seed, steps, run_dir, env, fixed)
         done.write_text(f"{train_s}\n")
     train_s = float(done.read_text())
     report = run_dir / f"report-{label or train_tag or 'own'}"
     replay_store = replay_store or store
     mismatch = ["--allow-mismatch"] if allow_mismatch else []
     # named: a checkpoint without store_placement would replay every shard a --replay-store holds
-    held_out = ["--shards", FIXED["eval_shards"]]
+    held_out = ["--shards", replay_shards or fixed["eval_shards"]]
     _call([sys.executable, str(ROOT / "evaluate.py"), "--store", replay_store, "--checkpoint", str(run_dir / "final"),
             "--out", str(report), "--force", *held_out, *REPLAY, *mismatch], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
     result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
-                     train_s)
+                     train_s, fixed)
     result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
 
 
-def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict) -> float:
+def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict, fixed: dict | None = None) -> float:
     """Train one (recipe, seed) into run_dir (from scratch) -> seconds taken."""
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
@@ -177,7 +179,7 @@ def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: 
     trainer = [str(ROOT / "train.py")]
     t0 = time.time()
     train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
-             "--seed", str(seed), *argv({**FIXED, **flags})]
+             "--seed", str(seed), *argv({**(fixed or FIXED), **flags})]
     _call(train, env, run_dir.parent / f"s{seed}.train.log")
     return time.time() - t0
 
@@ -191,10 +193,11 @@ def _call(cmd: list[str], env: dict, log: Path) -> None:
 
 
 def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: Path, report: Path,
-            train_s: float) -> dict:
+            train_s: float, fixed: dict | None = None) -> dict:
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 
+    fixed = fixed or FIXED
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     train = [r for r in records if r["split"] == "train"]
     final = [r for r in records if r["split"] == "eval"][-1]
@@ -208,10 +211,10 @@ def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: 
         ended = int(reader.tokens(p["index"])[-1]) in eos
         prompts.append({"shard": p["shard"], "index": p["index"], "completion_len": p["completion_len"],
                         "eos": ended, "tau": p["tau"], "ddtree": p["ddtree"]})
-    return {"recipe": name, "seed": seed, "steps": steps, "flags": flags, "fixed": FIXED, "train_config": config,
+    return {"recipe": name, "seed": seed, "steps": steps, "flags": flags, "fixed": fixed, "train_config": config,
             "train_seconds": round(train_s, 1),
             "s_per_step": (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]),
-            "blocks_per_step": statistics.mean(r["blocks"] for r in train) / FIXED["log_every"],
+            "blocks_per_step": statistics.mean(r["blocks"] for r in train) / fixed["log_every"],
             "heldout_loss": final["loss"], "heldout_ce": final.get("ce"), "heldout_tau_streak": final["tau_streak"],
             "train_tau_replay": final.get("tau_replay"),
             "tau": rep["tau"], "tau_ci95": rep["tau_ci95"], "tau_pooled": rep["tau_pooled"],

@@ -183,10 +183,15 @@ def train(model: Qwen3_5ForCausalLM, batches, args: argparse.Namespace) -> list[
     return losses
 
 
+def fitting(functions: list[stdlib_corpus.Function], tok) -> list[stdlib_corpus.Function]:
+    """The functions whose header and body fit a prompt (header <= 160 tokens, body <= 256), in corpus order."""
+    return [f for f in functions if len(tok(f.header).input_ids) <= 160 and len(tok(f.body).input_ids) <= 256]
+
+
 def write_prompts(functions: list[stdlib_corpus.Function], tok, path: Path, n: int, seed: int) -> int:
     """A seeded sample of held-out functions that fit (header <= 160 tokens, body <= 256)."""
     rng = random.Random(seed)
-    fit = [f for f in functions if len(tok(f.header).input_ids) <= 160 and len(tok(f.body).input_ids) <= 256]
+    fit = fitting(functions, tok)
     rng.shuffle(fit)
     path.parent.mkdir(parents=True, exist_ok=True)
     chosen = sorted(fit[:n], key=lambda f: f.name)
