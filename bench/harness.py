@@ -2,8 +2,8 @@
 
 A bench is a module run from the repository root as `python -m bench.NAME ...` (so it imports the
 project as it is checked out, with no path set-up of its own). It builds its parser with `parser`,
-times with `medians`, measures peak memory with `in_child` or `run_measured` (one way for all: the
-peak resident set of a fresh child process, VmHWM or its wait4 usage, never the bench's own), and ends with
+times with `medians`, measures peak memory with `in_child` (one way for all: the peak resident set
+of a fresh child process while the function ran, from its VmHWM, never the bench's own), and ends with
 `emit`, which prints the result and writes it only where --json names a file, never over an
 existing one unless --force is given. Each script lists, in `TOY`, the argument lists that run it at
 toy size; `pytest -m bench` (tests/test_bench.py) runs them all.
@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -99,29 +96,6 @@ def in_child(fn, *args, **kwargs) -> tuple[object, dict]:
         raise RuntimeError(f"bench child failed: {payload}")
     result, start, peak = payload
     return result, {"start_rss_bytes": start, "peak_rss_bytes": peak}
-
-
-# Runs a command and writes its peak resident set (bytes) to argv[1]. A command's ru_maxrss counts the
-# address space it was forked from, so it is forked from this small process, not from the bench.
-_PEAK = ("import os, subprocess, sys\n"
-         "p = subprocess.Popen(sys.argv[2:])\n"
-         "_, status, usage = os.wait4(p.pid, 0)\n"
-         "open(sys.argv[1], 'w').write(str(usage.ru_maxrss * 1024))\n"
-         "sys.exit(os.waitstatus_to_exitcode(status) % 256)\n")
-
-
-def run_measured(argv: list[str], *, env: dict | None = None, cwd: str | Path = REPO) -> dict:
-    """Run a command to its end: {"returncode", "seconds", "peak_rss_bytes" (its own process's peak),
-    "stdout", "stderr"}."""
-    with tempfile.TemporaryDirectory() as tmp:
-        peak_file = Path(tmp) / "peak"
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-c", _PEAK, str(peak_file), *argv], cwd=cwd, capture_output=True,
-                           text=True, env={**os.environ, **(env or {})})
-        seconds = time.perf_counter() - t0
-        peak = int(peak_file.read_text()) if peak_file.exists() else None
-    return {"returncode": p.returncode, "seconds": seconds, "peak_rss_bytes": peak, "stdout": p.stdout,
-            "stderr": p.stderr}
 
 
 def python(*args: str) -> list[str]:

@@ -117,9 +117,7 @@ def run_worker(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for n in map(int, args.shards.split(",")):
             path = Path(tmp) / f"s{n}.zarr"
-            # built in a child: a spawned child's ru_maxrss starts at its parent's resident size, so the
-            # parent stays as small as the children measured below
-            harness.in_child(build_worker_store, path, args.like, n, samples)
+            build_worker_store(path, args.like, n, samples)
             index, index_mem = harness.in_child(index_of, str(path), n)
             refs = index.pop("refs")
             rng = np.random.default_rng(0)
