@@ -38,7 +38,8 @@ loops), each as the mean over those prompts.
 Every recipe spells out all the fields it sets (BASELINE, the defaults before the bench chose
 them, plus its own), so a recipe keeps its meaning when train.py's defaults change; `default`
 passes no recipe flag at all (whatever train.py's defaults are today) and its train_config is kept,
-and the ON_DEFAULTS recipes pass only their own fields on top of it (paired against `default`).
+and the ON_DEFAULTS recipes pass only their own fields on top of it (paired against `default`), as does
+`default+a+b`: today's defaults with the fields of recipes a and b (`default+all-sliding`).
 
 `table` prints the table as markdown, then the result (JSON; --json writes it, over a kept file only
 with --force); `run` writes each run's file itself (the layout above) and prints their paths.
@@ -119,14 +120,13 @@ METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "h
 
 
 def recipe_flags(name: str) -> dict:
-    if name == "default":
-        return {}
     if name in ON_DEFAULTS:
         return dict(ON_DEFAULTS[name])
-    base = name.split("+")  # a+b: recipe a's fields, then b's on top
-    out = dict(BASELINE)
-    for part in base:
-        out.update(RECIPES[part])
+    parts = name.split("+")  # a+b: recipe a's fields, then b's on top
+    # default+b: today's defaults (no flag) with b's own fields; any other: BASELINE's fields first
+    out = {} if parts[0] == "default" else dict(BASELINE)
+    for part in parts[parts[0] == "default":]:
+        out.update(ON_DEFAULTS[part] if part in ON_DEFAULTS else RECIPES[part])
     return out
 
 
@@ -249,8 +249,9 @@ def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
     runs: dict[str, dict[int, dict]] = {}
     for f in sorted((results / str(steps)).glob("*/s*.json")):
         r = json.loads(f.read_text())
-        runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {"blocks_per_step": r["blocks_per_step"],
-                                                                       "flags": r["flags"]}
+        runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {
+            "blocks_per_step": r["blocks_per_step"], "flags": r["flags"],
+            "store": r.get("train_store") or r["train_config"]["store"]}
     return runs
 
 
@@ -262,7 +263,8 @@ def table(results: Path, steps: int, against: str, only: list[str] | None = None
         runs = {name: seeds for name, seeds in runs.items() if name in only or name == against}
     out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
     for name, seeds in sorted(runs.items()):
-        row = {"seeds": sorted(seeds), "flags": seeds[min(seeds)]["flags"]}  # as the runs recorded them
+        row = {"seeds": sorted(seeds), "flags": seeds[min(seeds)]["flags"],  # as the runs recorded them
+               "stores": sorted({seeds[s]["store"] for s in seeds})}
         common = sorted(set(seeds) & set(ref))
         for k in METRICS + ("blocks_per_step",):
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
@@ -290,12 +292,12 @@ def markdown(t: dict) -> str:
         for k, _ in cols:
             m, sd = row[k]["mean"], row[k]["sd"]
             cells.append("-" if m is None else f"{m:.3f}" + (f" ± {sd:.3f}" if sd is not None else ""))
-        vs = [_versus(row[k].get("paired"), name == t["against"]) for k in ("tau", "tau_eos")]
+        vs = [versus(row[k].get("paired"), name == t["against"]) for k in ("tau", "tau_eos")]
         lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells + vs) + " |")
     return "\n".join(lines)
 
 
-def _versus(p: dict | None, reference: bool) -> str:
+def versus(p: dict | None, reference: bool) -> str:
     """A paired difference as 'diff (relative) [95% interval]'."""
     if reference:
         return "reference"

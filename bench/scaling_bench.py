@@ -9,7 +9,7 @@ replayed on an evaluation set no run trains on; and how many held-out prompts a 
         --first-shards 13,26,52,104 --steps 1000 --seeds 0,1,2            # tau against samples
     python -m bench.scaling_bench run --store /work/bench/pool.zarr --eval-store /work/bench/eval.zarr \
         --first-shards 104 --steps 250,500,2000 --seeds 0,1,2             # tau against steps
-    python -m bench.scaling_bench table --json bench/results/scaling.json
+    python -m bench.scaling_bench table --json bench/results/scaling.json --png docs/img/scaling.png
     python -m bench.scaling_bench size --steps 200 --against muon+dpace+random --json bench/results/heldout_size.json
 
 `run` trains one drafter per (first shards, steps, seed) with recipe_bench's run (train.py's defaults,
@@ -48,7 +48,8 @@ from bench import harness, recipe_bench
 
 RESULTS = harness.REPO / "bench" / "results" / "scaling_runs"
 TOY = [["run", "--store", "{store}", "--first-shards", "1,2", "--val-shards", "2", "--replay-shards", "3",
-        "--steps", "3", "--seeds", "0", "--jobs", "1", "--runs", "{tmp}/runs", "--results", "{tmp}/results"],
+        "--steps", "3", "--seeds", "0", "--jobs", "1", "--runs", "{tmp}/runs", "--results", "{tmp}/results",
+        "--png", "{tmp}/scaling.png"],
        ["size", "--steps", "200", "--against", "muon+dpace+random"]]
 RECIPE = "default"  # train.py's defaults, whatever they are today
 Z95 = 1.96
@@ -140,6 +141,40 @@ def markdown(t: dict) -> str:
     return "\n".join(out) if out else "(no curve: fewer than two points share a budget or a sample count)"
 
 
+def plot(t: dict, png: Path) -> Path:
+    """Chain, pooled and DDTree-64 tau (mean over seeds, +- sd when more than one) against samples at each
+    step budget, and against steps at each sample count: one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, (along, fixed) in zip(axes, (("samples", "steps"), ("steps", "samples"))):
+        for curve in t["curves"][along]:
+            rows = [t["rows"][p["row"]] for p in curve["points"]]
+            for key, label, marker in (("tau", "chain", "o"), ("tau_pooled", "pooled", "s"), ("ddtree64", "DDTree-64", "^")):
+                ax.errorbar([r[along] for r in rows], [r[key]["mean"] for r in rows],
+                            yerr=[r[key]["sd"] or 0.0 for r in rows], marker=marker, markersize=4, linewidth=0.8,
+                            capsize=2, label=f"{label}, {curve[fixed]:,} {fixed}")
+        ax.set_xscale("log", base=2)
+        xs = sorted({t["rows"][p["row"]][along] for curve in t["curves"][along] for p in curve["points"]})
+        ax.set_xticks(xs, [f"{x:,}" for x in xs])
+        ax.minorticks_off()
+        ax.set(xlabel="distinct training samples" if along == "samples" else "optimizer steps",
+               ylabel="tau (tokens per round)", title=f"tau against {along}")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    seeds = sorted({len(r["seeds"]) for r in t["rows"]})
+    fig.suptitle(f"{t['recipe']} (train.py's defaults), held-out replay; seeds a point: "
+                 f"{', '.join(map(str, seeds)) or 'none'}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def per_prompt(results: Path, steps: int, name: str) -> dict[int, dict[tuple, float]]:
     """{seed: {(shard, index): chain tau}} of one kept recipe-bench result."""
     out = {}
@@ -218,8 +253,10 @@ def main() -> None:
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--runs", default="/tmp/scaling_bench", help="where run directories go (large; not kept)")
     r.add_argument("--results", default=str(RESULTS))
+    r.add_argument("--png", help="also plot the curves into this PNG (as `table --png`)")
     t = harness.subcommand(sub, "table", "summarize the kept runs")
     t.add_argument("--results", default=str(RESULTS))
+    t.add_argument("--png", help="also plot the curves into this PNG (docs/img/scaling.png)")
     s = harness.subcommand(sub, "size", "how many held-out prompts a difference needs, from kept recipe-bench runs")
     s.add_argument("--steps", type=int, default=200)
     s.add_argument("--against", default="muon+dpace+random")
@@ -236,6 +273,8 @@ def main() -> None:
     kept = run(args) if args.cmd == "run" else None
     result = table(Path(args.results)) | ({"runs": kept} if kept else {})
     print(markdown(result))
+    if args.png:
+        print(f"plot: {plot(result, Path(args.png))}")
     harness.emit(result, args)
 
 

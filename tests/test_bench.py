@@ -44,3 +44,14 @@ def test_toy_run(module, args, small_store, fp8_store, trained_drafter, tmp_path
     r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.strip(), "printed no result"
+
+
+def test_a_recipe_on_the_defaults_passes_only_its_own_fields():
+    from bench.recipe_bench import BASELINE, recipe_flags
+
+    assert recipe_flags("default") == {}
+    assert recipe_flags("default+all-sliding") == {"layer_types": "sliding", "sliding_window": 2048}
+    assert recipe_flags("default+accept-0.5+muon") == {"acceptance_weight": 0.5, "optimizer": "muon"}
+    assert recipe_flags("all-sliding") == {**BASELINE, "layer_types": "sliding", "sliding_window": 2048}
+    with pytest.raises(KeyError):
+        recipe_flags("default+nonsense")

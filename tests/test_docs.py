@@ -1,7 +1,7 @@
 """The tables in docs/ that restate the code are generated from it (tools/doc_tables.py) and must be
 current: every flag table row is the flag, default and help of a config field (or of an option a
 command adds), every option of every stage is in exactly one table, and the serving-consumers table
-is pipeline.drafter.serving_engines.CONSUMERS. Also: every production module is in the code map."""
+is pipeline.drafter.serving_engines.CONSUMERS; the recipe bench's options table is its kept runs. Also: every production module is in the code map."""
 
 import importlib.util
 import re
@@ -37,6 +37,23 @@ def test_the_consumers_table_is_generated(doc_tables):
     doc = (REPO / "docs" / "training.md").read_text()
     assert [m.group(1) for m, _ in doc_tables.tables(doc)].count("consumers") == 1
     assert all(f"| {doc_tables.cell(c.name)} |" in doc for c in CONSUMERS)
+
+
+def test_every_training_option_of_the_bench_is_in_the_options_table(doc_tables):
+    """The recipe bench's options on today's defaults (ON_DEFAULTS) each have a row of the generated table of
+    paired figures, and a row of a recipe with no kept run says so."""
+    from bench.recipe_bench import ON_DEFAULTS
+
+    doc = (REPO / "docs" / "training.md").read_text()
+    markers = [m for m, _ in doc_tables.tables(doc) if m.group(1) == "options"]
+    assert len(markers) == 1
+    listed = markers[0].group(2).split()
+    assert set(ON_DEFAULTS) <= set(listed[1:]), f"add {set(ON_DEFAULTS) - set(listed)} to {markers[0].group(0)}"
+    assert "| default+lr-2e-3 | --lr 0.002 | not run |" in doc_tables.options_table([listed[0], "default+lr-2e-3"])
+    with pytest.raises(ValueError, match="no recipe 'nonsense'"):
+        doc_tables.options_table([listed[0], "nonsense"])
+    with pytest.raises(ValueError, match="muon trained on .*: no paired figure"):  # kept from an older store
+        doc_tables.options_table([listed[0], "muon"])
 
 
 @pytest.fixture

@@ -19,6 +19,10 @@ field's default_text, else its value) and the field's help text, from the stage'
     ...
     <!-- /consumers -->
 
+    <!-- options: REF A B -->              the recipe bench's kept runs (bench/results/recipe_runs): each
+    ...                                    option's paired difference from REF, at 200 and 1,000 steps
+    <!-- /options -->
+
 tests/test_docs.py fails when a table differs from what this would write.
 """
 
@@ -30,14 +34,19 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!-- (flags|consumers)(?::\s*(.*?))? -->\n(.*?)^<!-- /\1 -->$", re.M | re.S)
+MARKER = re.compile(r"^<!-- (flags|consumers|options)(?::\s*(.*?))? -->\n(.*?)^<!-- /\1 -->$", re.M | re.S)
 COMMAND = "python tools/doc_tables.py"
+
+
+def _importable() -> None:
+    """The repository's packages (stages, bench) importable when this runs as a script."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
 
 
 def stages() -> dict:
     """{stage: (click command, its config dataclass)}: every command whose options come from a config."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    _importable()
     import evaluate
     import train
     from pipeline.cli import cli
@@ -133,12 +142,55 @@ def consumer_table() -> str:
     return "\n".join(lines)
 
 
+BUDGETS = (200, 1000)
+
+
+def options_table(names: list[str]) -> str:
+    """REF's mean figures, then each option's flags and its paired differences from REF (chain tau, EOS-ended,
+    pooled) at each budget of the recipe bench, as bench/recipe_bench.py `table` computes them."""
+    _importable()
+    from bench.recipe_bench import RESULTS, recipe_flags, table
+
+    ref, options = names[0], names[1:]
+    runs = {steps: table(RESULTS, steps, ref, options)["recipes"] for steps in BUDGETS}
+    for steps, rows in runs.items():
+        stores = {name: row["stores"] for name, row in rows.items()}
+        other = [name for name in stores if stores[name] != stores.get(ref, stores[name])]
+        if other:
+            raise ValueError(f"<!-- options --> at {steps} steps: {', '.join(other)} trained on "
+                             f"{', '.join(stores[other[0]])}, {ref} on {', '.join(stores[ref])}: no paired figure")
+    keys = (("tau", "chain tau"), ("tau_eos", "EOS-ended"), ("tau_pooled", "pooled"))
+    head = " | ".join(f"{label}, {steps:,} steps" for steps in BUDGETS for _, label in keys)
+    lines = [f"| option | flags | {head} |", "| --- | --- |" + " --- |" * len(BUDGETS) * len(keys)]
+    for name in (ref, *options):
+        rows = [runs[steps].get(name) for steps in BUDGETS]
+        try:
+            fields = recipe_flags(name.split("@")[0])
+        except KeyError as e:
+            raise ValueError(f"<!-- options --> names {name}: the recipe bench has no recipe {e}") from None
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fields.items())
+        cells = [_option_cell(row, k, name == ref) for row in rows for k, _ in keys]
+        lines.append(f"| {cell(name)} | {cell(flags) if flags else 'the defaults'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _option_cell(row: dict | None, key: str, reference: bool) -> str:
+    from bench.recipe_bench import versus
+
+    if row is None:
+        return "not run"
+    if reference:
+        return f"{row[key]['mean']:.3f} ({len(row['seeds'])} seeds)"
+    return cell(versus(row[key].get("paired"), False))
+
+
 def tables(text: str) -> list[tuple[re.Match, str]]:
     """(marker match, the body it should hold) for each generated table of a doc's text."""
     out = []
     for m in MARKER.finditer(text):
         kind, args = m.group(1), (m.group(2) or "?").split()
-        table = flag_table(args[0], args[1:]) if kind == "flags" else consumer_table()
+        table = {"flags": lambda: flag_table(args[0], args[1:]), "consumers": consumer_table,
+                 "options": lambda: options_table(args)}[kind]()
         out.append((m, f"\n{table}\n\n"))
     return out
 
