@@ -16,10 +16,12 @@ from pathlib import Path
 from pipeline.drafter.config import DrafterConfig, TrainingRecord
 from store.schema import TargetRecord
 
-TRAIN_KEYS = (("lr", "learning rate"), ("batch_size", "batch size (per process)"),
+TRAIN_KEYS = (("optimizer", "optimizer"), ("lr", "learning rate"), ("muon_lr", "Muon learning rate"),
+              ("schedule", "schedule"), ("batching", "batching"), ("batch_size", "batch size (per process)"),
               ("grad_accum", "gradient accumulation"),
               ("anchors", "anchors per sequence"), ("anchor_budget", "anchor budget per micro-batch"),
               ("gamma", "loss decay gamma"), ("slot_weights", "slot weights"), ("dpace_alpha", "D-PACE alpha"),
+              ("acceptance_weight", "expected-acceptance weight"),
               ("max_length", "max tokens per sample"), ("max_steps", "max steps"),
               ("warmup_ratio", "warmup ratio"), ("weight_decay", "weight decay"), ("noise_std", "noise std"),
               ("mixed_precision", "mixed precision"), ("seed", "seed"))

@@ -34,7 +34,8 @@ def drafter_checkpoint(store_path, directory, train: dict | None = None, **recor
     m = Drafter(dc, store.embedding("embed_tokens"), store.embedding("lm_head"))
     m.init_weights(torch.Generator().manual_seed(0))
     info = {"store_fingerprint": store.attrs.fingerprint, "store": str(store_path), "train_shards": "0-2",
-            "eval_shards": "3", "step": 7, "train_config": {"lr": 0.0031, "batch_size": 2, "anchors": 16, "gamma": 7.0}}
+            "eval_shards": "3", "step": 7, "train_config": {"lr": 0.0031, "batch_size": 2, "anchors": 16, "gamma": 7.0,
+                                                  "optimizer": "muon", "acceptance_weight": 0.5}}
     checkpoint.save(directory, dc, m.state_dict(), TrainingRecord(**{**info, **record}))
     return directory
 
@@ -83,6 +84,7 @@ def test_card_states_target_taps_training_and_the_reports_tau(measured, small_st
     assert "`hidden_states[k+1]`" in text and f"| decoder layers | {attrs.num_layers} |" in text
     assert f"| store fingerprint | `{attrs.fingerprint}` |" in text and "| steps | 7 |" in text
     assert "| learning rate | 0.0031 |" in text and "| anchors per sequence | 16 |" in text
+    assert "| optimizer | muon |" in text and "| expected-acceptance weight | 0.5 |" in text
     assert f"| chain | {entry['tau']:.3f} |" in text
     assert f"| DDTree-8 | {entry['ddtree']['8']:.3f} |" in text and f"| DDTree-4 | {entry['ddtree']['4']:.3f} |" in text
     assert "Not measured" not in text and "drafter in bf16" in text
