@@ -98,7 +98,8 @@ def table(results: Path) -> dict:
             row[k] = {"mean": statistics.mean(vals) if vals else None, "sd": statistics.stdev(vals) if len(vals) > 1 else None}
         rows.append(row)
     curves = {"samples": _curves(rows, "steps", "samples", cells), "steps": _curves(rows, "samples", "steps", cells)}
-    return {"fixed": recipe_bench.FIXED, "recipe": RECIPE, "rows": rows, "curves": curves}
+    shared = {k: v for k, v in recipe_bench.FIXED.items() if k not in ("shards", "eval_shards")}  # each row its own
+    return {"fixed": shared, "recipe": RECIPE, "rows": rows, "curves": curves}
 
 
 def _curves(rows: list[dict], fixed: str, along: str, cells: dict) -> list[dict]:
