@@ -169,24 +169,23 @@ def options_table(names: list[str]) -> str:
         except KeyError as e:
             raise ValueError(f"<!-- options --> names {name}: the recipe bench has no recipe {e}") from None
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fields.items())
-        cells = [_option_cell(row, k, name == ref, runs[steps].get(ref)) for steps, row in zip(BUDGETS, rows)
-                 for k, _ in keys]
+        cells = [_option_cell(row, k, runs[steps].get(ref)) for steps, row in zip(BUDGETS, rows) for k, _ in keys]
         lines.append(f"| {cell(name)} | {cell(flags) if flags else 'the defaults'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _option_cell(row: dict | None, key: str, reference: bool, ref: dict | None) -> str:
-    """A figure of one option at one budget: the reference's mean, or the paired difference from it, with
-    the seeds it pairs when fewer than the reference has."""
+def _option_cell(row: dict | None, key: str, ref: dict | None) -> str:
+    """A figure of one option at one budget: the reference's (ref's) mean, or the paired difference from
+    it, with the seeds it pairs when fewer than the reference has."""
     from bench.recipe_bench import versus
 
     if row is None:
         return "not run"
-    if reference:
+    if row is ref:
         return f"{row[key]['mean']:.3f} ({len(row['seeds'])} seeds)"
     paired = row[key].get("paired")
     n = len(paired["seeds"]) if paired else 0
-    fewer = f"; {n} seed{'s' * (n != 1)}" if ref and 0 < n < len(ref["seeds"]) else ""
+    fewer = f"; {n} seed{'s' * (n != 1)}" if 0 < n < len(ref["seeds"]) else ""  # paired: ref has runs
     return cell(versus(paired, False) + fewer)
 
 

@@ -34,8 +34,9 @@ def drafter_checkpoint(store_path, directory, train: dict | None = None, **recor
     m = Drafter(dc, store.embedding("embed_tokens"), store.embedding("lm_head"))
     m.init_weights(torch.Generator().manual_seed(0))
     info = {"store_fingerprint": store.attrs.fingerprint, "store": str(store_path), "train_shards": "0-2",
-            "eval_shards": "3", "step": 7, "train_config": {"lr": 0.0031, "batch_size": 2, "anchors": 16, "gamma": 7.0,
-                                                  "optimizer": "muon", "acceptance_weight": 0.5}}
+            "eval_shards": "3", "step": 7,
+            "train_config": {"lr": 0.0031, "batch_size": 2, "anchors": 16, "gamma": 7.0, "optimizer": "muon",
+                             "acceptance_weight": 0.5}}
     checkpoint.save(directory, dc, m.state_dict(), TrainingRecord(**{**info, **record}))
     return directory
 
