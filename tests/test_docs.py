@@ -56,6 +56,16 @@ def test_every_training_option_of_the_bench_is_in_the_options_table(doc_tables):
         doc_tables.options_table([listed[0], "muon"])
 
 
+def test_an_option_cell_names_its_seeds_when_fewer_than_the_reference_has(doc_tables):
+    ref = {"seeds": [0, 1, 2], "tau": {"mean": 8.8}}
+    paired = {"seeds": [0, 1], "diff": -0.1, "relative": -0.0114, "ci95": [-0.5, 0.3]}
+    assert doc_tables._option_cell(ref, "tau", ref) == "8.800 (3 seeds)"
+    assert doc_tables._option_cell({"tau": {"paired": paired}}, "tau", ref) == "-0.100 (-1.1%) [-0.500, +0.300]; 2 seeds"
+    full = {**paired, "seeds": [0, 1, 2]}
+    assert doc_tables._option_cell({"tau": {"paired": full}}, "tau", ref) == "-0.100 (-1.1%) [-0.500, +0.300]"
+    assert doc_tables._option_cell(None, "tau", ref) == "not run"
+
+
 @pytest.fixture
 def docs_copy(doc_tables, tmp_path):
     """docs/*.md copied and regenerated, so these tests see only their own edits."""
