@@ -29,6 +29,12 @@ fingerprint check (`--allow-mismatch`, recorded in the result):
     python -m bench.recipe_bench run --store torch-fp32.zarr --train-tag fp32-torch --label fp32-torch-on-fla \
         --replay-store fla-fp32.zarr --allow-mismatch --recipes default
 
+Continuing drafters: every seed starts from its own earlier run's checkpoint (train.py --init-from,
+"{seed}" filled in) and trains --steps more, kept under the label (a fresh optimizer and schedule):
+
+    python -m bench.recipe_bench run --store /work/bench/hs.zarr --recipes default,accept-1 --steps 200 \
+        --init-from /work/bench_runs/1000/default/s{seed}/final --label from-1000
+
 `table` reads the kept runs of one budget: per recipe the mean +- sd over seeds of each figure, and
 the paired difference from --against over the seeds both have, with its 95% t-interval (n - 1
 degrees of freedom) and the difference relative to the reference's mean. Tau is also given over
@@ -66,7 +72,9 @@ ROOT = harness.REPO
 RESULTS = ROOT / "bench" / "results" / "recipe_runs"
 TOY = [["table", "--steps", "200"],
        ["run", "--store", "{store}", "--recipes", "default", "--seeds", "0", "--steps", "3", "--jobs", "1",
-        "--runs", "{tmp}/runs", "--results", "{tmp}/results"]]
+        "--runs", "{tmp}/runs", "--results", "{tmp}/results"],
+       ["run", "--store", "{store}", "--recipes", "accept-1", "--seeds", "0", "--steps", "3", "--jobs", "1",
+        "--init-from", "{checkpoint}", "--label", "ft", "--runs", "{tmp}/runs", "--results", "{tmp}/results"]]
 TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 
 # What every run shares: the README setting on the bench's store (4 rows, 64 anchors a row).
@@ -138,22 +146,23 @@ def tagged(name: str, tag: str) -> str:
     return f"{name}@{tag}" if tag else name
 
 
-def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False, fixed: dict | None = None, replay_shards: str | None = None) -> Path:
+def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False, fixed: dict | None = None, replay_shards: str | None = None, init_from: str = "") -> Path:
     """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
     the training store in the run directory, label the result (default: train_tag); a finished training
     of the same recipe, seed and train_tag is replayed again rather than redone (replay_store: another
     store of the same prompts, such as the bf16 store of an fp8-trained drafter; allow_mismatch: replay
     it below the evaluator's fingerprint check, as the result then records). fixed: what the run shares
-    instead of FIXED; replay_shards: the shards of the replay store to replay (default: its eval_shards)."""
+    instead of FIXED; replay_shards: the shards of the replay store to replay (default: its eval_shards);
+    init_from: a drafter checkpoint to start from ("{seed}" in it: the run's seed), run and kept under label."""
     fixed = fixed or FIXED
     out = results / str(steps) / tagged(name, label or train_tag) / f"s{seed}.json"
     if out.exists():
         return out
-    run_dir = runs / str(steps) / tagged(name, train_tag) / f"s{seed}"
+    run_dir = runs / str(steps) / tagged(name, label if init_from else train_tag) / f"s{seed}"  # never a scratch run's
     done = run_dir / "train_seconds.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not done.exists():
-        train_s = train_one(store, name, seed, steps, run_dir, env, fixed)
+        train_s = train_one(store, name, seed, steps, run_dir, env, fixed, init_from.format(seed=seed))
         done.write_text(f"{train_s}\n")
     train_s = float(done.read_text())
     report = run_dir / f"report-{label or train_tag or 'own'}"
@@ -165,14 +174,16 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
             "--out", str(report), "--force", *held_out, *REPLAY, *mismatch], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
     result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
                      train_s, fixed)
-    result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch}
+    result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch,
+               "init_from": init_from.format(seed=seed) or None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
 
 
-def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict, fixed: dict | None = None) -> float:
-    """Train one (recipe, seed) into run_dir (from scratch) -> seconds taken."""
+def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict, fixed: dict | None = None,
+              init_from: str = "") -> float:
+    """Train one (recipe, seed) into run_dir (from scratch, or from the checkpoint init_from) -> seconds taken."""
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     flags = recipe_flags(name)
@@ -180,6 +191,7 @@ def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: 
     t0 = time.time()
     train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
              "--seed", str(seed), *argv({**(fixed or FIXED), **flags})]
+    train += ["--init-from", init_from] if init_from else []
     _call(train, env, run_dir.parent / f"s{seed}.train.log")
     return time.time() - t0
 
@@ -323,6 +335,8 @@ def main() -> None:
     r.add_argument("--allow-mismatch", action="store_true", help="replay on a --replay-store whose conditioning "
                    "differs from the training store's (evaluate.py --allow-mismatch; the result records it)")
     r.add_argument("--label", default="", help="results are kept as RECIPE@LABEL (default: --train-tag)")
+    r.add_argument("--init-from", default="", help="start every run from this drafter checkpoint (train.py "
+                   "--init-from; '{seed}' in it is the run's seed) instead of from scratch; needs --label")
     t = harness.subcommand(sub, "table", "summarize the kept runs of one budget")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--against", default="baseline")
@@ -335,10 +349,13 @@ def main() -> None:
         names = args.recipes.split(",")
         for n in names:
             recipe_flags(n)  # unknown names fail before anything runs
+        if args.init_from and not args.label:
+            ap.error("--init-from needs --label: its runs are not from scratch")
         jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
-                                   args.replay_store, args.train_tag, args.label, args.allow_mismatch)
+                                   args.replay_store, args.train_tag, args.label, args.allow_mismatch,
+                                   init_from=args.init_from)
                        for n, s in jobs]
             kept = {f"{n} seed {s}": str(f.result()) for (n, s), f in zip(jobs, futures)}
         harness.emit({"runs": kept}, args)
