@@ -204,7 +204,9 @@ class DrafterArchConfig:
                                                "config.json, e.g. a released drafter's; taps, vocab and mask come from "
                                                "the store; size flags override it.")
     init_from: str | None = setting(None, "Start from this drafter checkpoint (loaded strictly; must fit the store). "
-                                          "Its architecture and block size are used; size flags are ignored.")
+                                          "Its architecture and block size are used; size flags are ignored. The "
+                                          "optimizer and schedule start afresh: to continue a trained drafter, lower "
+                                          "--lr.")
 
 
 @dataclass(frozen=True, kw_only=True)
