@@ -158,11 +158,12 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     out = results / str(steps) / tagged(name, label or train_tag) / f"s{seed}.json"
     if out.exists():
         return out
-    run_dir = runs / str(steps) / tagged(name, label if init_from else train_tag) / f"s{seed}"  # never a scratch run's
+    start = init_from.format(seed=seed)  # this seed's checkpoint, or "" (from scratch)
+    run_dir = runs / str(steps) / tagged(name, label if start else train_tag) / f"s{seed}"  # never a scratch run's
     done = run_dir / "train_seconds.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not done.exists():
-        train_s = train_one(store, name, seed, steps, run_dir, env, fixed, init_from.format(seed=seed))
+        train_s = train_one(store, name, seed, steps, run_dir, env, fixed, start)
         done.write_text(f"{train_s}\n")
     train_s = float(done.read_text())
     report = run_dir / f"report-{label or train_tag or 'own'}"
@@ -175,7 +176,7 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
                      train_s, fixed)
     result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch,
-               "init_from": init_from.format(seed=seed) or None}
+               "init_from": start or None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
