@@ -16,8 +16,9 @@
 #  5. serial against batched replay on CUDA with a random drafter of hidden 2048 (python -m
 #     bench.eval_bench replay: lane-rounds/s, same rounds).
 # Each step runs under its own time limit and a failing step does not stop the later ones: the
-# summary lists every step's exit status and seconds. Wheels the machine lacks:
-# bench/fetch_gpu_wheels.sh puts them in .whl/ first.
+# summary lists every step's exit status and seconds; versions.txt lists every library's version against
+# .ci/tested-versions.txt. Wheels the machine lacks, at the tested versions: bench/fetch_gpu_wheels.sh puts
+# them in .whl/ first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -39,6 +40,8 @@ step() {  # step NAME SECONDS COMMAND...: output to $out/NAME.txt, status and ti
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, fla, triton, zarr; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'triton', triton.__version__, 'zarr', zarr.__version__)" 2>&1 | tee -a "$out/gpu.txt"
+python3 -m bench.gpu_wheels versions > "$out/versions.txt" 2>&1  # every library against .ci/tested-versions.txt
+grep -E "differs|image" "$out/versions.txt"
 common=(--shards 0-3 --device cuda --dtype bf16 --responses dataset --max-length 1024 --batch-size 16)
 rm -rf /tmp/fla.zarr /tmp/torch.zarr /tmp/regen.zarr /tmp/gpu_run
 gpus=$(nvidia-smi -L | wc -l)  # the launcher path: one rank per visible GPU, shards claimed as they go

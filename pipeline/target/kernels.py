@@ -4,14 +4,19 @@ Transformers resolves the Gated DeltaNet functions when the modeling module is i
 kernels if `fla` imports, otherwise its PyTorch reference. On a machine without CUDA the fla path
 must stay off (`fla` imports fine but its triton kernels crash), so `select_linear_attention`
 blocks it before the model code loads. `KernelRecorder` then wraps the functions the model
-module calls and records the implementation behind each call, so the store states what ran, not
-what was intended.
+module calls and records, for each call, the implementation that served it, so the store states
+what ran, not what was intended.
+
+Which implementation served a call is read from the call itself (`served_by`): the first code it
+reaches past the wrappers that route it. transformers has changed those wrappers from release to
+release (5.25 turned each function into a `kernels` module object that dispatches by the inputs'
+device, to a hub kernel, the package, or its PyTorch reference), and a record inferred from a
+wrapper's shape silently flipped; a record read from the frames that ran does not depend on it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
 import sys
 from collections import Counter
@@ -65,21 +70,52 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None
 
 
-def implementation_of(fn) -> object:
-    """The function a transformers kernel wrapper dispatches to (the wrapper itself if none)."""
+# Top-level packages whose code only routes a call to the implementation that serves it: module
+# and hub-kernel wrappers (torch.nn, kernels), transformers' dispatch and what it calls on the way
+# (device and compile checks, logging). transformers' modeling code is not among them: it holds
+# the PyTorch reference (`family`).
+ROUTING = frozenset({"torch", "kernels", "transformers", "functools", "contextlib", "logging", "warnings",
+                     "inspect", "typing", "abc", "threading", "importlib", "weakref", "collections", "copy"})
+UNDECIDED = "undecided"
+
+
+def family(module_name: str) -> str | None:
+    """The implementation family of code in `module_name`: 'torch' for transformers' modeling
+    code (its PyTorch reference), None for routing code, else the top-level package ('fla',
+    'causal_conv1d', or a hub kernel's module)."""
+    if module_name.startswith("transformers.models."):
+        return "torch"
+    root = module_name.split(".")[0]
+    return None if root in ROUTING or not root else root
+
+
+class _FirstImplementation:
+    """A profile function for one call: the family of the first code the call reaches past its
+    routing, read from the frames that actually ran. Profiling stops once it is known."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+        self.found: str | None = None
+
+    def __call__(self, frame, event, arg) -> None:
+        if event != "call" or self.found is not None:
+            return
+        self.found = family(frame.f_globals.get("__name__") or "")
+        if self.found is not None:
+            sys.setprofile(self.previous)
+
+
+def served_by(fn, *args, **kwargs) -> tuple[object, str]:
+    """Call fn; return its result and the family of the implementation that served the call
+    (UNDECIDED when the call reached no code outside the routing)."""
+    previous = sys.getprofile()
+    probe = _FirstImplementation(previous)
+    sys.setprofile(probe)
     try:
-        nonlocals = inspect.getclosurevars(fn).nonlocals
-    except (TypeError, ValueError):
-        return fn
-    impl = nonlocals.get("implementation")
-    return impl if callable(impl) else fn
-
-
-def family(fn) -> str:
-    """Where the implementation lives: 'torch' (transformers' PyTorch reference), 'fla',
-    'causal_conv1d', or the top-level package of anything else (a hub kernel, say)."""
-    root = (getattr(fn, "__module__", "") or "?").split(".")[0]
-    return "torch" if root == "transformers" else root
+        out = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(previous)
+    return out, probe.found or UNDECIDED
 
 
 class KernelRecorder:
@@ -110,20 +146,20 @@ class KernelRecorder:
                 setattr(self.module, name, fn)
 
     def _wrap(self, name: str, fn):
-        label = f"{name}:{family(implementation_of(fn))}"
-
         def recorded(*args, **kwargs):
-            self.calls[label] += 1
-            return fn(*args, **kwargs)
+            out, served = served_by(fn, *args, **kwargs)
+            self.calls[f"{name}:{served}"] += 1
+            return out
 
         return recorded
 
     def summary(self) -> dict:
-        """{'linear_attention': 'fla'|'torch'|'mixed'|'none', 'conv1d': ..., 'calls': {...}}."""
+        """{'linear_attention': 'fla'|'torch'|<package>|'mixed'|'none'|UNDECIDED, 'conv1d': ...,
+        'calls': {'function:family': n}}."""
         def fam(prefixes: tuple[str, ...]) -> str:
             seen = {k.split(":")[1] for k in self.calls if k.split(":")[0].endswith(prefixes)}
-            if not seen:
-                return "none"
+            if not seen or UNDECIDED in seen:
+                return UNDECIDED if seen else "none"
             return seen.pop() if len(seen) == 1 else "mixed"
 
         return {

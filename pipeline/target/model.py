@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from pipeline.errors import TargetError
-from pipeline.target.kernels import KernelRecorder, interpreted
+from pipeline.target.kernels import UNDECIDED, KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
 from store.schema import Backends, TargetRecord
 
@@ -154,14 +155,27 @@ class Target:
                         triton=("interpreter" if interpreted() else "compiled") if fla else None)
 
     def check_backends(self) -> Backends:
-        """What ran must be what was chosen: fla on CUDA when installed, the PyTorch path otherwise."""
+        """What ran must be what was chosen: fla on CUDA when installed, the PyTorch path otherwise;
+        and it must be known: a record the code cannot decide stops the run, never a wrong label."""
         b = self.backends()
         ran, wanted = b.linear_attention, self.requested_linear_attention
+        version = f"transformers {transformers.__version__}"
+        unknown = self._unknown_record(b)
+        if unknown:
+            raise TargetError(f"{unknown} on {version} (calls: {b.kernel_calls}), so no store can record what ran")
         if ran not in (wanted, "none"):
             raise TargetError(
                 f"linear attention ran on '{ran}' but '{wanted}' was chosen for {self.device.type} "
-                f"(calls: {b.kernel_calls}); was the model code imported before the kernels were chosen?")
+                f"(calls: {b.kernel_calls}): the model code was imported before the kernels were chosen, "
+                f"or {version} does not send {self.device.type} tensors to {wanted}")
         return b
+
+    def _unknown_record(self, b: Backends) -> str | None:
+        if UNDECIDED in (b.linear_attention, b.conv1d):
+            return "cannot tell which implementation served the linear-attention calls: their dispatch reached no code known here"
+        if b.linear_attention == "none" and "linear_attention" in (getattr(self.model.config, "layer_types", None) or ()):
+            return "the target has linear-attention layers but none of their calls was seen"
+        return None
 
 
 def _cut(seq: list[int], eos_ids: list[int], limit: int) -> list[int]:
