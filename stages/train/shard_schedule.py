@@ -102,10 +102,25 @@ class ShardSchedule:
             self.epochs.clear()
             time.sleep(self.config.shard_plan.follow_poll)
 
-    def missing(self) -> list[int]:
-        """The shards of the range no epoch decided so far trains on."""
-        seen = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs))
-        return [s for s in self.range if s not in seen]
+    def unread(self, last: int) -> str:
+        """The shards of the range that no epoch up to `last` (the last one the run read from) trains on,
+        and why, as the run's last line says it; '' when there are none. Following: committed after
+        that epoch began (its shards decided), or not committed when the run ended; replaying: listed
+        only in epochs of the schedule the run did not reach, or in none."""
+        read = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs[:last + 1]))
+        unread = [s for s in self.range if s not in read or last < 0]
+        if not unread:
+            return ""
+        later = set().union(*map(set, self.epochs[last + 1:]))
+        if self.mode == "follow":
+            later |= set(self.store.commit_ids(fresh=True))
+            why = (f"committed after the last epoch run (epoch {last}) began", "not committed when the run ended")
+        else:
+            why = ("listed by --shard-schedule only in epochs this run did not reach", "in none of its epochs")
+        parts = [(format_ranges([s for s in unread if (s in later) == first]), text)
+                 for first, text in zip((True, False), why)]
+        return (f"shards {format_ranges(unread)} of --shards never trained on: "
+                + ", ".join(f"{shards} {text}" for shards, text in parts if shards))
 
     def to_json(self) -> list[str] | None:
         return None if self.mode == "fixed" else [format_ranges(list(e)) for e in self.epochs]
