@@ -17,28 +17,36 @@ from tqdm import tqdm
 from pipeline import device as devices
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
+from stages.command import Interrupted
 from stages.out_dir import removed_if_failed_empty
 from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
 from stages.train.position import last_epoch_read, rank_batches
-from stages.train.recipe import INTERRUPTED  # noqa: F401 - the line an interrupted run ends with (train.py)
-from stages.train.run_dir import LAUNCH_MARK, MetricsLog, epochs_at, save_step, write_audit, write_drafter
+from stages.train.recipe import INTERRUPTED, NOTHING_SAVED  # noqa: F401 - INTERRUPTED: an interrupted run's line (train.py)
+from stages.train.run_dir import (LAUNCH_MARK, MetricsLog, epochs_at, latest_step, save_step, write_audit,
+                                  write_drafter)
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate
 
 
 def run(config: TrainConfig, log=print) -> dict:
-    """A failed run removes OUT again if it created it and left it empty (main process)."""
+    """A failed run removes OUT again if it created it and left it empty (main process). An interrupted
+    one says to --resume only when a step-N exists to resume from."""
     main = devices.Process.from_env().rank == 0
-    with removed_if_failed_empty(config.run.out, scratch=(LAUNCH_MARK,), owner=main):
-        setup = prepare(config, log)
-        try:
-            return _run(setup, config)
-        finally:
-            if setup.lock is not None:
-                setup.lock.release()
+    try:
+        with removed_if_failed_empty(config.run.out, scratch=(LAUNCH_MARK,), owner=main):
+            setup = prepare(config, log)
+            try:
+                return _run(setup, config)
+            finally:
+                if setup.lock is not None:
+                    setup.lock.release()
+    except KeyboardInterrupt:
+        if latest_step(Path(config.run.out)) is None:
+            raise Interrupted(NOTHING_SAVED) from None
+        raise
 
 
 def _run(setup: Setup, config: TrainConfig) -> dict:

@@ -67,14 +67,18 @@ class ShardSchedule:
         if self.mode != "follow" or epoch < len(self.epochs):
             return
         assert epoch == len(self.epochs), (epoch, len(self.epochs))
+        self._append(acc)
+        if acc.is_main_process:
+            self.write(Path(self.config.run.out) / FILE)
+
+    def _append(self, acc) -> None:
+        """The next epoch's shards: those of the last epoch and every shard of the range committed since."""
         known = set(self.epochs[-1]) if self.epochs else set()
         fresh = time.monotonic() - self._looked >= self.config.shard_plan.follow_poll  # the main process's clock decides
         new, arrays = on_main(acc, lambda: self._look(known) if fresh else ([], {}))
         self._looked = time.monotonic() if fresh else self._looked
         self.arrays.update(arrays)
         self.epochs.append(tuple(sorted(known | set(new))))
-        if acc.is_main_process:
-            self.write(Path(self.config.run.out) / FILE)
 
     def _look(self, known: set[int]) -> tuple[list[int], dict]:
         """(the shards of the range committed since `known` was decided, the per-sample arrays of
@@ -88,12 +92,15 @@ class ShardSchedule:
 
     def wait_for_start(self, acc, enough, log) -> None:
         """--follow: decide epoch 0, waiting (one look every --follow-poll seconds) until its
-        samples make enough batches (`enough(refs)`) to begin."""
+        samples make enough batches (`enough(refs)`) to begin. OUT/shards.json is written once it begins
+        (a run interrupted while it waits leaves none)."""
         if self.mode != "follow" or self.epochs:
             return
         while True:
-            self.decide(0, acc)
+            self._append(acc)
             if enough(self.refs(0)):
+                if acc.is_main_process:
+                    self.write(Path(self.config.run.out) / FILE)
                 return
             if acc.is_main_process:
                 log(f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "

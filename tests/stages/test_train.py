@@ -27,7 +27,8 @@ def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     r = train([*common, "--out", straight])
     assert r.returncode == 0, r.stderr
     r = train([*common, "--out", resumed], stop_after=10)
-    assert r.returncode == 130 and "interrupted" in r.stderr.splitlines()[-1]
+    assert r.returncode == 130
+    assert r.stderr.splitlines()[-1] == "error: interrupted; rerun with --resume to continue from the last step-N"
     assert (resumed / "step-10").is_dir() and not (resumed / "final").exists() and len(losses(resumed)) == 10
     r = train([*common, "--out", resumed, "--resume"])
     assert r.returncode == 0, r.stderr
@@ -439,3 +440,28 @@ def test_grad_checkpoint_trains_the_same_drafter(small_store, tmp_path):
         assert json.loads((out / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"][
             "grad_checkpoint"] == bool(extra)
     assert hashes[0] == hashes[1]
+
+
+def test_an_interrupt_before_the_first_checkpoint_does_not_offer_resume(small_store, tmp_path):
+    """Ctrl-C while --follow waits for shards to be committed: nothing was saved, so the last line says to
+    rerun, not to --resume (test_resume_equals_uninterrupted: after step-N it does), and no --out is left."""
+    import signal
+    import subprocess
+
+    from tests.conftest import REPO
+    from tests.processes import _default_sigint
+    from tests.stages.test_shard_schedule import growing
+
+    store = growing(small_store, tmp_path / "grow.zarr", first=0)  # no shard committed: the run waits
+    p = subprocess.Popen([sys.executable, "train.py", "--store", str(store), "--out", str(tmp_path / "run"), "--shards",
+                          "0-3", "--max-steps", "4", "--follow", "--follow-poll", "0.2", *map(str, TINY)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    said = [p.stderr.readline()]
+    while "too few to begin" not in said[-1] and said[-1]:
+        said.append(p.stderr.readline())
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, "".join(said) + err
+    assert err.splitlines()[-1] == ("error: interrupted before the first checkpoint (step-N) was saved: nothing to "
+                                    "resume; rerun the same command to start again")
+    assert not (tmp_path / "run").exists()
