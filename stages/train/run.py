@@ -18,14 +18,14 @@ from pipeline import device as devices
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
 from stages.command import Interrupted
+from stages.out_contents import LAUNCH_MARK
 from stages.out_dir import removed_if_failed_empty
 from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
 from stages.train.position import last_epoch_read, rank_batches
-from stages.train.recipe import INTERRUPTED, NOTHING_SAVED  # noqa: F401 - INTERRUPTED: an interrupted run's line (train.py)
-from stages.train.run_dir import (LAUNCH_MARK, MetricsLog, epochs_at, latest_step, save_step, write_audit,
-                                  write_drafter)
+from stages.train.recipe import INTERRUPTED, NOTHING_SAVED  # noqa: F401 - INTERRUPTED: the interrupted line (train.py)
+from stages.train.run_dir import MetricsLog, epochs_at, latest_step, save_step, write_audit, write_drafter
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate

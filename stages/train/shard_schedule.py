@@ -23,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from stages.out_contents import SCHEDULE
 from stages.train.config import ShardPlanConfig, TrainConfig
 from stages.train.data import Refs, refs_of
 from stages.train.ranks import on_main
@@ -31,7 +32,7 @@ from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
 from store.sample_index import per_sample
 
-FILE = "shards.json"  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)
+FILE = SCHEDULE  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)
 
 
 class ShardSchedule:

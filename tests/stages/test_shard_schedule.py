@@ -66,7 +66,8 @@ def test_follow_takes_shards_at_epoch_starts_and_records_them(small_store, tmp_p
     assert set(sched.refs(1).shard.tolist()) == {0, 1, 2}
     assert json.loads((tmp_path / "out" / FILE).read_text())["epochs"] == ["0-1", "0-2", "0-3"]
     assert sched.unread(2) == ""
-    assert sched.unread(1) == "shards 3 of --shards never trained on: 3 committed after the last epoch run (epoch 1) began"
+    assert sched.unread(1) == ("shards 3 of --shards never trained on: 3 committed after the last epoch run (epoch 1) "
+                               "began")
     with pytest.raises(IndexError):  # an epoch is never formed before its shards are decided
         sched.shards(3)
 
