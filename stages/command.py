@@ -88,10 +88,15 @@ def _parser(parse, default):
     return callback
 
 
+class Interrupted(KeyboardInterrupt):
+    """An interrupt a stage caught and re-raised with its own line (what to do depends on how far the
+    run got); a plain interrupt ends with the entry point's line."""
+
+
 def run_command(command, interrupted: str = "interrupted") -> None:
     """Run a click command; a UserError, the file system's refusal of a path the user gave (stages/
     paths.py: permission, a file in the way, read-only, full, too large) or an interrupt becomes one
-    `error:` line (exit 2 / 130). Anything else keeps its traceback."""
+    `error:` line (exit 2 / 130; an Interrupted says its own). Anything else keeps its traceback."""
     try:
         command.main(standalone_mode=False)
     except UserError as e:
@@ -100,8 +105,9 @@ def run_command(command, interrupted: str = "interrupted") -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo(f"error: {interrupted}", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt) as e:
+        said = next((str(x) for x in (e, e.__cause__) if isinstance(x, Interrupted)), interrupted)
+        click.echo(f"error: {said}", err=True)
         sys.exit(130)
     except Exception as e:
         refused = refusal(e)

@@ -1,4 +1,10 @@
-"""A run's output directory: what a failed run created and left empty is removed again.
+"""A run's output directory: one writer at a time, and what a failed run created and left empty is
+removed again.
+
+Each command that writes a directory holds a lease on it while it does (`claim`: a lock file of
+store/locks.py, refreshed every 30 s; a killed writer's is taken over, its pid gone or no heartbeat
+for 10 minutes): train.py `OUT/.train.lock`, evaluate.py `OUT/.evaluate.lock`, `pipeline export`
+a sibling `.NAME.export.lock` (it replaces OUT_DIR whole). A second writer is refused naming the first.
 
 A run that fails (a user mistake found after OUT was made, a crash, Ctrl-C) must not leave an empty
 `--out` behind, which the next run, or the user, would take for a run. Only what this run created
@@ -9,8 +15,24 @@ existed before the run is left as it was, empty or not.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from store.errors import ConfigError
+from store.locks import LockFile
+
+
+def claim(lock: Path, flag: str, value, writer: str) -> LockFile:
+    """The lease LOCK, taken for this process; a ConfigError naming flag, the holder and what to do
+    while another live process holds it (`writer`: what that process is, 'training run')."""
+    held = LockFile(lock)
+    holder = held.try_acquire()
+    if holder is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
+        raise ConfigError(flag, value, f"another {writer} is writing it (host {holder.get('host')}, pid "
+                                       f"{holder.get('pid')}, since {since}); wait for it, or choose another {flag}")
+    return held
 
 
 def missing(out: Path) -> list[Path]:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.device import Process
+from stages.out_contents import refuse_a_store
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 
@@ -54,10 +55,11 @@ def check_inputs(store: str, out: str, flag: str = "--out") -> None:
 
 def writable_dir(path: str | Path, flag: str) -> None:
     """path, a directory or one that can be made, is writable: a file created and removed in it, or in
-    its nearest existing parent when it does not exist yet (nothing is made); the same ConfigError as
-    output_dir otherwise."""
+    its nearest existing parent when it does not exist yet (nothing is made), and is no store nor
+    inside one; the same ConfigError as output_dir otherwise."""
     p = Path(path).absolute()
     existing = _nearest_existing(p)
+    refuse_a_store(path, flag)
     with _refused_as(flag, str(path), Path(path)):
         if existing == p and not p.is_dir():
             raise FileExistsError(errno.EEXIST, "a file", str(p))
@@ -69,8 +71,9 @@ def writable_dir(path: str | Path, flag: str) -> None:
 def output_dir(path: str | Path, flag: str, shown: str | Path | None = None) -> Path:
     """path made (with its parents) and shown writable by a file created and removed in it, before
     any work; a ConfigError naming flag, the path (or `shown`, what the user gave when path is the
-    directory it goes in) and what to do otherwise."""
+    directory it goes in) and what to do otherwise, or when it is a store or lies inside one."""
     p = Path(path)
+    refuse_a_store(shown if shown is not None else path, flag)
     with _refused_as(flag, str(shown if shown is not None else path), p):
         p.mkdir(parents=True, exist_ok=True)
         _probe(p)

@@ -6,6 +6,7 @@ store), {fp8_store}, {checkpoint} (a drafter trained on the small store), {tmp} 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -55,3 +56,31 @@ def test_a_recipe_on_the_defaults_passes_only_its_own_fields():
     assert recipe_flags("all-sliding") == {**BASELINE, "layer_types": "sliding", "sliding_window": 2048}
     with pytest.raises(KeyError):
         recipe_flags("default+nonsense")
+
+
+def test_force_replaces_an_earlier_result_and_nothing_else(store_copy, tmp_path):
+    """--json PATH --force on a file that is no bench result (a store's, a run's, a report's, a checkpoint's, not
+    JSON at all) or a directory is refused as the command line is read, without pointing at --force; an earlier
+    result is replaced."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "notes.json").write_text("not json")
+    (tmp_path / "old.json").write_text('{"median_s": 1}\n')
+    refused = {store_copy / "zarr.json": f"lies inside the hidden-state store {store_copy}",
+               run / "metrics.jsonl": "is a file of a training run", tmp_path / "notes.json": "is not JSON",
+               tmp_path: "is a directory"}
+    before = {p: p.read_bytes() for p in refused if p.is_file()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for path, why in refused.items():
+        r = subprocess.run([sys.executable, "-m", "bench.extract_bench", "--json", str(path), "--force", "--toy"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.splitlines()[-1].endswith(
+            f"error: argument --json: {path} {why}: --json writes a bench result, replacing only an earlier one; "
+            "choose another path"), r.stderr
+    assert {p: p.read_bytes() for p in before} == before
+    from bench import harness
+
+    args = harness.parser(None).parse_args(["--json", str(tmp_path / "old.json"), "--force"])
+    harness.emit({"median_s": 2}, args)
+    assert json.loads((tmp_path / "old.json").read_text()) == {"median_s": 2}

@@ -33,7 +33,8 @@ class EvalConfig:
     ddtree: tuple[int, ...] = setting(DDTREE_BUDGETS, "DDTree node budgets to report ('none' for chain drafting only).",
                                       default_text=",".join(map(str, DDTREE_BUDGETS)), parse=parse_budgets)
     out: str = setting("report", "Report directory.")
-    force: bool = setting(False, "Replace the report already in --out (report.json, report.md and the PNGs).")
+    force: bool = setting(False, "Replace the report already in --out (report.json, report.md and the PNGs). An --out "
+                                 "holding anything else (a store, a run, other files) is refused, --force or not.")
     max_rounds: int | None = setting(None, "Stop each prompt after this many rounds.")
     max_prompts: int | None = setting(2000, "Replay a fixed random sample of this many of the shards' prompts "
                                             "(seeded by --seed; the report gives the sample size and a 95% interval "

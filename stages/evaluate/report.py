@@ -3,13 +3,16 @@ and the console table. Every number says which tau convention it uses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from stages.out_dir import removed_if_failed_empty
-from store.errors import ConfigError
+from stages.out_contents import REPORT, REPORT_FILES, REPORT_LOCK, Output
+from stages.out_dir import claim, removed_if_failed_empty
+from stages.paths import output_dir
 from store.schema import StoreAttrs
 
 CONVENTIONS = {
@@ -186,28 +189,42 @@ def _save(plt, fig, ax, path: Path) -> Path:
     return path
 
 
-FILES = ("report.json", "report.md", "histogram.png", "per_slot.png")  # what write() puts in OUT
+FILES = REPORT_FILES  # what write() puts in OUT
+OUTPUT = Output(command="evaluate.py", flag="--out", files=FILES, earlier="a report", scratch=REPORT,
+                writes="evaluate.py writes its report into an empty directory or one holding an earlier report")
+
+
+@contextlib.contextmanager
+def claimed(out: Path, owner: bool = True) -> Iterator[None]:
+    """OUT for this evaluate.py from its start until its report is written: made, held
+    (OUT/.evaluate.lock, so a second evaluate.py on it is refused), and holding nothing but an
+    earlier report (check_out says whether it may be replaced). A run that fails leaves no
+    directory it made. owner False (another process of a launch): nothing."""
+    if not owner:
+        yield
+        return
+    with removed_if_failed_empty(out):
+        output_dir(out, "--out")
+        lock = claim(out / REPORT_LOCK, "--out", out, "evaluate.py")
+        try:
+            OUTPUT.check(out, force=True, mine=(REPORT_LOCK,))
+            yield
+        finally:
+            lock.release()
 
 
 def check_out(out: Path, force: bool) -> None:
-    """Before any work: OUT holds no report unless --force (that it is a directory, or can be one, is
-    checked before: stages/paths.writable_dir)."""
-    held = [f for f in FILES if (out / f).exists()]
-    if held and not force:
-        raise ConfigError("--out", str(out), f"already holds a report ({', '.join(held)}); pass --force to "
-                                             "replace it, or choose another --out")
+    """Before the replay, once the checkpoints are checked: an earlier report in OUT only with --force."""
+    OUTPUT.check(out, force, mine=(REPORT_LOCK,))
 
 
 def write(rep: dict, out: Path) -> None:
-    """Each file written whole to a temporary name, then renamed: a reader never sees half a report.
-    A write that fails leaves no directory it created empty."""
-    with removed_if_failed_empty(out):
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(".report.*.tmp*"):  # left by a run killed while writing
-            stale.unlink(missing_ok=True)
-        _atomic(out / "report.json", json.dumps(rep, indent=1) + "\n")
-        _atomic(out / "report.md", markdown(rep))
-        plots(rep, out)
+    """Each file written whole to a temporary name, then renamed: a reader never sees half a report."""
+    for stale in out.glob(".report.*.tmp*"):  # left by a run killed while writing
+        stale.unlink(missing_ok=True)
+    _atomic(out / "report.json", json.dumps(rep, indent=1) + "\n")
+    _atomic(out / "report.md", markdown(rep))
+    plots(rep, out)
 
 
 def _atomic(path: Path, text: str) -> None:

@@ -28,7 +28,6 @@ from stages.evaluate.conditioning import Checked, build, check_checkpoint, choos
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
-from stages.paths import writable_dir
 from store import index_file
 from store.errors import StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
@@ -78,20 +77,20 @@ def run(config: EvalConfig, log=print) -> dict | None:
         devices.prepare_cpu(config.threads or devices.default_threads(proc.world))
     ranks.join(proc, device)
     try:
-        return _run(config, proc, device, log if proc.rank == 0 else (lambda m: None))
+        with report.claimed(Path(config.out), owner=proc.rank == 0):  # before the replay, not after it
+            return _run(config, proc, device, log if proc.rank == 0 else (lambda m: None))
     finally:
         ranks.leave(proc)
 
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store, node_cache=node_cache.make(config))
-    if proc.rank == 0:
-        writable_dir(config.out, "--out")  # before the replay, not after it; report.write makes it
     warnings: list[str] = list(filter(None, [store.read_checks().warning(), node_cache.warning(config, store)]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     index = _index(store)
     shards = choose_shards(config, store, checked, warnings, index.records if index.records else None)
-    report.check_out(Path(config.out), config.force)  # before the replay, not after it
+    if proc.rank == 0:
+        report.check_out(Path(config.out), config.force)  # before the replay, not after it
     prompts = Prompts(store, shards.ids, config.max_prompts, config.seed, index)
     if not prompts:
         raise StoreError(f"{config.store}: shards {shards.text} hold no prompt with a completion")

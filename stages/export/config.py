@@ -17,7 +17,8 @@ class ExportConfig:
     report: str | None = setting(None, "An evaluate.py report (its directory or report.json): this checkpoint's "
                                        "replay tau table goes into the card.",
                                  default_text="none (the card says tau was not measured)")
-    force: bool = setting(False, "Replace OUT_DIR if it exists and is not empty.")
+    force: bool = setting(False, "Replace an earlier export in OUT_DIR. A directory holding anything else (a store, a "
+                                 "run, other files) is refused, --force or not.")
     allow_mismatch: bool = setting(False, "Export even when --store or --report was made from another store than "
                                           "the checkpoint records (the card says so).")
 

@@ -23,7 +23,8 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.errors import DrafterError
 from stages.export.card import CardRecord, Measured, render
 from stages.export.config import ExportConfig
-from stages.out_dir import removed_if_failed_empty
+from stages.out_contents import Output, refuse_a_store
+from stages.out_dir import claim, removed_if_failed_empty
 from stages.paths import output_dir
 from store.errors import ConfigError, UserError
 from store.hidden_store import HiddenStore
@@ -32,18 +33,27 @@ from store.summary import human_bytes
 
 CARD = "README.md"
 FILES = (*checkpoint.SERVING_FILES, CARD)  # exactly what OUT_DIR holds
+OUTPUT = Output(command="pipeline export", flag="OUT_DIR", files=FILES, earlier="an earlier export", whole=True,
+                writes="export writes a serving checkpoint into an empty directory or one holding an earlier export")
 REPORT_KIND = "dflash-eval-report"
 
 
 def run(source: str, out: str, config: ExportConfig, log=print) -> dict:
-    """Write OUT as the serving checkpoint of SOURCE; returns what was written. A failed export
-    leaves no directory it created (OUT's parents) behind."""
+    """Write OUT as the serving checkpoint of SOURCE; returns what was written. OUT must be empty or
+    an earlier export (replaced only with --force), and no other export may be writing it. A failed
+    export leaves no directory it created (OUT's parents) behind."""
+    src, dst = Path(source), Path(out)
     with removed_if_failed_empty(out):
-        return _run(Path(source), Path(out), config, log)
+        _check_destination(src, dst, config.force)
+        where = Path(os.path.abspath(dst))  # '.' and '..' spelled out: the lock and the files go beside it
+        lock = claim(where.with_name(f".{where.name}.export.lock"), "OUT_DIR", out, "pipeline export")
+        try:
+            return _run(src, dst, config, log)
+        finally:
+            lock.release()
 
 
 def _run(src: Path, dst: Path, config: ExportConfig, log) -> dict:
-    _check_destination(src, dst, config.force)
     drafter, tensors, record = checkpoint.load(src)
     notes: list[str] = []
     attrs, skipped = _open_store(config, record, drafter, notes)
@@ -62,13 +72,16 @@ def _run(src: Path, dst: Path, config: ExportConfig, log) -> dict:
                       target_layers=attrs.num_layers if attrs else drafter.num_target_layers,
                       skipped=skipped, measured=measured,
                       evaluate=_evaluate_command(config, record, src), caveats=tuple(caveats + notes))
-    _write(dst, drafter, tensors, record, render(card))
+    _write(dst, drafter, tensors, record, render(card), config.force)
     return {"checkpoint": str(src), "out": str(dst), "files": {f: (dst / f).stat().st_size for f in FILES},
             "step": record.step if record else None, "target": attrs.target.path if attrs else None,
             "tau": measured.tau if measured else None, "warnings": caveats + notes}
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    """OUT_DIR is neither the checkpoint nor inside it, empty or an earlier export (replaced only with
+    force), not the current directory (a rename replaces it), and its parent can be written (the
+    files are written beside it first)."""
     s, d = src.resolve(), dst.resolve()
     if d == s or d in s.parents:
         raise ConfigError("OUT_DIR", str(dst), f"holds the checkpoint {src} itself; export to another directory")
@@ -76,9 +89,12 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
         raise ConfigError("OUT_DIR", str(dst), f"lies inside the checkpoint {src}; export to another directory")
     if dst.exists() and not dst.is_dir():
         raise ConfigError("OUT_DIR", str(dst), "exists and is not a directory")
-    if dst.is_dir() and any(dst.iterdir()) and not force:
-        raise ConfigError("OUT_DIR", str(dst), "exists and is not empty; pass --force to replace it")
-    output_dir(dst.parent, "OUT_DIR", shown=dst)  # where the files are written first, then renamed into OUT_DIR
+    refuse_a_store(dst, "OUT_DIR")
+    OUTPUT.check(dst, force)
+    if d == Path.cwd().resolve():
+        raise ConfigError("OUT_DIR", str(dst), "is the current directory, which export cannot replace (it publishes "
+                                               "OUT_DIR by a rename); run it from another directory")
+    output_dir(Path(os.path.abspath(dst)).parent, "OUT_DIR", shown=dst)  # the files are written there first
 
 
 def _open_store(config: ExportConfig, record: TrainingRecord | None, drafter: DrafterConfig,
@@ -164,9 +180,12 @@ def _evaluate_command(config: ExportConfig, record: TrainingRecord | None, src: 
     return f"python evaluate.py --store {shlex.quote(store)} --checkpoint {shlex.quote(str(src))}"
 
 
-def _write(dst: Path, drafter: DrafterConfig, tensors: dict, record: TrainingRecord | None, card: str) -> None:
-    """OUT_DIR's files into a hidden sibling, then published by a rename (replacing OUT_DIR)."""
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+def _write(dst: Path, drafter: DrafterConfig, tensors: dict, record: TrainingRecord | None, card: str,
+           force: bool) -> None:
+    """OUT_DIR's files into a hidden sibling, then published by a rename (replacing OUT_DIR), OUT_DIR
+    checked again first: what another command made there meanwhile is refused, not replaced."""
+    where = Path(os.path.abspath(dst))
+    tmp = where.with_name(f".{where.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -174,7 +193,8 @@ def _write(dst: Path, drafter: DrafterConfig, tensors: dict, record: TrainingRec
         (tmp / CARD).write_text(card)
         written = sorted(p.name for p in tmp.iterdir())
         assert written == sorted(FILES), written
-        checkpoint.publish(tmp, dst)
+        OUTPUT.check(dst, force)
+        checkpoint.publish(tmp, where)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

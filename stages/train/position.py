@@ -104,6 +104,16 @@ def advance(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Po
             return Position(epoch, None)
 
 
+def last_epoch_read(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int,
+                    world: int, local: int = 1) -> int:
+    """The epoch the last of `micro` more micro-batches a rank read from `position` came from: the
+    last epoch a run read from (an epoch its loader formed ahead and never handed out is not one);
+    -1 when it read nothing."""
+    if micro == 0:
+        return position.epoch - (position.remaining is None)
+    return advance(config, refs, position, micro - 1, world, local).epoch
+
+
 def epochs_walked(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
                   local: int = 1) -> float:
     """Epochs a run has made once each rank read `micro` more micro-batches from `position`, to 3

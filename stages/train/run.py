@@ -17,29 +17,36 @@ from tqdm import tqdm
 from pipeline import device as devices
 from pipeline.drafter.loss import summarize, zero_sums
 from pipeline.errors import TrainingError
+from stages.command import Interrupted
+from stages.out_contents import LAUNCH_MARK
 from stages.out_dir import removed_if_failed_empty
 from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import loader
 from stages.train.optim import Muon
-from stages.train.position import rank_batches
-from stages.train.recipe import INTERRUPTED  # noqa: F401 - the line an interrupted run ends with (train.py)
-from stages.train.run_dir import LAUNCH_MARK, MetricsLog, epochs_at, save_step, write_audit, write_drafter
+from stages.train.position import last_epoch_read, rank_batches
+from stages.train.recipe import INTERRUPTED, NOTHING_SAVED  # noqa: F401 - INTERRUPTED: the interrupted line (train.py)
+from stages.train.run_dir import MetricsLog, epochs_at, latest_step, save_step, write_audit, write_drafter
 from stages.train.setup import Setup, prepare
 from stages.train.step import forward_loss, step_generator
 from stages.train.validation import validate
-from store.ranges import format_ranges
 
 
 def run(config: TrainConfig, log=print) -> dict:
-    """A failed run removes OUT again if it created it and left it empty (main process)."""
+    """A failed run removes OUT again if it created it and left it empty (main process). An interrupted
+    one says to --resume only when a step-N exists to resume from."""
     main = devices.Process.from_env().rank == 0
-    with removed_if_failed_empty(config.run.out, scratch=(LAUNCH_MARK,), owner=main):
-        setup = prepare(config, log)
-        try:
-            return _run(setup, config)
-        finally:
-            if setup.lock is not None:
-                setup.lock.release()
+    try:
+        with removed_if_failed_empty(config.run.out, scratch=(LAUNCH_MARK,), owner=main):
+            setup = prepare(config, log)
+            try:
+                return _run(setup, config)
+            finally:
+                if setup.lock is not None:
+                    setup.lock.release()
+    except KeyboardInterrupt:
+        if latest_step(Path(config.run.out)) is None:
+            raise Interrupted(NOTHING_SAVED) from None
+        raise
 
 
 def _run(setup: Setup, config: TrainConfig) -> dict:
@@ -175,7 +182,16 @@ def finish(setup: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -
     acc.end_training()
     return {"out": str(out), "steps": setup.total_steps, "final_eval": final, "world_size": acc.num_processes,
             "main_process": acc.is_main_process, "corrupt_skipped": skipped,
-            "never_read": format_ranges(setup.schedule.missing())}
+            "never_read": never_read(setup, config) if acc.is_main_process else ""}
+
+
+def never_read(setup: Setup, config: TrainConfig) -> str:
+    """The shards of --shards no epoch the run read from trains on, and why (--follow, --shard-schedule)."""
+    acc = setup.accelerator
+    micro = (setup.total_steps - setup.start_step) * config.optim.grad_accum
+    last = last_epoch_read(config.data, setup.schedule.refs, setup.position, micro, acc.num_processes,
+                           setup.local_processes)
+    return setup.schedule.unread(last)
 
 
 def done_line(summary: dict) -> str:
@@ -187,8 +203,7 @@ def done_line(summary: dict) -> str:
                else "")
             + (f"; {summary['corrupt_skipped']} corrupt sample(s) left out (--on-corrupt skip; run `pipeline verify`)"
                if summary.get("corrupt_skipped") else "")
-            + (f"; shards {summary['never_read']} of --shards were not committed before the step budget was spent: "
-               "never trained on" if summary.get("never_read") else ""))
+            + (f"; {summary['never_read']}" if summary.get("never_read") else ""))
 
 
 def micro_batches(setup: Setup, config: DataConfig):

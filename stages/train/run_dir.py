@@ -14,12 +14,13 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
+from stages import out_dir
+from stages.out_contents import RUN, RUN_LOCK, refuse_other_kinds
 from stages.settings import flag_of, leaves, with_role
 from stages.train.config import RunConfig, TrainConfig
 from stages.train.position import advance, epochs_done, epochs_walked
@@ -54,21 +55,19 @@ class MetricsLog:
                          step=record["step"])
 
 
-RUN_LOCK = ".train.lock"  # held by the main process of the run writing OUT
-LAUNCH_MARK = ".launch"  # written by the main process at start-up; every rank must read it (a shared OUT)
-
-
 def claim(out: Path) -> LockFile | None:
     """OUT for this launch's main process (None on the others): refused while another live run holds
-    it. A killed run's lock is taken over (its pid is gone, or its lease ran out)."""
+    it, and when it is another command's output (a store, a report, a drafter checkpoint). A killed
+    run's lock is taken over (its pid is gone, or its lease ran out)."""
     if devices.Process.from_env().rank != 0:
         return None
-    lock = LockFile(out / RUN_LOCK)
-    holder = lock.try_acquire()
-    if holder is not None:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
-        raise ConfigError("--out", out, f"another training run is writing it (host {holder.get('host')}, pid "
-                                        f"{holder.get('pid')}, since {since}); wait for it, or choose another --out")
+    lock = out_dir.claim(out / RUN_LOCK, "--out", out, "training run")
+    try:
+        refuse_other_kinds(out, RUN, "--out", "train.py writes a run into an empty directory or its own run",
+                           mine=(RUN_LOCK,))
+    except BaseException:
+        lock.release()
+        raise
     return lock
 
 

@@ -23,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from stages.out_contents import SCHEDULE
 from stages.train.config import ShardPlanConfig, TrainConfig
 from stages.train.data import Refs, refs_of
 from stages.train.ranks import on_main
@@ -31,7 +32,7 @@ from store.hidden_store import HiddenStore
 from store.ranges import format_ranges, parse_ranges
 from store.sample_index import per_sample
 
-FILE = "shards.json"  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)
+FILE = SCHEDULE  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)
 
 
 class ShardSchedule:
@@ -67,14 +68,18 @@ class ShardSchedule:
         if self.mode != "follow" or epoch < len(self.epochs):
             return
         assert epoch == len(self.epochs), (epoch, len(self.epochs))
+        self._append(acc)
+        if acc.is_main_process:
+            self.write(Path(self.config.run.out) / FILE)
+
+    def _append(self, acc) -> None:
+        """The next epoch's shards: those of the last epoch and every shard of the range committed since."""
         known = set(self.epochs[-1]) if self.epochs else set()
         fresh = time.monotonic() - self._looked >= self.config.shard_plan.follow_poll  # the main process's clock decides
         new, arrays = on_main(acc, lambda: self._look(known) if fresh else ([], {}))
         self._looked = time.monotonic() if fresh else self._looked
         self.arrays.update(arrays)
         self.epochs.append(tuple(sorted(known | set(new))))
-        if acc.is_main_process:
-            self.write(Path(self.config.run.out) / FILE)
 
     def _look(self, known: set[int]) -> tuple[list[int], dict]:
         """(the shards of the range committed since `known` was decided, the per-sample arrays of
@@ -88,12 +93,15 @@ class ShardSchedule:
 
     def wait_for_start(self, acc, enough, log) -> None:
         """--follow: decide epoch 0, waiting (one look every --follow-poll seconds) until its
-        samples make enough batches (`enough(refs)`) to begin."""
+        samples make enough batches (`enough(refs)`) to begin. OUT/shards.json is written once it begins
+        (a run interrupted while it waits leaves none)."""
         if self.mode != "follow" or self.epochs:
             return
         while True:
-            self.decide(0, acc)
+            self._append(acc)
             if enough(self.refs(0)):
+                if acc.is_main_process:
+                    self.write(Path(self.config.run.out) / FILE)
                 return
             if acc.is_main_process:
                 log(f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "
@@ -102,10 +110,25 @@ class ShardSchedule:
             self.epochs.clear()
             time.sleep(self.config.shard_plan.follow_poll)
 
-    def missing(self) -> list[int]:
-        """The shards of the range no epoch decided so far trains on."""
-        seen = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs))
-        return [s for s in self.range if s not in seen]
+    def unread(self, last: int) -> str:
+        """The shards of the range that no epoch up to `last` (the last one the run read from) trains on,
+        and why, as the run's last line says it; '' when there are none. Following: committed after
+        that epoch began (its shards decided), or not committed when the run ended; replaying: listed
+        only in epochs of the schedule the run did not reach, or in none."""
+        read = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs[:last + 1]))
+        unread = [s for s in self.range if s not in read or last < 0]
+        if not unread:
+            return ""
+        later = set().union(*map(set, self.epochs[last + 1:]))
+        if self.mode == "follow":
+            later |= set(self.store.commit_ids(fresh=True))
+            why = (f"committed after the last epoch run (epoch {last}) began", "not committed when the run ended")
+        else:
+            why = ("listed by --shard-schedule only in epochs this run did not reach", "in none of its epochs")
+        parts = [(format_ranges([s for s in unread if (s in later) == first]), text)
+                 for first, text in zip((True, False), why)]
+        return (f"shards {format_ranges(unread)} of --shards never trained on: "
+                + ", ".join(f"{shards} {text}" for shards, text in parts if shards))
 
     def to_json(self) -> list[str] | None:
         return None if self.mode == "fixed" else [format_ranges(list(e)) for e in self.epochs]

@@ -212,6 +212,57 @@ def test_an_earlier_report_is_replaced_only_with_force(small_store, tmp_path):
         run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "file")), log=print)
 
 
+def test_a_second_evaluate_on_one_out_is_refused_naming_the_first(small_store, tmp_path):
+    """Two evaluate.py on one --out: the second is refused (a real process, --force or not) while the first holds it,
+    instead of both printing `report:` and one report silently replacing the other."""
+    from store.locks import HOST, LockFile
+
+    ck = our_checkpoint(small_store, tmp_path / "ck")
+    (tmp_path / "rep").mkdir()
+    first = LockFile(tmp_path / "rep" / ".evaluate.lock")  # where a running evaluate.py holds its --out
+    assert first.try_acquire() is None
+    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(ck), "--out",
+                        str(tmp_path / "rep"), "--max-prompts", "2", "--force"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: --out {tmp_path / 'rep'}: another evaluate.py is writing it (host {HOST}, "
+                               f"pid {os.getpid()}, since ")
+    assert r.stderr.endswith("); wait for it, or choose another --out\n")
+    first.release()
+    evaluate(small_store, tmp_path, ck, max_prompts=2)
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["histogram.png", "per_slot.png", "report.json",
+                                                                     "report.md"]  # the lock released
+
+
+def test_force_replaces_a_report_and_nothing_else(small_store, store_copy, tmp_path):
+    """--out holding a store, a run or files evaluate.py did not write is refused, --force or not, saying what it
+    holds; --out inside a store too."""
+    from tests.stages.test_export import a_run, tree
+
+    ck = our_checkpoint(small_store, tmp_path / "ck")
+    writes = "evaluate.py writes its report into an empty directory or one holding an earlier report; choose another --out"
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.json").write_text("{}")
+    (notes / "todo.txt").write_text("mine")
+    into_a_store = "no command writes its output into a store; choose a directory outside it"
+    cases = {store_copy: f"is a hidden-state store (zarr.json, shards/, _commits/, ...): {into_a_store}",
+             a_run(tmp_path / "run"): f"is a training run (metrics.jsonl, final/, curve.png, ...): {writes}",
+             notes: f"holds files evaluate.py did not write (todo.txt): {writes}",
+             store_copy / "report": f"lies inside the hidden-state store {store_copy}: {into_a_store}"}
+    before = {d: tree(d) for d in (store_copy, tmp_path / "run", notes)}
+    for out, why in cases.items():
+        for force in (False, True):
+            with pytest.raises(ConfigError) as e:
+                run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(out), max_prompts=2,
+                               force=force), log=lambda m: None)
+            assert str(e.value) == f"--out {out}: {why}"
+    assert {d: tree(d) for d in before} == before
+    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(ck), "--out",
+                        str(tmp_path / "run"), "--force"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == f"error: --out {tmp_path / 'run'}: {cases[tmp_path / 'run']}\n"
+
+
 def test_a_failed_report_write_leaves_no_directory_it_created(small_store, tmp_path, monkeypatch):
     from stages.evaluate import report
 

@@ -207,16 +207,26 @@ def test_unopenable_store_skips_the_target_checks(measured, tmp_path):
     assert "target checks skipped" in text[text.index("## Serving caveats"):]
 
 
-def test_existing_out_dir_is_refused_without_force(measured, tmp_path):
+def test_only_an_earlier_export_is_replaced_and_only_with_force(measured, tmp_path):
     ck, _ = measured
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="exists and is not empty; pass --force"):
+    run(ck, out)
+    before = (out / "README.md").read_text()
+    with pytest.raises(ConfigError) as e:
         run(ck, out)
-    assert (out / "keep.txt").read_text() == "mine"
+    assert str(e.value) == (f"OUT_DIR {out}: already holds an earlier export (config.json, model.safetensors, "
+                            "modeling_dflash.py, README.md); pass --force to replace it, or choose another OUT_DIR")
+    (out / "README.md").write_text("edited")
     run(ck, out, force=True)
-    assert {p.name for p in out.iterdir()} == FILES  # replaced whole: the old file is gone
+    assert {p.name for p in out.iterdir()} == FILES and (out / "README.md").read_text() == before
+    (out / "keep.txt").write_text("mine")  # an export with a file of the user's: not export's alone any more
+    for force in (False, True):
+        with pytest.raises(ConfigError) as e:
+            run(ck, out, force=force)
+        assert str(e.value) == (f"OUT_DIR {out}: holds files pipeline export did not write (keep.txt): export writes "
+                                "a serving checkpoint into an empty directory or one holding an earlier export; choose "
+                                "another OUT_DIR")
+    assert (out / "keep.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="holds the checkpoint"):
         run(ck, ck, force=True)
     with pytest.raises(ConfigError, match="holds the checkpoint"):
@@ -224,6 +234,93 @@ def test_existing_out_dir_is_refused_without_force(measured, tmp_path):
     with pytest.raises(ConfigError, match="lies inside the checkpoint"):
         run(ck, ck / "serving")
     assert {p.name for p in ck.iterdir()} >= {"config.json", "model.safetensors"}  # the source untouched
+
+
+def a_run(directory: Path) -> Path:
+    """What train.py leaves in OUT (the drafters themselves do not matter here)."""
+    for d in ("step-20", "final"):
+        (directory / d).mkdir(parents=True)
+        (directory / d / "config.json").write_text("{}")
+    (directory / "metrics.jsonl").write_text('{"split": "train", "step": 1}\n')
+    (directory / "curve.png").write_bytes(b"png")
+    return directory
+
+
+def tree(directory: Path) -> dict:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+WRITES = "export writes a serving checkpoint into an empty directory or one holding an earlier export"
+
+
+def test_force_never_replaces_a_store_a_run_or_a_checkpoint(measured, store_copy, monkeypatch, capsys, tmp_path):
+    """`pipeline export CKPT DIR --force` on a directory export did not write is one line saying what DIR is, and
+    DIR is left as it was; --force is not offered where it would not help."""
+    ck, _ = measured
+    run_dir = a_run(tmp_path / "runs" / "tiny")
+    cases = {store_copy: "is a hidden-state store (zarr.json, shards/, _commits/, ...)",
+             run_dir: "is a training run (metrics.jsonl, final/, curve.png, ...)",
+             run_dir / "final": "is a drafter checkpoint (config.json)",
+             store_copy / "shards" / "drafter": f"lies inside the hidden-state store {store_copy}"}
+    before = {d: tree(d) for d in (store_copy, run_dir)}
+    for out, what in cases.items():
+        for force in ([], ["--force"]):
+            code, stdout, err = run_main(monkeypatch, capsys, ["export", str(ck), str(out), *force])
+            end = ("no command writes its output into a store; choose a directory outside it" if "store" in what
+                   else f"{WRITES}; choose another OUT_DIR")
+            assert (code, stdout, err) == (2, "", f"error: OUT_DIR {out}: {what}: {end}\n")
+    assert {d: tree(d) for d in (store_copy, run_dir)} == before
+
+
+def test_the_current_directory_is_one_line_not_a_traceback(measured, monkeypatch, capsys, tmp_path):
+    ck, _ = measured
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, out, err = run_main(monkeypatch, capsys, ["export", str(ck), ".", "--force"])
+    assert (code, out) == (2, "") and err == ("error: OUT_DIR .: is the current directory, which export cannot replace "
+                                              "(it publishes OUT_DIR by a rename); run it from another directory\n")
+    (here / "notes.txt").write_text("mine")
+    code, out, err = run_main(monkeypatch, capsys, ["export", str(ck), ".", "--force"])
+    assert code == 2 and err.startswith("error: OUT_DIR .: holds files pipeline export did not write (notes.txt)")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(monkeypatch, capsys, ["export", str(ck), "here/../fresh"])
+    assert code == 0 and {p.name for p in (tmp_path / "fresh").iterdir()} == FILES, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "here"]  # no lock, no temporary left
+
+
+def test_a_second_export_to_one_out_dir_is_refused_naming_the_first(measured, tmp_path):
+    import os
+
+    from store.locks import HOST, LockFile
+
+    ck, _ = measured
+    first = LockFile(tmp_path / ".out.export.lock")  # where a running export holds OUT_DIR tmp_path/out
+    assert first.try_acquire() is None
+    with pytest.raises(ConfigError) as e:
+        run(ck, tmp_path / "out")
+    assert str(e.value).startswith(f"OUT_DIR {tmp_path / 'out'}: another pipeline export is writing it (host {HOST}, "
+                                   f"pid {os.getpid()}, since ")
+    assert str(e.value).endswith("); wait for it, or choose another OUT_DIR") and not (tmp_path / "out").exists()
+    first.release()
+
+
+def test_a_directory_another_command_made_meanwhile_is_refused_not_replaced(measured, tmp_path, monkeypatch):
+    """A trainer that made OUT_DIR while export wrote its files beside it: export refuses to publish over it."""
+    ck, _ = measured
+    out = tmp_path / "out"
+    real = checkpoint.write
+
+    def write_while_a_trainer_starts(directory, *args, **kw):
+        real(directory, *args, **kw)
+        out.mkdir()
+        (out / ".train.lock").write_text("{}")
+
+    monkeypatch.setattr(checkpoint, "write", write_while_a_trainer_starts)
+    with pytest.raises(ConfigError, match=r"is a training run \(\.train\.lock\): export writes"):
+        run(ck, out, force=True)
+    assert [p.name for p in out.iterdir()] == [".train.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_the_serving_files_are_as_readable_as_the_umask_makes_files(measured, tmp_path):

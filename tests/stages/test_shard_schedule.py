@@ -12,6 +12,7 @@ import torch
 
 from pipeline.drafter import checkpoint
 from stages.train.config import TrainConfig
+from stages.train.data import epoch_length, refs_of
 from stages.train.position import Position
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from store import index_file, layout
@@ -64,7 +65,9 @@ def test_follow_takes_shards_at_epoch_starts_and_records_them(small_store, tmp_p
     assert n0 < len(sched.refs(1)) < len(sched.refs(2))
     assert set(sched.refs(1).shard.tolist()) == {0, 1, 2}
     assert json.loads((tmp_path / "out" / FILE).read_text())["epochs"] == ["0-1", "0-2", "0-3"]
-    assert sched.missing() == []
+    assert sched.unread(2) == ""
+    assert sched.unread(1) == ("shards 3 of --shards never trained on: 3 committed after the last epoch run (epoch 1) "
+                               "began")
     with pytest.raises(IndexError):  # an epoch is never formed before its shards are decided
         sched.shards(3)
 
@@ -160,3 +163,38 @@ def test_a_followed_run_equals_its_schedule_replayed(small_store, tmp_path):
     assert losses(replayed) == losses(followed) and len(losses(followed)) == 60
     a, b = checkpoint.load(followed / "final")[1], checkpoint.load(replayed / "final")[1]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def last_line(r) -> str:
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_the_last_line_names_exactly_the_shards_no_epoch_run_read_and_why(small_store, tmp_path):
+    """A followed run ends with its first epoch, while its loader, reading ahead, already decided the
+    second with shard 2 (committed meanwhile): the run never read shards 2 and 3, and its last line
+    says so and why; its schedule replayed on the finished store says the same, in the schedule's terms."""
+    store = growing(small_store, tmp_path / "grow.zarr")  # shards 0-1 committed, 2-3 not yet
+    followed, replayed = tmp_path / "followed", tmp_path / "replayed"
+    data = TrainConfig.of(store=str(store), shards="0-3", max_steps=1, batch_size=1).data
+    steps = epoch_length(data, refs_of(index_file.load(HiddenStore(str(store)))[0].arrays, [0, 1], data.max_length), 0)
+    assert steps > 4  # the loader's worker reads 4 batches ahead: it decides epoch 1 before epoch 0 ends
+
+    def committer() -> None:  # shard 2 once the trainer has decided its first epoch
+        while not (followed / FILE).exists():
+            time.sleep(0.02)
+        commit(small_store, store, 2)
+
+    thread = threading.Thread(target=committer, daemon=True)
+    thread.start()
+    common = ["--shards", "0-3", "--max-steps", steps, *TINY, "--batch-size", 1]
+    r = train(["--store", store, "--out", followed, "--follow", "--follow-poll", 0.05, *common])
+    thread.join(timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((followed / FILE).read_text())["epochs"][:2] == ["0-1", "0-2"]  # epoch 1 decided, never run
+    assert last_line(r).endswith("; shards 2-3 of --shards never trained on: 2 committed after the last epoch run "
+                                 "(epoch 0) began, 3 not committed when the run ended"), last_line(r)
+
+    r = train(["--store", small_store, "--out", replayed, "--shard-schedule", followed / FILE, *common])
+    assert r.returncode == 0, r.stderr
+    assert last_line(r).endswith(f"; shards 2-3 of --shards never trained on: 2 listed by --shard-schedule only in "
+                                 f"epochs this run did not reach, 3 in none of its epochs"), last_line(r)

@@ -27,7 +27,8 @@ def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     r = train([*common, "--out", straight])
     assert r.returncode == 0, r.stderr
     r = train([*common, "--out", resumed], stop_after=10)
-    assert r.returncode == 130 and "interrupted" in r.stderr.splitlines()[-1]
+    assert r.returncode == 130
+    assert r.stderr.splitlines()[-1] == "error: interrupted; rerun with --resume to continue from the last step-N"
     assert (resumed / "step-10").is_dir() and not (resumed / "final").exists() and len(losses(resumed)) == 10
     r = train([*common, "--out", resumed, "--resume"])
     assert r.returncode == 0, r.stderr
@@ -384,7 +385,7 @@ def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_sto
 
     from stages.train.config import TrainConfig
     from stages.train.run import run as train_run
-    from stages.train.run_dir import RUN_LOCK
+    from stages.out_contents import RUN_LOCK
     from store.locks import HOST, IDENTITY, LockFile
 
     lock = tmp_path / "x" / RUN_LOCK
@@ -439,3 +440,48 @@ def test_grad_checkpoint_trains_the_same_drafter(small_store, tmp_path):
         assert json.loads((out / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"][
             "grad_checkpoint"] == bool(extra)
     assert hashes[0] == hashes[1]
+
+
+def test_an_interrupt_before_the_first_checkpoint_does_not_offer_resume(small_store, tmp_path):
+    """Ctrl-C while --follow waits for shards to be committed: nothing was saved, so the last line says to
+    rerun, not to --resume (test_resume_equals_uninterrupted: after step-N it does), and no --out is left."""
+    import signal
+    import subprocess
+
+    from tests.conftest import REPO
+    from tests.processes import _default_sigint
+    from tests.stages.test_shard_schedule import growing
+
+    store = growing(small_store, tmp_path / "grow.zarr", first=0)  # no shard committed: the run waits
+    p = subprocess.Popen([sys.executable, "train.py", "--store", str(store), "--out", str(tmp_path / "run"), "--shards",
+                          "0-3", "--max-steps", "4", "--follow", "--follow-poll", "0.2", *map(str, TINY)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    said = [p.stderr.readline()]
+    while "too few to begin" not in said[-1] and said[-1]:
+        said.append(p.stderr.readline())
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, "".join(said) + err
+    assert err.splitlines()[-1] == ("error: interrupted before the first checkpoint (step-N) was saved: nothing to "
+                                    "resume; rerun the same command to start again")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_out_in_a_store_or_holding_another_commands_output_is_refused(small_store, store_copy, tmp_path):
+    """--out is a store, lies inside one (refused before torch is imported), or is another command's output (a
+    report, a drafter checkpoint): one line saying what it is; nothing is written there."""
+    from tests.stages.test_export import tree
+
+    before = tree(store_copy)
+    into_a_store = "no command writes its output into a store; choose a directory outside it"
+    for out, what in ((store_copy / "runs" / "a", f"lies inside the hidden-state store {store_copy}"),
+                      (store_copy, "is a hidden-state store (zarr.json, shards/, _commits/, ...)")):
+        r = train(["--store", small_store, "--out", out, "--max-steps", 1, *TINY])
+        assert (r.returncode, r.stdout, r.stderr) == (2, "", f"error: --out {out}: {what}: {into_a_store}\n")
+    assert tree(store_copy) == before
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "report.json").write_text("{}")
+    assert setup_error(small_store, tmp_path, max_steps=1) == (
+        f"--out {tmp_path / 'x'}: is an evaluate.py report (report.json): train.py writes a run into an empty "
+        "directory or its own run; choose another --out")
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["report.json"]  # its lock released
