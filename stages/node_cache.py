@@ -34,9 +34,11 @@ def check(config) -> None:
         raise ConfigError(flag_of(config, "cache_size"), shown, "must be positive")
 
 
-def make(config) -> NodeCache | None:
-    """The node-local cache the config asks for, or None."""
-    return None if config.cache_dir is None else NodeCache(config.cache_dir, config.cache_size)
+def make(config, warn=None) -> NodeCache | None:
+    """The node-local cache the config asks for, or None. warn: told once, in a line, when the cache
+    cannot be written and reads go on without it (store/node_cache.py); nothing is made on disk
+    before the first file is fetched."""
+    return None if config.cache_dir is None else NodeCache(config.cache_dir, config.cache_size, warn)
 
 
 def warning(config, store) -> str | None:

@@ -84,7 +84,7 @@ def run(config: EvalConfig, log=print) -> dict | None:
 
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
-    store = HiddenStore(config.store, node_cache=node_cache.make(config))
+    store = HiddenStore(config.store, node_cache=node_cache.make(config, lambda m: log(f"warning: {m}")))
     if proc.rank == 0:
         writable_dir(config.out, "--out")  # before the replay, not after it; report.write makes it
     warnings: list[str] = list(filter(None, [store.read_checks().warning(), node_cache.warning(config, store)]))
