@@ -49,7 +49,9 @@ def check_inputs(store: str, out: str, flag: str = "--out") -> None:
     and the output directory can be made and written (by the main process of a launch, the one that
     writes it), without making it: a run that fails leaves no directory it made (stages/out_dir.py).
     The stages check both again as they start, for callers from Python."""
-    HiddenStore(store).attrs  # noqa: B018 - read to check
+    opened = HiddenStore(store)
+    opened.check_reachable()  # an object store: its bucket, credentials and endpoint, in one request
+    opened.attrs  # noqa: B018 - read to check
     if Process.from_env().rank == 0:
         writable_dir(out, flag)
 
