@@ -102,7 +102,7 @@ def main() -> None:
     p = harness.parser(__doc__)
     p.add_argument("--paths", default="all", help=f"CPU paths, comma-separated, or 'all': {', '.join(PATHS)}")
     p.add_argument("--changes", default="all", help=f"real changes, comma-separated, or 'all': {', '.join(CHANGES)}")
-    args = p.parse_args()
+    args = harness.parse(p)
     result = run(args)
     print(table(result))
     harness.emit(result, args)

@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="runs of each path, alternating; the median is reported")
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.toy:
         args.max_new_tokens, args.repeats = 16, 1
         if not (VENV / "bin" / "python").exists():

@@ -225,7 +225,7 @@ def main() -> None:
     rp.add_argument("--slots", default="1,8,32")
     rp.add_argument("--width", type=int, default=None, help="synthetic: the drafter's hidden size (no store)")
     rp.add_argument("--vocab", type=int, default=32768, help="synthetic: the vocabulary")
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.toy:
         args.repeat = 1
     if args.device == "cpu":

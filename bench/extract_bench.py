@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.toy:
         args.max_new_tokens, args.max_length, args.batch_size, args.repeat = 32, 256, 4, 1
     harness.torch_setup(args.threads)

@@ -5,7 +5,7 @@ project as it is checked out, with no path set-up of its own). It builds its par
 times with `medians`, measures peak memory with `in_child` (one way for all: the peak resident set
 of a fresh child process while the function ran, from its VmHWM, never the bench's own), and ends with
 `emit`, which prints the result and writes it only where --json names a file, never over an
-existing one unless --force is given. Each script lists, in `TOY`, the argument lists that run it at
+existing one unless --force is given: `parse` refuses such a --json before anything is measured. Each script lists, in `TOY`, the argument lists that run it at
 toy size; `pytest -m bench` (tests/test_bench.py) runs them all.
 """
 
@@ -55,6 +55,21 @@ def result_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{path} {why}: --json writes a bench result, replacing only an earlier "
                                          "one; choose another path")
     return text
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; a --json onto an existing file without --force is refused at once, in
+    one line, not after the measurement (minutes) has run."""
+    args = p.parse_args(argv)
+    json_path = getattr(args, "json", None)
+    if json_path:
+        _writable(Path(json_path), getattr(args, "force", False))
+    return args
+
+
+def _writable(path: Path, force: bool) -> None:
+    if path.exists() and not force:
+        sys.exit(f"error: {path} exists (a committed result?); pass --force to replace it")
 
 
 def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
@@ -135,7 +150,6 @@ def emit(result: dict, args: argparse.Namespace) -> None:
     if not args.json:
         return
     path = Path(args.json)
-    if path.exists() and not args.force:
-        sys.exit(f"error: {path} exists (a committed result?); pass --force to replace it")
+    _writable(path, args.force)  # checked again: the file may have appeared while the bench ran
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")

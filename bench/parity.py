@@ -177,7 +177,7 @@ def main() -> None:
     e.add_argument("--dtypes", default=",".join(DTYPES), help="of the target's forward, comma-separated")
     fc = harness.subcommand(fla, "compare", "per dtype and tap, the fla path against the torch path")
     fc.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = harness.parse(p)
     harness.torch_setup(args.threads)
     run = compare if args.cmd == "compare" else fla_extract if args.step == "extract" else fla_compare
     harness.emit(run(args), args)

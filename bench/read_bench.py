@@ -343,7 +343,7 @@ def main() -> None:
     m.add_argument("--data-order", default="global", help="global, node, or both: global,node")
     m.add_argument("--local", type=int, default=8, help="--data-order node: processes a node (--world / this: nodes)")
     m.add_argument("--shuffle-window", type=int, default=64, help="--data-order node: shards a window")
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.cmd == "startup" and args.step == "child":
         time_child(args.store, args.out, args.eval_shards)
         return

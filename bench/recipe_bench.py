@@ -343,7 +343,7 @@ def main() -> None:
     t.add_argument("--against", default="baseline")
     t.add_argument("--results", default=str(RESULTS))
     t.add_argument("--only", help="comma-separated kept results to list (RECIPE or RECIPE@LABEL), besides --against")
-    args = ap.parse_args()
+    args = harness.parse(ap)
     if args.toy and args.cmd == "run":
         FIXED.update(TOY_FIXED)
     if args.cmd == "run":

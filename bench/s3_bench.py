@@ -504,7 +504,7 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=40)
     t.add_argument("--delays", default="0,300", help="latencies per request, ms")
     t.add_argument("--extra", default="", help="more train.py flags, space-separated (e.g. --cache-dir ...)")
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.cmd == "cache-child":
         print(json.dumps(cache_child(args.url, args.cache_dir, args.epochs, args.counts)))
         return

@@ -264,7 +264,7 @@ def main() -> None:
     s.add_argument("--recipes", help="comma-separated kept recipes (default: every AGAINST+X)")
     s.add_argument("--relative", type=float, default=0.02, help="the half-width, as a fraction of the reference's tau")
     s.add_argument("--results", default=str(recipe_bench.RESULTS))
-    args = ap.parse_args()
+    args = harness.parse(ap)
     if args.cmd == "size":
         result = size(Path(args.results), args.steps, args.against, args.relative,
                       args.recipes.split(",") if args.recipes else None)

@@ -462,7 +462,7 @@ def main() -> None:
     f.add_argument("--fp8", required=True, help="the fp8 store of the same prompts")
     for q in (s, f):
         q.add_argument("--wide-tokens", type=int, default=2048, help="tokens of 27B-width states (0: none)")
-    args = p.parse_args()
+    args = harness.parse(p)
     import numcodecs.blosc
 
     harness.torch_setup(args.threads)

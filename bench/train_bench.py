@@ -409,7 +409,7 @@ def main() -> None:
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--anchors", type=int, default=512)
     g.add_argument("--run-dir", default=None, help="where the training run goes (must not hold a run) [default: a temp dir]")
-    args = p.parse_args()
+    args = harness.parse(p)
     if args.toy and args.cmd == "speed":
         args.steps, args.warmup, args.repeat, args.anchors, args.num_layers, args.workers = 2, 1, 1, 32, 1, 1
     harness.torch_setup(args.threads)

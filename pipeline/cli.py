@@ -52,7 +52,9 @@ def info(store: str, as_json: bool) -> None:
     from store.hidden_store import HiddenStore
     from store.summary import render, summarize
 
-    s = summarize(HiddenStore(store))
+    opened = HiddenStore(store)
+    opened.check_reachable()
+    s = summarize(opened)
     click.echo(json.dumps(s, indent=1) if as_json else render(s))
 
 
@@ -74,8 +76,10 @@ def verify(store: str, shard_text: str | None, sample: float | None, processes: 
     """
     from tqdm import tqdm
 
+    from store.hidden_store import HiddenStore
     from store.verify import verify_store
 
+    HiddenStore(store).check_reachable()
     with tqdm(unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
         report = verify_store(store, shard_text, lambda _shard: bar.update(), sample,
                               processes or len(os.sched_getaffinity(0)))

@@ -13,7 +13,7 @@ import click
 
 from stages.paths import describe, refusal
 from stages.settings import build, flag_of, leaves, owner_of
-from store.errors import UserError
+from store.errors import ConfigError, UserError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -77,13 +77,15 @@ def _base(hint):
 
 
 def _parser(parse, default):
+    """A flag's text through its parse function; text it refuses is one line (ConfigError: the flag,
+    the text as given, what was expected)."""
     def callback(_ctx, param, value):
         if value is None:
             return default
         try:
             return parse(value)
         except ValueError as e:
-            raise click.BadParameter(f"{value!r}: {e}", param=param) from None
+            raise ConfigError(param.opts[0], value, str(e)) from None
 
     return callback
 

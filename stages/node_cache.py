@@ -3,7 +3,8 @@ object-store --store (store/node_cache.py), made from them."""
 
 from __future__ import annotations
 
-from stages.settings import parse_size, require, setting
+from stages.settings import flag_of, format_size, parse_size, require, setting
+from store.errors import ConfigError
 from store.node_cache import NodeCache
 
 
@@ -24,14 +25,20 @@ def check(config) -> None:
     """A cache size exactly when a cache directory, positive."""
     require(config, "cache_size", config.cache_size is not None or config.cache_dir is None,
             "is required with --cache-dir (e.g. --cache-size 500G)")
-    require(config, "cache_size", config.cache_size is None or config.cache_dir is not None,
-            "is only used with --cache-dir")
-    require(config, "cache_size", config.cache_size is None or config.cache_size > 0, "must be positive")
+    if config.cache_size is None:
+        return
+    shown = format_size(config.cache_size)  # as the user wrote it (1G, not 1073741824)
+    if config.cache_dir is None:
+        raise ConfigError(flag_of(config, "cache_size"), shown, "is only used with --cache-dir")
+    if config.cache_size <= 0:
+        raise ConfigError(flag_of(config, "cache_size"), shown, "must be positive")
 
 
-def make(config) -> NodeCache | None:
-    """The node-local cache the config asks for, or None."""
-    return None if config.cache_dir is None else NodeCache(config.cache_dir, config.cache_size)
+def make(config, warn=None) -> NodeCache | None:
+    """The node-local cache the config asks for, or None. warn: told once, in a line, when the cache
+    cannot be written and reads go on without it (store/node_cache.py); nothing is made on disk
+    before the first file is fetched."""
+    return None if config.cache_dir is None else NodeCache(config.cache_dir, config.cache_size, warn)
 
 
 def warning(config, store) -> str | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import shutil
 import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +50,9 @@ def check_inputs(store: str, out: str, flag: str = "--out") -> None:
     and the output directory can be made and written (by the main process of a launch, the one that
     writes it), without making it: a run that fails leaves no directory it made (stages/out_dir.py).
     The stages check both again as they start, for callers from Python."""
-    HiddenStore(store).attrs  # noqa: B018 - read to check
+    opened = HiddenStore(store)
+    opened.check_reachable()  # an object store: its bucket, credentials and endpoint, in one request
+    opened.attrs  # noqa: B018 - read to check
     if Process.from_env().rank == 0:
         writable_dir(out, flag)
 
@@ -111,6 +115,46 @@ def describe(e: OSError) -> str:
         if blocker is not None:
             return f"{blocker} is a file, not a directory; {fix}"
     return f"{where}: {what}; {fix}"
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a disk or quota full, a file-size limit reached
+LOW_SPACE = 1 << 20  # bytes: a file system with less free is full for a write that failed unexplained
+
+
+def full_disk(exc: BaseException, where: str | Path | None = None) -> OSError | None:
+    """The OSError ENOSPC/EDQUOT/EFBIG behind exc, however wrapped (raised from, during, or in a group),
+    or None. Writers that lose the errno are read too: a Rust `os error N` in the message (safetensors),
+    and, for a write under `where` that failed otherwise (torch's zip writer: 'unexpected pos'), a file
+    system with less than LOW_SPACE free there: then an ENOSPC naming `where`."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in FULL:
+            return e
+    for e in chain:
+        code = re.search(r"os error (\d+)", str(e))
+        if code and int(code[1]) in FULL:
+            return OSError(int(code[1]), os.strerror(int(code[1])), None if where is None else str(where))
+    if where is not None and _free(Path(where)) < LOW_SPACE:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    return None
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """exc, what it was raised from or during, and a group's members, each once."""
+    seen, out, stack = set(), [], [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+    return out
+
+
+def _free(p: Path) -> int:
+    """Bytes this user may still write on the file system of p (or its nearest existing parent)."""
+    return shutil.disk_usage(_nearest_existing(p.absolute())).free
 
 
 def refusal(exc: BaseException) -> OSError | None:

@@ -14,6 +14,7 @@ settings (`leaves`), each named once, and `build` / `flat` go between the config
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from store.errors import ConfigError
 
@@ -139,13 +140,26 @@ _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P
 
 def parse_size(text: str) -> int:
     """'500G' -> 500 x 2^30 bytes; '2T', '1.5T', '800M', '4096' (bytes); a trailing 'B' or 'iB' allowed
-    ('500GB', '500GiB': the same, in powers of 1024, as df -h counts)."""
+    ('500GB', '500GiB': the same, in powers of 1024, as df -h counts). A whole number of bytes, finite
+    and not negative ('inf', 'nan', '0.5' and '-1G' are refused)."""
     body = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = body[-1:] if body[-1:] in _SIZE_UNITS and body[-1:] else ""
     try:
         value = float(body[:len(body) - len(unit)])
     except ValueError:
         raise ValueError("expected a size such as '500G', '2T' or a number of bytes") from None
-    if value < 0:
-        raise ValueError("expected a size of at least 0 bytes")
-    return int(value * _SIZE_UNITS[unit])
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("expected a size such as '500G', '2T' or a number of bytes, finite and at least 0")
+    size = value * _SIZE_UNITS[unit]
+    if size != int(size):
+        raise ValueError(f"is {size:g} bytes: expected a whole number of bytes")
+    return int(size)
+
+
+def format_size(size: int) -> str:
+    """A size as a person writes it, in the largest unit that shows it exactly: 1073741824 -> '1G',
+    3 x 2^39 -> '1.5T', 1000 -> '1000' (bytes); parse_size reads it back."""
+    for unit, scale in sorted(_SIZE_UNITS.items(), key=lambda u: -u[1]):
+        if size >= scale and (size * 1000) % scale == 0:
+            return f"{size / scale:g}{unit}"
+    return str(size)

@@ -24,7 +24,7 @@ from zarr.core.sync import sync
 from zarr.storage import StorePath
 from zarr.storage._common import make_store_path
 
-from store import commit_file, layout, read_cache, zarr_files
+from store import commit_file, layout, object_store, read_cache, zarr_files
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
 from store.node_cache import NodeCache
 from store.ranges import format_ranges
@@ -49,11 +49,17 @@ class HiddenStore:
         (store/node_cache.py); a local store ignores it (its files are on a disk already)."""
         self.location = str(location)
         self.cache = read_cache.ReadCache(cache_bytes)
-        self.fs, self.root = fsspec.core.url_to_fs(self.location, **_connections(self.location))
+        self.fs, self.root = object_store.file_system(self.location, **_connections(self.location))
         self.local = isinstance(self.fs, LocalFileSystem)
         if self.local:
             _refuse_a_file(self.location, self.root)
         self.node = None if node_cache is None or self.local else node_cache.view(self.location, self.root)
+
+    def check_reachable(self) -> None:
+        """An object store's bucket exists and answers (one request), or one line saying what is wrong
+        (store/object_store.py); a local store: nothing to check. Commands call it as they start."""
+        if not self.local:
+            object_store.reachable(self.location, self.fs, self.root)
 
     # -- files -----------------------------------------------------------------------------
     def path(self, key: str) -> str:
@@ -108,7 +114,8 @@ class HiddenStore:
         """The root's commit record (read once, in one batch with the metadata files it vouches for)."""
         if not hasattr(self, "_root_commit"):
             key = layout.commit_key("root")
-            got = self.fetch([key, *ROOT_METADATA])
+            with object_store.failures(self.location, self.fs):  # the first request of most readers
+                got = self.fetch([key, *ROOT_METADATA])
             data = got.pop(key)
             if isinstance(data, FileNotFoundError):
                 raise NotAStore(f"{self.location}: not a hidden-state store (no {key})")

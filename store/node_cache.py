@@ -27,7 +27,12 @@ Shared by every process of the node (ranks and their loader workers), safe under
     transaction, so no process renames a file that another's eviction is deleting;
   - a process updates a file's last use at most once a minute (no write per read);
   - a file evicted under a process about to read it is simply missing: fetched again, never an error;
-  - a file that cannot be written (the cache's disk full) is read from memory and not kept;
+  - a cache that cannot be written (its disk full, its index unwritable, the directory not
+    makeable) is not an error: the file that could not be kept is read from memory, and the process
+    reads on from the object store without the cache; `trouble` says why (the first reason), and
+    `warn`, when given, is told once (callers say it in one line);
+  - nothing is made on disk until the first file is fetched: a run that reads no object-store file
+    (a local store, a run that fails first) leaves no directory;
   - two processes missing one file: the first takes a fill lock (an O_EXCL marker), the other
     waits for the file to appear (up to FILL_WAIT_S, or until the marker goes) and fetches it
     itself only then; a marker older than FILL_WAIT_S is a dead process's and is taken over (so a
@@ -55,6 +60,7 @@ TOUCH_EVERY_S = 60.0  # a process writes a file's last use at most this often
 FILL_WAIT_S = 60.0  # how long a process waits for a file another is fetching (and when a marker is stale)
 _POLL_S = 0.02
 _INDEX = "index.sqlite"
+UNWRITABLE = (OSError, sqlite3.DatabaseError)  # what a cache that cannot be written raises (disk full, I/O error)
 _DISK = LocalFileSystem()
 
 
@@ -70,28 +76,46 @@ def commit_identity(record) -> str:
 class NodeCache:
     """A bounded directory of whole store files on this node, shared by its processes (see the module)."""
 
-    def __init__(self, root: str, max_bytes: int) -> None:
+    def __init__(self, root: str, max_bytes: int, warn=None) -> None:
+        """warn: called once with a line saying why, when the cache cannot be written (see the module)."""
         assert max_bytes >= 0
-        self.root, self.max_bytes = os.path.abspath(root), int(max_bytes)
-        os.makedirs(os.path.join(self.root, ".tmp"), exist_ok=True)
-        os.makedirs(os.path.join(self.root, ".filling"), exist_ok=True)
+        self.root, self.max_bytes, self.warn = os.path.abspath(root), int(max_bytes), warn
+        self.trouble: str | None = None  # why this process reads without the cache (None: it uses it)
         self._local = threading.local()  # one sqlite connection per thread and process
         self._touched: dict[str, float] = {}
         self._pid = os.getpid()
-        with self._db() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS files (key TEXT PRIMARY KEY, bytes INTEGER NOT NULL, "
-                       "last_used REAL NOT NULL)")
-            db.execute("CREATE INDEX IF NOT EXISTS by_use ON files (last_used)")
-            db.execute("CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER)")
-            db.execute("INSERT OR IGNORE INTO total VALUES (0, 0)")
-        self._local.db.close()  # no connection held across a fork (a loader's workers open their own)
-        self._local = threading.local()
 
     def __getstate__(self) -> dict:  # sent to loader workers: each opens its own connections
         return {"root": self.root, "max_bytes": self.max_bytes}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], state["max_bytes"])
+
+    def ready(self) -> bool:
+        """Make the directory and the index when this process first needs them: False (and `trouble`
+        set) when the cache cannot be written."""
+        if self.trouble is None and getattr(self._local, "db", None) is None:
+            try:
+                with self._db() as db:
+                    db.execute("CREATE TABLE IF NOT EXISTS files (key TEXT PRIMARY KEY, bytes INTEGER NOT NULL, "
+                               "last_used REAL NOT NULL)")
+                    db.execute("CREATE INDEX IF NOT EXISTS by_use ON files (last_used)")
+                    db.execute("CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), "
+                               "bytes INTEGER)")
+                    db.execute("INSERT OR IGNORE INTO total VALUES (0, 0)")
+            except UNWRITABLE as e:
+                self._give_up(e)
+        return self.trouble is None
+
+    def _give_up(self, e: Exception) -> None:
+        """The cache cannot be written: this process reads on without it; said once."""
+        if self.trouble is None:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            self.trouble = (f"--cache-dir {self.root} cannot be written ({reason}): reading on from the object "
+                            "store without the node cache, nothing lost but its speed; free space there or point "
+                            "--cache-dir at another disk")
+            if self.warn is not None:
+                self.warn(self.trouble)
 
     # -- keys ------------------------------------------------------------------------------
     def folder(self, location: str, group: str, record) -> str:
@@ -106,7 +130,10 @@ class NodeCache:
     def fetch(self, fs, ranges: list[Range], local_of) -> list:
         """byte_fetch.fetch for the ranges of object-store file system `fs`: the files local_of maps to
         a cache path served from there, fetched whole first when not there; the others fetched as
-        ranges. In place of a range that cannot be read, its exception (FileNotFoundError: no such file)."""
+        ranges. In place of a range that cannot be read, its exception (FileNotFoundError: no such file).
+        A cache that cannot be written: every range fetched from the object store."""
+        if not self.ready():
+            return _ranges(fs, ranges)
         out: list = [None] * len(ranges)
         cached = {i: local_of(r[0]) for i, r in enumerate(ranges)}
         direct = [i for i, p in cached.items() if p is None]
@@ -137,11 +164,16 @@ class NodeCache:
     def drop(self, paths: list[str]) -> None:
         """Forget these cached files (a copy that failed its check): deleted with their rows."""
         keys = [self._key(p) for p in paths]
-        with self._db() as db:
-            db.execute("BEGIN IMMEDIATE")
-            for p, key in zip(paths, keys):
-                _unlink(p)
-                self._forget(db, key)
+        if not self.ready():
+            return
+        try:
+            with self._db() as db:
+                db.execute("BEGIN IMMEDIATE")
+                for p, key in zip(paths, keys):
+                    _unlink(p)
+                    self._forget(db, key)
+        except UNWRITABLE as e:
+            self._give_up(e)
         for key in keys:
             self._touched.pop(key, None)
 
@@ -169,19 +201,24 @@ class NodeCache:
         return whole
 
     def _claim(self, path: str) -> bool:
-        """Take the fill lock of a cached file (False: another process holds it, and is alive)."""
+        """Take the fill lock of a cached file (False: another process holds it, and is alive). No room
+        even for the marker: the cache gives up, and the file is fetched here (not kept)."""
         marker = _marker(self.root, path)
         for _ in range(2):
             try:
                 os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 return True
             except FileExistsError:
-                try:
-                    if time.time() - os.stat(marker).st_mtime < FILL_WAIT_S:
-                        return False
-                    os.unlink(marker)  # a dead fetcher's: take it over
-                except FileNotFoundError:
-                    pass
+                pass
+            except OSError as e:
+                self._give_up(e)
+                return True
+            try:
+                if time.time() - os.stat(marker).st_mtime < FILL_WAIT_S:
+                    return False
+                os.unlink(marker)  # a dead fetcher's: take it over
+            except FileNotFoundError:
+                pass
         return False
 
     def _wait(self, paths: list[str]) -> list[str]:
@@ -196,27 +233,31 @@ class NodeCache:
 
     def _put(self, files: dict[str, bytes]) -> None:
         """Write each file whole under .tmp/, then, in one write transaction, rename it into place,
-        record it and evict the least recently used files beyond the bound."""
-        if not files:
+        record it and evict the least recently used files beyond the bound. What cannot be written
+        (the disk full, the index unwritable) is not kept: the caller has the bytes, and the cache
+        gives up for this process."""
+        if not files or self.trouble is not None:
             return
         temps = {}
-        for p, data in files.items():
-            temp = os.path.join(self.root, ".tmp", f"{uuid.uuid4().hex}")
-            try:
-                with open(temp, "wb") as f:
+        try:
+            for p, data in files.items():
+                temps[p] = os.path.join(self.root, ".tmp", f"{uuid.uuid4().hex}")
+                with open(temps[p], "wb") as f:
                     f.write(data)
-                temps[p] = temp
-            except OSError:  # the cache's disk full or failing: read on from memory, this file not kept
+            self._publish(temps, {p: len(d) for p, d in files.items()})
+        except UNWRITABLE as e:
+            for temp in temps.values():
                 _unlink(temp)
-        if not temps:
-            return
+            self._give_up(e)
+
+    def _publish(self, temps: dict[str, str], sizes: dict[str, int]) -> None:
         now = time.time()
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
             for p, temp in temps.items():
                 os.makedirs(os.path.dirname(p), exist_ok=True)
                 os.replace(temp, p)
-                self._record(db, self._key(p), len(files[p]), now)
+                self._record(db, self._key(p), sizes[p], now)
             self._evict(db)
         for p in temps:
             self._touched[self._key(p)] = now
@@ -226,8 +267,13 @@ class NodeCache:
         row (its process died before recording it) is recorded now."""
         now = time.time()
         due = [p for p in dict.fromkeys(paths) if now - self._touched.get(self._key(p), 0.0) >= TOUCH_EVERY_S]
-        if not due:
-            return
+        if due:
+            try:
+                self._record_use(due, now)
+            except UNWRITABLE as e:
+                self._give_up(e)
+
+    def _record_use(self, due: list[str], now: float) -> None:
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
             adopted = False
@@ -250,6 +296,8 @@ class NodeCache:
             self._local, self._touched, self._pid = threading.local(), {}, os.getpid()
         db = getattr(self._local, "db", None)
         if db is None:
+            for folder in (".tmp", ".filling"):
+                os.makedirs(os.path.join(self.root, folder), exist_ok=True)
             db = sqlite3.connect(os.path.join(self.root, _INDEX), timeout=60, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")

@@ -76,12 +76,17 @@ def write(directory: str | Path, config: DrafterConfig, state: dict[str, torch.T
 
 def save(directory: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor],
          record: TrainingRecord | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write DIR atomically: into a temporary sibling, then a rename."""
+    """Write DIR atomically: into a temporary sibling, then a rename. A write that fails (a full disk)
+    leaves no temporary sibling behind."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp, config, state, record, dtype)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp, config, state, record, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     publish(tmp, directory)
     return directory
 

@@ -84,7 +84,7 @@ def run(config: EvalConfig, log=print) -> dict | None:
 
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
-    store = HiddenStore(config.store, node_cache=node_cache.make(config))
+    store = HiddenStore(config.store, node_cache=node_cache.make(config, lambda m: log(f"warning: {m}")))
     warnings: list[str] = list(filter(None, [store.read_checks().warning(), node_cache.warning(config, store)]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     index = _index(store)

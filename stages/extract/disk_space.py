@@ -34,6 +34,7 @@ from pipeline import chat_template
 from pipeline import prompts as prompt_sets
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
+from stages.paths import full_disk
 from store import hidden_formats
 from store.errors import StoreError
 from store.hidden_formats import HiddenFormat
@@ -161,22 +162,6 @@ def check(store: HiddenStore, need: Need, ignore: bool, say) -> None:
         raise StoreError(f"{store.location}: not enough free space: {len(need.shards)} shard(s) to write need about "
                          f"{human_bytes(need.total)} and {human_bytes(free)} is free at {where}; free space or choose "
                          "another --store, or pass --ignore-free-space to start anyway")
-
-
-def full_disk(exc: BaseException) -> OSError | None:
-    """The OSError ENOSPC/EDQUOT/EFBIG behind exc, however wrapped (the writer thread re-raises what
-    stopped it as the cause of its own error), or None."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in FULL:
-            return e
-        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return None
 
 
 @contextmanager

@@ -55,6 +55,7 @@ def run(config: ExtractConfig, log=print) -> dict:
     process = devices.Process.from_env()
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
     store = StoreWriter(config.store, config.lease_s)
+    store.check_reachable()  # an object store: before the dataset and the target load
     prompt_set = prompt_sets.load(config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field,
                                                                      config.response_field, config.template_kwargs_field,
                                                                      config.category_field),

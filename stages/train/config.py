@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pipeline import device as devices
 from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
 from stages import node_cache
-from stages.settings import at_least, build, check_choices, flat, parse_count, part, require, setting
+from stages.settings import at_least, build, check_choices, fill, flat, parse_count, part, require, setting
 from stages.train.node_order import DATA_ORDERS
 from stages.train.recipe import BATCHINGS, NOISES, OPTIMIZERS, SCHEDULES, slot_gamma
 
 _GAMMAS = ", ".join(f"{g:g} for B={b}" for b, g in GAMMA.items())
+FOLLOW_POLL_S = 30.0  # --follow-poll when --follow is given without it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,15 +86,19 @@ class ShardPlanConfig:
                                   "when it begins, so shards committed later join at the next epoch's start (waits "
                                   "for enough shards to begin). Needs --shards and --max-steps; each epoch's shards "
                                   "are recorded in OUT/shards.json and in every step-N.", resume="fixed")
-    follow_poll: float = setting(30.0, "--follow: seconds between looks at the store while too few shards are "
-                                       "committed to begin, and the least time between two looks at epoch starts.")
+    follow_poll: float | None = setting(None, "--follow: seconds between looks at the store while too few shards "
+                                              "are committed to begin, and the least time between two looks at "
+                                              "epoch starts. Only with --follow.", default_text="30 with --follow")
     shard_schedule: str | None = setting(None, "Train each epoch on the shards a schedule file lists for it (a "
                                                "--follow run's OUT/shards.json: that run replayed on the finished "
                                                "store); epochs past its end take its last entry. Needs --shards "
                                                "covering them.", default_text="off", resume="fixed")
 
     def __post_init__(self) -> None:
-        require(self, "follow_poll", self.follow_poll > 0, "must be positive")
+        require(self, "follow_poll", self.follow_poll is None or self.follow, "is only used with --follow")
+        require(self, "follow_poll", self.follow_poll is None or self.follow_poll > 0, "must be positive")
+        if self.follow and self.follow_poll is None:
+            fill(self, "follow_poll", FOLLOW_POLL_S)
         require(self, "follow", not (self.follow and self.shard_schedule), "cannot be combined with --shard-schedule "
                 "(a schedule replays a followed run: give one or the other)")
 

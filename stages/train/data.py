@@ -304,6 +304,7 @@ class Batch:
     refs: torch.Tensor  # [D, 2] long: (shard, index) of the D samples, row after row
     starts: torch.Tensor  # [b, T] long: where each token's sample begins in its row (all 0 for one a row)
     corrupt: tuple = ()  # (shard, index, why) of the samples left empty: their read failed (damaged or missing)
+    cache_trouble: str | None = None  # why the worker reads without the node cache (--cache-dir), if it does
 
     def _map(self, fn) -> "Batch":
         values = (getattr(self, f.name) for f in fields(self))
@@ -398,20 +399,25 @@ class StoreBatches(torch.utils.data.Dataset):
             else:
                 out.tokens[j, span], out.loss_mask[j, span] = s.tokens, s.loss_mask
         out.corrupt = tuple(corrupt)
+        out.cache_trouble = None if self.node_cache is None else self.node_cache.trouble
         return out
 
 
-def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped: set):
+def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped: set, warn=None):
     """Batches read and padded by --workers worker processes, in order. `batches` may be endless
     (every epoch's, formed as they are reached): its batches go to the workers as they are taken,
     and the workers live as long as this loader. A sample whose read failed (damaged or missing)
     stops the run (--on-corrupt stop: one line naming the file and the fix) or is left out of its
-    batch and added to `skipped` (skip)."""
+    batch and added to `skipped` (skip). A node cache that cannot be written is said once (to warn)."""
     dataset = StoreBatches(config.store, node_cache=node_cache_of(config))
     workers = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None, num_workers=config.workers,
                                           pin_memory=pin, prefetch_factor=PREFETCH if config.workers else None,
                                           worker_init_fn=quiet_inherited_sessions)
+    said = False
     for batch in workers:
+        if batch.cache_trouble and warn is not None and not said:
+            warn(f"warning: {batch.cache_trouble}")
+            said = True
         for shard, index, why in batch.corrupt:
             if config.on_corrupt == "stop":
                 raise StoreCorrupt(why)

@@ -39,7 +39,7 @@ def run(config: TrainConfig, log=print) -> dict:
         with removed_if_failed_empty(config.run.out, scratch=(LAUNCH_MARK,), owner=main):
             setup = prepare(config, log)
             try:
-                return _run(setup, config)
+                return _run(setup, config, log)
             finally:
                 if setup.lock is not None:
                     setup.lock.release()
@@ -49,7 +49,7 @@ def run(config: TrainConfig, log=print) -> dict:
         raise
 
 
-def _run(setup: Setup, config: TrainConfig) -> dict:
+def _run(setup: Setup, config: TrainConfig, log) -> dict:
     acc, out = setup.accelerator, Path(config.run.out)
     metrics = MetricsLog(acc, out, setup.start_step, setup.total_steps)
     if setup.eval_refs and setup.start_step == 0:
@@ -58,7 +58,7 @@ def _run(setup: Setup, config: TrainConfig) -> dict:
     bar = tqdm(total=setup.total_steps, initial=setup.start_step, unit="step", desc="train", dynamic_ncols=True,
                disable=not acc.is_main_process)
     window, seen = Window(setup, config), []
-    batches = micro_batches(setup, config.data)
+    batches = micro_batches(setup, config.data, lambda line: under_bar(bar, log, line))
     try:
         for step in range(setup.start_step, setup.total_steps):
             window.add(*train_step(setup, config, batches, step, seen if config.run.audit else None))
@@ -78,6 +78,13 @@ def _run(setup: Setup, config: TrainConfig) -> dict:
     finally:
         bar.close()
     return finish(setup, config, metrics, seen)
+
+
+def under_bar(bar, log, line: str) -> None:
+    """A line said while the progress bar is drawn: on a line of its own, the bar drawn again below it."""
+    bar.clear()
+    log(line)
+    bar.refresh()
 
 
 def train_step(setup: Setup, config: TrainConfig, batches, step: int, seen: list | None):
@@ -206,7 +213,7 @@ def done_line(summary: dict) -> str:
             + (f"; {summary['never_read']}" if summary.get("never_read") else ""))
 
 
-def micro_batches(setup: Setup, config: DataConfig):
+def micro_batches(setup: Setup, config: DataConfig, log=None):
     """This rank's micro-batches from the run's position on (stages/train/position.py), through the
     epochs, read by one loader's worker processes for the whole run (their shard readers kept)."""
     acc = setup.accelerator
@@ -219,4 +226,4 @@ def micro_batches(setup: Setup, config: DataConfig):
                                     acc.num_processes, setup.local_processes)
             epoch += 1
 
-    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped)
+    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped, log)

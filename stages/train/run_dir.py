@@ -8,7 +8,9 @@ Once one is published, --keep-last K deletes the older ones beyond the newest K 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -19,8 +21,10 @@ from pathlib import Path
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
+from pipeline.errors import TrainingError
 from stages import out_dir
 from stages.out_contents import RUN, RUN_LOCK, refuse_other_kinds
+from stages.paths import full_disk
 from stages.settings import flag_of, leaves, with_role
 from stages.train.config import RunConfig, TrainConfig
 from stages.train.position import advance, epochs_done, epochs_walked
@@ -108,8 +112,12 @@ def write_drafter(setup, config: TrainConfig, directory: Path, step: int, atomic
             for stale in [*directory.parent.glob(f".{directory.name}.tmp*"),
                           *directory.parent.glob(f".{directory.name}.old*")]:
                 shutil.rmtree(stale, ignore_errors=True)
-        write = checkpoint.save if atomic else checkpoint.write
-        write(directory, setup.drafter_config, state, training_record(setup, config, step))
+        record = training_record(setup, config, step)
+        if atomic:  # checkpoint.save leaves no temporary directory when it fails
+            with not_saved_when_full(directory, None, step):
+                checkpoint.save(directory, setup.drafter_config, state, record)
+        else:
+            checkpoint.write(directory, setup.drafter_config, state, record)
     setup.accelerator.wait_for_everyone()
 
 
@@ -121,10 +129,42 @@ def save_step(setup, config: TrainConfig, step: int) -> None:
     tmp = final.with_name(f".step-{step}.tmp")
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    with not_saved_when_full(tmp, tmp if acc.is_main_process else None, step):
+        if acc.is_main_process:
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / "training"))
+        write_drafter(setup, config, tmp, step, atomic=False)
+        _finish_step(setup, config, step, tmp, final)
     acc.wait_for_everyone()
-    acc.save_state(str(tmp / "training"))
-    write_drafter(setup, config, tmp, step, atomic=False)
+
+
+@contextlib.contextmanager
+def not_saved_when_full(where: Path, remove: Path | None, step: int):
+    """A checkpoint being written into `where`: when the write fails, `remove` (the temporary
+    directory, for the process that owns it) is deleted, and a full disk, quota or file-size limit
+    becomes one line naming `where` and what to do (the writers' own errors lose the path: safetensors
+    says `os error 28`, torch's zip writer 'unexpected pos')."""
+    try:
+        yield
+    except Exception as e:
+        full = full_disk(e, where.parent)
+        if remove is not None:
+            shutil.rmtree(remove, ignore_errors=True)
+        if full is None:
+            raise
+        raise TrainingError(f"{where}: {os.strerror(full.errno).lower()} while saving the checkpoint of step {step}; "
+                            f"nothing of it is kept; {FULL_FIX[full.errno].format(where.parent)}, then rerun the "
+                            "same command with --resume (it continues from the newest step-N there)") from e
+
+
+FULL_FIX = {errno.ENOSPC: "free space on {}'s file system", errno.EDQUOT: "free space within your quota on {}'s file "
+            "system", errno.EFBIG: "raise the file-size limit (`ulimit -f`)"}
+
+
+def _finish_step(setup, config: TrainConfig, step: int, tmp: Path, final: Path) -> None:
+    """The main process: step-N's trainer state written, the directory published, old steps pruned."""
+    acc = setup.accelerator
     if acc.is_main_process:
         file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
         at = advance(config.data, setup.schedule.refs, setup.position, (step - setup.start_step) * config.optim.grad_accum,
@@ -137,7 +177,6 @@ def save_step(setup, config: TrainConfig, step: int) -> None:
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         checkpoint.publish(tmp, final)
         prune_steps(Path(config.run.out), step, config.run.keep_last)
-    acc.wait_for_everyone()
 
 
 STEP_DIR = re.compile(r"step-(\d+)")  # a published checkpoint

@@ -94,5 +94,5 @@ def test_choices_are_checked_in_the_config_too():
 def test_budget_text_parses():
     assert parse(EvalConfig, ["--checkpoint", "a", "--ddtree", "4,8"]).ddtree == (4, 8)
     assert parse(EvalConfig, ["--checkpoint", "a", "--ddtree", "none"]).ddtree == ()
-    with pytest.raises(click.BadParameter, match="expected budgets"):
+    with pytest.raises(ConfigError, match="--ddtree 4,x: expected budgets"):
         parse(EvalConfig, ["--checkpoint", "a", "--ddtree", "4,x"])

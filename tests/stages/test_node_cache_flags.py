@@ -1,7 +1,10 @@
 """--cache-dir and --cache-size (stages/node_cache.py): parsed and checked alike in train.py and
 evaluate.py, and the training loader's readers fetch through the cache they name."""
 
-import click
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from stages.train.data import StoreBatches, index_samples
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from store.node_cache import NodeCache
+from tests.conftest import REPO
 from tests.stages.test_command import parse
 from tests.store.test_node_cache import cached_files, index_rows, upload
 
@@ -27,10 +31,43 @@ def test_sizes_parse_and_a_size_goes_with_a_directory(config_cls, extra, tmp_pat
     assert cache(["--cache-dir", "d", "--cache-size", "500GiB"]).cache_size == 500 << 30
     with pytest.raises(ConfigError, match="--cache-size: is required with --cache-dir"):
         parse(config_cls, ["--cache-dir", "d", *extra])
-    with pytest.raises(ConfigError, match="--cache-size 1024: is only used with --cache-dir"):
+    with pytest.raises(ConfigError, match="--cache-size 1K: is only used with --cache-dir"):
         parse(config_cls, ["--cache-size", "1K", *extra])
-    with pytest.raises(click.BadParameter, match="expected a size"):
+    with pytest.raises(ConfigError, match="--cache-size lots: expected a size"):
         parse(config_cls, ["--cache-dir", "d", "--cache-size", "lots", *extra])
+
+
+@pytest.mark.parametrize("program, extra", [("train.py", []), ("evaluate.py", ["--checkpoint", "ck"])])
+@pytest.mark.parametrize("size, cache_dir, line", [
+    ("inf", True, "error: --cache-size inf: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0"),
+    ("nan", True, "error: --cache-size nan: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0"),
+    ("-1G", True, "error: --cache-size -1G: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0"),
+    ("0.5", True, "error: --cache-size 0.5: is 0.5 bytes: expected a whole number of bytes"),
+    ("0", True, "error: --cache-size 0: must be positive"),
+    ("1G", False, "error: --cache-size 1G: is only used with --cache-dir"),
+    ("1.5TiB", False, "error: --cache-size 1.5T: is only used with --cache-dir"),
+])
+def test_a_bad_size_is_one_line_echoed_as_written(program, extra, size, cache_dir, line, tmp_path):
+    """As a user runs it: exit code 2, one line, the size as it was written (or in its unit, not in
+    bytes), and no cache directory made."""
+    args = [*extra, "--store", tmp_path / "hs.zarr", "--out", tmp_path / "out", "--cache-size", size]
+    r = run_script(program, [*args, *(["--cache-dir", tmp_path / "cache"] if cache_dir else [])])
+    assert (r.returncode, r.stderr) == (2, line + "\n")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_follow_poll_without_follow_is_one_line(tmp_path):
+    r = run_script("train.py", ["--store", tmp_path / "hs.zarr", "--out", tmp_path / "out", "--follow-poll", "5"])
+    assert (r.returncode, r.stderr) == (2, "error: --follow-poll 5.0: is only used with --follow\n")
+    followed = parse(TrainConfig, ["--follow", "--shards", "0-3", "--max-steps", "8"])
+    assert followed.shard_plan.follow_poll == 30.0  # the default, with --follow
+    assert parse(TrainConfig, []).shard_plan.follow_poll is None
+
+
+def run_script(program: str, args: list) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, program, *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_the_loader_reads_an_object_store_through_the_cache(small_store, tmp_path):

@@ -44,7 +44,8 @@ def commit(src: Path, dst: Path, shard: int) -> None:
 
 
 def config(store, out, **kw) -> TrainConfig:
-    return TrainConfig.of(store=str(store), out=str(out), shards="0-3", max_steps=10, follow_poll=1e-9, **kw)
+    poll = {"follow_poll": 1e-9} if kw.get("follow") else {}  # --follow-poll goes with --follow only
+    return TrainConfig.of(store=str(store), out=str(out), shards="0-3", max_steps=10, **poll, **kw)
 
 
 def test_follow_takes_shards_at_epoch_starts_and_records_them(small_store, tmp_path):

@@ -27,7 +27,8 @@ FLAT_DEFAULTS = {
     "drafter_config": None, "init_from": None, "resume": None, "grad_comm": "fp32", "grad_checkpoint": False,
     "mixed_precision": "auto", "audit": False}
 LATER = {"acceptance_weight": 0.0}  # settings added since, each at a default that trains as before it existed
-RECORD = FLAT_DEFAULTS | LATER
+UNSET = {"follow_poll": None}  # defaults now unset: --follow-poll's 30 s is filled in only with --follow
+RECORD = FLAT_DEFAULTS | LATER | UNSET
 OLD_CHECKPOINT = Path(__file__).parents[1] / "data" / "schema1" / "checkpoint_config.json"  # a drafter of an early run
 
 
@@ -40,9 +41,10 @@ def test_a_config_round_trips_through_its_record():
     """One setting away from its default in every component: the record holds it under its own name,
     and the config made from the record (JSON and back, as a resume reads it) is the same."""
     given = {"eval_shards": "3", "follow_poll": 2.0, "muon_lr": 0.01, "anchors": 64, "num_layers": 2, "keep_last": 5}
-    config = TrainConfig.of(**given)
+    followed = {"follow": True, "shards": "0-2", "max_steps": 10}  # what --follow-poll goes with
+    config = TrainConfig.of(**given, **followed)
     record = json.loads(json.dumps(config.record()))
-    assert record == RECORD | given
+    assert record == RECORD | given | followed
     assert TrainConfig.of(**record) == config
     assert (config.data.eval_shards, config.shard_plan.follow_poll, config.optim.muon_lr, config.loss.anchors,
             config.drafter.num_layers, config.run.keep_last) == tuple(given.values())

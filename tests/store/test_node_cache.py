@@ -227,6 +227,7 @@ def test_a_file_another_process_is_fetching_is_waited_for_not_fetched_again(tmp_
     view = files.view(cache)
     path, data = view.local(files.paths[0]), Path(files.paths[0]).read_bytes()
     marker = node_cache._marker(cache.root, path)
+    assert cache.ready()  # the directory, made by the first fetch (the other process's here)
     Path(marker).touch()  # the other process's fill lock
 
     def other() -> None:
@@ -245,3 +246,16 @@ def test_a_file_another_process_is_fetching_is_waited_for_not_fetched_again(tmp_
     Path(marker).touch()
     os.utime(marker, (0, 0))  # a lock left by a process that died: taken over, no wait
     assert bytes(view.fetch(fs, [(files.paths[0], 0, None)])[0]) == data and sent == [files.paths[0]]
+
+
+def test_a_cache_that_cannot_be_written_is_read_through_and_said_once(tmp_path):
+    """The directory cannot be made (a file in the way, as a full disk refuses it): every read is the
+    store's bytes, nothing is made, and warn is told once why."""
+    files = Files(tmp_path, 3, 3000)
+    (tmp_path / "in-the-way").write_bytes(b"")
+    said = []
+    cache = NodeCache(str(tmp_path / "in-the-way" / "cache"), 1 << 20, warn=said.append)
+    view = files.view(cache)
+    for _ in range(2):
+        assert read(view, files.paths, 7, 70) == [Path(p).read_bytes()[7:70] for p in files.paths]
+    assert len(said) == 1 and said[0] == cache.trouble and "cannot be written (Not a directory)" in said[0]
