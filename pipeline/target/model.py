@@ -171,8 +171,10 @@ class Target:
         return b
 
     def _unknown_record(self, b: Backends) -> str | None:
-        if UNDECIDED in (b.linear_attention, b.conv1d):
-            return "cannot tell which implementation served the linear-attention calls: their dispatch reached no code known here"
+        undecided = [kind for kind, ran in (("linear-attention", b.linear_attention), ("conv1d", b.conv1d)) if ran == UNDECIDED]
+        if undecided:
+            return (f"cannot tell which implementation served the {' and '.join(undecided)} calls: their dispatch "
+                    "reached no code known here")
         if b.linear_attention == "none" and "linear_attention" in (getattr(self.model.config, "layer_types", None) or ()):
             return "the target has linear-attention layers but none of their calls was seen"
         return None
