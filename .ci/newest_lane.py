@@ -7,7 +7,8 @@ library internals, and fails naming the release that breaks them: each package n
 one is set back to its tested release in turn, and the one whose setting back makes the failed tests
 pass is named. Standard library only.
 
-    python .ci/newest_lane.py            # the lane (CI runs it after the main lane)
+    python .ci/newest_lane.py            # the lane (CI runs it after the main lane); its tests run only
+                                         # when some release is newer than the tested one (--always: anyway)
     python .ci/newest_lane.py --freeze   # after it passes: record the newest releases as the tested ones
     python .ci/newest_lane.py --check-constraints   # the tested releases install with every extra
 
@@ -61,6 +62,9 @@ def main(argv: list[str]) -> int:
     say(f"{len(newest)} packages resolved; " + (
         "newer than .ci/tested-versions.txt: " + ", ".join(describe(n, old, new) for n, (old, new) in moved.items())
         if moved else "every one is the tested release"))
+    if not moved and "--always" not in argv:
+        say("nothing to run: the main lane ran these tests on exactly these releases (--always runs them again)")
+        return 0
     if pytest() == 0:
         say("passed" + (f" on {len(moved)} newer release(s); record them with `python .ci/newest_lane.py --freeze`"
                         if moved else ""))
