@@ -49,7 +49,7 @@ def conditioned(args, allow_mismatch: bool):
     from stages.evaluate.conditioning import check_checkpoint
     from stages.evaluate.prompts import Prompts
     from store.hidden_store import HiddenStore
-    from store.ranges import parse_ranges
+    from store.format.ranges import parse_ranges
 
     store = HiddenStore(args.store)
     ck = check_checkpoint(args.checkpoint, store, allow_mismatch, [])

@@ -135,7 +135,7 @@ def build(location: str, like: str, shards: int) -> None:
     from tqdm import tqdm
 
     from pipeline import fingerprint
-    from store.schema import to_json
+    from store.format.schema import to_json
     from store.shard_writer import ShardWriter
     from store.store_writer import StoreWriter
 

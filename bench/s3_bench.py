@@ -39,7 +39,7 @@ through the latency proxy at --delay-ms, times in this process:
 Each with the requests it made. `--code DIR` runs it all on another checkout's store and stage code
 (`git archive COMMIT | tar -x -C DIR`), for before/after figures from one bench.
 
-`cache` reads two epochs of samples with and without the node-local cache (store/node_cache.py,
+`cache` reads two epochs of samples with and without the node-local cache (store/io/node_cache.py,
 train.py --cache-dir) at 27B width, through the proxy at 50 ms: requests and bytes fetched, and
 samples/s of one loader worker in each epoch. --tiny: a store whose root (attributes, embedding) the
 synthetic shards are written under (the shipped tiny target's, `pipeline extract --shards 0-7`);
@@ -89,7 +89,7 @@ def upload(local: str, url: str, shards: list[int] | None) -> float:
     """Copy the store's root files and the given shards (None: all) -> seconds."""
     import fsspec
 
-    from store import layout
+    from store.format import layout
 
     fs = fsspec.filesystem("s3")
     t = time.perf_counter()
@@ -172,7 +172,7 @@ def read_samples(location: str, shards: list[int], n: int) -> dict:
 
 
 def run_reads(args) -> dict:
-    from store.ranges import parse_ranges
+    from store.format.ranges import parse_ranges
 
     shards = parse_ranges(args.shards, 1 << 20)
     with moto(args.local, shards=shards) as (server, url, seconds, _):
@@ -342,7 +342,7 @@ def build_wide(path: Path, like: Path, shards: int, tokens: int = WIDE_TOKENS, s
     """Synthetic 27B-width shards (random bf16 states) on the tiny store's root."""
     import torch
 
-    from store import layout
+    from store.format import layout
     from store.shard_writer import ShardWriter
     from store.store_writer import StoreWriter
 
@@ -370,7 +370,7 @@ def cache_child(location: str, cache_dir: str | None, epochs: int, counts_url: s
     import numpy as np
 
     from store.hidden_store import HiddenStore
-    from store.node_cache import NodeCache
+    from store.io.node_cache import NodeCache
     from store.shard_reader import ShardReader, read_samples
 
     counts = lambda: json.loads(urllib.request.urlopen(counts_url).read())  # noqa: E731

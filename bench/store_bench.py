@@ -10,7 +10,7 @@
 `layouts` reads every committed shard's states from a store (the shipped target's full store, say)
 and writes them again through zarr in each candidate layout, with the store's chunking (256-token
 chunks in 4,096-token shard files): blosc zstd-3 with byte shuffle, blosc zstd-1 with bit shuffle
-(built-in codecs only), and this package's byte-plane codec (store/bf16_codec.py: high plane zstd-1, low
+(built-in codecs only), and this package's byte-plane codec (store/format/bf16_codec.py: high plane zstd-1, low
 plane raw or LZ4), the last three with a crc32c checksum per chunk. Three kinds of data: the store
 as it is, the same states with every repeated token row dropped (prompts that share a template
 prefix give identical rows, which some layouts find and others cannot), and states of
@@ -63,7 +63,7 @@ WIDE_H, TOY_H = 5120, 512  # the 27B's width; the toy run's
 def layouts():
     from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
-    from store.bf16_codec import Bf16Planes
+    from store.format.bf16_codec import Bf16Planes
 
     return {
         "blosc zstd-3 byte shuffle": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle,
@@ -178,9 +178,9 @@ def root_of(store: str, path: Path, x: np.ndarray, hidden_format: str) -> None:
     import torch
 
     from pipeline import fingerprint
-    from store import hidden_formats
+    from store.format import hidden_formats
     from store.hidden_store import HiddenStore
-    from store.schema import to_json
+    from store.format.schema import to_json
     from store.store_writer import StoreWriter
 
     attrs = HiddenStore(store).attrs
@@ -333,7 +333,7 @@ class Errors:
 def shipped_errors(bf16: str, fp8: str) -> dict:
     import torch
 
-    from store.fp8_codec import quantize
+    from store.format.fp8_codec import quantize
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 
@@ -360,7 +360,7 @@ def information(q) -> dict:
     """Order-0 entropy, in bits a value, of the e4m3 bytes' fields and of the scale exponents."""
     import torch
 
-    from store.fp8_codec import exponents
+    from store.format.fp8_codec import exponents
 
     k = exponents(q.view(torch.int16))
     e4m3 = (q.float() * torch.exp2(-k.float())).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
@@ -375,7 +375,7 @@ def information(q) -> dict:
 
 def decode_speed(q: np.ndarray, repeat: int) -> dict:
     """One 256-token chunk of rounded states: MB/s of raw bf16 out of its zstd frame and its lookup."""
-    from store.fp8_codec import Fp8E4m3
+    from store.format.fp8_codec import Fp8E4m3
 
     codec = Fp8E4m3(group=q.shape[-1])
     chunk = np.ascontiguousarray(q[:256])
@@ -409,8 +409,8 @@ def direct_read(bits: np.ndarray, codecs: list, tmp: Path, repeat: int) -> int:
 def wide_fp8(tokens: np.ndarray, width: int, tmp: Path, root: str, repeat: int) -> dict:
     from zarr.codecs import Crc32cCodec
 
-    from store import layout
-    from store.fp8_codec import Fp8E4m3, quantize
+    from store.format import layout
+    from store.format.fp8_codec import Fp8E4m3, quantize
 
     bits = wide_states(tokens, width)  # [T, 5, width] uint16
     x = layout.from_bits(bits)

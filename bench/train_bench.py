@@ -63,7 +63,7 @@ from pipeline.drafter import masks
 from stages.train.config import TrainConfig
 from stages.train.data import StoreBatches, train_batches
 from stages.train.setup import prepare
-from store.ranges import parse_ranges
+from store.format.ranges import parse_ranges
 
 TOY = [["speed", "--store", "{store}", "--shards", "0-2"],
        ["long-context", "--like", "{store}", "--store", "{tmp}/long.zarr"],
@@ -262,7 +262,7 @@ def build_long(location: str, like: str, lengths: list[int]) -> None:
     """A store with the root of `like` and SAMPLES random samples of each length, one shard per length."""
     from pipeline import fingerprint
     from store.hidden_store import HiddenStore
-    from store.schema import to_json
+    from store.format.schema import to_json
     from store.shard_writer import ShardWriter
     from store.store_writer import StoreWriter
 

@@ -1,11 +1,11 @@
 """--cache-dir and --cache-size, shared by train.py and evaluate.py: a node-local cache of an
-object-store --store (store/node_cache.py), made from them."""
+object-store --store (store/io/node_cache.py), made from them."""
 
 from __future__ import annotations
 
 from stages.settings import flag_of, format_size, parse_size, require, setting
 from store.errors import ConfigError
-from store.node_cache import NodeCache
+from store.io.node_cache import NodeCache
 
 
 def cache_dir_setting():
@@ -36,7 +36,7 @@ def check(config) -> None:
 
 def make(config, warn=None) -> NodeCache | None:
     """The node-local cache the config asks for, or None. warn: told once, in a line, when the cache
-    cannot be written and reads go on without it (store/node_cache.py); nothing is made on disk
+    cannot be written and reads go on without it (store/io/node_cache.py); nothing is made on disk
     before the first file is fetched."""
     return None if config.cache_dir is None else NodeCache(config.cache_dir, config.cache_size, warn)
 

@@ -2,7 +2,7 @@
 removed again.
 
 Each command that writes a directory holds a lease on it while it does (`claim`: a lock file of
-store/locks.py, refreshed every 30 s; a killed writer's is taken over, its pid gone or no heartbeat
+store/io/locks.py, refreshed every 30 s; a killed writer's is taken over, its pid gone or no heartbeat
 for 10 minutes): train.py `OUT/.train.lock`, evaluate.py `OUT/.evaluate.lock`, `pipeline export`
 a sibling `.NAME.export.lock` (it replaces OUT_DIR whole). A second writer is refused naming the first.
 
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from store.errors import ConfigError
-from store.locks import LockFile
+from store.io.locks import LockFile
 
 
 def claim(lock: Path, flag: str, value, writer: str) -> LockFile:

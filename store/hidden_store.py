@@ -4,8 +4,8 @@ A local path or any fsspec URL zarr accepts. Train, evaluate, export, `pipeline 
 get this view; extraction alone gets the writer (store/store_writer.py), as zarr opens a group
 'r' or 'w-'. Commit files are written last and atomically, so a reader only trusts what was
 finished; they are sealed by their own checksum and record the checksums of the metadata files
-zarr parses, which are checked before zarr reads them (store/commit_file.py). What else a read
-checks depends on the store's layout (store/read_checks.py).
+zarr parses, which are checked before zarr reads them (store/io/commit_file.py). What else a read
+checks depends on the store's layout (store/format/read_checks.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from zarr.core.sync import sync
 from zarr.storage import StorePath
 from zarr.storage._common import make_store_path
 
-from store import commit_file, layout, object_store, read_cache, zarr_files
+from store.format import layout
+from store.io import commit_file, object_store, read_cache, zarr_files
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
-from store.node_cache import NodeCache
-from store.ranges import format_ranges
-from store.read_checks import Layout, ReadChecks, layout_of, read_checks
-from store.schema import RootCommit, ShardCommit, StoreAttrs
+from store.io.node_cache import NodeCache
+from store.format.ranges import format_ranges
+from store.format.read_checks import Layout, ReadChecks, layout_of, read_checks
+from store.format.schema import RootCommit, ShardCommit, StoreAttrs
 
 S3_CONNECTIONS = 64  # requests in flight at once per S3 file system: a batch of reads, several threads' readers
 
@@ -37,16 +38,16 @@ S3_CONNECTIONS = 64  # requests in flight at once per S3 file system: a batch of
 ROOT_METADATA = ("zarr.json", "target/zarr.json", "target/embed_tokens/zarr.json", "target/lm_head/zarr.json")
 
 if TYPE_CHECKING:
-    import torch  # the view itself needs no torch; embedding() returns a tensor (store/layout.from_bits)
+    import torch  # the view itself needs no torch; embedding() returns a tensor (store/format/layout.from_bits)
 
 
 class HiddenStore:
     def __init__(self, location: str, cache_bytes: int = read_cache.DEFAULT_BYTES,
                  node_cache: NodeCache | None = None) -> None:
         """cache_bytes: the bound of what this handle's readers keep of what they fetched beyond
-        the spans asked for (store/read_cache.py; 0: nothing kept). node_cache: a node-local
+        the spans asked for (store/io/read_cache.py; 0: nothing kept). node_cache: a node-local
         directory the shard files of an object store are read through, each fetched once per node
-        (store/node_cache.py); a local store ignores it (its files are on a disk already)."""
+        (store/io/node_cache.py); a local store ignores it (its files are on a disk already)."""
         self.location = str(location)
         self.cache = read_cache.ReadCache(cache_bytes)
         self.fs, self.root = object_store.file_system(self.location, **_connections(self.location))
@@ -57,7 +58,7 @@ class HiddenStore:
 
     def check_reachable(self) -> None:
         """An object store's bucket exists and answers (one request), or one line saying what is wrong
-        (store/object_store.py); a local store: nothing to check. Commands call it as they start."""
+        (store/io/object_store.py); a local store: nothing to check. Commands call it as they start."""
         if not self.local:
             object_store.reachable(self.location, self.fs, self.root)
 
@@ -67,7 +68,7 @@ class HiddenStore:
         return f"{self.root.rstrip('/')}/{key}"
 
     def node_files(self, shard: int, record: ShardCommit):
-        """The node-local cache (store/node_cache.StoreFiles) shard's readers fetch through, at the
+        """The node-local cache (store/io/node_cache.StoreFiles) shard's readers fetch through, at the
         commit `record`; None when there is none (no cache, or a local store)."""
         if self.node is not None:
             self.node.admit(layout.shard_group(shard), record)
@@ -80,7 +81,7 @@ class HiddenStore:
 
     @functools.cached_property
     def store_path(self) -> StorePath:
-        """zarr's handle on the store, for arrays opened over metadata already read (store/zarr_files.py)."""
+        """zarr's handle on the store, for arrays opened over metadata already read (store/io/zarr_files.py)."""
         return sync(make_store_path(self.location, mode="r"))
 
     def read_json(self, key: str) -> dict | None:
@@ -91,13 +92,13 @@ class HiddenStore:
         return self.fs.exists(self.path(layout.commit_key("root")))
 
     def read_checks(self, records: dict[int, ShardCommit] | None = None) -> ReadChecks:
-        """What reading this store checks (store/read_checks.py); records: the commit records of the
+        """What reading this store checks (store/format/read_checks.py); records: the commit records of the
         shards asked about (default: every committed one)."""
         return read_checks(self.location, self.layout, self.commits()[0] if records is None else records)
 
     @property
     def layout(self) -> Layout:
-        """The store's layout (store/read_checks.py), read from its root."""
+        """The store's layout (store/format/read_checks.py), read from its root."""
         return layout_of(self.attrs, self.root_commit)
 
     def shard_damage(self, e: StoreCorrupt, shard: int, sample: int | None = None) -> StoreCorrupt:
@@ -163,7 +164,7 @@ class HiddenStore:
 
     def embeddings(self, names: tuple[str, ...] = ("embed_tokens", "lm_head")) -> list[torch.Tensor]:
         """Each of names ('embed_tokens', 'lm_head'): [V, H] bf16, their chunks fetched together
-        (store/zarr_files.py: one batch of requests up to a GB), each checked against the root
+        (store/io/zarr_files.py: one batch of requests up to a GB), each checked against the root
         commit's checksum, its metadata against the CRC-32 the root commit records."""
         root = self.root_commit
         arrays = []

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import google_crc32c
 import numpy as np
 
-from store import commit_file, layout
+from store.format import layout
+from store.io import commit_file
 from store.hidden_store import HiddenStore
 from store.sample_index import per_sample
-from store.schema import ShardCommit
+from store.format.schema import ShardCommit
 
 FOLDER = "_index"
 NAMES = ("offsets", "first_pairs", "prompt_lens")  # the per-sample arrays training and evaluation index by

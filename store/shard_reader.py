@@ -11,11 +11,13 @@ import torch
 from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
-from store import layout, span_reader, zarr_files
+from store import span_reader
+from store.format import layout, per_sample_array
+from store.io import zarr_files
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
-from store.read_checks import first_chunk
-from store.schema import ShardCommit
+from store.format.read_checks import first_chunk
+from store.format.schema import ShardCommit
 
 _PER_TOKEN = ("tokens", "loss_mask", "hidden")
 _PER_SAMPLE = ("offsets", "prompt_lens", "row_ids", "first_pairs")
@@ -36,7 +38,7 @@ class ShardReader:
     """One committed shard. Opening it fetches, in one batch of requests (concurrent on an object
     store), every metadata file its commit record vouches for and the chunk of each per-sample
     array, and checks the metadata against the record's CRC-32s; zarr parses what was fetched and
-    reads nothing itself (store/zarr_files.py). The per-sample arrays (O(samples) bytes) are
+    reads nothing itself (store/io/zarr_files.py). The per-sample arrays (O(samples) bytes) are
     decoded from those chunks, each on first use (the layout schema 2 writes; any other is read
     through zarr); a sample's tokens, loss mask and states are read as its own span (only the
     chunks it covers), so a reader's memory is bounded by what it is asked for, not by the shard.
@@ -76,7 +78,7 @@ class ShardReader:
     @functools.cached_property
     def _direct(self) -> list | None:
         """Direct span readers of the per-token arrays, or None when the store's layout has none
-        (store/read_checks.py) or its arrays are not one store/span_reader.py decodes (then zarr reads them)."""
+        (store/format/read_checks.py) or its arrays are not one store/span_reader.py decodes (then zarr reads them)."""
         checks = self.store.read_checks({self.shard: self.record})
         if not checks.direct_reads:
             return None
@@ -113,16 +115,13 @@ class ShardReader:
     def _array(self, name: str) -> np.ndarray:
         """A per-sample array (or the loss mask of an old shard), read whole and checked against the
         commit record's checksum: decoded from the chunk fetched at opening (the layout schema 2
-        writes, every check passed: store/sample_index.py), else read through zarr."""
-        # imported here: that module opens this one's readers
-        from store.sample_index import _decoded, _NotHere
-
+        writes, every check passed: store/format/per_sample_array.py), else read through zarr."""
         meta = self._files.get(f"{name}/zarr.json")
         try:
-            data = _decoded(self.record, name, meta, self._files.pop(f"{name}/{first_chunk(self.record)}", None))
+            data = per_sample_array.decoded(self.record, name, meta, self._files.pop(f"{name}/{first_chunk(self.record)}", None))
             self._files.pop(f"{name}/zarr.json", None)
             return data
-        except _NotHere:
+        except per_sample_array.NotDirect:
             pass
         array = self._open(name)
         try:

@@ -3,7 +3,7 @@
 The model thread hands each batch over with `add` and returns to the next forward. The writer
 thread converts to bf16 bits, checksums, and cuts the stream into whole zarr shard files
 (`shard_tokens` tokens, so no write ever rewrites a shard object); a pool of `threads` encodes
-their chunks (store/shard_file.py) while the writer thread goes on taking states and writes each
+their chunks (store/format/shard_file.py) while the writer thread goes on taking states and writes each
 file, in order, once it is encoded. The states handed over and not yet written are bounded in
 bytes (`max_held_bytes`; one batch is always taken): at hidden 5120 one batch of 32 x 4k tokens
 is 6.7 GB, so a count of batches would not bound host memory. `commit` drains the queue, writes
@@ -25,16 +25,16 @@ import numpy as np
 import torch
 import zarr
 
-from store import layout, shard_file
+from store.format import layout, shard_file
 from store.errors import StoreError
-from store.schema import ShardCommit
+from store.format.schema import ShardCommit
 from store.store_writer import StoreWriter
 
 _DONE = object()
 # Every chunk is written, all-fill-value ones too (zarr skips those by default), so that a reader
 # can tell a missing chunk file (damage) from zeros; the commit record says so (`every_chunk`).
 _EVERY_CHUNK = {"write_empty_chunks": True}
-# Chunk keys c.K.0.0, files beside the array's metadata (format revision 5; store/layout.py).
+# Chunk keys c.K.0.0, files beside the array's metadata (format revision 5; store/format/layout.py).
 _KEYS = layout.chunk_key_encoding()
 
 
@@ -52,7 +52,7 @@ class ShardWriter:
     def __init__(self, store: StoreWriter, shard: int, n_taps: int, hidden_size: int,
                  chunk_tokens: int, shard_tokens: int, level: int | None = None,
                  max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
-        """The states are coded in the hidden format of the store written (store/hidden_formats.py):
+        """The states are coded in the hidden format of the store written (store/format/hidden_formats.py):
         fp8 states come already rounded (by the capture), and their codec refuses any that are not."""
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
         self.store, self.shard = store, shard

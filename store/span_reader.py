@@ -9,12 +9,12 @@ output:
   - per-token (and per-sample) arrays: chunks of little-endian values, blosc, then crc32c
     (layout.small_codecs), one object each;
   - states: zarr shard files (index at the end, itself checksummed) of chunks encoded with
-    a hidden format's codec, then crc32c (store/hidden_formats.py; store/shard_file.py writes them),
+    a hidden format's codec, then crc32c (store/format/hidden_formats.py; store/format/shard_file.py writes them),
     each chunk decoded by its codec's `decode_values` (fp8 bytes looked up as bf16 bits straight
     into the output).
 `read_spans` reads a batch of spans (of any arrays and shards) in at most two rounds of requests,
-each round's in flight together on an object store (store/byte_fetch.py): first what the spans'
-byte ranges depend on and the store's read cache (store/read_cache.py) does not hold (the shard
+each round's in flight together on an object store (store/io/byte_fetch.py): first what the spans'
+byte ranges depend on and the store's read cache (store/io/read_cache.py) does not hold (the shard
 files' chunk indexes, the per-token arrays' chunks), then the states' bytes: one ranged request
 per shard file a span covers, as a file's chunks lie back to back. The chunks a span uses only in
 part (its first and last) are kept in the cache for the samples next to it.
@@ -33,10 +33,10 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
 
-from store import hidden_formats
-from store.byte_fetch import Range, fetch
+from store.format import hidden_formats
+from store.io.byte_fetch import Range, fetch
 from store.errors import StoreCorrupt
-from store.read_cache import ReadCache
+from store.io.read_cache import ReadCache
 
 _MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)
 _GONE = "no such file"  # what the cache holds for a file that does not exist
@@ -202,7 +202,7 @@ class SpanReader:
     """Rows a .. b (along the first axis) of one array; subclasses say which bytes a span needs
     and decode one chunk."""
 
-    node = None  # the node-local cache its fetches go through (store/node_cache.StoreFiles), if any
+    node = None  # the node-local cache its fetches go through (store/io/node_cache.StoreFiles), if any
 
     def __init__(self, fs, local: bool, path: str, meta, chunk_rows: int, missing_is_damage: bool,
                  cache: ReadCache) -> None:
@@ -318,7 +318,7 @@ class ChunkSpans(SpanReader):
 
 class ShardSpans(SpanReader):
     """A sharded array of bf16 bits: each shard file's chunks encoded by a hidden format's codec
-    (store/hidden_formats.py). The first round reads the files' indexes, the second the chunks' bytes."""
+    (store/format/hidden_formats.py). The first round reads the files' indexes, the second the chunks' bytes."""
 
     def __init__(self, fs, local: bool, path: str, meta, missing_is_damage: bool, cache: ReadCache) -> None:
         sharding = meta.codecs[0]

@@ -3,8 +3,8 @@ this run's settings (rebuilt under --redo when damaged), shards cleared, written
 
 Commit files are written last and atomically (a temporary name, then a rename; on object stores a
 single put), so a reader or a rerun only trusts what was finished. The root and each shard are
-claimed under a lease: a lock file on a POSIX file system (store/locks.py), an object on S3
-(store/object_lease.py, conditional writes). Other object stores have none: each process must
+claimed under a lease: a lock file on a POSIX file system (store/io/locks.py), an object on S3
+(store/io/object_lease.py, conditional writes). Other object stores have none: each process must
 then be given disjoint shard ranges.
 """
 
@@ -19,13 +19,14 @@ import numpy as np
 import torch
 import zarr
 
-from store import commit_file, layout
+from store.format import layout
+from store.io import commit_file
 from store.errors import NotAStore, StoreCorrupt, StoreError, StoreMismatch
 from store.hidden_store import ROOT_METADATA, HiddenStore
-from store.locks import HOST, LEASE_S, LockFile, heartbeat_for
-from store.object_lease import ObjectLease
-from store.s3_objects import conditional_objects
-from store.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
+from store.io.locks import HOST, LEASE_S, LockFile, heartbeat_for
+from store.io.object_lease import ObjectLease
+from store.io.s3_objects import conditional_objects
+from store.format.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges
+from store.format.ranges import format_ranges
 
 TURNS = {"all": ", every assistant turn", "split": ", a sample per assistant turn"}  # compat.turns, as info shows it
 

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from store import layout, span_reader
+from store import span_reader
+from store.format import layout
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges, parse_ranges
-from store.schema import ShardCommit
+from store.format.ranges import format_ranges, parse_ranges
+from store.format.schema import ShardCommit
 
 
 @dataclass
@@ -63,7 +64,7 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
     that are not committed count as missing. sample: the share of state chunks to decode, chosen
     at random (None: every byte, and each whole array against its commit checksum); processes:
     shards checked in parallel. progress: called with each shard id once it is checked. A layout
-    without chunk checksums (store/read_checks.py) is checked whole whatever `sample` says: a
+    without chunk checksums (store/format/read_checks.py) is checked whole whatever `sample` says: a
     sampled chunk of it that decodes proves nothing."""
     committed, damaged = store.commits()
     todo = [s for s in (expected if expected is not None else committed) if s in committed]

@@ -21,7 +21,7 @@ from pathlib import Path
 import fsspec
 
 from stages.command import run_command
-from store import node_cache
+from store.io import node_cache
 
 PROGRAM, LOCAL, FULL = sys.argv.pop(1), Path(sys.argv.pop(1)), sys.argv.pop(1)
 STORE = "memory://remote/hs.zarr"

@@ -1,7 +1,10 @@
 """The house: every module imports only from its own layer or those below, entry points stay thin,
 and production code carries no test hooks.
 
-    store/                                  0  the on-disk format
+    store/ errors                           0  the on-disk format: its errors, under all of it,
+    store/format/, store/io/                0.1  what the bytes mean, how they move (neither
+                                                 imports the other),
+    store/ readers and writers              0.2  the store opened to read or write, above both
     pipeline/ errors, device, fingerprint,  1  the domain: its shared rooms,
               prompts
     pipeline/target/, pipeline/drafter/     2    the two models (neither imports the other),
@@ -27,17 +30,22 @@ from tests.conftest import REPO
 ENTRY = {"train.py", "evaluate.py", "pipeline/cli.py", "pipeline/__main__.py"}
 SIBLINGS = {"pipeline.target", "pipeline.drafter", "stages.extract", "stages.train", "stages.evaluate", "stages.export"}
 LINES_PER_COMMAND = 40
+STORE_ROOMS = {"store.format", "store.io"}  # side by side: neither imports the other
+STORE_LEAVES = {"store.errors"}  # below both
+SIBLING_RANKS = (0.1, 2, 5)  # the ranks whose rooms are kept apart from each other
 WRITER, WRITERS = "store.store_writer", {"store", "stages.extract"}  # the rooms that may open a store to write
 
 
-def room(module: str) -> tuple[str, int]:
+def room(module: str) -> tuple[str, float]:
     """(room, rank) of a dotted module name: the room is the package rooms are kept apart by."""
     parts = module.split(".")
     top, sub = parts[0], ".".join(parts[:2])
     if module in {"pipeline.cli", "pipeline.__main__", "train", "evaluate"}:
         return module, 6
     if top == "store":
-        return "store", 0
+        if sub in STORE_ROOMS:
+            return sub, 0.1
+        return ("store.leaves", 0) if sub in STORE_LEAVES else ("store", 0.2)
     if top == "pipeline":
         return (sub, 3 if sub == "pipeline.decode" else 2) if sub in SIBLINGS | {"pipeline.decode"} else ("pipeline", 1)
     if top == "stages":
@@ -79,7 +87,7 @@ def violations(root: Path) -> list[str]:
             their_room, their_rank = room(target)
             if their_rank < 0 or their_room == my_room:
                 continue
-            if their_rank > my_rank or (their_rank == my_rank and my_rank in (2, 5)):
+            if their_rank > my_rank or (their_rank == my_rank and my_rank in SIBLING_RANKS):
                 bad.append(f"{rel}:{line} imports {target} ({their_room} is not below {my_room})")
             if (target == WRITER or target.startswith(WRITER + ".")) and my_room not in WRITERS:
                 bad.append(f"{rel}:{line} imports {target} (only extraction writes a store)")
@@ -99,6 +107,10 @@ def test_the_house_holds():
 
 @pytest.mark.parametrize("where,code,needle", [
     ("store/x.py", "from pipeline.errors import DrafterError\n", "store/x.py:1 imports pipeline.errors.DrafterError"),
+    ("store/format/x.py", "from store.io import locks\n", "store/format/x.py:1 imports store.io.locks"),
+    ("store/io/x.py", "def f():\n    from store.format.layout import shard_group\n", "store/io/x.py:2"),
+    ("store/format/x.py", "from store.hidden_store import HiddenStore\n", "store/format/x.py:1 imports store.hidden_store"),
+    ("store/errors.py", "from store.format import layout\n", "store/errors.py:1"),
     ("pipeline/drafter/x.py", "def f():\n    from pipeline.target import taps\n", "pipeline/drafter/x.py:2"),
     ("pipeline/target/x.py", "import stages.settings\n", "imports stages.settings"),
     ("stages/train/x.py", "from stages.evaluate.run import run\n", "stages/train/x.py:1"),
@@ -114,3 +126,54 @@ def test_the_check_catches_what_it_forbids(tmp_path, where, code, needle):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(code)
     assert any(needle in v for v in violations(tmp_path)), violations(tmp_path)
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The modules `path` imports when it runs, at any depth, leaving out `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def import_loops(root: Path) -> list[list[str]]:
+    """Every set of production modules that import each other at run time, directly or round a loop."""
+    modules = {module_of(p, root): p for p in production_files(root)}
+    graph = {m: {t for t in runtime_imports(p) if t in modules and t != m} for m, p in modules.items()}
+    reach = {m: _reach(graph, m) for m in graph}
+    loops = {tuple(sorted({m} | {o for o in reach[m] if m in reach[o]})) for m in graph if m in reach[m]}
+    return sorted(list(loop) for loop in loops)
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    reach, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - reach:
+            reach.add(nxt)
+            todo.append(nxt)
+    return reach
+
+
+def test_no_import_loop_at_run_time():
+    assert import_loops(REPO) == []
+
+
+def test_the_loop_check_finds_one_in_a_function_and_not_under_type_checking(tmp_path):
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store/a.py").write_text("from store.b import f\n")
+    (tmp_path / "store/b.py").write_text("def f():\n    from store.a import g\n")
+    (tmp_path / "store/c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from store.a import g\n")
+    (tmp_path / "store/d.py").write_text("from store.c import x\n")
+    assert import_loops(tmp_path) == [["store.a", "store.b"]]
+    (tmp_path / "store/c.py").write_text("from store.d import y\n")
+    assert import_loops(tmp_path) == [["store.a", "store.b"], ["store.c", "store.d"]]

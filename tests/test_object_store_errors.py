@@ -1,5 +1,5 @@
 """Every object-store failure as a user meets it is one `error:` line (exit code 2, no traceback)
-naming the store, the endpoint or bucket, and the fix (store/object_store.py): s3fs not installed
+naming the store, the endpoint or bucket, and the fix (store/io/object_store.py): s3fs not installed
 (here, whatever this environment has); and, with a real S3 API (`pytest -m s3`: moto's server on
 127.0.0.1), a bucket that does not exist, no credentials, an endpoint that does not answer. Each
 command that opens a store is run: info, verify, extract (before the target loads), train.py,

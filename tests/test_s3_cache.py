@@ -1,4 +1,4 @@
-"""The node-local cache (store/node_cache.py) in front of a real S3 API (moto's server on 127.0.0.1,
+"""The node-local cache (store/io/node_cache.py) in front of a real S3 API (moto's server on 127.0.0.1,
 s3fs): reads through it are the store's bytes, a file is fetched from the store once per node
 however often it is read (two epochs of training, several processes), and a damaged local copy is
 read again from the store. Opt-in: `pytest -m s3`."""
@@ -9,10 +9,10 @@ import re
 import pytest
 
 from store.hidden_store import HiddenStore
-from store.node_cache import NodeCache
+from store.io.node_cache import NodeCache
 from tests.processes import train
-from tests.store.node_cache_files import digest
-from tests.store.test_node_cache import cached_files, index_rows, is_data, same, samples
+from tests.store.io.node_cache_files import digest
+from tests.store.io.test_node_cache import cached_files, index_rows, is_data, same, samples
 
 pytestmark = pytest.mark.s3
 

@@ -1,5 +1,5 @@
 """Extraction by many processes on one S3 store, through a real S3 API (moto's server on 127.0.0.1):
-one creates the store while the others wait, shards are claimed under leases (store/object_lease.py),
+one creates the store while the others wait, shards are claimed under leases (store/io/object_lease.py),
 a stopped writer's shard is taken over once its lease runs out. Opt-in: `pytest -m s3`."""
 
 import re
@@ -35,8 +35,8 @@ def written(err: str) -> list[int]:
 def test_an_object_lease_on_s3_is_exclusive_taken_over_after_it_runs_out_and_fenced(s3):
     import s3fs
 
-    from store.object_lease import ObjectLease
-    from store.s3_objects import S3Objects
+    from store.io.object_lease import ObjectLease
+    from store.io.s3_objects import S3Objects
 
     objects, path = S3Objects(s3fs.S3FileSystem()), "bucket/lease.zarr/_locks/x.lock"
     holder, taker = ObjectLease(objects, path, lease_s=2, heartbeat_s=3600), ObjectLease(objects, path, lease_s=2)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.drafter.config import DrafterConfig, TrainingRecord, read_config
 from pipeline.errors import DrafterError
-from store import file_modes
+from store.io import file_modes
 
 WEIGHTS = "model.safetensors"
 MODELING = "modeling_dflash.py"  # our own modeling file, written into every checkpoint (see auto_map)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.errors import DrafterError
 from store.errors import ConfigError
-from store.schema import StoreAttrs, from_json, to_json
+from store.format.schema import StoreAttrs, from_json, to_json
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pipeline.drafter.config import DrafterConfig
-from store.schema import TargetRecord
+from store.format.schema import TargetRecord
 
 
 @dataclass(frozen=True)

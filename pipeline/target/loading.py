@@ -16,7 +16,7 @@ from pipeline.target import weights
 from pipeline.target.kernels import KernelRecorder, select_linear_attention
 from pipeline.target.model import Target
 from store.errors import ConfigError
-from store.schema import TargetRecord
+from store.format.schema import TargetRecord
 
 
 def resolve(target: str) -> Path:

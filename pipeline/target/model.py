@@ -18,7 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 from pipeline.errors import TargetError
 from pipeline.target.kernels import UNDECIDED, KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
-from store.schema import Backends, TargetRecord
+from store.format.schema import Backends, TargetRecord
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Target:
         lm_head along each completion and also returns the agreement (matches, tokens): how many
         completion tokens equal the target's own argmax at the position before. rounding: bf16 states ->
         bf16 states, applied on the target's device before the copy to host (the store's fp8 format:
-        store/fp8_codec.quantize, nearly free on a GPU).
+        store/format/fp8_codec.quantize, nearly free on a GPU).
         """
         ids, mask = self._pad(seqs, left=False)
         grabbed: dict[int, torch.Tensor] = {}

@@ -18,11 +18,11 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.evaluate.config import EvalConfig
-from store import hidden_formats
+from store.format import hidden_formats
 from store.errors import StoreError
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges, parse_ranges
-from store.schema import Compat, ShardCommit
+from store.format.ranges import format_ranges, parse_ranges
+from store.format.schema import Compat, ShardCommit
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pipeline.decode.acceptance import summarize
 from pipeline.errors import TargetError
 from pipeline.target import loading
 from pipeline.target.verifier import LiveTarget
-from store.schema import StoreAttrs
+from store.format.schema import StoreAttrs
 
 
 def open_target(path: str, attrs: StoreAttrs, device: str, allow_mismatch: bool, warnings: list[str]):

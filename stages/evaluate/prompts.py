@@ -20,7 +20,7 @@ from store import index_file
 from store.hidden_store import HiddenStore
 from store.index_file import StoreIndex
 from store.sample_index import per_sample
-from store.schema import ShardCommit
+from store.format.schema import ShardCommit
 from store.shard_reader import Sample, ShardReader
 
 Ref = tuple[int, int]  # (shard, index within the shard)

@@ -13,7 +13,7 @@ from pathlib import Path
 from stages.out_contents import REPORT, REPORT_FILES, REPORT_LOCK, Output
 from stages.out_dir import claim, removed_if_failed_empty
 from stages.paths import output_dir
-from store.schema import StoreAttrs
+from store.format.schema import StoreAttrs
 
 CONVENTIONS = {
     "tau": "mean over prompts of each prompt's mean tokens per round; tokens per round = accepted drafts + 1 "

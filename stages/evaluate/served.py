@@ -30,7 +30,7 @@ import numpy as np
 from pipeline.decode.acceptance import round_tokens, summarize
 from pipeline.errors import EngineError
 from stages.evaluate.engine_device import EngineDevice
-from store.schema import StoreAttrs
+from store.format.schema import StoreAttrs
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 Rounds = list[tuple[int, int]]  # (accepted drafts, tokens committed) per round

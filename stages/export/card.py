@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.drafter.config import DrafterConfig, TrainingRecord
-from store.schema import TargetRecord
+from store.format.schema import TargetRecord
 
 TRAIN_KEYS = (("optimizer", "optimizer"), ("lr", "learning rate"), ("muon_lr", "Muon learning rate"),
               ("schedule", "schedule"), ("batching", "batching"), ("batch_size", "batch size (per process)"),

@@ -28,7 +28,7 @@ from stages.out_dir import claim, removed_if_failed_empty
 from stages.paths import output_dir
 from store.errors import ConfigError, UserError
 from store.hidden_store import HiddenStore
-from store.schema import StoreAttrs
+from store.format.schema import StoreAttrs
 from store.summary import human_bytes
 
 CARD = "README.md"

@@ -9,9 +9,9 @@ from pipeline import DEFAULT_PROMPTS, TINY_TARGET
 from pipeline import device as devices
 from pipeline.target.taps import DEFAULT_NUM_TAPS
 from stages.settings import at_least, check_choices, fill, flag_of, require, setting
-from store import hidden_formats, layout
+from store.format import hidden_formats, layout
 from store.errors import ConfigError
-from store.locks import LEASE_S
+from store.io.locks import LEASE_S
 
 # Shards of a new store unless --num-shards says otherwise: one per ROWS_PER_SHARD rows, at least
 # MIN_SHARDS. A shard is the unit of work, of commit and of retry, so it stays small at any scale

@@ -13,7 +13,7 @@ The estimate (`Need`, made by `needed`) is upper-ish, by design:
   prompt plus a completion at its full limit (`--max-new-tokens`, within `--max-length`), the mean
   over a sample of the rows to write (`tokens_per_row` over `SAMPLED_ROWS` rows, `spread` evenly);
   per token, `n_taps x H x 2` bytes of bf16 states times a conservative stored fraction
-  (its hidden format's `stored_fraction`, store/hidden_formats.py), plus the token ids and the loss mask; a new store adds its embedding and
+  (its hidden format's `stored_fraction`, store/format/hidden_formats.py), plus the token ids and the loss mask; a new store adds its embedding and
   lm_head. Completions that end early and better compression only make the real size smaller.
 
 Object stores (any fsspec URL that is not a local path) are not checked: the line says so.
@@ -35,15 +35,15 @@ from pipeline import prompts as prompt_sets
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.paths import full_disk
-from store import hidden_formats
+from store.format import hidden_formats
 from store.errors import StoreError
-from store.hidden_formats import HiddenFormat
+from store.format.hidden_formats import HiddenFormat
 from store.hidden_store import HiddenStore
-from store.schema import ShardCommit, StoreAttrs, completion_limit
+from store.format.schema import ShardCommit, StoreAttrs, completion_limit
 from store.summary import human_bytes
 
 # Stored bytes over raw bytes of the embedding and lm_head, planes coded as bf16 states are; a store's
-# states take their hidden format's `stored_fraction` (store/hidden_formats.py).
+# states take their hidden format's `stored_fraction` (store/format/hidden_formats.py).
 STORED_FRACTION = hidden_formats.BF16.stored_fraction
 SMALL_BYTES_PER_TOKEN = 5  # tokens (int32) and loss_mask (uint8), stored as they are at worst
 SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs

@@ -21,9 +21,9 @@ from pipeline.reference_server import ReferenceServer
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.extract.progress import Progress
-from store import layout
-from store.locks import LockFile
-from store.schema import ShardCommit, completion_limit
+from store.format import layout
+from store.io.locks import LockFile
+from store.format.schema import ShardCommit, completion_limit
 from store.shard_writer import ShardWriter
 from store.store_writer import StoreWriter
 
@@ -75,7 +75,7 @@ class Extractor:
     def __init__(self, config: ExtractConfig, store: StoreWriter, target: Target, taps: list[int],
                  prompt_set: prompt_sets.PromptSet, num_shards: int, engine: ReferenceServer | None = None) -> None:
         self.config, self.store, self.target, self.taps = config, store, target, taps
-        self.format = store.layout.format  # the store's, as created or opened (store/hidden_formats.py)
+        self.format = store.layout.format  # the store's, as created or opened (store/format/hidden_formats.py)
         self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
         self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight
         self.summary = {

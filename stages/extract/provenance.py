@@ -1,5 +1,5 @@
 """What a store records about how it was made: the root attributes of a new store, built from the
-extraction settings, the loaded target and the prompt set (the record is store/schema.py's)."""
+extraction settings, the loaded target and the prompt set (the record is store/format/schema.py's)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pipeline.prompts import PromptSet
 from pipeline.reference_server import ServerInfo, redact
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
-from store import hidden_formats, layout
-from store.schema import (
+from store.format import hidden_formats, layout
+from store.format.schema import (
     FORMAT_REVISION,
     SCHEMA_VERSION,
     Backends,

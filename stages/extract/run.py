@@ -26,11 +26,12 @@ from stages.extract.config import ExtractConfig, default_num_shards
 from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
 from stages.extract.summary import finish_summary, nothing_stored
-from store import index_file, layout
+from store import index_file
+from store.format import layout
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
-from store.ranges import parse_ranges
-from store.schema import StoreAttrs
+from store.format.ranges import parse_ranges
+from store.format.schema import StoreAttrs
 from store.store_writer import StoreWriter
 from store.verify import verify
 

@@ -34,12 +34,12 @@ import torch
 from stages.node_cache import make as node_cache_of
 from stages.train.config import DataConfig
 from stages.train.node_order import NodeOrder, node_counts, node_samples, shuffled_within
-from store import layout
+from store.format import layout
 from store.errors import ConfigError, NotCommitted, StoreCorrupt, StoreError, redo_hint
 from store.hidden_store import HiddenStore
-from store.node_cache import NodeCache
+from store.io.node_cache import NodeCache
 from store.sample_index import per_sample
-from store.schema import ShardCommit
+from store.format.schema import ShardCommit
 from store.shard_reader import ShardReader, read_samples
 
 BUCKET = 64  # batches of similar length are formed within windows of this many batches

@@ -37,8 +37,8 @@ from stages.train.step import LossPlan
 from store import index_file
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges, parse_ranges
-from store.schema import StoreAttrs
+from store.format.ranges import format_ranges, parse_ranges
+from store.format.schema import StoreAttrs
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,7 @@ from stages.train.data import Refs, refs_of
 from stages.train.ranks import on_main
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
-from store.ranges import format_ranges, parse_ranges
+from store.format.ranges import format_ranges, parse_ranges
 from store.sample_index import per_sample
 
 FILE = SCHEDULE  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)

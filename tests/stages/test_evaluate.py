@@ -215,7 +215,7 @@ def test_an_earlier_report_is_replaced_only_with_force(small_store, tmp_path):
 def test_a_second_evaluate_on_one_out_is_refused_naming_the_first(small_store, tmp_path):
     """Two evaluate.py on one --out: the second is refused (a real process, --force or not) while the first holds it,
     instead of both printing `report:` and one report silently replacing the other."""
-    from store.locks import HOST, LockFile
+    from store.io.locks import HOST, LockFile
 
     ck = our_checkpoint(small_store, tmp_path / "ck")
     (tmp_path / "rep").mkdir()

@@ -292,7 +292,7 @@ def test_the_current_directory_is_one_line_not_a_traceback(measured, monkeypatch
 def test_a_second_export_to_one_out_dir_is_refused_naming_the_first(measured, tmp_path):
     import os
 
-    from store.locks import HOST, LockFile
+    from store.io.locks import HOST, LockFile
 
     ck, _ = measured
     first = LockFile(tmp_path / ".out.export.lock")  # where a running export holds OUT_DIR tmp_path/out
@@ -348,7 +348,7 @@ def test_a_failed_export_leaves_no_directory_it_created(measured, tmp_path, monk
 
 
 def test_card_names_a_hub_target_by_its_id():
-    from store.schema import TargetRecord
+    from store.format.schema import TargetRecord
 
     t = TargetRecord(path="/h/.cache/huggingface/hub/models--Qwen--Qwen3.6-27B/snapshots/abc123", model_class="x",
                      model_type="qwen3_5", fingerprint="f", config_sha256="c", weights_sha256={}, tokenizer_sha256="t",

@@ -105,7 +105,7 @@ def test_an_fp8_store_holds_the_bf16_states_rounded_and_is_checked_alike(small_s
     """The same samples as the bf16 store, each state the bf16 one rounded by fp8_codec.quantize; its
     own conditioning, which differs from the bf16 store's in the hidden format only; chunk checksums,
     direct reads and verify as in the bf16 layout."""
-    from store import fp8_codec
+    from store.format import fp8_codec
     from store.summary import render, summarize
     from store.verify import verify
 

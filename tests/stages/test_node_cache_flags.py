@@ -14,10 +14,10 @@ from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import StoreBatches, index_samples
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
-from store.node_cache import NodeCache
+from store.io.node_cache import NodeCache
 from tests.conftest import REPO
 from tests.stages.test_command import parse
-from tests.store.test_node_cache import cached_files, index_rows, upload
+from tests.store.io.test_node_cache import cached_files, index_rows, upload
 
 
 @pytest.mark.parametrize("config_cls, extra", [(TrainConfig, []), (EvalConfig, ["--checkpoint", "ck"])])

@@ -15,7 +15,8 @@ from stages.train.config import TrainConfig
 from stages.train.data import epoch_length, refs_of
 from stages.train.position import Position
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
-from store import index_file, layout
+from store import index_file
+from store.format import layout
 from store.errors import ConfigError, NotCommitted
 from store.hidden_store import HiddenStore
 from tests.processes import TINY, losses, train

@@ -386,7 +386,7 @@ def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_sto
     from stages.train.config import TrainConfig
     from stages.train.run import run as train_run
     from stages.out_contents import RUN_LOCK
-    from store.locks import HOST, IDENTITY, LockFile
+    from store.io.locks import HOST, IDENTITY, LockFile
 
     lock = tmp_path / "x" / RUN_LOCK
     first = LockFile(lock)

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from store import layout, sample_index
+from store import sample_index
+from store.format import layout
 from store.hidden_store import HiddenStore
-from store.read_checks import chunk_separator
-from store.schema import FORMAT_REVISION
+from store.format.read_checks import chunk_separator
+from store.format.schema import FORMAT_REVISION
 from store.shard_reader import ShardReader, read_samples
 from store.verify import verify
 from tests.store.test_damage import equal, read_everything

@@ -7,7 +7,8 @@ import fsspec
 import numpy as np
 import pytest
 
-from store import index_file, layout, sample_index
+from store import index_file, sample_index
+from store.format import layout
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from store.store_writer import StoreWriter

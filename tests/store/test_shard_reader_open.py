@@ -17,7 +17,7 @@ import torch
 import zarr
 from fsspec.implementations.memory import MemoryFileSystem
 
-from store import zarr_files
+from store.io import zarr_files
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader, read_samples
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from store import hidden_formats, layout
+from store.format import hidden_formats, layout
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
 from store.store_writer import StoreWriter
@@ -44,7 +44,7 @@ def write(writer: ShardWriter, parts: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize("hidden_format", hidden_formats.NAMES)
 def test_states_round_trip_bit_for_bit(tmp_path, request, hidden_format):
     """bf16: what the target gave; fp8: what the capture rounded, both bit for bit (the direct reader
-    of the shipped layouts; the rounding error itself is tests/store/test_fp8_codec.py's)."""
+    of the shipped layouts; the rounding error itself is tests/store/format/test_fp8_codec.py's)."""
     store = fresh_store(tmp_path, made_in(request, hidden_format))
     parts = batches(7, hidden_format=hidden_format)
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
@@ -112,7 +112,7 @@ def test_a_failed_write_surfaces_and_nothing_is_committed(tmp_path, small_store,
 
 @pytest.mark.parametrize("threads,hidden_format", [(1, "bf16"), (3, "bf16"), (2, "fp8")])
 def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, request, threads, hidden_format):
-    """The writer encodes whole shard files itself (store/shard_file.py); each file holds exactly
+    """The writer encodes whole shard files itself (store/format/shard_file.py); each file holds exactly
     the bytes zarr's own sharding codec writes for the same states, and the partial last one goes
     through zarr."""
     import numpy as np

@@ -7,7 +7,8 @@ import pytest
 import torch
 import zarr
 
-from store import hidden_formats, layout, span_reader
+from store import span_reader
+from store.format import hidden_formats, layout
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader, read_samples
@@ -116,7 +117,7 @@ def test_other_layouts_are_left_to_zarr(tmp_path):
     """tests/data/blosc_store (the retired --codec blosc): no direct readers, zarr reads it, the same values."""
     import shutil
 
-    from tests.store.test_read_checks import BLOSC
+    from tests.store.format.test_read_checks import BLOSC
 
     shutil.copytree(BLOSC, tmp_path / "b.zarr")
     store = HiddenStore(str(tmp_path / "b.zarr"))
@@ -129,7 +130,7 @@ def test_other_layouts_are_left_to_zarr(tmp_path):
 
 
 def remote_like(store: HiddenStore) -> HiddenStore:
-    """The store read as an object store is (store/byte_fetch.py's batched ranges, edge chunks kept in
+    """The store read as an object store is (store/io/byte_fetch.py's batched ranges, edge chunks kept in
     the cache), the same files through fsspec's generic cat_ranges."""
     store.local = False
     return store

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pipeline.drafter.serving_engines import serving_warnings, vllm_kv_problem
-from store.schema import TargetRecord
+from store.format.schema import TargetRecord
 from tests.drafters import config
 
 HYBRID = ["linear_attention"] * 3 + ["full_attention"]

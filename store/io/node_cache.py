@@ -17,7 +17,7 @@ The granularity is one store file (a zarr shard file of the states, a chunk or m
 small arrays), fetched with one GET, written under .tmp/ and renamed into place: a file in the cache
 is whole (what it holds is still checked by every read: the crc32c of each chunk, the checksums of
 the commit record). Ranges of a cached file are read as a local store reads them
-(store/byte_fetch.py); a copy that fails its check is dropped and read once more from the object
+(store/io/byte_fetch.py); a copy that fails its check is dropped and read once more from the object
 store by the caller (store/span_reader.py), so a local disk fault is never reported as a damaged
 store.
 
@@ -53,8 +53,8 @@ import uuid
 
 from fsspec.implementations.local import LocalFileSystem
 
-from store.byte_fetch import Range
-from store.byte_fetch import fetch as fetch_ranges
+from store.io.byte_fetch import Range
+from store.io.byte_fetch import fetch as fetch_ranges
 
 TOUCH_EVERY_S = 60.0  # a process writes a file's last use at most this often
 FILL_WAIT_S = 60.0  # how long a process waits for a file another is fetching (and when a marker is stale)
@@ -69,7 +69,7 @@ def short_hash(text: str) -> str:
 
 
 def commit_identity(record) -> str:
-    """A short hash of a shard's commit record (store/schema.ShardCommit): changes with every commit."""
+    """A short hash of a shard's commit record (store/format/schema.ShardCommit): changes with every commit."""
     return short_hash(json.dumps(record.to_json(), sort_keys=True))
 
 
@@ -383,7 +383,7 @@ class _Transaction:
 
 
 def _ranges(fs, ranges: list[Range]) -> list:
-    """Ranges fetched from the object store, all in flight together (store/byte_fetch.py)."""
+    """Ranges fetched from the object store, all in flight together (store/io/byte_fetch.py)."""
     return fetch_ranges(fs, False, ranges) if ranges else []
 
 

@@ -1,10 +1,10 @@
 """The store's records, typed: the root attributes (`StoreAttrs`) and each shard's commit file
 (`ShardCommit`). Extraction builds them, every reader gets them from `HiddenStore`; nothing else
 reads these JSON keys. The JSON is documented in docs/store.md. Fields added after format revision 1
-(store/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
+(store/format/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
 while None, so older stores load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
 schema-1 stores are read-only (`StoreWriter.check_compatible`). What layout a store has, read from
-these records once, is store/read_checks.py's `Layout`; its hidden format, store/hidden_formats.py's.
+these records once, is store/format/read_checks.py's `Layout`; its hidden format, store/format/hidden_formats.py's.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import types
 import typing
 from dataclasses import dataclass
 
-from store import hidden_formats
+from store.format import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
-from store.hidden_formats import HiddenFormat
+from store.format.hidden_formats import HiddenFormat
 
 KIND = "dflash-hidden-states"
 SCHEMA_VERSION = 2  # 2: byte-plane codec with a checksum per chunk (1: blosc, read-only now)
-FORMAT_REVISION = 5  # what this version writes; the revisions, and what each lets a reader check: store/read_checks.py
+FORMAT_REVISION = 5  # what this version writes; the revisions, and what each lets a reader check: store/format/read_checks.py
 TAP_MEANING = "tap k = output of decoder layer k (0-based) = Hugging Face hidden_states[k+1]"
 
 
@@ -83,9 +83,9 @@ class Compat:
     compression_level: int
     references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
     turns: str | None = None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
-    codec: str | None = None  # the states' codec (store/hidden_formats.py); None in schema 1: blosc
+    codec: str | None = None  # the states' codec (store/format/hidden_formats.py); None in schema 1: blosc
     chat_template_kwargs: dict | None = None  # --chat-template-kwargs (None: none given)
-    # "fp8": states rounded to e4m3 x 2^k per token and tap (None: bf16, as captured; store/hidden_formats.py)
+    # "fp8": states rounded to e4m3 x 2^k per token and tap (None: bf16, as captured; store/format/hidden_formats.py)
     hidden_format: str | None = role("conditioning", default=None)
     # The conv1d kernel of the target's linear-attention layers, as observed ("causal_conv1d", "torch",
     # "none", "mixed": Backends.conv1d); None: not recorded (stores made before it was).
@@ -93,7 +93,7 @@ class Compat:
 
     @property
     def format(self) -> HiddenFormat:
-        """The hidden format of the states (store/hidden_formats.py)."""
+        """The hidden format of the states (store/format/hidden_formats.py)."""
         return hidden_formats.of_recorded(self.hidden_format, "compat")
 
     def conditioning(self) -> str:
@@ -260,7 +260,7 @@ class ShardCommit:
     categories: dict | None = None
     # From format revision 5 (None before): the separator of the shard's chunk keys, "." (c.K.0.0: no
     # directory per key level); None: "/" (zarr's default, c/K/0/0). Its arrays' metadata says the same;
-    # this lets a reader name a chunk file before it holds the metadata (store/layout.py chunk_key).
+    # this lets a reader name a chunk file before it holds the metadata (store/format/layout.py chunk_key).
     chunk_separator: str | None = None
     run: dict = dataclasses.field(default_factory=dict)
 

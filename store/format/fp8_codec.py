@@ -1,6 +1,6 @@
 """`dflash.fp8_e4m3`: bf16 states kept as FP8 (e4m3) values with one power-of-two scale per group.
 
-The store's fp8 hidden format (store/hidden_formats.py). `quantize` rounds bf16 states, per token and tap (a group
+The store's fp8 hidden format (store/format/hidden_formats.py). `quantize` rounds bf16 states, per token and tap (a group
 is the last axis, H values), to e4m3 x 2^k: k is the smallest exponent that keeps the group's largest
 magnitude within e4m3's 448, so no value saturates; values below e4m3's smallest subnormal at that
 scale (2^(k-9)) become zero. A power of two, not amax / 448, so that every quantized value is a bf16
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 from numcodecs import Zstd
 
-from store.chunk_codec import HEADER, LEVELS, PackedCodec, register
+from store.format.chunk_codec import HEADER, LEVELS, PackedCodec, register
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,7 @@ class Fp8E4m3(PackedCodec):
         codes = e4m3.view(torch.uint8).numpy()
         ks = k.to(torch.int8).numpy().reshape(-1)
         if not np.array_equal(self.decode_codes(codes, ks), bits.numpy().view(np.uint16)):
-            raise ValueError(f"{NAME}: values that are not e4m3 x 2^k per group of {self.group} (store.fp8_codec."
+            raise ValueError(f"{NAME}: values that are not e4m3 x 2^k per group of {self.group} (store.format.fp8_codec."
                              "quantize them first)")
         return [np.array([len(ks)], HEADER).tobytes(), ks.tobytes(), self._zstd.encode(codes)]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
-from store.chunk_codec import PackedCodec
+from store.format.chunk_codec import PackedCodec
 
 _INDEX = np.dtype("<u8")
 _CRC = np.dtype("<u4")

@@ -9,7 +9,7 @@ over, when
   - its lease ran out: no heartbeat for `lease_s` (a dead node, a killed container).
 Any other lock is respected. Works on local and shared POSIX file systems (lease times compare
 the file server's mtimes with this machine's clock: keep clocks within a minute, as NTP does);
-S3 gets the same leases from conditional writes (store/object_lease.py), other object stores none.
+S3 gets the same leases from conditional writes (store/io/object_lease.py), other object stores none.
 """
 
 from __future__ import annotations

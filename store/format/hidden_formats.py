@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Callable
 
 from zarr.codecs import Crc32cCodec
 
-from store import fp8_codec
-from store.bf16_codec import Bf16Planes
-from store.chunk_codec import PackedCodec
+from store.format import fp8_codec
+from store.format.bf16_codec import Bf16Planes
+from store.format.chunk_codec import PackedCodec
 from store.errors import ConfigError, NotAStore
-from store.fp8_codec import Fp8E4m3
+from store.format.fp8_codec import Fp8E4m3
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@ import numpy as np
 import torch
 import zarr
 
-from store import layout
+from store.format import layout
 
 
 def special_bf16() -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""store/file_modes.py: the umask read without changing it, files given the mode it says."""
+"""store/io/file_modes.py: the umask read without changing it, files given the mode it says."""
 
 import os
 
 import pytest
 
-from store import file_modes
+from store.io import file_modes
 from tests.modes import file_modes as modes_of
 from tests.modes import umask
 

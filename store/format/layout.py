@@ -1,7 +1,7 @@
 """Names, codecs and dtypes of the hidden-state store (documented in docs/store.md).
 
     STORE/
-      zarr.json                    root group; attributes = provenance (store/schema.py)
+      zarr.json                    root group; attributes = provenance (store/format/schema.py)
       target/embed_tokens          [V, H] uint16 (bf16 bits), the target's input embedding
       target/lm_head               [V, H] uint16 (bf16 bits), the target's output projection
       shards/00003/hidden          [T, n_taps, H] uint16 (bf16 bits), chunked along tokens; its hidden format's codec
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
-from store.bf16_codec import Bf16Planes
-from store.chunk_codec import LEVELS as PLANE_LEVELS
+from store.format.bf16_codec import Bf16Planes
+from store.format.chunk_codec import LEVELS as PLANE_LEVELS
 
 if TYPE_CHECKING:
     import torch
@@ -49,9 +49,9 @@ ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, 
 TOKEN_CHUNK = 1 << 16  # elements per chunk of the per-token arrays: a sample's span decodes little
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected", "nonfinite")
 # A store's states come in one hidden format, fixed when it is created, each with its codec, each chunk
-# ending in a crc32c that every read verifies: store/hidden_formats.py. Older stores may hold "blosc"
+# ending in a crc32c that every read verifies: store/format/hidden_formats.py. Older stores may hold "blosc"
 # (blosc zstd, byte shuffle, no checksum; schema 1 and the retired `--codec blosc`), which zarr reads;
-# store/read_checks.py says what each layout allows.
+# store/format/read_checks.py says what each layout allows.
 DEFAULT_LEVEL = 1
 LEVELS = PLANE_LEVELS
 CHUNK_SEPARATOR = "."  # what revision 5 on writes between a chunk key's parts (earlier: "/")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from store.locks import HOST, IDENTITY, LockFile
+from store.io.locks import HOST, IDENTITY, LockFile
 
 
 def dead_pid() -> int:
@@ -87,9 +87,9 @@ def test_a_lock_file_has_the_mode_the_umask_gives_any_file(tmp_path, mask, mode)
     lock.release()
 
 
-# -- leases on an object store (store/object_lease.py), over an in-memory store with S3's conditions --
+# -- leases on an object store (store/io/object_lease.py), over an in-memory store with S3's conditions --
 class Objects:
-    """S3's conditional writes (store/s3_objects.S3Objects), in memory, each one atomic, on a clock
+    """S3's conditional writes (store/io/s3_objects.S3Objects), in memory, each one atomic, on a clock
     the test moves (`now`): an object's age is `now` minus when it was last written."""
 
     def __init__(self) -> None:
@@ -112,7 +112,7 @@ class Objects:
         return self._put(path, data) if path in self.objects and self.objects[path][1] == etag else None
 
     def read(self, path):
-        from store.s3_objects import Seen
+        from store.io.s3_objects import Seen
 
         if path not in self.objects:
             return None
@@ -138,7 +138,7 @@ class Objects:
 
 def lease(objects, lease_s=600.0, heartbeat_s=3600.0):
     """An object lease whose heartbeat does not beat during the test (unless asked)."""
-    from store.object_lease import ObjectLease
+    from store.io.object_lease import ObjectLease
 
     return ObjectLease(objects, "b/s.zarr/_locks/x.lock", lease_s, heartbeat_s)
 

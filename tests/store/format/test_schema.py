@@ -14,9 +14,9 @@ import pytest
 
 from pipeline import fingerprint
 from pipeline.drafter.config import OUR_KEY, read_config
-from store import hidden_formats
+from store.format import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
-from store.schema import (
+from store.format.schema import (
     CONDITIONING,
     PLACEMENT,
     Compat,
@@ -25,7 +25,7 @@ from store.schema import (
     to_json,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "schema1"
+DATA = Path(__file__).resolve().parents[2] / "data" / "schema1"
 REV4 = DATA.parent / "rev4_store"
 # The digests of stores made before the roles and compat.conv1d existed (computed at 38531f2, from
 # CONDITIONING and PLACEMENT as hand-kept lists): tests/data/rev4_store, and the conftest's small store

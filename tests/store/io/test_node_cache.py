@@ -1,4 +1,4 @@
-"""The node-local cache of an object store's files (store/node_cache.py): reads through it equal reads
+"""The node-local cache of an object store's files (store/io/node_cache.py): reads through it equal reads
 without it, a cached file is read with no request to the store, the bound and the LRU order hold,
 processes sharing one directory read correct bytes and leave it consistent, a damaged copy is read
 again from the store, and a re-committed shard is not served from its old copies. The "object
@@ -21,13 +21,13 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from store import node_cache
+from store.io import node_cache
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
-from store.node_cache import NodeCache
+from store.io.node_cache import NodeCache
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
-from tests.store.node_cache_files import Files, read, reader
+from tests.store.io.node_cache_files import Files, read, reader
 from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, write
 
 

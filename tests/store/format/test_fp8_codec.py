@@ -7,8 +7,8 @@ import torch
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from store.fp8_codec import K_RANGE, Fp8E4m3, exponents, quantize
-from store.layout import from_bits, to_bits
+from store.format.fp8_codec import K_RANGE, Fp8E4m3, exponents, quantize
+from store.format.layout import from_bits, to_bits
 
 H = 64
 

@@ -1,5 +1,5 @@
-"""Leases on an object store (S3): the guarantees of the lock files of store/locks.py, from
-conditional writes alone (store/s3_objects.py).
+"""Leases on an object store (S3): the guarantees of the lock files of store/io/locks.py, from
+conditional writes alone (store/io/s3_objects.py).
 
 A lease is one object, `_locks/NAME.lock`, holding its holder's record: host name, pid and identity
 (as a lock file's), a token unique to this acquisition, the lease length and a beat count.
@@ -29,8 +29,8 @@ import threading
 import time
 import uuid
 
-from store.locks import HEARTBEAT_S, HOST, IDENTITY, LEASE_S, holder_gone, wait_for
-from store.s3_objects import S3Objects
+from store.io.locks import HEARTBEAT_S, HOST, IDENTITY, LEASE_S, holder_gone, wait_for
+from store.io.s3_objects import S3Objects
 
 UNREADABLE = {"host": "?", "pid": -1}  # a record that does not parse: held, until its lease runs out
 

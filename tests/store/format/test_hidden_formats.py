@@ -1,6 +1,6 @@
-"""The table of hidden formats (store/hidden_formats.py): each record agrees with what stores record
+"""The table of hidden formats (store/format/hidden_formats.py): each record agrees with what stores record
 (compat, the zarr codec id in a shard's metadata), its rounding and codec chain do what it says, and
-an unknown format is refused naming the field. The layout read from a root (store/read_checks.py)."""
+an unknown format is refused naming the field. The layout read from a root (store/format/read_checks.py)."""
 
 import dataclasses
 import json
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from store import hidden_formats
+from store.format import hidden_formats
 from store.errors import ConfigError, StoreMismatch
 from store.hidden_store import HiddenStore
 from store.store_writer import StoreWriter
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def state_codec_id(store: Path) -> str:

@@ -1,7 +1,7 @@
 import pytest
 
 from store.errors import ConfigError
-from store.ranges import format_ranges, parse_ranges
+from store.format.ranges import format_ranges, parse_ranges
 
 
 def test_parse_ranges():

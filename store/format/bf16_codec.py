@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 from numcodecs import LZ4, Zstd
 
-from store.chunk_codec import HEADER, LEVELS, PackedCodec, register
+from store.format.chunk_codec import HEADER, LEVELS, PackedCodec, register
 
 NAME = "dflash.bf16_planes"
 LOW_PLANES = ("lz4", "raw")

@@ -1,5 +1,5 @@
 """Numbered files fetched through a node-local cache as if from an object store, and a reader of
-them for tests/store/test_node_cache.py's processes (a light module: a spawned process imports it)."""
+them for tests/store/io/test_node_cache.py's processes (a light module: a spawned process imports it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from store.node_cache import NodeCache
+from store.io.node_cache import NodeCache
 
 
 class Files:

@@ -1,10 +1,10 @@
 """What this package's zarr codecs share: `PackedCodec`, a codec whose subclass packs and unpacks a
 chunk's bytes with numpy (zarr's sync and async entry points, run in threads), the uint32 length
 header that frames a packed chunk's parts, and the zstd levels both accept. A chunk's checksum is
-zarr's `crc32c` codec, next in every chain (store/hidden_formats.py `HiddenFormat.codecs`).
+zarr's `crc32c` codec, next in every chain (store/format/hidden_formats.py `HiddenFormat.codecs`).
 
-The codecs themselves, one module per hidden format: store/bf16_codec.py (`dflash.bf16_planes`) and
-store/fp8_codec.py (`dflash.fp8_e4m3`).
+The codecs themselves, one module per hidden format: store/format/bf16_codec.py (`dflash.bf16_planes`) and
+store/format/fp8_codec.py (`dflash.fp8_e4m3`).
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from store import layout
-from store.hidden_formats import HiddenFormat
-from store.ranges import format_ranges
-from store.schema import SCHEMA_VERSION, RootCommit, ShardCommit, StoreAttrs
+from store.format import layout
+from store.format.hidden_formats import HiddenFormat
+from store.format.ranges import format_ranges
+from store.format.schema import SCHEMA_VERSION, RootCommit, ShardCommit, StoreAttrs
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class ReadChecks:
 
 
 def chunk_separator(record: ShardCommit) -> str:
-    """The separator of the shard's chunk keys: "." from revision 5, "/" before (store/layout.py)."""
+    """The separator of the shard's chunk keys: "." from revision 5, "/" before (store/format/layout.py)."""
     return record.chunk_separator or layout.OLD_SEPARATOR
 
 

@@ -1,4 +1,4 @@
-"""Conditional writes on S3 (through s3fs): what object-store leases (store/object_lease.py) are
+"""Conditional writes on S3 (through s3fs): what object-store leases (store/io/object_lease.py) are
 built from, and nothing else.
 
   create(path, data)        a PUT with If-None-Match: * (only one of any number of creators wins)

@@ -1,4 +1,4 @@
-"""What reading each layout checks (store/read_checks.py): today's store, schema 1, the retired
+"""What reading each layout checks (store/format/read_checks.py): today's store, schema 1, the retired
 --codec blosc, shards committed before every chunk was written; and what info and verify make of it."""
 
 import dataclasses
@@ -9,13 +9,13 @@ import pytest
 
 from store.errors import StoreMismatch
 from store.hidden_store import HiddenStore
-from store.read_checks import ReadChecks
-from store.schema import FORMAT_REVISION
+from store.format.read_checks import ReadChecks
+from store.format.schema import FORMAT_REVISION
 from store.store_writer import StoreWriter
 from store.summary import render, summarize
 from store.verify import verify
 
-DATA = Path(__file__).parents[1] / "data"
+DATA = Path(__file__).parents[2] / "data"
 # Shards 0-1 of 64 written with the retired --codec blosc (schema 2, every chunk written, no chunk
 # checksums): `pipeline extract --shards 0-1 --max-new-tokens 16 --max-length 128 --chunk-tokens 32
 # --shard-tokens 64 --dtype fp32 --codec blosc` at 408d8ec.

@@ -26,7 +26,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import MemoryStore, StorePath
 
-from store import commit_file
+from store.io import commit_file
 from store.errors import StoreCorrupt
 
 ROUND_BYTES = 1 << 30  # decoded bytes of chunks fetched in one batch by read_whole (an embedding at 27B: 2.5 GB)

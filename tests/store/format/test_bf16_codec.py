@@ -1,4 +1,4 @@
-"""The byte-plane codec (store/bf16_codec.py): bit-exact, finds repeated rows, every read checked,
+"""The byte-plane codec (store/format/bf16_codec.py): bit-exact, finds repeated rows, every read checked,
 readable by plain zarr through the package's entry point."""
 
 import subprocess
@@ -10,9 +10,9 @@ import torch
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from store import layout
-from store.bf16_codec import Bf16Planes
-from tests.store.test_layout import special_bf16
+from store.format import layout
+from store.format.bf16_codec import Bf16Planes
+from tests.store.format.test_layout import special_bf16
 
 
 def write(path, x: np.ndarray, low: str) -> zarr.Array:
