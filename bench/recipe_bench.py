@@ -45,7 +45,9 @@ Every recipe spells out all the fields it sets (BASELINE, the defaults before th
 them, plus its own), so a recipe keeps its meaning when train.py's defaults change; `default`
 passes no recipe flag at all (whatever train.py's defaults are today) and its train_config is kept,
 and the ON_DEFAULTS recipes pass only their own fields on top of it (paired against `default`), as does
-`default+a+b`: today's defaults with the fields of recipes a and b (`default+all-sliding`).
+`default+a+b`: today's defaults with the fields of recipes a and b (`default+all-sliding`). The recipes
+(RECIPES, ON_DEFAULTS, BASELINE, FIXED) and `table`'s arithmetic are recipe_results.py's, beside bench/:
+tools/doc_tables.py reads them too.
 
 `table` prints the table as markdown, then the result (JSON; --json writes it, over a kept file only
 with --force); `run` writes each run's file itself (the layout above) and prints their paths.
@@ -57,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -67,9 +68,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import harness
+from recipe_results import FIXED, RESULTS, recipe_flags, table, versus
 
 ROOT = harness.REPO
-RESULTS = ROOT / "bench" / "results" / "recipe_runs"
 TOY = [["table", "--steps", "200"],
        ["run", "--store", "{store}", "--recipes", "default", "--seeds", "0", "--steps", "3", "--jobs", "1",
         "--runs", "{tmp}/runs", "--results", "{tmp}/results"],
@@ -77,67 +78,10 @@ TOY = [["table", "--steps", "200"],
         "--init-from", "{checkpoint}", "--label", "ft", "--runs", "{tmp}/runs", "--results", "{tmp}/results"]]
 TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 
-# What every run shares: the README setting on the bench's store (4 rows, 64 anchors a row).
-FIXED = {"shards": "0-55", "eval_shards": "56-63", "batch_size": 4, "anchors": 64, "threads": 1, "workers": 1,
-         "save_every": 0, "log_every": 10, "eval_replay_prompts": 0}
 # The replay: every held-out prompt, chain and DDTree-16/64. fp32, not evaluate.py's default bf16: on this
 # CPU (no native bf16 matmul) bf16 replay took 4.7x as long (172 s against 37 s on 80 prompts), and the
 # two gave chain tau 1.140 and 1.137, DDTree-64 1.981 and 1.982 on the same drafter.
 REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
-# train.py's defaults before this bench chose them: the reference every recipe is paired against.
-BASELINE = {"batching": "bucketed", "slot_weights": "exp", "loss_norm": "weights", "anchor_rule": "pair",
-            "noise_std": 0.0, "noise": "gaussian", "layer_types": "full", "optimizer": "adamw", "lr": 6e-4,
-            "warmup_ratio": 0.04, "schedule": "cosine"}
-PACKED = {"batching": "packed", "max_length": 560, "batch_size": 1}  # ~4 samples a row, as the 4 rows of the others
-SLIDING = "sliding,sliding,sliding,sliding,full"
-PEER = {"slot_weights": "dpace", "optimizer": "muon", "noise": "uniform", "noise_std": 0.05, "lr": 1e-4,
-        "schedule": "linear", "warmup_ratio": 0.01, "loss_norm": "labels", "anchor_rule": "single"}
-RECIPES: dict[str, dict] = {
-    "baseline": {},
-    "random": {"batching": "random"},
-    "packed": PACKED,
-    "dpace": {"slot_weights": "dpace"},
-    "labels-norm": {"loss_norm": "labels"},
-    "single-anchor": {"anchor_rule": "single"},
-    "noise-uniform": {"noise": "uniform", "noise_std": 0.05},
-    "noise-gaussian": {"noise_std": 0.05},
-    "sliding-last-full": {"layer_types": SLIDING, "sliding_window": 2048},
-    "all-sliding": {"layer_types": "sliding", "sliding_window": 2048},
-    "muon": {"optimizer": "muon"},
-    "linear": {"schedule": "linear"},
-    "peer": PEER,  # speculators' DFlash defaults, as far as our flags reach
-    # Learning rates and warmup, for combinations ("muon+lr-3e-4": Muon's rate is 10 x --lr).
-    "lr-1e-4": {"lr": 1e-4},
-    "lr-3e-4": {"lr": 3e-4},
-    "lr-1e-3": {"lr": 1e-3},
-    "lr-2e-3": {"lr": 2e-3},
-    "warmup-0.01": {"warmup_ratio": 0.01},
-    "warmup-0.1": {"warmup_ratio": 0.1},
-}
-# Recipes on top of train.py's defaults of today (as `default`, plus their own fields; no BASELINE under them).
-ON_DEFAULTS: dict[str, dict] = {
-    # the node-affine order's randomness cost; one process is one node, so this is 56 shards
-    # shuffled in windows of 8 (80 samples) against one shuffle of all 560
-    "node-window-8": {"data_order": "node", "shuffle_window": 8},
-    # the expected-acceptance objective (docs/training.md): mixed half and half with the CE, and alone
-    "accept-0.5": {"acceptance_weight": 0.5},
-    "accept-1": {"acceptance_weight": 1.0},
-}
-METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "heldout_ce", "heldout_tau_streak",
-           "train_tau_replay", "s_per_step")
-
-
-def recipe_flags(name: str) -> dict:
-    if name in ON_DEFAULTS:
-        return dict(ON_DEFAULTS[name])
-    parts = name.split("+")  # a+b: recipe a's fields, then b's on top
-    # default+b: today's defaults (no flag) with b's own fields; any other: BASELINE's fields first
-    out = {} if parts[0] == "default" else dict(BASELINE)
-    for part in parts[parts[0] == "default":]:
-        out.update(ON_DEFAULTS[part] if part in ON_DEFAULTS else RECIPES[part])
-    return out
-
-
 def argv(fields: dict) -> list[str]:
     return [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
@@ -234,65 +178,6 @@ def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: 
             "ddtree16": rep["ddtree"]["16"], "ddtree64": rep["ddtree"]["64"], "check": rep["check"], "prompts": prompts}
 
 
-def figures(r: dict) -> dict:
-    """One run's METRICS (tau over EOS-ended and cut completions recomputed from its prompts)."""
-    groups = {True: [], False: []}
-    for p in r["prompts"]:
-        if p["tau"] == p["tau"]:  # not NaN
-            groups[p["eos"]].append(p["tau"])
-    extra = {"tau_eos": statistics.mean(groups[True]), "tau_cut": statistics.mean(groups[False]) if groups[False]
-             else math.nan}
-    return {k: (r.get(k) if k not in extra else extra[k]) for k in METRICS}
-
-
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def interval(diffs: list[float]) -> list[float] | None:
-    """95% t-interval of the mean of paired differences (None below 2)."""
-    n = len(diffs)
-    if n < 2:
-        return None
-    half = T95.get(n - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(n)
-    m = statistics.mean(diffs)
-    return [m - half, m + half]
-
-
-def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
-    runs: dict[str, dict[int, dict]] = {}
-    for f in sorted((results / str(steps)).glob("*/s*.json")):
-        r = json.loads(f.read_text())
-        runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {
-            "blocks_per_step": r["blocks_per_step"], "flags": r["flags"],
-            "store": r.get("train_store") or r["train_config"]["store"]}
-    return runs
-
-
-def table(results: Path, steps: int, against: str, only: list[str] | None = None) -> dict:
-    """only: the kept results to list (with --against), when the budget holds results of other stores."""
-    runs = load(results, steps)
-    ref = runs.get(against, {})
-    if only:
-        runs = {name: seeds for name, seeds in runs.items() if name in only or name == against}
-    out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
-    for name, seeds in sorted(runs.items()):
-        row = {"seeds": sorted(seeds), "flags": seeds[min(seeds)]["flags"],  # as the runs recorded them
-               "stores": sorted({seeds[s]["store"] for s in seeds})}
-        common = sorted(set(seeds) & set(ref))
-        for k in METRICS + ("blocks_per_step",):
-            vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
-            row[k] = {"mean": statistics.mean(vals) if vals else None,
-                      "sd": statistics.stdev(vals) if len(vals) > 1 else None}
-            both = [s for s in common if seeds[s][k] is not None and ref[s][k] is not None]
-            if name != against and both and k in METRICS:
-                diffs = [seeds[s][k] - ref[s][k] for s in both]
-                base = statistics.mean(ref[s][k] for s in both)
-                row[k]["paired"] = {"seeds": both, "diff": statistics.mean(diffs), "ci95": interval(diffs),
-                                    "relative": statistics.mean(diffs) / base}
-        out["recipes"][name] = row
-    return out
-
-
 def markdown(t: dict) -> str:
     cols = [("tau", "chain tau"), ("tau_pooled", "pooled"), ("ddtree16", "DDTree-16"), ("ddtree64", "DDTree-64"),
             ("tau_eos", "tau, EOS-ended"), ("tau_cut", "tau, cut"), ("heldout_ce", "held-out CE"),
@@ -308,16 +193,6 @@ def markdown(t: dict) -> str:
         vs = [versus(row[k].get("paired"), name == t["against"]) for k in ("tau", "tau_eos")]
         lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells + vs) + " |")
     return "\n".join(lines)
-
-
-def versus(p: dict | None, reference: bool) -> str:
-    """A paired difference as 'diff (relative) [95% interval]'."""
-    if reference:
-        return "reference"
-    if not p or p["diff"] is None:
-        return "-"
-    ci = p["ci95"]
-    return f"{p['diff']:+.3f} ({100 * p['relative']:+.1f}%)" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
 
 
 def main() -> None:

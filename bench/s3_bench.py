@@ -1,4 +1,4 @@
-"""Reading a store through a real S3 API (moto's server, tools/s3/, behind tools/s3/latency_proxy.py
+"""Reading a store through a real S3 API (moto's server, tools/s3/, behind bench/latency_proxy.py
 where a per-request latency counts): sample reads (`reads`), training's start-up (`startup`),
 evaluation's start-up (`eval-startup`), the node-local cache (`cache`) and training's steps/s (`train`).
 
@@ -127,7 +127,7 @@ def moto(local: str | None = None, name: str = "hs", shards: list[int] | None = 
 def proxied(server, delay_ms: float):
     """The latency proxy in front of the server: yields it and the environment a client process
     needs to read through it."""
-    from tools.s3.latency_proxy import LatencyProxy
+    from bench.latency_proxy import LatencyProxy
 
     proxy = LatencyProxy(server.url, delay_ms / 1000).start()
     try:

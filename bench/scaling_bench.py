@@ -13,7 +13,7 @@ replayed on an evaluation set no run trains on; and how many held-out prompts a 
     python -m bench.scaling_bench size --steps 200 --against muon+dpace+random --json bench/results/heldout_size.json
 
 `run` trains one drafter per (first shards, steps, seed) with recipe_bench's run (train.py's defaults,
-the README setting of recipe_bench.FIXED) on shards 0..k-1 of --store, validating on --val-shards
+the README setting of recipe_results.FIXED) on shards 0..k-1 of --store, validating on --val-shards
 (of --store, trained by no point: 104-105 of the pool), replays it with evaluate.py on every shard
 of --eval-store (--replay-shards: some of them; --eval-store defaults to --store, for one store with
 disjoint ranges), and keeps RESULTS/STEPS/default@nSAMPLES/sSEED.json (recipe_bench's result file;
@@ -44,6 +44,7 @@ import statistics
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import recipe_results
 from bench import harness, recipe_bench
 
 RESULTS = harness.REPO / "bench" / "results" / "scaling_runs"
@@ -73,7 +74,7 @@ def run(args) -> dict:
     jobs = [(k, steps, int(s)) for k in points for steps in map(int, args.steps.split(",")) for s in args.seeds.split(",")]
 
     def one(k: int, steps: int, seed: int) -> str:
-        fixed = {**recipe_bench.FIXED, "shards": f"0-{k - 1}", "eval_shards": args.val_shards,
+        fixed = {**recipe_results.FIXED, "shards": f"0-{k - 1}", "eval_shards": args.val_shards,
                  **({"log_every": 1} if args.toy else {})}
         return str(recipe_bench.one_run(args.store, RECIPE, seed, steps, Path(args.runs), Path(args.results),
                                         eval_store, f"n{points[k]}", fixed=fixed, replay_shards=replay))
@@ -88,17 +89,17 @@ def table(results: Path) -> dict:
     cells: dict[tuple[int, int], dict[int, dict]] = {}
     budgets = sorted(int(p.name) for p in results.iterdir() if p.name.isdigit()) if results.is_dir() else []
     for budget in budgets:
-        for name, seeds in recipe_bench.load(results, budget).items():
+        for name, seeds in recipe_results.load(results, budget).items():
             cells[(int(name.split("@n")[1]), budget)] = seeds
     rows = []
     for (samples, steps), seeds in sorted(cells.items()):
         row = {"samples": samples, "steps": steps, "seeds": sorted(seeds)}
-        for k in recipe_bench.METRICS:
+        for k in recipe_results.METRICS:
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None and seeds[s][k] == seeds[s][k]]
             row[k] = {"mean": statistics.mean(vals) if vals else None, "sd": statistics.stdev(vals) if len(vals) > 1 else None}
         rows.append(row)
     curves = {"samples": _curves(rows, "steps", "samples", cells), "steps": _curves(rows, "samples", "steps", cells)}
-    shared = {k: v for k, v in recipe_bench.FIXED.items() if k not in ("shards", "eval_shards")}  # each row its own
+    shared = {k: v for k, v in recipe_results.FIXED.items() if k not in ("shards", "eval_shards")}  # each row its own
     return {"fixed": shared, "recipe": RECIPE, "rows": rows, "curves": curves}
 
 
@@ -116,7 +117,7 @@ def _curves(rows: list[dict], fixed: str, along: str, cells: dict) -> list[dict]
             if prev is not None:
                 a, b = (cells[(r["samples"], r["steps"])] for r in (row, prev))
                 diffs = [a[s]["tau"] - b[s]["tau"] for s in sorted(set(a) & set(b))]
-                step["vs_before"] = {"diff": statistics.mean(diffs), "ci95": recipe_bench.interval(diffs)}
+                step["vs_before"] = {"diff": statistics.mean(diffs), "ci95": recipe_results.interval(diffs)}
             steps.append(step)
         out.append({fixed: value, "points": steps})
     return out
@@ -219,7 +220,7 @@ def size(results: Path, steps: int, against: str, relative: float, recipes: list
         need[S] = {"prompts": None if n is None else math.ceil(n),
                    "seed_floor": Z95 * math.sqrt(max(pooled["var_seed"], 0) / S)}
     m, S0 = next(iter(pairs.values()))["prompts"], len(ref)
-    bench_half = recipe_bench.T95[S0 - 1] * math.sqrt((pooled["var_seed"] + pooled["var_resid"] / m) / S0)
+    bench_half = recipe_results.T95[S0 - 1] * math.sqrt((pooled["var_seed"] + pooled["var_resid"] / m) / S0)
     return {"steps": steps, "against": against, "reference_tau": tau, "relative": relative, "half_width": half,
             "pairs": pairs, "pooled": pooled, "one_seed_prompts": math.ceil((Z95 * pooled["sd_prompt"] / half) ** 2),
             "needed": need, "bench_half_width": bench_half, "bench_prompts": m, "bench_seeds": S0}
@@ -263,7 +264,7 @@ def main() -> None:
     s.add_argument("--against", default="muon+dpace+random")
     s.add_argument("--recipes", help="comma-separated kept recipes (default: every AGAINST+X)")
     s.add_argument("--relative", type=float, default=0.02, help="the half-width, as a fraction of the reference's tau")
-    s.add_argument("--results", default=str(recipe_bench.RESULTS))
+    s.add_argument("--results", default=str(recipe_results.RESULTS))
     args = harness.parse(ap)
     if args.cmd == "size":
         result = size(Path(args.results), args.steps, args.against, args.relative,

@@ -42,7 +42,7 @@ def test_the_consumers_table_is_generated(doc_tables):
 def test_every_training_option_of_the_bench_is_in_the_options_table(doc_tables):
     """The recipe bench's options on today's defaults (ON_DEFAULTS) each have a row of the generated table of
     paired figures, and a row of a recipe with no kept run says so."""
-    from bench.recipe_bench import ON_DEFAULTS
+    from recipe_results import ON_DEFAULTS
 
     doc = (REPO / "docs" / "training.md").read_text()
     markers = [m for m, _ in doc_tables.tables(doc) if m.group(1) == "options"]

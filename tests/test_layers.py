@@ -17,6 +17,8 @@ and production code carries no test hooks.
                                                40 lines per command they define
 
 A store is opened to write (store.store_writer) by extraction alone; every other room reads it.
+Beside the layers, bench/ (the lab: it measures) and tools/ (the project's maintenance scripts) never
+import each other, at any depth; what both read lives beside them (recipe_results.py).
 """
 
 import ast
@@ -34,6 +36,7 @@ STORE_ROOMS = {"store.format", "store.io"}  # side by side: neither imports the 
 STORE_LEAVES = {"store.errors"}  # below both
 SIBLING_RANKS = (0.1, 2, 5)  # the ranks whose rooms are kept apart from each other
 WRITER, WRITERS = "store.store_writer", {"store", "stages.extract"}  # the rooms that may open a store to write
+APART = ("bench", "tools")  # the lab and the maintenance scripts: neither imports the other
 
 
 def room(module: str) -> tuple[str, float]:
@@ -77,8 +80,29 @@ def production_files(root: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
-def violations(root: Path) -> list[str]:
+def names_in(folder: Path) -> set[str]:
+    """The top-level names a module of folder is imported by once folder is on sys.path (as tools/ scripts
+    import their siblings): its .py files and its folders."""
+    if not folder.is_dir():
+        return set()
+    return {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if p.is_dir()} - {"__pycache__"}
+
+
+def kept_apart(root: Path) -> list[str]:
+    """Every import of tools/ by bench/ and of bench/ by tools/: as a package (`tools.s3.latency_proxy`) or
+    by a module's own name with the other folder on sys.path (`import recipe_bench`)."""
     bad = []
+    for me, other in (APART, APART[::-1]):
+        theirs = {other} | (names_in(root / other) - names_in(root / me))
+        for path in sorted((root / me).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            bad += [f"{rel}:{line} imports {target} ({me}/ and {other}/ never import each other)"
+                    for line, target in imports(path) if target.split(".")[0] in theirs]
+    return bad
+
+
+def violations(root: Path) -> list[str]:
+    bad = kept_apart(root)
     for path in production_files(root):
         me = module_of(path, root)
         my_room, my_rank = room(me)
@@ -120,6 +144,9 @@ def test_the_house_holds():
     ("stages/extract/x.py", "import os\nV = os.environ.get('DFLASH_TEST_STOP')\n", "test hook"),
     ("train.py", "\n" * 41, "entry point of 41 lines for 1 command(s)"),
     ("pipeline/cli.py", "@cli.command()\ndef a(): pass\n" * 2 + "\n" * 77, "entry point of 81 lines for 2 command(s)"),
+    ("bench/x.py", "from tools.s3.latency_proxy import LatencyProxy\n", "bench/x.py:1 imports tools.s3.latency_proxy"),
+    ("tools/x.py", "def f():\n    from bench.recipe_bench import table\n", "tools/x.py:2 imports bench.recipe_bench"),
+    ("tools/s3/x.py", "import bench.harness\n", "(tools/ and bench/ never import each other)"),
 ])
 def test_the_check_catches_what_it_forbids(tmp_path, where, code, needle):
     path = tmp_path / where
@@ -177,3 +204,18 @@ def test_the_loop_check_finds_one_in_a_function_and_not_under_type_checking(tmp_
     assert import_loops(tmp_path) == [["store.a", "store.b"]]
     (tmp_path / "store/c.py").write_text("from store.d import y\n")
     assert import_loops(tmp_path) == [["store.a", "store.b"], ["store.c", "store.d"]]
+
+
+def test_bench_and_tools_reached_by_a_path_of_their_own_are_caught_too(tmp_path):
+    """A tools/ script puts a folder on sys.path and imports its module by name (as it imports its siblings)."""
+    for where, code in [("bench/recipe_bench.py", "from recipe_results import table\n"),
+                        ("bench/harness.py", ""),
+                        ("tools/doc_tables.py", "import stdlib_corpus\nimport recipe_bench\n"),
+                        ("tools/stdlib_corpus.py", ""),
+                        ("tools/s3/latency_proxy.py", ""),
+                        ("bench/s3_bench.py", "def proxied():\n    from s3.latency_proxy import LatencyProxy\n")]:
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(code)
+    assert kept_apart(tmp_path) == [
+        "bench/s3_bench.py:2 imports s3.latency_proxy.LatencyProxy (bench/ and tools/ never import each other)",
+        "tools/doc_tables.py:2 imports recipe_bench (tools/ and bench/ never import each other)"]

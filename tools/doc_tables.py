@@ -39,7 +39,7 @@ COMMAND = "python tools/doc_tables.py"
 
 
 def _importable() -> None:
-    """The repository's packages (stages, bench) importable when this runs as a script."""
+    """The repository's modules (stages, recipe_results) importable when this runs as a script."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
 
@@ -147,9 +147,9 @@ BUDGETS = (200, 1000)
 
 def options_table(names: list[str]) -> str:
     """REF's mean figures, then each option's flags and its paired differences from REF (chain tau, EOS-ended,
-    pooled) at each budget of the recipe bench, as bench/recipe_bench.py `table` computes them."""
+    pooled) at each budget of the recipe bench, as its `table` computes them (recipe_results.py)."""
     _importable()
-    from bench.recipe_bench import RESULTS, recipe_flags, table
+    from recipe_results import RESULTS, recipe_flags, table
 
     ref, options = names[0], names[1:]
     runs = {steps: table(RESULTS, steps, ref, options)["recipes"] for steps in BUDGETS}
@@ -177,7 +177,7 @@ def options_table(names: list[str]) -> str:
 def _option_cell(row: dict | None, key: str, ref: dict | None) -> str:
     """A figure of one option at one budget: the reference's (ref's) mean, or the paired difference from
     it, with the seeds it pairs when fewer than the reference has."""
-    from bench.recipe_bench import versus
+    from recipe_results import versus
 
     if row is None:
         return "not run"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import device as devices
-from stages import node_cache
+from stages import cache_flags
 from stages.settings import at_least, check_choices, fill, parse_count, require, setting
 
 DDTREE_BUDGETS = (8, 16, 32, 64)
@@ -69,8 +69,8 @@ class EvalConfig:
     served_memory: float | None = setting(None, "Share of the --served engine's GPU memory it may take (vLLM's "
                                                 "gpu_memory_utilization); refused up front when less is free.",
                                           default_text="0.9, or what is free less 0.03")
-    cache_dir: str | None = node_cache.cache_dir_setting()
-    cache_size: int | None = node_cache.cache_size_setting()
+    cache_dir: str | None = cache_flags.cache_dir_setting()
+    cache_size: int | None = cache_flags.cache_size_setting()
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)  # None: chosen by run(), with torch
     threads: int | None = setting(None, "CPU intra-op threads per process. On an idle 2-core machine batched replay ran "
                                         "1.5x faster with two than with one; while another program is busy, one can be "
@@ -81,7 +81,7 @@ class EvalConfig:
         fill(self, "checkpoints", tuple(self.checkpoints))
         require(self, "checkpoints", bool(self.checkpoints), "give at least one drafter checkpoint directory")
         check_choices(self)
-        node_cache.check(self)
+        cache_flags.check(self)
         require(self, "ddtree", all(b >= 1 for b in self.ddtree), "budgets must be at least 1")
         require(self, "target", self.target or not self.live, "--live needs --target DIR (the store's target model)")
         require(self, "served_memory", self.served_memory is None or 0 < self.served_memory <= 1,

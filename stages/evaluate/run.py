@@ -22,8 +22,8 @@ from pipeline import device as devices
 from pipeline.decode.acceptance import stats
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.errors import TargetError
-from stages import node_cache
-from stages.evaluate import groups, ranks, report
+from stages import cache_flags
+from stages.evaluate import groups, process_group, report
 from stages.evaluate.conditioning import Checked, build, check_checkpoint, choose_shards
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
@@ -75,17 +75,17 @@ def run(config: EvalConfig, log=print) -> dict | None:
     device = proc.device(config.device or devices.default_device())
     if device == "cpu":
         devices.prepare_cpu(config.threads or devices.default_threads(proc.world))
-    ranks.join(proc, device)
+    process_group.join(proc, device)
     try:
         with report.claimed(Path(config.out), owner=proc.rank == 0):  # before the replay, not after it
             return _run(config, proc, device, log if proc.rank == 0 else (lambda m: None))
     finally:
-        ranks.leave(proc)
+        process_group.leave(proc)
 
 
 def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
-    store = HiddenStore(config.store, node_cache=node_cache.make(config, lambda m: log(f"warning: {m}")))
-    warnings: list[str] = list(filter(None, [store.read_checks().warning(), node_cache.warning(config, store)]))
+    store = HiddenStore(config.store, node_cache=cache_flags.make(config, lambda m: log(f"warning: {m}")))
+    warnings: list[str] = list(filter(None, [store.read_checks().warning(), cache_flags.warning(config, store)]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
     index = _index(store)
     shards = choose_shards(config, store, checked, warnings, index.records if index.records else None)
@@ -104,8 +104,8 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     keep = set(live_refs) | (set(prompts.refs) if config.served else set())
     embed, lm_head = store.embeddings(("embed_tokens", "lm_head"))  # [V, H] bf16, read once, fetched together
     results, kept, where = replay_all(config, proc, device, prompts, checked, keep, (embed, lm_head))
-    ranks.barrier(proc)
-    ranks.leave(proc)  # the last collective is behind every process: rank 0's work below holds no one
+    process_group.barrier(proc)
+    process_group.leave(proc)  # the last collective is behind every process: rank 0's work below holds no one
     if proc.rank != 0:
         return None
     if live_refs:
@@ -145,7 +145,7 @@ def replay_all(config: EvalConfig, proc, device: str, prompts: Prompts, checked:
         m = build(x, *tables, device, config.dtype)
         part = replay_part(m, prompts, prompts.part(proc.rank, proc.world), config, keep, _name(x.path, i))
         del m
-        parts = ranks.gather(proc, {**part, "device": device})
+        parts = process_group.gather(proc, {**part, "device": device})
         if proc.rank != 0:
             continue
         res, rounds = summarize_parts(parts, config.ddtree, prompts)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pipeline import device as devices
 from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
-from stages import node_cache
+from stages import cache_flags as node_cache  # the --cache-dir/--cache-size settings (stages/cache_flags.py)
 from stages.settings import at_least, build, check_choices, fill, flat, parse_count, part, require, setting
 from stages.train.node_order import DATA_ORDERS
 from stages.train.recipe import BATCHINGS, NOISES, OPTIMIZERS, SCHEDULES, slot_gamma

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from stages.node_cache import make as node_cache_of
+from stages.cache_flags import make as node_cache_of
 from stages.train.config import DataConfig
 from stages.train.node_order import NodeOrder, node_counts, node_samples, shuffled_within
 from store.format import layout

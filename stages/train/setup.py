@@ -20,7 +20,7 @@ from pipeline.drafter.config import DrafterConfig, architecture_fields, default_
 from pipeline.drafter.model import Drafter
 from pipeline.drafter.serving_engines import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.errors import DrafterError
-from stages import node_cache
+from stages import cache_flags as node_cache  # the --cache-dir/--cache-size settings (stages/cache_flags.py)
 from stages.out_contents import LAUNCH_MARK
 from stages.paths import output_dir
 from stages.settings import flag_of, with_role
@@ -30,7 +30,7 @@ from stages.train.grad_comm import GradComm, install, step_bytes
 from stages.train.node_order import check_shards, node_layout, shard_counts
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
-from stages.train.ranks import gather, on_main
+from stages.train.main_process import gather, on_main
 from stages.train.run_dir import claim, resume_point
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from stages.train.step import LossPlan

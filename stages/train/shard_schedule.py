@@ -26,7 +26,7 @@ from pathlib import Path
 from stages.out_contents import SCHEDULE
 from stages.train.config import ShardPlanConfig, TrainConfig
 from stages.train.data import Refs, refs_of
-from stages.train.ranks import on_main
+from stages.train.main_process import on_main
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from store.format.ranges import format_ranges, parse_ranges

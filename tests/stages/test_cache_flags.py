@@ -1,4 +1,4 @@
-"""--cache-dir and --cache-size (stages/node_cache.py): parsed and checked alike in train.py and
+"""--cache-dir and --cache-size (stages/cache_flags.py): parsed and checked alike in train.py and
 evaluate.py, and the training loader's readers fetch through the cache they name."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stages.evaluate.config import EvalConfig
-from stages.node_cache import warning
+from stages.cache_flags import warning
 from stages.train.config import DataConfig, TrainConfig
 from stages.train.data import StoreBatches, index_samples
 from store.errors import ConfigError

@@ -1,4 +1,4 @@
-"""One process decides, every process follows: on_main in a real gloo group of two."""
+"""One process decides, every process follows: on_main (stages/train/main_process.py) in a real gloo group of two."""
 
 from pathlib import Path
 
@@ -15,7 +15,7 @@ class _Acc:
 def _rank(rank: int, path: str, out: dict) -> None:
     import torch.distributed as dist
 
-    from stages.train.ranks import on_main
+    from stages.train.main_process import on_main
     from store.errors import UserError
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
@@ -48,7 +48,7 @@ def test_the_main_process_decides_alone_and_every_process_gets_its_answer_or_its
 
 
 def test_one_process_runs_it_itself():
-    from stages.train.ranks import on_main
+    from stages.train.main_process import on_main
 
     assert on_main(_Acc(0, 1), lambda: 7) == 7
     with pytest.raises(ValueError):

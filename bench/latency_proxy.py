@@ -2,7 +2,7 @@
 request and counts requests and response bytes: an object store's per-request latency on
 127.0.0.1, for bench/s3_bench.py.
 
-    python tools/s3/latency_proxy.py --upstream http://127.0.0.1:5000 --delay-ms 50 [--port 0]
+    python -m bench.latency_proxy --upstream http://127.0.0.1:5000 --delay-ms 50 [--port 0]
 
 prints `listening on http://127.0.0.1:PORT` and serves until killed; clients point their S3
 endpoint (FSSPEC_S3_ENDPOINT_URL) at it. In a Python process, `LatencyProxy(upstream, delay_s).start()`
