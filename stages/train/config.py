@@ -21,7 +21,8 @@ FOLLOW_POLL_S = 30.0  # --follow-poll when --follow is given without it
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """What each step reads: the store, its training and held-out shards, how samples become
-    ordered rows and batches (stages/train/data.py, node_order.py, position.py), and how they are read."""
+    ordered rows and batches (stages/train/samples.py, epoch_order.py, node_order.py, position.py),
+    and how they are read (loader.py)."""
 
     store: str = setting("hs.zarr", "Hidden-state store (path or fsspec URL).", resume="fixed")
     shards: str | None = setting(None, "Training shards, e.g. '0-55'.",

@@ -25,13 +25,15 @@ from stages.out_contents import LAUNCH_MARK
 from stages.paths import output_dir
 from stages.settings import flag_of, with_role
 from stages.train.config import DataConfig, DrafterArchConfig, RunConfig, TrainConfig
-from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
+from stages.train.epoch_order import epoch_length
 from stages.train.grad_comm import GradComm, install, step_bytes
+from stages.train.loader import check_shared_memory, shared_memory_need
 from stages.train.node_order import check_shards, node_layout, shard_counts
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.ranks import gather, on_main
 from stages.train.run_dir import claim, resume_point
+from stages.train.samples import Ref, refs_of
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from stages.train.step import LossPlan
 from store import index_file

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from stages.out_contents import SCHEDULE
 from stages.train.config import ShardPlanConfig, TrainConfig
-from stages.train.data import Refs, refs_of
+from stages.train.samples import Refs, refs_of
 from stages.train.ranks import on_main
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore

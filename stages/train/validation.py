@@ -17,7 +17,9 @@ import torch
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.drafter.loss import summarize, zero_sums
 from stages.train.config import TrainConfig
-from stages.train.data import epoch_batches, loader, sample_refs
+from stages.train.epoch_order import epoch_batches
+from stages.train.loader import loader
+from stages.train.samples import sample_refs
 from stages.train.step import forward_loss, step_generator
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader

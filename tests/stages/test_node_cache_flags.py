@@ -11,7 +11,8 @@ import torch
 from stages.evaluate.config import EvalConfig
 from stages.node_cache import warning
 from stages.train.config import DataConfig, TrainConfig
-from stages.train.data import StoreBatches, index_samples
+from stages.train.dataset import StoreBatches
+from stages.train.samples import index_samples
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from store.node_cache import NodeCache

@@ -102,7 +102,7 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     learning rate is the uninterrupted curve's), and the last reads only samples of the epoch the
     earlier parts had not read."""
     from stages.train.config import DataConfig, OptimConfig
-    from stages.train.data import index_samples
+    from stages.train.samples import index_samples
     from stages.train.optim import lr_lambda
     from stages.train.position import Position, advance, rank_batches
     from store.hidden_store import HiddenStore
@@ -213,7 +213,8 @@ def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
     import stages.train.step as st
     from pipeline.drafter.model import Drafter
     from stages.train.config import LossConfig, TrainConfig
-    from stages.train.data import StoreBatches, index_samples
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
@@ -294,7 +295,7 @@ def test_the_default_drafter_is_one_vllm_serves_beside_the_stores_target(small_s
 def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_path):
     """--eval-samples: a seeded sample, the same on every call; every eval record gives its size; 'all'
     is every held-out sample."""
-    from stages.train.data import index_samples, sample_refs
+    from stages.train.samples import index_samples, sample_refs
     from store.hidden_store import HiddenStore
 
     held_out = index_samples(HiddenStore(str(small_store)), [2, 3], 4096)

@@ -2,7 +2,7 @@
 
 import json
 
-from stages.train.data import index_samples
+from stages.train.samples import index_samples
 from stages.train.validation import replay_sums
 from store.hidden_store import HiddenStore
 from tests.processes import TINY, train
