@@ -177,7 +177,7 @@ def time_child(store: str, out: str, eval_shards: str) -> None:
     acc = s.accelerator
     mine = train_batches(config.data, s.train_refs, 0, acc.process_index, acc.num_processes)
     t = time.perf_counter()
-    next(iter(loader(config.data, mine, False, set())))
+    next(iter(loader(config.data, mine, False, set(), store=s.store, node_cache=s.node_cache)))
     first = time.perf_counter() - t
     print("RESULT", json.dumps({"rank": acc.process_index, "ranks": acc.num_processes, "imports_s": round(imports, 2),
                                 "setup_s": round(setup, 2), "first_batch_s": round(first, 2),

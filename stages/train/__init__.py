@@ -2,7 +2,8 @@
 
 How a sample travels from the store to a batch, file by file, in order:
 
-1. setup.py opens the store; the main process reads every chosen shard's per-sample arrays (its index file, or the shards'), which
+1. setup.py opens the store, once per process, with the run's node cache (--cache-dir); the main
+   process reads every chosen shard's per-sample arrays (its index file, or the shards'), which
    every rank receives (ranks.py); shard_schedule.py says which shards each epoch takes (fixed at
    launch, --follow, --shard-schedule).
 2. samples.py: those arrays -> `Refs`, the trainable samples (shard, index, length) as arrays.
@@ -13,5 +14,5 @@ How a sample travels from the store to a batch, file by file, in order:
 5. dataset.py: in a worker (or in the process, with --workers 0), a batch's refs -> a padded
    `Batch` of tokens, loss mask and tap states, read from the store (a worker opens its own).
 6. step.py: a batch -> the loss (run.py steps on it); validation.py reads the held-out samples
-   through the same loader.
+   through the same loader and store.
 """

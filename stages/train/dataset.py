@@ -4,6 +4,7 @@ with its own store handles."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -42,23 +43,35 @@ class StoreBatches(torch.utils.data.Dataset):
     """batches[i], or a batch given whole, -> a padded Batch. Store handles and shard readers open
     lazily, once per worker process, and stay open for as long as the worker lives: the run's
     loader (`loader`) keeps its workers through every epoch, so a shard's reader, its read cache
-    (indexes, edge chunks) and its connections are made once per run, not once per epoch."""
+    (indexes, edge chunks) and its connections are made once per run, not once per epoch. Read in
+    the process that made it (--workers 0), it reads through the store it was given."""
 
-    def __init__(self, location: str, batches: Batches | list[list[Row]] = (),
+    def __init__(self, store: HiddenStore | str, batches: Batches | list[list[Row]] = (),
                  node_cache: NodeCache | None = None) -> None:
-        """node_cache: a node-local cache of an object store's shard files (--cache-dir), which the
-        readers fetch through."""
-        self.location, self.batches, self.node_cache = location, batches, node_cache
-        self._store: HiddenStore | None = None
+        """store: the process's open store (the run's one: stages/train/setup.py), or its location,
+        opened at the first read. A loader worker opens its own at the same location and node cache:
+        a forked copy of the parent's file system (an object store's sessions, bound to the parent's
+        event loop) is not the worker's to use. node_cache: a node-local cache of an object store's
+        shard files (--cache-dir), which the readers fetch through (with an open store: the one it
+        was opened with)."""
+        opened = isinstance(store, HiddenStore)
+        self.location = store.location if opened else store
+        self.batches, self.node_cache = batches, node_cache
+        self._store: HiddenStore | None = store if opened else None
+        self._pid = os.getpid()  # the process _store is open in
         self._readers: dict[int, ShardReader] = {}
+
+    def __getstate__(self) -> dict:  # sent to a spawned loader worker: it opens its own store and readers
+        return {**self.__dict__, "_store": None, "_readers": {}}
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def reader(self, shard: int) -> ShardReader:
+        store = self.store  # first: in a loader worker, its own store and readers
         if shard not in self._readers:
             try:
-                self._readers[shard] = ShardReader(self.store, shard)
+                self._readers[shard] = ShardReader(store, shard)
             except NotCommitted:  # it was committed when the run indexed it
                 raise self._gone(shard) from None
         return self._readers[shard]
@@ -81,8 +94,9 @@ class StoreBatches(torch.utils.data.Dataset):
 
     @property
     def store(self) -> HiddenStore:
-        if self._store is None:
+        if self._store is None or self._pid != os.getpid():  # first read, or a forked worker's first
             self._store = HiddenStore(self.location, node_cache=self.node_cache)
+            self._pid, self._readers = os.getpid(), {}
         return self._store
 
     def __getitem__(self, key: int | list[Row]) -> Batch:

@@ -13,24 +13,28 @@ from collections.abc import Iterable
 
 import torch
 
-from stages.node_cache import make as node_cache_of
 from stages.train.config import DataConfig
 from stages.train.dataset import StoreBatches
 from stages.train.epoch_order import Row
 from stages.train.samples import Refs
 from store.errors import ConfigError, StoreCorrupt
+from store.hidden_store import HiddenStore
+from store.node_cache import NodeCache
 
 PREFETCH = 4  # batches each loader worker keeps ready (in shared memory until the trainer takes them)
 SHM = "/dev/shm"  # where DataLoader workers hand batches over (Linux)
 
 
-def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped: set, warn=None):
+def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped: set, warn=None, *,
+           store: HiddenStore, node_cache: NodeCache | None):
     """Batches read and padded by --workers worker processes, in order. `batches` may be endless
     (every epoch's, formed as they are reached): its batches go to the workers as they are taken,
     and the workers live as long as this loader. A sample whose read failed (damaged or missing)
     stops the run (--on-corrupt stop: one line naming the file and the fix) or is left out of its
-    batch and added to `skipped` (skip). A node cache that cannot be written is said once (to warn)."""
-    dataset = StoreBatches(config.store, node_cache=node_cache_of(config))
+    batch and added to `skipped` (skip). A node cache that cannot be written is said once (to warn).
+    store: the process's open store, opened with node_cache (the run's: stages/train/setup.py),
+    read through with --workers 0; each worker opens its own (dataset.py)."""
+    dataset = StoreBatches(store, node_cache=node_cache)
     workers = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None, num_workers=config.workers,
                                           pin_memory=pin, prefetch_factor=PREFETCH if config.workers else None,
                                           worker_init_fn=quiet_inherited_sessions)

@@ -226,4 +226,5 @@ def micro_batches(setup: Setup, config: DataConfig, log=None):
                                     acc.num_processes, setup.local_processes)
             epoch += 1
 
-    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped, log)
+    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped, log, store=setup.store,
+                      node_cache=setup.node_cache)

@@ -1,4 +1,5 @@
-"""Everything a training run needs before its first step: the accelerator, the store's shards and
+"""Everything a training run needs before its first step: the accelerator, the store (opened once
+per process, with the run's node cache: the loader and validation read through it), its shards and
 samples, the drafter config (from the store, --drafter-config, --init-from or a resumed step), the
 model, optimizer and schedule, and the resume point."""
 
@@ -39,6 +40,7 @@ from stages.train.step import LossPlan
 from store import index_file
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
+from store.node_cache import NodeCache
 from store.ranges import format_ranges, parse_ranges
 from store.schema import StoreAttrs
 
@@ -51,6 +53,8 @@ class Setup:
     optimizers: list  # as prepared by Accelerate (stages/train/optim.py)
     schedulers: list  # one per optimizer
     drafter_config: DrafterConfig
+    store: HiddenStore  # this process's one store, read through by the loader and validation
+    node_cache: NodeCache | None  # the run's node cache (--cache-dir) the store was opened with
     train_refs: list[Ref]  # the samples of the epoch the run starts in
     schedule: ShardSchedule  # every epoch's shards, and their samples (stages/train/shard_schedule.py)
     eval_refs: list[Ref]
@@ -214,7 +218,8 @@ def prepare(config: TrainConfig, log) -> Setup:
 
 def _prepare(config: TrainConfig, log) -> Setup:
     data, optim, out = config.data, config.optim, Path(config.run.out)
-    store = HiddenStore(data.store)
+    cache = node_cache.make(data)
+    store = HiddenStore(data.store, node_cache=cache)  # once per process (loader workers open their own)
     attrs = store.attrs
     acc = make_accelerator(config.run, optim.grad_accum)
     shared_out(acc, out)
@@ -277,6 +282,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
             + (f"; gradients all-reduced in {optim.grad_comm}, {step_bytes(raw, optim.grad_comm) / 1e9:.3g} GB a "
                "step per process" if acc.num_processes > 1 else ""))
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
+                 store=store, node_cache=cache,
                  train_refs=train_refs, schedule=schedule, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
                  store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),

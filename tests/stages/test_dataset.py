@@ -51,3 +51,20 @@ def test_a_sample_is_read_as_its_own_span(small_store, monkeypatch):
     assert set(read) == {"offsets", "row_ids", "prompt_lens"}
     g = HiddenStore(str(small_store)).shard_arrays(1)
     assert torch.equal(torch.cat([s.tokens for s in samples]), torch.from_numpy(g["tokens"][:].astype(np.int64)))
+
+
+def test_a_dataset_sent_to_a_spawned_worker_leaves_its_store_behind_and_opens_its_own(small_store):
+    """StoreBatches given the process's open store pickles without it (nor its readers), and the copy
+    reads the same batch through a store it opens, at the same location."""
+    import pickle
+
+    store = HiddenStore(str(small_store))
+    rows = [[(x,) for x in index_samples(store, [0, 1], 200)[:3]]]
+    here = StoreBatches(store, rows)
+    a = here[0]
+    assert here.store is store and here._readers
+    sent = pickle.loads(pickle.dumps(here))
+    assert sent._store is None and not sent._readers
+    b = sent[0]
+    assert sent.store is not store and sent.store.location == store.location
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden.view(torch.int16), b.hidden.view(torch.int16))

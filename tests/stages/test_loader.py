@@ -52,33 +52,61 @@ def test_too_little_shared_memory_is_refused_in_one_line_naming_the_need_and_the
 
 def test_one_loader_keeps_its_workers_and_their_shard_readers_through_the_epochs(small_store, tmp_path, monkeypatch):
     """Two epochs' batches through one loader of 2 workers: every shard's reader is opened once per
-    worker (a new loader each epoch opened them all again in new processes), and the batches come
-    in order, each equal to the same batch read alone."""
+    worker (a new loader each epoch opened them all again in new processes), on the worker's own
+    store (not the forked copy of the one the loader was given), and the batches come in order,
+    each equal to the same batch read alone."""
     import os
 
-    from stages.train import dataset, loader
+    from stages.train import dataset
     from stages.train.config import DataConfig
+    from stages.train.loader import loader
 
     opened = tmp_path / "opened"
+    store = HiddenStore(str(small_store))
 
     class Counting(ShardReader):
-        def __init__(self, store, shard, record=None):
+        def __init__(self, on, shard, record=None):
             with opened.open("a") as f:  # a worker is a forked process: it reports through a file
-                f.write(f"{os.getpid()} {shard}\n")
-            super().__init__(store, shard, record)
+                f.write(f"{os.getpid()} {shard} {int(on is store)}\n")
+            super().__init__(on, shard, record)
 
     monkeypatch.setattr(dataset, "ShardReader", Counting)
-    store = HiddenStore(str(small_store))
     refs = index_samples(store, [0, 1, 2], 200)
     epochs = [epoch_batches(refs, 2, 0, e) for e in (0, 1)]
     config = DataConfig(store=str(small_store), workers=2, on_corrupt="stop")
-    got = list(loader.loader(config, (b for batches in epochs for b in batches), False, set()))
+    got = list(loader(config, (b for batches in epochs for b in batches), False, set(), store=store, node_cache=None))
     want = [b for batches in epochs for b in batches]
     lines = [tuple(map(int, x.split())) for x in opened.read_text().splitlines()]
-    assert len({pid for pid, _ in lines}) == 2  # the same two workers all along
+    assert len({pid for pid, _, _ in lines}) == 2 and os.getpid() not in {pid for pid, _, _ in lines}  # two workers
     assert len(lines) == len(set(lines)) <= 2 * 3  # a reader per worker and shard, opened once
+    assert not any(given for _, _, given in lines)  # each worker on a store it opened
     assert len(got) == len(want)
     for batch, rows in list(zip(got, want))[::7]:
         alone = StoreBatches(str(small_store), [rows])[0]
+        assert torch.equal(batch.tokens, alone.tokens) and torch.equal(batch.hidden.view(torch.int16),
+                                                                       alone.hidden.view(torch.int16))
+
+
+def test_without_workers_the_loader_reads_through_the_store_it_was_given(small_store, monkeypatch):
+    """--workers 0: the batches are read in the process, through the run's one store (every shard
+    reader on it), and equal the same batches read by a dataset that opened its own."""
+    from stages.train import dataset
+    from stages.train.config import DataConfig
+    from stages.train.loader import loader
+
+    store, on = HiddenStore(str(small_store)), []
+
+    class Recording(ShardReader):
+        def __init__(self, given, shard, record=None):
+            on.append(given is store)
+            super().__init__(given, shard, record)
+
+    monkeypatch.setattr(dataset, "ShardReader", Recording)
+    rows = list(epoch_batches(index_samples(store, [0, 1], 200), 2, 0, 0))[:3]
+    got = list(loader(DataConfig(store=str(small_store), workers=0), rows, False, set(), store=store, node_cache=None))
+    assert len(got) == 3 and on and all(on)
+    monkeypatch.undo()
+    for batch, batch_rows in zip(got, rows):
+        alone = StoreBatches(str(small_store), [batch_rows])[0]
         assert torch.equal(batch.tokens, alone.tokens) and torch.equal(batch.hidden.view(torch.int16),
                                                                        alone.hidden.view(torch.int16))

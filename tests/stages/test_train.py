@@ -486,3 +486,29 @@ def test_an_out_in_a_store_or_holding_another_commands_output_is_refused(small_s
         f"--out {tmp_path / 'x'}: is an evaluate.py report (report.json): train.py writes a run into an empty "
         "directory or its own run; choose another --out")
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["report.json"]  # its lock released
+
+
+def test_a_run_opens_the_store_once_per_process(small_store, tmp_path, monkeypatch):
+    """Setup, the loader and validation (teacher-forced and replayed, at every call) read through one
+    HiddenStore in the training process; each loader worker opens its own, once (a forked copy of
+    the parent's file system and its sessions is not the worker's to use)."""
+    import os
+
+    from stages.train.config import TrainConfig
+    from stages.train.run import run
+    from store.hidden_store import HiddenStore
+
+    opened, real = tmp_path / "opened", HiddenStore.__init__
+
+    def counting(self, *args, **kw):
+        with opened.open("a") as f:  # a loader worker is a forked process: it reports through a file
+            f.write(f"{os.getpid()}\n")
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(HiddenStore, "__init__", counting)
+    run(TrainConfig.of(store=str(small_store), out=str(tmp_path / "run"), shards="0-2", eval_shards="3",
+                       eval_replay_prompts=2, eval_every=1, max_steps=2, save_every=0, workers=1, threads=1,
+                       num_layers=1, anchors=16, batch_size=2), log=lambda m: None)
+    pids = opened.read_text().split()
+    assert pids.count(str(os.getpid())) == 1, pids  # validated at steps 0, 1 and 2, replayed at 1 and 2
+    assert len(pids) == len(set(pids)) >= 2, pids  # the workers of the three loaders: each its own, once
