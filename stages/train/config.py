@@ -1,5 +1,5 @@
 """Stage two's settings: every train.py flag, its default and its help, in the config of the
-component that reads it (data, shard plan, optimizer, loss, drafter architecture, run). TrainConfig
+component that reads it (data, shard schedule, optimizer, loss, drafter architecture, run). TrainConfig
 holds the components; its flags are theirs (stages/settings.py `part`), and a run records them as one
 flat {flag's field: value} (`TrainConfig.record`, `TrainConfig.of`)."""
 
@@ -79,7 +79,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardPlanConfig:
+class ShardScheduleConfig:
     """Which shards each epoch trains on when they are not fixed at launch (stages/train/
     shard_schedule.py)."""
 
@@ -262,7 +262,7 @@ class TrainConfig:
     """A training run's settings: one config per component, each given to the builders of that component."""
 
     data: DataConfig = part(DataConfig)
-    shard_plan: ShardPlanConfig = part(ShardPlanConfig)
+    shard_schedule: ShardScheduleConfig = part(ShardScheduleConfig)
     optim: OptimConfig = part(OptimConfig)
     loss: LossConfig = part(LossConfig)
     drafter: DrafterArchConfig = part(DrafterArchConfig)
@@ -270,11 +270,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """What concerns two components (each checked its own settings as it was made)."""
-        plan = self.shard_plan
+        schedule = self.shard_schedule
         for name in ("follow", "shard_schedule"):
-            if getattr(plan, name):
-                require(plan, name, self.data.shards is not None, "needs --shards: the range of shards to train on")
-                require(plan, name, self.run.max_steps is not None, "needs --max-steps: an epoch's size is not known "
+            if getattr(schedule, name):
+                require(schedule, name, self.data.shards is not None, "needs --shards: the range of shards to train on")
+                require(schedule, name, self.run.max_steps is not None, "needs --max-steps: an epoch's size is not known "
                         "before its shards are committed, so the step budget cannot come from --epochs")
         if self.drafter.init_from is None:  # with --init-from the checkpoint's block size decides (LossPlan.of)
             slot_gamma(self.loss, self.loss.block_size)  # a block size without a default gamma needs --gamma

@@ -233,7 +233,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
                                                                      node_cache.warning(data, store)])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, data, records)
-    store.require_committed([s for s in eval_ids + ([] if config.shard_plan.follow else train_ids) if s not in records])
+    store.require_committed([s for s in eval_ids + ([] if config.shard_schedule.follow else train_ids) if s not in records])
     position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, data.max_length), previous)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     layout = node_layout(acc.num_processes, local)
@@ -275,7 +275,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(list(schedule.shards(position.epoch)))}"
-            + (f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_plan.follow else 'scheduled'} "
+            + (f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_schedule.follow else 'scheduled'} "
                f"epoch by epoch, recorded in {out / FILE})" if schedule.mode != "fixed" else "")
             + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}"
