@@ -27,7 +27,7 @@ FSSPEC_S3_ENDPOINT_URL for a local server).
 `startup samples` times, on one rank of --world, the start-up work that grows with the sample count,
 from the per-sample arrays the main process hands every rank (store/index_file.py's
 StoreIndex.arrays, synthetic: --samples over 2,442 shards, ~2k tokens each): receiving them
-(unpickling, as broadcast_object_list does), the sample refs (stages/train/data.refs_of), the
+(unpickling, as broadcast_object_list does), the sample refs (stages/train/samples.refs_of), the
 shared-memory check, epoch 0's length, the rank's batches of the epoch and its first batch; for a
 launch resumed in epoch 3 the same from the saved position; and the position a save 3.5 epochs into
 a run walks to (stages/train/position.advance, the main process only), for each --batching (and
@@ -54,7 +54,8 @@ from pathlib import Path
 from bench import harness
 
 # at module level, so a measured child's start (harness.in_child) includes these imports
-from stages.train.data import StoreBatches, index_samples
+from stages.train.dataset import StoreBatches
+from stages.train.samples import index_samples
 from store.hidden_store import HiddenStore
 
 TOY = [["worker", "--shards", "2,4", "--like", "{store}"],
@@ -163,7 +164,8 @@ def time_child(store: str, out: str, eval_shards: str) -> None:
     """One rank of `startup time` (under torchrun for more): setup's and the first batch's seconds."""
     t0 = time.perf_counter()
     from stages.train.config import TrainConfig
-    from stages.train.data import loader, train_batches
+    from stages.train.epoch_order import train_batches
+    from stages.train.loader import loader
     from stages.train.setup import prepare
 
     imports = time.perf_counter() - t0
@@ -175,7 +177,7 @@ def time_child(store: str, out: str, eval_shards: str) -> None:
     acc = s.accelerator
     mine = train_batches(config.data, s.train_refs, 0, acc.process_index, acc.num_processes)
     t = time.perf_counter()
-    next(iter(loader(config.data, mine, False, set())))
+    next(iter(loader(config.data, mine, False, set(), store=s.store, node_cache=s.node_cache)))
     first = time.perf_counter() - t
     print("RESULT", json.dumps({"rank": acc.process_index, "ranks": acc.num_processes, "imports_s": round(imports, 2),
                                 "setup_s": round(setup, 2), "first_batch_s": round(first, 2),
@@ -204,8 +206,10 @@ SAMPLES_CHILD = """
 import json, math, pickle, time, tracemalloc
 import numpy as np
 from stages.train.config import TrainConfig
-from stages.train.data import epoch_length, refs_of, shared_memory_need
+from stages.train.epoch_order import epoch_length
+from stages.train.loader import shared_memory_need
 from stages.train.position import Position, advance, rank_batches
+from stages.train.samples import refs_of
 
 SHARDS, EVAL = 2442, 42  # the last EVAL shards held out
 rng = np.random.default_rng(0)

@@ -151,7 +151,7 @@ def output_of(argv: list[str], env: dict, **kw) -> str:
 def read_samples(location: str, shards: list[int], n: int) -> dict:
     import numpy as np
 
-    from stages.train.data import index_samples
+    from stages.train.samples import index_samples
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 

@@ -244,7 +244,8 @@ def reader(path: Path, workers: list[int]) -> dict:
     delivers with each worker count (batches of 4 random samples, as training reads them)."""
     import torch
 
-    from stages.train.data import Ref, StoreBatches
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import Ref
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 

@@ -61,7 +61,8 @@ import stages.train.step as step_module
 from bench import harness
 from pipeline.drafter import masks
 from stages.train.config import TrainConfig
-from stages.train.data import StoreBatches, train_batches
+from stages.train.dataset import StoreBatches
+from stages.train.epoch_order import train_batches
 from stages.train.setup import prepare
 from store.format.ranges import parse_ranges
 
@@ -314,7 +315,7 @@ def kernel_agreement(store_path: str, anchors: int, dtype: str) -> dict:
     from pipeline.drafter.blocks import make_blocks, sample_anchors
     from pipeline.drafter.loss import dflash_loss
     from pipeline.drafter.model import Drafter
-    from stages.train.data import index_samples
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import pad_for_compile
     from store.hidden_store import HiddenStore

@@ -55,8 +55,9 @@ def leaves(config_cls) -> dict[str, dataclasses.Field]:
 
 
 def owner_of(config_cls, name: str) -> type:
-    """The config class (config_cls or one of its components) that holds setting `name`."""
-    if name in {f.name for f in dataclasses.fields(config_cls)}:
+    """The config class (config_cls or one of its components) that holds setting `name` (a component
+    may be named as one of its settings is: TrainConfig.shard_schedule holds --shard-schedule)."""
+    if name in {f.name for f in dataclasses.fields(config_cls) if not f.metadata.get("part")}:
         return config_cls
     return next(owner_of(c, name) for c in parts(config_cls).values() if name in leaves(c))
 

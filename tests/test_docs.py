@@ -87,17 +87,17 @@ def test_a_row_edited_by_hand_is_named(doc_tables, docs_copy):
 def test_a_flag_missing_from_the_markers_or_unknown_is_named(doc_tables, docs_copy):
     path = docs_copy / "docs" / "training.md"
     text = path.read_text()
-    marker = "<!-- flags: train shard_plan -->"  # a component's flags (TrainConfig.shard_plan), not a list
+    marker = "<!-- flags: train shard_schedule -->"  # a component's flags (TrainConfig.shard_schedule), not a list
     assert text.count(marker) == 1
     path.write_text(text.replace(marker, "<!-- flags: train --follow --follow-poll -->"))
     assert doc_tables.coverage(docs_copy) == [
         "train: --shard-schedule in no table (add them to a <!-- flags: train ... --> marker, then run "
         "`python tools/doc_tables.py`)"]
-    path.write_text(text.replace(marker, "<!-- flags: train shard_plan --no-such-flag -->"))
+    path.write_text(text.replace(marker, "<!-- flags: train shard_schedule --no-such-flag -->"))
     assert doc_tables.coverage(docs_copy) == ["train: no option --no-such-flag (remove it from its marker)"]
     assert doc_tables.stale(docs_copy) == ["docs/training.md: train has no option --no-such-flag"]
     path.write_text(text.replace(marker, "<!-- flags: train shards -->"))
-    named = "docs/training.md: train has no component 'shards' (one of data, shard_plan, optim, loss, drafter, run)"
+    named = "docs/training.md: train has no component 'shards' (one of data, shard_schedule, optim, loss, drafter, run)"
     assert doc_tables.coverage(docs_copy) == doc_tables.stale(docs_copy) == [named]
 
 

@@ -1,5 +1,5 @@
 """Stage two's settings: every train.py flag, its default and its help, in the config of the
-component that reads it (data, shard plan, optimizer, loss, drafter architecture, run). TrainConfig
+component that reads it (data, shard schedule, optimizer, loss, drafter architecture, run). TrainConfig
 holds the components; its flags are theirs (stages/settings.py `part`), and a run records them as one
 flat {flag's field: value} (`TrainConfig.record`, `TrainConfig.of`)."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pipeline import device as devices
 from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
-from stages import cache_flags as node_cache  # the --cache-dir/--cache-size settings (stages/cache_flags.py)
+from stages import cache_flags
 from stages.settings import at_least, build, check_choices, fill, flat, parse_count, part, require, setting
 from stages.train.node_order import DATA_ORDERS
 from stages.train.recipe import BATCHINGS, NOISES, OPTIMIZERS, SCHEDULES, slot_gamma
@@ -21,7 +21,8 @@ FOLLOW_POLL_S = 30.0  # --follow-poll when --follow is given without it
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """What each step reads: the store, its training and held-out shards, how samples become
-    ordered rows and batches (stages/train/data.py, node_order.py, position.py), and how they are read."""
+    ordered rows and batches (stages/train/samples.py, epoch_order.py, node_order.py, position.py),
+    and how they are read (loader.py)."""
 
     store: str = setting("hs.zarr", "Hidden-state store (path or fsspec URL).", resume="fixed")
     shards: str | None = setting(None, "Training shards, e.g. '0-55'.",
@@ -58,8 +59,8 @@ class DataConfig:
                                    "a node-local cache fetches its new share again.", resume="fixed")
     seed: int = setting(0, "Seeds the initialization, data order and anchors.", resume="fixed")
     workers: int = setting(2, "Data loader worker processes per training process.")
-    cache_dir: str | None = node_cache.cache_dir_setting()
-    cache_size: int | None = node_cache.cache_size_setting()
+    cache_dir: str | None = cache_flags.cache_dir_setting()
+    cache_size: int | None = cache_flags.cache_size_setting()
     on_corrupt: str = setting("stop", "A sample that cannot be read as committed (a chunk failing its checksum, a "
                                       "damaged or missing file, a shard deleted under the run): stop (one line naming "
                                       "the file, shard and sample, and what to run) or skip (leave it out; counted in "
@@ -78,7 +79,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardPlanConfig:
+class ShardScheduleConfig:
     """Which shards each epoch trains on when they are not fixed at launch (stages/train/
     shard_schedule.py)."""
 
@@ -261,7 +262,7 @@ class TrainConfig:
     """A training run's settings: one config per component, each given to the builders of that component."""
 
     data: DataConfig = part(DataConfig)
-    shard_plan: ShardPlanConfig = part(ShardPlanConfig)
+    shard_schedule: ShardScheduleConfig = part(ShardScheduleConfig)
     optim: OptimConfig = part(OptimConfig)
     loss: LossConfig = part(LossConfig)
     drafter: DrafterArchConfig = part(DrafterArchConfig)
@@ -269,11 +270,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """What concerns two components (each checked its own settings as it was made)."""
-        plan = self.shard_plan
+        schedule = self.shard_schedule
         for name in ("follow", "shard_schedule"):
-            if getattr(plan, name):
-                require(plan, name, self.data.shards is not None, "needs --shards: the range of shards to train on")
-                require(plan, name, self.run.max_steps is not None, "needs --max-steps: an epoch's size is not known "
+            if getattr(schedule, name):
+                require(schedule, name, self.data.shards is not None, "needs --shards: the range of shards to train on")
+                require(schedule, name, self.run.max_steps is not None, "needs --max-steps: an epoch's size is not known "
                         "before its shards are committed, so the step budget cannot come from --epochs")
         if self.drafter.init_from is None:  # with --init-from the checkpoint's block size decides (LossPlan.of)
             slot_gamma(self.loss, self.loss.block_size)  # a block size without a default gamma needs --gamma

@@ -6,7 +6,7 @@ Shards are dealt to nodes by a (seed, deal round) generator, balanced by their s
 shards in a random order, each to the node with the fewest samples so far); the
 deal round is epoch // --redeal-every (0 for the whole run when it is 0). Within a node, an epoch
 shuffles the node's shards by (seed, epoch, node), groups them into windows of --shuffle-window
-shards and shuffles the samples within each window. data.py forms the rows and batches of each
+shards and shuffles the samples within each window. epoch_order.py forms the rows and batches of each
 node's order and concatenates the nodes' sections; each of the node's ranks reads a contiguous
 block of its node's order, window after window, so it has at most a window's shards in use at once
 (the node: a window for each of its ranks; docs/training.md, Node-affine order).

@@ -2,7 +2,7 @@
 
 An epoch's batches form one global list (`epoch_batches` with one rank); a launch of W processes
 deals the part of it still to come in W equal contiguous blocks, one per rank, and drops the tail
-that does not divide (data.py). A `Position` is the epoch and the global batches of it still to
+that does not divide (epoch_order.py). A `Position` is the epoch and the global batches of it still to
 come, as [lo, hi) ranges: saved with every step-N, it lets a run resume on any number of
 processes, which deal the remaining batches among themselves and go on with the next epochs
 dealt the same way. On the number of processes it was saved with, that deal gives every rank
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.train.config import DataConfig
-from stages.train.data import Batches, Refs, epoch_length, train_batches
+from stages.train.epoch_order import Batches, epoch_length, train_batches
+from stages.train.samples import Refs
 from stages.train.node_order import node_layout
 
 Ranges = tuple[tuple[int, int], ...]

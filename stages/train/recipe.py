@@ -1,7 +1,8 @@
 """The training recipe's named choices and gamma, what TrainConfig checks, and the line an
 interrupted run ends with: free of torch, so that train.py answers a mistaken flag before torch is
-imported (docs/reliability.md). The modules that carry them out import them from here: data.py
-(--batching), optim.py (--optimizer, --schedule), step.py (--noise, the slot weights' gamma)."""
+imported (docs/reliability.md). The modules that carry them out import them from here:
+epoch_order.py (--batching), optim.py (--optimizer, --schedule), step.py (--noise, the slot
+weights' gamma)."""
 
 from __future__ import annotations
 

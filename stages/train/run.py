@@ -21,7 +21,7 @@ from stages.command import Interrupted
 from stages.out_contents import LAUNCH_MARK
 from stages.out_dir import removed_if_failed_empty
 from stages.train.config import DataConfig, TrainConfig
-from stages.train.data import loader
+from stages.train.loader import loader
 from stages.train.optim import Muon
 from stages.train.position import last_epoch_read, rank_batches
 from stages.train.recipe import INTERRUPTED, NOTHING_SAVED  # noqa: F401 - INTERRUPTED: the interrupted line (train.py)
@@ -226,4 +226,5 @@ def micro_batches(setup: Setup, config: DataConfig, log=None):
                                     acc.num_processes, setup.local_processes)
             epoch += 1
 
-    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped, log)
+    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped, log, store=setup.store,
+                      node_cache=setup.node_cache)

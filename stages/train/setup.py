@@ -1,4 +1,5 @@
-"""Everything a training run needs before its first step: the accelerator, the store's shards and
+"""Everything a training run needs before its first step: the accelerator, the store (opened once
+per process, with the run's node cache: the loader and validation read through it), its shards and
 samples, the drafter config (from the store, --drafter-config, --init-from or a resumed step), the
 model, optimizer and schedule, and the resume point."""
 
@@ -20,23 +21,26 @@ from pipeline.drafter.config import DrafterConfig, architecture_fields, default_
 from pipeline.drafter.model import Drafter
 from pipeline.drafter.serving_engines import kv_layout, serving_warnings, vllm_kv_problem
 from pipeline.errors import DrafterError
-from stages import cache_flags as node_cache  # the --cache-dir/--cache-size settings (stages/cache_flags.py)
+from stages import cache_flags
 from stages.out_contents import LAUNCH_MARK
 from stages.paths import output_dir
 from stages.settings import flag_of, with_role
 from stages.train.config import DataConfig, DrafterArchConfig, RunConfig, TrainConfig
-from stages.train.data import Ref, check_shared_memory, epoch_length, refs_of, shared_memory_need
+from stages.train.epoch_order import epoch_length
 from stages.train.grad_comm import GradComm, install, step_bytes
+from stages.train.loader import check_shared_memory, shared_memory_need
 from stages.train.node_order import check_shards, node_layout, shard_counts
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
 from stages.train.main_process import gather, on_main
 from stages.train.run_dir import claim, resume_point
+from stages.train.samples import Ref, refs_of
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from stages.train.step import LossPlan
 from store import index_file
 from store.errors import ConfigError, StoreError
 from store.hidden_store import HiddenStore
+from store.io.node_cache import NodeCache
 from store.format.ranges import format_ranges, parse_ranges
 from store.format.schema import StoreAttrs
 
@@ -49,6 +53,8 @@ class Setup:
     optimizers: list  # as prepared by Accelerate (stages/train/optim.py)
     schedulers: list  # one per optimizer
     drafter_config: DrafterConfig
+    store: HiddenStore  # this process's one store, read through by the loader and validation
+    node_cache: NodeCache | None  # the run's node cache (--cache-dir) the store was opened with
     train_refs: list[Ref]  # the samples of the epoch the run starts in
     schedule: ShardSchedule  # every epoch's shards, and their samples (stages/train/shard_schedule.py)
     eval_refs: list[Ref]
@@ -212,7 +218,8 @@ def prepare(config: TrainConfig, log) -> Setup:
 
 def _prepare(config: TrainConfig, log) -> Setup:
     data, optim, out = config.data, config.optim, Path(config.run.out)
-    store = HiddenStore(data.store)
+    cache = cache_flags.make(data)
+    store = HiddenStore(data.store, node_cache=cache)  # once per process (loader workers open their own)
     attrs = store.attrs
     acc = make_accelerator(config.run, optim.grad_accum)
     shared_out(acc, out)
@@ -223,10 +230,10 @@ def _prepare(config: TrainConfig, log) -> Setup:
     if acc.is_main_process:
         log(where)
     for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning(),
-                                                                     node_cache.warning(data, store)])]:
+                                                                     cache_flags.warning(data, store)])]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, data, records)
-    store.require_committed([s for s in eval_ids + ([] if config.shard_plan.follow else train_ids) if s not in records])
+    store.require_committed([s for s in eval_ids + ([] if config.shard_schedule.follow else train_ids) if s not in records])
     position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, data.max_length), previous)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     layout = node_layout(acc.num_processes, local)
@@ -268,13 +275,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(list(schedule.shards(position.epoch)))}"
-            + (f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_plan.follow else 'scheduled'} "
+            + (f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_schedule.follow else 'scheduled'} "
                f"epoch by epoch, recorded in {out / FILE})" if schedule.mode != "fixed" else "")
             + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}"
             + (f"; gradients all-reduced in {optim.grad_comm}, {step_bytes(raw, optim.grad_comm) / 1e9:.3g} GB a "
                "step per process" if acc.num_processes > 1 else ""))
     return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
+                 store=store, node_cache=cache,
                  train_refs=train_refs, schedule=schedule, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
                  eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
                  store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from stages.out_contents import SCHEDULE
-from stages.train.config import ShardPlanConfig, TrainConfig
-from stages.train.data import Refs, refs_of
+from stages.train.config import ShardScheduleConfig, TrainConfig
+from stages.train.samples import Refs, refs_of
 from stages.train.main_process import on_main
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
@@ -75,7 +75,7 @@ class ShardSchedule:
     def _append(self, acc) -> None:
         """The next epoch's shards: those of the last epoch and every shard of the range committed since."""
         known = set(self.epochs[-1]) if self.epochs else set()
-        fresh = time.monotonic() - self._looked >= self.config.shard_plan.follow_poll  # the main process's clock decides
+        fresh = time.monotonic() - self._looked >= self.config.shard_schedule.follow_poll  # the main process's clock decides
         new, arrays = on_main(acc, lambda: self._look(known) if fresh else ([], {}))
         self._looked = time.monotonic() if fresh else self._looked
         self.arrays.update(arrays)
@@ -106,9 +106,9 @@ class ShardSchedule:
             if acc.is_main_process:
                 log(f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "
                     f"{format_ranges(self.range)} committed ({format_ranges(list(self.epochs[0])) or 'none'}), too few "
-                    f"to begin; looking again in {self.config.shard_plan.follow_poll:g} s")
+                    f"to begin; looking again in {self.config.shard_schedule.follow_poll:g} s")
             self.epochs.clear()
-            time.sleep(self.config.shard_plan.follow_poll)
+            time.sleep(self.config.shard_schedule.follow_poll)
 
     def unread(self, last: int) -> str:
         """The shards of the range that no epoch up to `last` (the last one the run read from) trains on,
@@ -144,13 +144,13 @@ def schedule_of(config: TrainConfig, store: HiddenStore, shards: list[int], inde
     """The run's schedule: fixed at launch, following the store (--follow), or replayed
     (--shard-schedule); a resumed run continues from its saved epochs. index: the store's sample
     index at launch (records, arrays)."""
-    mode = "follow" if config.shard_plan.follow else "replay" if config.shard_plan.shard_schedule else "fixed"
-    epochs = saved if saved is not None else read_schedule(config.shard_plan) if mode == "replay" else []
+    mode = "follow" if config.shard_schedule.follow else "replay" if config.shard_schedule.shard_schedule else "fixed"
+    epochs = saved if saved is not None else read_schedule(config.shard_schedule) if mode == "replay" else []
     epochs = [tuple(parse_ranges(e, store.num_shards, FILE)) for e in epochs]
     listed = sorted(set(shards).union(*map(set, epochs)))
     outside = [s for s in listed if s not in set(shards)]
     if outside:
-        raise ConfigError(flag_of_schedule(config.shard_plan), config.shard_plan.shard_schedule or config.run.resume,
+        raise ConfigError(flag_of_schedule(config.shard_schedule), config.shard_schedule.shard_schedule or config.run.resume,
                           f"lists shards {format_ranges(outside)}, outside --shards {config.data.shards}")
     needed = shards if mode == "fixed" else sorted(set().union(*map(set, epochs)))
     missing = [s for s in needed if s not in index.records]
@@ -160,7 +160,7 @@ def schedule_of(config: TrainConfig, store: HiddenStore, shards: list[int], inde
     return ShardSchedule(config, store, shards, arrays, epochs, mode)
 
 
-def read_schedule(config: ShardPlanConfig) -> list[str]:
+def read_schedule(config: ShardScheduleConfig) -> list[str]:
     """The epochs of --shard-schedule's file (OUT/shards.json of a --follow run)."""
     path = Path(config.shard_schedule)
     try:
@@ -174,6 +174,6 @@ def read_schedule(config: ShardPlanConfig) -> list[str]:
     return epochs
 
 
-def flag_of_schedule(config: ShardPlanConfig) -> str:
+def flag_of_schedule(config: ShardScheduleConfig) -> str:
     return "--shard-schedule" if config.shard_schedule else "--resume"
 

@@ -8,6 +8,8 @@ Two measures, each on a fixed seeded sample of the held-out samples, the same at
   speculative decoding replayed on the stored states, tau the mean over prompts of tokens per
   round), on --eval-replay-prompts prompts, with the drafter's fp32 master weights. This is the
   figure evaluate.py reports (there in bf16 by default); streak tau is an optimistic guide to it.
+
+Both read through the run's one store and node cache (`Setup.store`), as training does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.drafter.loss import summarize, zero_sums
 from stages.train.config import TrainConfig
-from stages.train.data import epoch_batches, loader, sample_refs
+from stages.train.epoch_order import epoch_batches
+from stages.train.loader import loader
+from stages.train.samples import sample_refs
 from stages.train.step import forward_loss, step_generator
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
@@ -33,7 +37,8 @@ def validate(setup, config: TrainConfig, replay: bool = True) -> dict:
     refs = sample_refs(setup.eval_refs, config.run.eval_samples, config.data.seed)
     batches = epoch_batches(refs, config.data.batch_size, config.data.seed, 0)[acc.process_index::acc.num_processes]
     total = zero_sums(setup.drafter_config.block_size, acc.device)
-    for i, batch in enumerate(loader(config.data, batches, acc.device.type == "cuda", setup.skipped)):
+    for i, batch in enumerate(loader(config.data, batches, acc.device.type == "cuda", setup.skipped,
+                                      store=setup.store, node_cache=setup.node_cache)):
         batch = batch.to(acc.device)
         gen = step_generator(config.data.seed, -1, i, acc.process_index, acc.device)
         with acc.autocast():
@@ -48,7 +53,7 @@ def replayed(setup, config: TrainConfig) -> dict:
     replaying every world-th of them."""
     acc = setup.accelerator
     refs = sample_refs(setup.eval_refs, config.run.eval_replay_prompts, config.data.seed)
-    sums = replay_sums(setup.raw, HiddenStore(config.data.store), refs[acc.process_index::acc.num_processes])
+    sums = replay_sums(setup.raw, setup.store, refs[acc.process_index::acc.num_processes])
     tau_sum, prompts, tokens, rounds = acc.reduce(sums.to(acc.device), reduction="sum").tolist()
     return {"tau_replay": tau_sum / prompts if prompts else float("nan"),
             "tau_replay_pooled": tokens / rounds if rounds else float("nan"), "replay_prompts": int(prompts)}

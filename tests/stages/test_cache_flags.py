@@ -11,7 +11,8 @@ import torch
 from stages.evaluate.config import EvalConfig
 from stages.cache_flags import warning
 from stages.train.config import DataConfig, TrainConfig
-from stages.train.data import StoreBatches, index_samples
+from stages.train.dataset import StoreBatches
+from stages.train.samples import index_samples
 from store.errors import ConfigError
 from store.hidden_store import HiddenStore
 from store.io.node_cache import NodeCache
@@ -60,8 +61,8 @@ def test_follow_poll_without_follow_is_one_line(tmp_path):
     r = run_script("train.py", ["--store", tmp_path / "hs.zarr", "--out", tmp_path / "out", "--follow-poll", "5"])
     assert (r.returncode, r.stderr) == (2, "error: --follow-poll 5.0: is only used with --follow\n")
     followed = parse(TrainConfig, ["--follow", "--shards", "0-3", "--max-steps", "8"])
-    assert followed.shard_plan.follow_poll == 30.0  # the default, with --follow
-    assert parse(TrainConfig, []).shard_plan.follow_poll is None
+    assert followed.shard_schedule.follow_poll == 30.0  # the default, with --follow
+    assert parse(TrainConfig, []).shard_schedule.follow_poll is None
 
 
 def run_script(program: str, args: list) -> subprocess.CompletedProcess:

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from stages.train.config import DataConfig
-from stages.train.data import BUCKET, Refs, epoch_length, train_batches
+from stages.train.epoch_order import BUCKET, epoch_length, train_batches
 from stages.train.node_order import check_shards, deal_shards, node_layout
 from stages.train.position import Position, advance, rank_batches
 from stages.train.recipe import BATCHINGS
+from stages.train.samples import Refs
 from store.errors import ConfigError
 
 

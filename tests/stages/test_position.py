@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from stages.train.config import DataConfig
-from stages.train.data import Refs
 from stages.train.position import Position, advance, rank_batches, to_ranges
 from stages.train.recipe import BATCHINGS
+from stages.train.samples import Refs
 
 REFS = Refs.of(np.zeros(150), np.arange(150), [10 + (i * 37) % 200 for i in range(150)])
 
@@ -99,7 +99,7 @@ def test_epochs_walked_counts_each_epoch_in_its_own_batches():
     """Epochs of different sizes (--follow): an epoch counts 1 however many batches it has; with one
     size throughout, the walk agrees with epochs_done's count of epoch 0's batches."""
     from stages.train.config import DataConfig
-    from stages.train.data import Refs
+    from stages.train.samples import Refs
     from stages.train.position import Position, epochs_done, epochs_walked
 
     config = DataConfig(store="s", batch_size=1)

@@ -12,8 +12,9 @@ import torch
 
 from pipeline.drafter import checkpoint
 from stages.train.config import TrainConfig
-from stages.train.data import epoch_length, refs_of
+from stages.train.epoch_order import epoch_length
 from stages.train.position import Position
+from stages.train.samples import refs_of
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from store import index_file
 from store.format import layout

@@ -117,7 +117,8 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, 
 
     from pipeline.drafter import attention
     from pipeline.drafter.model import Drafter
-    from stages.train.data import StoreBatches, index_samples
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
@@ -177,7 +178,8 @@ def test_a_packed_row_gives_each_sample_the_loss_it_gets_alone(small_store, monk
     from pipeline.drafter import attention
     from pipeline.drafter.blocks import IGNORE
     from pipeline.drafter.model import Drafter
-    from stages.train.data import StoreBatches, index_samples
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan
     from store.hidden_store import HiddenStore
@@ -217,7 +219,8 @@ def test_label_normalisation_divides_by_the_number_of_labels(small_store):
     import torch
 
     from pipeline.drafter.model import Drafter
-    from stages.train.data import StoreBatches, index_samples
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
@@ -255,7 +258,8 @@ def test_the_acceptance_weight_reaches_the_loss_and_leaves_the_metrics(small_sto
     import torch
 
     from pipeline.drafter.model import Drafter
-    from stages.train.data import StoreBatches, index_samples
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore

@@ -102,7 +102,7 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     learning rate is the uninterrupted curve's), and the last reads only samples of the epoch the
     earlier parts had not read."""
     from stages.train.config import DataConfig, OptimConfig
-    from stages.train.data import index_samples
+    from stages.train.samples import index_samples
     from stages.train.optim import lr_lambda
     from stages.train.position import Position, advance, rank_batches
     from store.hidden_store import HiddenStore
@@ -213,7 +213,8 @@ def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
     import stages.train.step as st
     from pipeline.drafter.model import Drafter
     from stages.train.config import LossConfig, TrainConfig
-    from stages.train.data import StoreBatches, index_samples
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
     from stages.train.setup import drafter_config
     from stages.train.step import LossPlan, forward_loss, step_generator
     from store.hidden_store import HiddenStore
@@ -294,7 +295,7 @@ def test_the_default_drafter_is_one_vllm_serves_beside_the_stores_target(small_s
 def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_path):
     """--eval-samples: a seeded sample, the same on every call; every eval record gives its size; 'all'
     is every held-out sample."""
-    from stages.train.data import index_samples, sample_refs
+    from stages.train.samples import index_samples, sample_refs
     from store.hidden_store import HiddenStore
 
     held_out = index_samples(HiddenStore(str(small_store)), [2, 3], 4096)
@@ -485,3 +486,29 @@ def test_an_out_in_a_store_or_holding_another_commands_output_is_refused(small_s
         f"--out {tmp_path / 'x'}: is an evaluate.py report (report.json): train.py writes a run into an empty "
         "directory or its own run; choose another --out")
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["report.json"]  # its lock released
+
+
+def test_a_run_opens_the_store_once_per_process(small_store, tmp_path, monkeypatch):
+    """Setup, the loader and validation (teacher-forced and replayed, at every call) read through one
+    HiddenStore in the training process; each loader worker opens its own, once (a forked copy of
+    the parent's file system and its sessions is not the worker's to use)."""
+    import os
+
+    from stages.train.config import TrainConfig
+    from stages.train.run import run
+    from store.hidden_store import HiddenStore
+
+    opened, real = tmp_path / "opened", HiddenStore.__init__
+
+    def counting(self, *args, **kw):
+        with opened.open("a") as f:  # a loader worker is a forked process: it reports through a file
+            f.write(f"{os.getpid()}\n")
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(HiddenStore, "__init__", counting)
+    run(TrainConfig.of(store=str(small_store), out=str(tmp_path / "run"), shards="0-2", eval_shards="3",
+                       eval_replay_prompts=2, eval_every=1, max_steps=2, save_every=0, workers=1, threads=1,
+                       num_layers=1, anchors=16, batch_size=2), log=lambda m: None)
+    pids = opened.read_text().split()
+    assert pids.count(str(os.getpid())) == 1, pids  # validated at steps 0, 1 and 2, replayed at 1 and 2
+    assert len(pids) == len(set(pids)) >= 2, pids  # the workers of the three loaders: each its own, once

@@ -46,7 +46,7 @@ def test_a_config_round_trips_through_its_record():
     record = json.loads(json.dumps(config.record()))
     assert record == RECORD | given | followed
     assert TrainConfig.of(**record) == config
-    assert (config.data.eval_shards, config.shard_plan.follow_poll, config.optim.muon_lr, config.loss.anchors,
+    assert (config.data.eval_shards, config.shard_schedule.follow_poll, config.optim.muon_lr, config.loss.anchors,
             config.drafter.num_layers, config.run.keep_last) == tuple(given.values())
 
 
@@ -76,6 +76,18 @@ def test_every_setting_belongs_to_one_component_and_keeps_its_flag():
     names = [name for cls in parts(TrainConfig).values() for name in leaves(cls)]
     assert sorted(names) == sorted(RECORD)  # each once: a record key is one component's setting
     assert flag_of(TrainConfig, "muon_lr") == flag_of(OptimConfig, "muon_lr") == "--muon-lr"
+
+
+def test_a_component_named_as_its_setting_keeps_the_settings_option():
+    """TrainConfig.shard_schedule (the component) holds --shard-schedule (the setting): the option is
+    the setting's, a path, not the component's config class."""
+    from stages.settings import owner_of
+    from stages.train.config import ShardScheduleConfig
+    from tests.stages.test_command import parse
+
+    assert owner_of(TrainConfig, "shard_schedule") is ShardScheduleConfig
+    config = parse(TrainConfig, ["--shard-schedule", "runs/a/shards.json", "--shards", "0-3", "--max-steps", "8"])
+    assert config.shard_schedule.shard_schedule == "runs/a/shards.json"
 
 
 @pytest.mark.parametrize("make,message", [

@@ -2,7 +2,7 @@
 
 import json
 
-from stages.train.data import index_samples
+from stages.train.samples import index_samples
 from stages.train.validation import replay_sums
 from store.hidden_store import HiddenStore
 from tests.processes import TINY, train
@@ -43,3 +43,35 @@ def test_eval_records_carry_the_replayed_tau(small_store, tmp_path):
     r = train(["--store", small_store, "--out", off, "--max-steps", 1, "--eval-shards", "3", "--eval-replay-prompts",
                "0", *TINY])
     assert r.returncode == 0 and "tau_replay" not in (off / "metrics.jsonl").read_text()
+
+
+def test_validation_replays_through_the_runs_node_cache(small_store, tmp_path, monkeypatch):
+    """On an object store with --cache-dir, the replayed tau reads its samples through the run's node
+    cache, as the loader does (it opened the store without the cache, every validation)."""
+    from stages.train import validation
+    from stages.train.config import TrainConfig
+    from stages.train.run import run
+    from store.io.node_cache import NodeCache
+    from tests.store.io.test_node_cache import upload
+
+    fetched, replaying = [], []  # for every fetch through a node cache: whether validation's replay asked
+    real_fetch, real_sums = NodeCache.fetch, validation.replay_sums
+
+    def fetch(self, fs, ranges, local_of):
+        fetched.append(bool(replaying))
+        return real_fetch(self, fs, ranges, local_of)
+
+    def replay_sums(*args):
+        replaying.append(True)
+        try:
+            return real_sums(*args)
+        finally:
+            replaying.clear()
+
+    monkeypatch.setattr(NodeCache, "fetch", fetch)
+    monkeypatch.setattr(validation, "replay_sums", replay_sums)
+    run(TrainConfig.of(store=upload(small_store), out=str(tmp_path / "run"), shards="0-2", eval_shards="3",
+                       eval_replay_prompts=2, max_steps=1, save_every=0, workers=0, threads=1, num_layers=1,
+                       anchors=16, batch_size=2, cache_dir=str(tmp_path / "cache"), cache_size=1 << 30),
+        log=lambda m: None)
+    assert False in fetched and True in fetched  # the loader's reads and the replay's, both through the cache
