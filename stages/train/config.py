@@ -68,7 +68,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        node_cache.check(self)
+        cache_flags.check(self)
         at_least(self, 1, "max_length", "batch_size", "shuffle_window")
         at_least(self, 0, "workers", "redeal_every")
         for name in ("shuffle_window", "redeal_every"):
