@@ -18,16 +18,44 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "bench" / "results" / "recipe_runs"
 
 # What every run shares: the README setting on the bench's store (4 rows, 64 anchors a row).
-FIXED = {"shards": "0-55", "eval_shards": "56-63", "batch_size": 4, "anchors": 64, "threads": 1, "workers": 1,
-         "save_every": 0, "log_every": 10, "eval_replay_prompts": 0}
+FIXED = {
+    "shards": "0-55",
+    "eval_shards": "56-63",
+    "batch_size": 4,
+    "anchors": 64,
+    "threads": 1,
+    "workers": 1,
+    "save_every": 0,
+    "log_every": 10,
+    "eval_replay_prompts": 0,
+}
 # train.py's defaults before this bench chose them: the reference every recipe is paired against.
-BASELINE = {"batching": "bucketed", "slot_weights": "exp", "loss_norm": "weights", "anchor_rule": "pair",
-            "noise_std": 0.0, "noise": "gaussian", "layer_types": "full", "optimizer": "adamw", "lr": 6e-4,
-            "warmup_ratio": 0.04, "schedule": "cosine"}
+BASELINE = {
+    "batching": "bucketed",
+    "slot_weights": "exp",
+    "loss_norm": "weights",
+    "anchor_rule": "pair",
+    "noise_std": 0.0,
+    "noise": "gaussian",
+    "layer_types": "full",
+    "optimizer": "adamw",
+    "lr": 6e-4,
+    "warmup_ratio": 0.04,
+    "schedule": "cosine",
+}
 PACKED = {"batching": "packed", "max_length": 560, "batch_size": 1}  # ~4 samples a row, as the 4 rows of the others
 SLIDING = "sliding,sliding,sliding,sliding,full"
-PEER = {"slot_weights": "dpace", "optimizer": "muon", "noise": "uniform", "noise_std": 0.05, "lr": 1e-4,
-        "schedule": "linear", "warmup_ratio": 0.01, "loss_norm": "labels", "anchor_rule": "single"}
+PEER = {
+    "slot_weights": "dpace",
+    "optimizer": "muon",
+    "noise": "uniform",
+    "noise_std": 0.05,
+    "lr": 1e-4,
+    "schedule": "linear",
+    "warmup_ratio": 0.01,
+    "loss_norm": "labels",
+    "anchor_rule": "single",
+}
 RECIPES: dict[str, dict] = {
     "baseline": {},
     "random": {"batching": "random"},
@@ -59,8 +87,18 @@ ON_DEFAULTS: dict[str, dict] = {
     "accept-0.5": {"acceptance_weight": 0.5},
     "accept-1": {"acceptance_weight": 1.0},
 }
-METRICS = ("tau", "tau_pooled", "ddtree16", "ddtree64", "tau_eos", "tau_cut", "heldout_ce", "heldout_tau_streak",
-           "train_tau_replay", "s_per_step")
+METRICS = (
+    "tau",
+    "tau_pooled",
+    "ddtree16",
+    "ddtree64",
+    "tau_eos",
+    "tau_cut",
+    "heldout_ce",
+    "heldout_tau_streak",
+    "train_tau_replay",
+    "s_per_step",
+)
 
 
 def recipe_flags(name: str) -> dict:
@@ -69,7 +107,7 @@ def recipe_flags(name: str) -> dict:
     parts = name.split("+")  # a+b: recipe a's fields, then b's on top
     # default+b: today's defaults (no flag) with b's own fields; any other: BASELINE's fields first
     out = {} if parts[0] == "default" else dict(BASELINE)
-    for part in parts[parts[0] == "default":]:
+    for part in parts[parts[0] == "default" :]:
         out.update(ON_DEFAULTS[part] if part in ON_DEFAULTS else RECIPES[part])
     return out
 
@@ -80,8 +118,10 @@ def figures(r: dict) -> dict:
     for p in r["prompts"]:
         if p["tau"] == p["tau"]:  # not NaN
             groups[p["eos"]].append(p["tau"])
-    extra = {"tau_eos": statistics.mean(groups[True]), "tau_cut": statistics.mean(groups[False]) if groups[False]
-             else math.nan}
+    extra = {
+        "tau_eos": statistics.mean(groups[True]),
+        "tau_cut": statistics.mean(groups[False]) if groups[False] else math.nan,
+    }
     return {k: (r.get(k) if k not in extra else extra[k]) for k in METRICS}
 
 
@@ -103,8 +143,10 @@ def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
     for f in sorted((results / str(steps)).glob("*/s*.json")):
         r = json.loads(f.read_text())
         runs.setdefault(f.parent.name, {})[r["seed"]] = figures(r) | {
-            "blocks_per_step": r["blocks_per_step"], "flags": r["flags"],
-            "store": r.get("train_store") or r["train_config"]["store"]}
+            "blocks_per_step": r["blocks_per_step"],
+            "flags": r["flags"],
+            "store": r.get("train_store") or r["train_config"]["store"],
+        }
     return runs
 
 
@@ -116,19 +158,28 @@ def table(results: Path, steps: int, against: str, only: list[str] | None = None
         runs = {name: seeds for name, seeds in runs.items() if name in only or name == against}
     out = {"steps": steps, "against": against, "fixed": FIXED, "baseline_fields": BASELINE, "recipes": {}}
     for name, seeds in sorted(runs.items()):
-        row = {"seeds": sorted(seeds), "flags": seeds[min(seeds)]["flags"],  # as the runs recorded them
-               "stores": sorted({seeds[s]["store"] for s in seeds})}
+        row = {
+            "seeds": sorted(seeds),
+            "flags": seeds[min(seeds)]["flags"],  # as the runs recorded them
+            "stores": sorted({seeds[s]["store"] for s in seeds}),
+        }
         common = sorted(set(seeds) & set(ref))
         for k in METRICS + ("blocks_per_step",):
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
-            row[k] = {"mean": statistics.mean(vals) if vals else None,
-                      "sd": statistics.stdev(vals) if len(vals) > 1 else None}
+            row[k] = {
+                "mean": statistics.mean(vals) if vals else None,
+                "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+            }
             both = [s for s in common if seeds[s][k] is not None and ref[s][k] is not None]
             if name != against and both and k in METRICS:
                 diffs = [seeds[s][k] - ref[s][k] for s in both]
                 base = statistics.mean(ref[s][k] for s in both)
-                row[k]["paired"] = {"seeds": both, "diff": statistics.mean(diffs), "ci95": interval(diffs),
-                                    "relative": statistics.mean(diffs) / base}
+                row[k]["paired"] = {
+                    "seeds": both,
+                    "diff": statistics.mean(diffs),
+                    "ci95": interval(diffs),
+                    "relative": statistics.mean(diffs) / base,
+                }
         out["recipes"][name] = row
     return out
 

@@ -1,6 +1,6 @@
 """Stage two: train a DFlash drafter purely from a hidden-state store. (An entry point.)
 
-    accelerate launch train.py --store hs.zarr --out runs/NAME [--eval-shards 60-63] ...
+accelerate launch train.py --store hs.zarr --out runs/NAME [--eval-shards 60-63] ...
 """
 
 import click

@@ -46,9 +46,17 @@ RESOLVE_TIMEOUT_S = 300  # a resolution that conflicts only slowly (backtracking
 # The tests that touch library internals: capture and kernels, cache and verifier (transformers),
 # chat templates and tokenizers, drafter modeling and checkpoints, export, zarr codecs and the store,
 # datasets rows, accelerate launch (training's DDP and resume tests).
-TESTS = ["tests/pipeline/target", "tests/pipeline/drafter", "tests/pipeline/decode/test_live.py",
-         "tests/pipeline/test_chat_template.py", "tests/pipeline/test_row_sources.py", "tests/store",
-         "tests/stages/test_extract.py", "tests/stages/test_export.py", "tests/stages/test_train.py"]
+TESTS = [
+    "tests/pipeline/target",
+    "tests/pipeline/drafter",
+    "tests/pipeline/decode/test_live.py",
+    "tests/pipeline/test_chat_template.py",
+    "tests/pipeline/test_row_sources.py",
+    "tests/store",
+    "tests/stages/test_extract.py",
+    "tests/stages/test_export.py",
+    "tests/stages/test_train.py",
+]
 
 
 def main(argv: list[str]) -> int:
@@ -59,23 +67,41 @@ def main(argv: list[str]) -> int:
     if "--freeze" in argv:
         return freeze(newest)
     moved = changes(read_tested(), newest)
-    say(f"{len(newest)} packages resolved; " + (
-        "newer than .ci/tested-versions.txt: " + ", ".join(describe(n, old, new) for n, (old, new) in moved.items())
-        if moved else "every one is the tested release"))
+    say(
+        f"{len(newest)} packages resolved; "
+        + (
+            "newer than .ci/tested-versions.txt: " + ", ".join(describe(n, old, new) for n, (old, new) in moved.items())
+            if moved
+            else "every one is the tested release"
+        )
+    )
     if not moved and "--always" not in argv:
         say("nothing to run: the main lane ran these tests on exactly these releases (--always runs them again)")
         return 0
     if pytest() == 0:
-        say("passed" + (f" on {len(moved)} newer release(s); record them with `python .ci/newest_lane.py --freeze`"
-                        if moved else ""))
+        say(
+            "passed"
+            + (
+                f" on {len(moved)} newer release(s); record them with `python .ci/newest_lane.py --freeze`"
+                if moved
+                else ""
+            )
+        )
         return 0
     culprits = [name for name, (old, _new) in moved.items() if old is not None and passes_with(name, old)]
     if culprits:
-        say("FAILED: " + "; ".join(f"{describe(n, *moved[n])} breaks the tests above (they pass with {moved[n][0]})"
-                                   for n in culprits))
+        say(
+            "FAILED: "
+            + "; ".join(
+                f"{describe(n, *moved[n])} breaks the tests above (they pass with {moved[n][0]})" for n in culprits
+            )
+        )
     elif moved:
-        say("FAILED with " + ", ".join(describe(n, old, new) for n, (old, new) in moved.items())
-            + ": no one of them set back to its tested release makes the failed tests pass")
+        say(
+            "FAILED with "
+            + ", ".join(describe(n, old, new) for n, (old, new) in moved.items())
+            + ": no one of them set back to its tested release makes the failed tests pass"
+        )
     else:
         say("FAILED on the tested releases themselves (see the tests above)")
     return 1
@@ -90,8 +116,13 @@ def fresh_venv() -> None:
 
 
 def installed() -> dict[str, str]:
-    out = subprocess.run([str(VENV / "bin" / "pip"), "freeze", "--exclude-editable"], cwd=REPO, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(VENV / "bin" / "pip"), "freeze", "--exclude-editable"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return {norm(name): version for name, version in pins(out) if norm(name) not in NOT_LOCKED}
 
 
@@ -113,8 +144,9 @@ def norm(name: str) -> str:
 
 def changes(tested: dict, newest: dict) -> dict:
     """name -> (tested release or None when the package is new, newest release), for what differs."""
-    return {name: (tested.get(name), version) for name, version in sorted(newest.items())
-            if tested.get(name) != version}
+    return {
+        name: (tested.get(name), version) for name, version in sorted(newest.items()) if tested.get(name) != version
+    }
 
 
 def describe(name: str, old: str | None, new: str) -> str:
@@ -144,10 +176,11 @@ def freeze(newest: dict) -> int:
         say("not recorded: the tests failed on the newest releases")
         return 1
     lines = [f"{name}=={version}" for name, version in sorted(newest.items())]
-    text = ("# The releases CI's main lane tests (README's test command installs them with -c).\n"
-            "# Written by `python .ci/newest_lane.py --freeze` after the newest-release lane passed;\n"
-            "# they install with every extra (`python .ci/newest_lane.py --check-constraints`).\n"
-            + "\n".join(lines) + "\n")
+    text = (
+        "# The releases CI's main lane tests (README's test command installs them with -c).\n"
+        "# Written by `python .ci/newest_lane.py --freeze` after the newest-release lane passed;\n"
+        "# they install with every extra (`python .ci/newest_lane.py --check-constraints`).\n" + "\n".join(lines) + "\n"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         candidate = Path(tmp) / "tested-versions.txt"
         candidate.write_text(text)
@@ -170,8 +203,8 @@ def conflict(pip_output: str) -> str:
     """What pip says about a failed resolution: its ERROR lines and the requirements that conflict."""
     lines = [ln.strip() for ln in pip_output.splitlines()]
     cause = lines.index("The conflict is caused by:") if "The conflict is caused by:" in lines else len(lines)
-    caused = [ln for ln in lines[cause + 1:] if ln][:8]
-    caused = caused[:next((i for i, ln in enumerate(caused) if ln.startswith("To fix")), len(caused))]
+    caused = [ln for ln in lines[cause + 1 :] if ln][:8]
+    caused = caused[: next((i for i, ln in enumerate(caused) if ln.startswith("To fix")), len(caused))]
     return " | ".join([ln for ln in lines if ln.startswith("ERROR:")][:3] + caused)
 
 
@@ -183,25 +216,43 @@ def check_constraints(constraints: Path) -> int:
     label = f"{constraints.name} with every extra ({', '.join(extras)})"
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-               "--disable-pip-version-check", "--report", str(report), "-c", str(constraints), TORCH, *reqs]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--disable-pip-version-check",
+            "--report",
+            str(report),
+            "-c",
+            str(constraints),
+            TORCH,
+            *reqs,
+        ]
         t0 = time.monotonic()
         try:
             done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RESOLVE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            say(f"FAILED: {label} did not resolve in {RESOLVE_TIMEOUT_S} s (pip backtracking through old "
-                "releases: a pin that a dependency refuses, or an unpinned package)")
+            say(
+                f"FAILED: {label} did not resolve in {RESOLVE_TIMEOUT_S} s (pip backtracking through old "
+                "releases: a pin that a dependency refuses, or an unpinned package)"
+            )
             return 1
         if done.returncode != 0:
             say(f"FAILED: {label} do not install together: " + conflict(done.stdout + done.stderr))
             return 1
-        resolved = {norm(i["metadata"]["name"]): i["metadata"]["version"]
-                    for i in json.loads(report.read_text())["install"]}
+        resolved = {
+            norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+        }
     pinned = {norm(name) for name, _ in pins(constraints.read_text())}
     loose = sorted(set(resolved) - pinned - NOT_LOCKED - FOLLOWS_THE_MACHINE)
     if loose:
-        say(f"FAILED: {label}: not pinned (pip may backtrack through every old release of them): "
-            + ", ".join(f"{n} (resolved {resolved[n]})" for n in loose))
+        say(
+            f"FAILED: {label}: not pinned (pip may backtrack through every old release of them): "
+            + ", ".join(f"{n} (resolved {resolved[n]})" for n in loose)
+        )
         return 1
     say(f"{label}: {len(resolved)} packages resolve, every one pinned ({time.monotonic() - t0:.0f} s)")
     return 0

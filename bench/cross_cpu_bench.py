@@ -27,14 +27,23 @@ from tests import golden
 
 TOY = [[]]
 ASSET = harness.REPO / "tests" / "data" / "golden_tiny_run.json"
-PATHS = {"default": {}, "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
-         "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
-         "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "onednn-sse41": {"ONEDNN_MAX_CPU_ISA": "SSE41"},
-         "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, "mkl-sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-         "mkl-cbwr-compatible": {"MKL_CBWR": "COMPATIBLE"},
-         "all-forced": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE"}}
-CHANGES = {"taps-shifted": ["--taps", "0,1,2,3,4"], "lr-5e-4": ["--", "--lr", "5e-4"],
-           "anchors-15": ["--", "--anchors", "15"], "seed-1": ["--", "--seed", "1"]}
+PATHS = {
+    "default": {},
+    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+    "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "onednn-sse41": {"ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "mkl-cbwr-compatible": {"MKL_CBWR": "COMPATIBLE"},
+    "all-forced": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE"},
+}
+CHANGES = {
+    "taps-shifted": ["--taps", "0,1,2,3,4"],
+    "lr-5e-4": ["--", "--lr", "5e-4"],
+    "anchors-15": ["--", "--anchors", "15"],
+    "seed-1": ["--", "--seed", "1"],
+}
 
 
 def measure(env: dict, args: list[str], threads: int) -> dict:
@@ -42,8 +51,13 @@ def measure(env: dict, args: list[str], threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "golden.json"
         full = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **env}
-        r = subprocess.run(harness.python("-m", "tests.golden", str(out), *args), cwd=harness.REPO, env=full,
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            harness.python("-m", "tests.golden", str(out), *args),
+            cwd=harness.REPO,
+            env=full,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise RuntimeError(f"golden measurement with {env} {args} failed:\n{r.stderr[-3000:]}")
         return json.loads(out.read_text())
@@ -51,8 +65,10 @@ def measure(env: dict, args: list[str], threads: int) -> dict:
 
 def versus(want: dict, got: dict) -> dict:
     """got against want: exact figures that differ, and each quantity's (relative difference, where)."""
-    return {"exact_differences": golden.exact_differences(want, got),
-            "spread": {k: {"relative": d, "where": w} for k, (d, w) in golden.spread(want, got).items()}}
+    return {
+        "exact_differences": golden.exact_differences(want, got),
+        "spread": {k: {"relative": d, "where": w} for k, (d, w) in golden.spread(want, got).items()},
+    }
 
 
 def widest(points: dict) -> dict:
@@ -68,15 +84,18 @@ def widest(points: dict) -> dict:
 def table(result: dict) -> str:
     """Markdown: each run's largest relative difference from the default path, per quantity."""
     names = list(golden.TOLERANCE)
-    lines = ["| run (against this machine's default path) | exact figures | " + " | ".join(names) + " |",
-             "|---" * (len(names) + 2) + "|"]
+    lines = [
+        "| run (against this machine's default path) | exact figures | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 2) + "|",
+    ]
     for name, r in {**result["paths"], **result["changes"]}.items():
         v = r["vs_default"]
         cells = [f"{v['spread'][k]['relative']:.2g}" for k in names]
         lines.append(f"| {name} | {'equal' if not v['exact_differences'] else 'differ'} | {' | '.join(cells)} |")
     widest = result["widest_cpu_spread"]
-    lines.append("| widest over every pair of CPU points | | "
-                 + " | ".join(f"{widest[k]['relative']:.2g}" for k in names) + " |")
+    lines.append(
+        "| widest over every pair of CPU points | | " + " | ".join(f"{widest[k]['relative']:.2g}" for k in names) + " |"
+    )
     return "\n".join(lines + ["| tolerance | | " + " | ".join(f"{golden.TOLERANCE[k]:g}" for k in names) + " |"])
 
 
@@ -87,11 +106,17 @@ def run(args) -> dict:
     changed = {c: measure({}, CHANGES[c], args.threads) for c in ([] if args.toy else pick(args.changes, CHANGES))}
     points = {f"asset {golden.describe(p['cpu'])}": p for p in [asset, *asset.get("also_measured", [])]} | got
     base = got["default"]
-    return {"asset_cpu": asset["cpu"], "tolerance": golden.TOLERANCE, "widest_cpu_spread": widest(points),
-            "paths": {p: {"env": PATHS[p], "cpu": m["cpu"], "vs_default": versus(base, m), "vs_asset": versus(asset, m)}
-                      for p, m in got.items()},
-            "changes": {c: {"args": CHANGES[c], "vs_default": versus(base, m)} for c, m in changed.items()},
-            "measurements": {**got, **changed}}
+    return {
+        "asset_cpu": asset["cpu"],
+        "tolerance": golden.TOLERANCE,
+        "widest_cpu_spread": widest(points),
+        "paths": {
+            p: {"env": PATHS[p], "cpu": m["cpu"], "vs_default": versus(base, m), "vs_asset": versus(asset, m)}
+            for p, m in got.items()
+        },
+        "changes": {c: {"args": CHANGES[c], "vs_default": versus(base, m)} for c, m in changed.items()},
+        "measurements": {**got, **changed},
+    }
 
 
 def pick(names: str, known: dict) -> list[str]:

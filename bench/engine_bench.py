@@ -36,23 +36,39 @@ TOY = [["--shards", "0"]]
 
 
 def extract(path: Path, args, **over) -> dict:
-    config = ExtractConfig(store=str(path), target=args.target, shards=args.shards, dtype="bf16", device="cpu",
-                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, **over)
+    config = ExtractConfig(
+        store=str(path),
+        target=args.target,
+        shards=args.shards,
+        dtype="bf16",
+        device="cpu",
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        **over,
+    )
     s = run(config, log=lambda m: print(m, file=sys.stderr))
     t = s["timing"]
     completion = sum(r.completion_tokens for r in HiddenStore(str(path)).committed().values())
     outside = t["loop_s"] - t["generate_s"] - t["capture_s"]
-    return {"samples": s["samples"], "completion_tokens": completion, "loop_s": round(t["loop_s"], 2),
-            "reference_s": round(t["generate_s"], 2), "capture_s": round(t["capture_s"], 2),
-            "reference_tokens_per_s": round(completion / t["generate_s"], 1) if t["generate_s"] else None,
-            "outside_model_ms_per_sample": round(1e3 * outside / max(1, s["samples"]), 2),
-            "agreement": s["agreement"]}
+    return {
+        "samples": s["samples"],
+        "completion_tokens": completion,
+        "loop_s": round(t["loop_s"], 2),
+        "reference_s": round(t["generate_s"], 2),
+        "capture_s": round(t["capture_s"], 2),
+        "reference_tokens_per_s": round(completion / t["generate_s"], 1) if t["generate_s"] else None,
+        "outside_model_ms_per_sample": round(1e3 * outside / max(1, s["samples"]), 2),
+        "agreement": s["agreement"],
+    }
 
 
 def completions(path: Path) -> dict:
     store = HiddenStore(str(path))
-    return {(s.shard, s.row_id): s.tokens[s.prompt_len:].tolist() for shard in store.committed()
-            for s in ShardReader(store, shard)}
+    return {
+        (s.shard, s.row_id): s.tokens[s.prompt_len :].tolist()
+        for shard in store.committed()
+        for s in ShardReader(store, shard)
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -83,18 +99,33 @@ def main() -> None:
         try:
             for k in range(args.repeats):
                 local.append(extract(tmp / f"generate{k}.zarr", args))
-                remote.append(extract(tmp / f"server{k}.zarr", args, responses="server", server_url=server.url,
-                                      concurrency=args.concurrency))
+                remote.append(
+                    extract(
+                        tmp / f"server{k}.zarr",
+                        args,
+                        responses="server",
+                        server_url=server.url,
+                        concurrency=args.concurrency,
+                    )
+                )
         finally:
             server.stop()
         a, b = completions(tmp / "generate0.zarr"), completions(tmp / "server0.zarr")
     same = sum(a[k] == b.get(k) for k in a)
-    result = {"target": args.target, "shards": args.shards, "batch_size": args.batch_size,
-              "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency, "repeats": args.repeats,
-              "note": "the server idles while `generate` runs (one core-set shared by both paths)",
-              "generate": median_run(local), "vllm": median_run(remote),
-              "loop_ratio_vllm_over_generate": round(median_run(remote)["loop_s"] / median_run(local)["loop_s"], 3),
-              "completions_equal": same, "completions": len(a)}
+    result = {
+        "target": args.target,
+        "shards": args.shards,
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "note": "the server idles while `generate` runs (one core-set shared by both paths)",
+        "generate": median_run(local),
+        "vllm": median_run(remote),
+        "loop_ratio_vllm_over_generate": round(median_run(remote)["loop_s"] / median_run(local)["loop_s"], 3),
+        "completions_equal": same,
+        "completions": len(a),
+    }
     harness.emit(result, args)
 
 

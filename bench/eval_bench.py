@@ -37,9 +37,23 @@ import time
 
 from bench import harness
 
-TOY = [["live", "--store", "{store}", "--checkpoint", "{checkpoint}", "--shards", "3", "--prompts", "2"],
-       ["replay", "--store", "{store}", "--checkpoint", "{checkpoint}", "--shards", "3", "--prompts", "2", "--slots", "1,2"],
-       ["replay", "--width", "64", "--vocab", "512", "--prompts", "2", "--slots", "1,2"]]
+TOY = [
+    ["live", "--store", "{store}", "--checkpoint", "{checkpoint}", "--shards", "3", "--prompts", "2"],
+    [
+        "replay",
+        "--store",
+        "{store}",
+        "--checkpoint",
+        "{checkpoint}",
+        "--shards",
+        "3",
+        "--prompts",
+        "2",
+        "--slots",
+        "1,2",
+    ],
+    ["replay", "--width", "64", "--vocab", "512", "--prompts", "2", "--slots", "1,2"],
+]
 BUDGETS = (8, 16, 32, 64)
 
 
@@ -84,16 +98,25 @@ def live(args) -> dict:
     for _ in range(args.repeat):
         dt, reps = timed(lambda s: replay.replay(m, s), samples)
         runs["replay"].append((dt, sum(len(r.rounds) for r in reps), sum(sum(t for _, t in r.rounds) for r in reps)))
-        dt, lives = timed(lambda s: decode.speculative(m, lt, s.tokens[:s.prompt_len], limit(s), eos), samples)
+        dt, lives = timed(lambda s: decode.speculative(m, lt, s.tokens[: s.prompt_len], limit(s), eos), samples)
         runs["live"].append((dt, sum(len(r.rounds) for r in lives), sum(len(r.tokens) - 1 for r in lives)))
-        dt, base = timed(lambda s: decode.greedy(lt, s.tokens[:s.prompt_len], limit(s), eos), samples)
+        dt, base = timed(lambda s: decode.greedy(lt, s.tokens[: s.prompt_len], limit(s), eos), samples)
         runs["target_only"].append((dt, sum(len(r.tokens) - 1 for r in base), sum(len(r.tokens) - 1 for r in base)))
-    res = {"prompts": len(samples), "threads": args.threads, "device": args.device, "dtype": args.dtype,
-           "repeat": args.repeat}
+    res = {
+        "prompts": len(samples),
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+        "repeat": args.repeat,
+    }
     for name, rs in runs.items():
-        res[name] = {"rounds_per_s": harness.median_of(r / d for d, r, _ in rs),
-                     "tokens_per_s": harness.median_of(k / d for d, _, k in rs),
-                     "seconds": harness.median_of(d for d, _, _ in rs), "rounds": rs[0][1], "tokens": rs[0][2]}
+        res[name] = {
+            "rounds_per_s": harness.median_of(r / d for d, r, _ in rs),
+            "tokens_per_s": harness.median_of(k / d for d, _, k in rs),
+            "seconds": harness.median_of(d for d, _, _ in rs),
+            "rounds": rs[0][1],
+            "tokens": rs[0][2],
+        }
     res["replay_over_live_rounds_per_s"] = res["replay"]["rounds_per_s"] / res["live"]["rounds_per_s"]
     res["live_speedup_over_target_only"] = res["live"]["tokens_per_s"] / res["target_only"]["tokens_per_s"]
     return res
@@ -146,16 +169,32 @@ def synthetic(width: int, vocab: int, n: int, length: int = 96):
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)  # the drafter's own initialisation too: the same lane-rounds every run
     sizes = default_sizes(width)
-    dc = DrafterConfig(hidden_size=width, vocab_size=vocab, block_size=16, mask_token_id=vocab - 1,
-                       target_layer_ids=(1, 2, 3, 4, 5), num_target_layers=8,
-                       layer_types=("full_attention",) * sizes["num_hidden_layers"], **sizes)
+    dc = DrafterConfig(
+        hidden_size=width,
+        vocab_size=vocab,
+        block_size=16,
+        mask_token_id=vocab - 1,
+        target_layer_ids=(1, 2, 3, 4, 5),
+        num_target_layers=8,
+        layer_types=("full_attention",) * sizes["num_hidden_layers"],
+        **sizes,
+    )
     embed = (torch.randn(vocab, width, generator=g) * 0.02).bfloat16()
     m = Drafter(dc, embed, (torch.randn(vocab, width, generator=g) * 0.02).bfloat16())
     mask = torch.zeros(length, dtype=torch.bool)
     mask[32:] = True
-    samples = [Sample(shard=0, index=i, row_id=i, tokens=torch.randint(0, vocab - 1, (length,), generator=g),
-                      loss_mask=mask, prompt_len=32, hidden=torch.randn(length, 5, width, generator=g).bfloat16())
-               for i in range(n)]
+    samples = [
+        Sample(
+            shard=0,
+            index=i,
+            row_id=i,
+            tokens=torch.randint(0, vocab - 1, (length,), generator=g),
+            loss_mask=mask,
+            prompt_len=32,
+            hidden=torch.randn(length, 5, width, generator=g).bfloat16(),
+        )
+        for i in range(n)
+    ]
     return m, samples
 
 
@@ -174,9 +213,16 @@ def replay_bench(args) -> dict:
         ck, embed, lm_head = Released(m0), m0.embed_tokens, m0.lm_head
     else:
         ck, embed, lm_head, samples, _ = conditioned(args, True)
-    res = {"prompts": len(samples), "tokens": sum(len(s.tokens) for s in samples), "threads": args.threads,
-           "device": args.device,
-           "budgets": BUDGETS, "repeat": args.repeat, "width": ck.config.hidden_size, "vocab": ck.config.vocab_size}
+    res = {
+        "prompts": len(samples),
+        "tokens": sum(len(s.tokens) for s in samples),
+        "threads": args.threads,
+        "device": args.device,
+        "budgets": BUDGETS,
+        "repeat": args.repeat,
+        "width": ck.config.hidden_size,
+        "vocab": ck.config.vocab_size,
+    }
     last = {}  # per dtype: the last --slots setting's first run
     for dtype in ("fp32", "bf16"):
         m = build(ck, embed, lm_head, args.device, dtype)
@@ -186,12 +232,15 @@ def replay_bench(args) -> dict:
         ref = runs["serial"][0][1]
         lane_rounds = sum(sum(r) for r in ref.values())
         for name, rs in runs.items():
-            res[f"{dtype}/{name}"] = {"seconds": harness.median_of(r[0] for r in rs),
-                                      "lane_rounds_per_s": harness.median_of(sum(sum(x) for x in r[1].values()) / r[0]
-                                                                             for r in rs),
-                                      "prompts_with_serial_rounds": sum(rs[0][1][k] == ref[k] for k in ref)}
+            res[f"{dtype}/{name}"] = {
+                "seconds": harness.median_of(r[0] for r in rs),
+                "lane_rounds_per_s": harness.median_of(sum(sum(x) for x in r[1].values()) / r[0] for r in rs),
+                "prompts_with_serial_rounds": sum(rs[0][1][k] == ref[k] for k in ref),
+            }
             if name != "serial":
-                res[f"{dtype}/{name}"]["host_us_per_lane_round"] = harness.median_of(r[2] for r in rs) / lane_rounds * 1e6
+                res[f"{dtype}/{name}"]["host_us_per_lane_round"] = (
+                    harness.median_of(r[2] for r in rs) / lane_rounds * 1e6
+                )
         res[f"{dtype}/lane_rounds"] = lane_rounds
         last[dtype] = runs[f"batched-{args.slots.split(',')[-1]}"][0]
         res[f"{dtype}/tau"] = [mean_tau(last[dtype][3], lane) for lane in range(1 + len(BUDGETS))]  # chain, budgets

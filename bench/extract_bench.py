@@ -22,27 +22,45 @@ from pathlib import Path
 from bench import harness
 
 TOY = [["--shards", "0"]]
-CODECS = [("blosc zstd-1 byteshuffle", "zstd", 1, "SHUFFLE"), ("blosc zstd-3 byteshuffle (default)", "zstd", 3, "SHUFFLE"),
-          ("blosc zstd-5 byteshuffle", "zstd", 5, "SHUFFLE"), ("blosc zstd-3 bitshuffle", "zstd", 3, "BITSHUFFLE"),
-          ("blosc lz4-5 byteshuffle", "lz4", 5, "SHUFFLE"), ("zstd-3 no shuffle", None, 3, None)]
+CODECS = [
+    ("blosc zstd-1 byteshuffle", "zstd", 1, "SHUFFLE"),
+    ("blosc zstd-3 byteshuffle (default)", "zstd", 3, "SHUFFLE"),
+    ("blosc zstd-5 byteshuffle", "zstd", 5, "SHUFFLE"),
+    ("blosc zstd-3 bitshuffle", "zstd", 3, "BITSHUFFLE"),
+    ("blosc lz4-5 byteshuffle", "lz4", 5, "SHUFFLE"),
+    ("zstd-3 no shuffle", None, 3, None),
+]
 
 
 def one_run(args, store: Path) -> dict:
     from stages.extract.config import ExtractConfig
     from stages.extract.run import run
 
-    config = ExtractConfig(store=str(store), shards=args.shards, dtype=args.dtype, device=args.device,
-                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_length=args.max_length)
+    config = ExtractConfig(
+        store=str(store),
+        shards=args.shards,
+        dtype=args.dtype,
+        device=args.device,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        max_length=args.max_length,
+    )
     s = run(config, log=lambda m: None)
     t = s["timing"]
     model_s = t["generate_s"] + t["capture_s"]
     raw = s["hidden_bytes_raw_bf16"]
     return {
-        "samples": s["samples"], "tokens": s["tokens"], "wall_s": s["wall_s"], "loop_s": t["loop_s"],
+        "samples": s["samples"],
+        "tokens": s["tokens"],
+        "wall_s": s["wall_s"],
+        "loop_s": t["loop_s"],
         "loop_tokens_per_s": s["tokens"] / t["loop_s"],
-        "generate_s": t["generate_s"], "capture_s": t["capture_s"], "prepare_s": t["prepare_s"],
+        "generate_s": t["generate_s"],
+        "capture_s": t["capture_s"],
+        "prepare_s": t["prepare_s"],
         "non_model_share": 1 - model_s / t["loop_s"],
-        "stall_s": t["stall_s"], "writer_busy_s": t["writer_busy_s"],
+        "stall_s": t["stall_s"],
+        "writer_busy_s": t["writer_busy_s"],
         "writer_mb_per_s": raw / 1e6 / t["writer_busy_s"] if t["writer_busy_s"] else None,
         "bytes_per_token_stored": s["hidden_bytes_on_disk"] / s["tokens"],
         "bytes_per_token_raw": raw / s["tokens"],
@@ -62,7 +80,7 @@ def codec_table(store: Path) -> list[dict]:
     shard = sorted(root["shards"].group_keys())[0]
     bits = root[f"shards/{shard}/hidden"][:]
     chunk = 256
-    pieces = [np.ascontiguousarray(bits[i:i + chunk]) for i in range(0, len(bits) - chunk + 1, chunk)] or [bits]
+    pieces = [np.ascontiguousarray(bits[i : i + chunk]) for i in range(0, len(bits) - chunk + 1, chunk)] or [bits]
     raw = sum(p.nbytes for p in pieces)
     out = []
     for name, cname, level, shuffle in CODECS:
@@ -74,8 +92,14 @@ def codec_table(store: Path) -> list[dict]:
         for e, p in zip(enc, pieces):
             assert np.array_equal(np.frombuffer(codec.decode(e), dtype=p.dtype).reshape(p.shape), p)
         dd = time.perf_counter() - t
-        out.append({"codec": name, "ratio": raw / sum(len(e) for e in enc), "compress_mb_s": raw / 1e6 / dt,
-                    "decompress_mb_s": raw / 1e6 / dd})
+        out.append(
+            {
+                "codec": name,
+                "ratio": raw / sum(len(e) for e in enc),
+                "compress_mb_s": raw / 1e6 / dt,
+                "decompress_mb_s": raw / 1e6 / dd,
+            }
+        )
     return out
 
 

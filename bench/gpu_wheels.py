@@ -12,6 +12,7 @@ CUDA stack (torch, triton, nvidia-*, and numpy, which its torch was built agains
 
 Standard library only (plus pip's vendored packaging), so it runs before anything is installed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,25 @@ except ImportError:  # a bare interpreter: pip carries its own copy
     from pip._vendor.packaging.requirements import Requirement
 
 TESTED = Path(__file__).resolve().parent.parent / ".ci" / "tested-versions.txt"
-ROOTS = ("transformers", "kernels", "flash-linear-attention", "accelerate", "zarr", "numcodecs",
-         "safetensors", "tqdm", "click")
+ROOTS = (
+    "transformers",
+    "kernels",
+    "flash-linear-attention",
+    "accelerate",
+    "zarr",
+    "numcodecs",
+    "safetensors",
+    "tqdm",
+    "click",
+)
 IMAGE = re.compile(r"^(torch|triton|numpy|nvidia-.*)$")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 
 
 def canonical(name: str) -> str:
@@ -51,9 +66,17 @@ def tested_versions(path: Path = TESTED) -> dict[str, str]:
 
 def wheel_requirements(wheel: Path, python: str) -> list[str]:
     """Names the wheel needs on Linux x86_64 under CPython `python` (extras off)."""
-    env = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    env = {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
     with zipfile.ZipFile(wheel) as zf:
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         lines = zf.read(meta).decode().splitlines()
@@ -69,14 +92,36 @@ def wheel_requirements(wheel: Path, python: str) -> list[str]:
 def download(name: str, version: str, into: Path, python: str) -> Path:
     before = set(into.glob("*.whl"))
     platforms = [arg for plat in PLATFORMS for arg in ("--platform", plat)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", python, "--implementation", "cp", *platforms, "-d", str(into),
-                    f"{name}=={version}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(into),
+            f"{name}=={version}",
+        ],
+        check=True,
+    )
     stem = canonical(name).replace("-", "_")
-    found = [w for w in into.glob("*.whl") if canonical(w.name.split("-")[0]).replace("-", "_") == stem
-             and w.name.split("-")[1] == version]
+    found = [
+        w
+        for w in into.glob("*.whl")
+        if canonical(w.name.split("-")[0]).replace("-", "_") == stem and w.name.split("-")[1] == version
+    ]
     if not found:
-        raise SystemExit(f"error: pip fetched no wheel for {name}=={version} (new: {sorted(set(into.glob('*.whl')) - before)})")
+        raise SystemExit(
+            f"error: pip fetched no wheel for {name}=={version} (new: {sorted(set(into.glob('*.whl')) - before)})"
+        )
     return found[0]
 
 

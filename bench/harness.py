@@ -25,10 +25,17 @@ REPO = Path(__file__).resolve().parents[1]
 def parser(doc: str | None) -> argparse.ArgumentParser:
     """The script's parser (its docstring as the help), with the flags every bench shares."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="PATH", type=result_path,
-                   help="Also write the result to PATH (refused if it exists, unless --force).")
-    p.add_argument("--force", action="store_true", help="Let --json replace an earlier result (a committed one): "
-                                                        "never a file that is no bench result.")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        type=result_path,
+        help="Also write the result to PATH (refused if it exists, unless --force).",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="Let --json replace an earlier result (a committed one): never a file that is no bench result.",
+    )
     p.add_argument("--toy", action="store_true", help="Run at toy size: seconds, to check the script works.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: two threads thrash when shared).")
     return p
@@ -44,16 +51,24 @@ def result_path(text: str) -> str:
         return text
     store = enclosing_store(path)
     kind = next((k for k in KINDS if k.marked([path.name])), None)
-    why = ("is a directory" if path.is_dir() else f"lies inside the hidden-state store {store}" if store
-           else f"is a file of {kind.what}" if kind else None)
+    why = (
+        "is a directory"
+        if path.is_dir()
+        else f"lies inside the hidden-state store {store}"
+        if store
+        else f"is a file of {kind.what}"
+        if kind
+        else None
+    )
     if why is None:
         try:
             json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
             why = "is not JSON"
     if why:
-        raise argparse.ArgumentTypeError(f"{path} {why}: --json writes a bench result, replacing only an earlier "
-                                         "one; choose another path")
+        raise argparse.ArgumentTypeError(
+            f"{path} {why}: --json writes a bench result, replacing only an earlier one; choose another path"
+        )
     return text
 
 

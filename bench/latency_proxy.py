@@ -81,8 +81,9 @@ def _handler(proxy: LatencyProxy):
             for attempt in range(2):
                 conn = getattr(local, "conn", None)
                 if conn is None:
-                    conn = local.conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port,
-                                                                   timeout=600)
+                    conn = local.conn = http.client.HTTPConnection(
+                        proxy.upstream.hostname, proxy.upstream.port, timeout=600
+                    )
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()

@@ -42,10 +42,24 @@ from pathlib import Path
 
 from bench import harness
 
-TOY = [["compare", "{store}", "{fp8_store}"],
-       ["fla", "extract", "--store", "{store}", "--out", "{tmp}/parity", "--shards", "0", "--paths", "torch",
-        "--dtypes", "fp32"],
-       ["fla", "compare", "--out", "{tmp}/parity"]]
+TOY = [
+    ["compare", "{store}", "{fp8_store}"],
+    [
+        "fla",
+        "extract",
+        "--store",
+        "{store}",
+        "--out",
+        "{tmp}/parity",
+        "--shards",
+        "0",
+        "--paths",
+        "torch",
+        "--dtypes",
+        "fp32",
+    ],
+    ["fla", "compare", "--out", "{tmp}/parity"],
+]
 SHIMS = harness.REPO / "tools" / "engines" / "fla_interpret"
 PATHS = ("torch", "fla")
 DTYPES = ("fp32", "bf16")
@@ -78,10 +92,25 @@ def per_tap(a, b) -> dict:
     rows = []
     for j, k in enumerate(taps):
         c = torch.cat(cos[j])
-        rows.append({"tap": k, "cos_mean": c.mean().item(), "cos_min": c.min().item(), "max_abs": maxabs[j],
-                     "mean_abs": sumabs[j] / (count * hidden), "bit_identical": same[j] / (count * hidden)})
-    return {"a": a.location, "b": b.location, "a_backend": a.attrs.backends.linear_attention,
-            "b_backend": b.attrs.backends.linear_attention, "shards": shards, "tokens": count, "taps": list(rows)}
+        rows.append(
+            {
+                "tap": k,
+                "cos_mean": c.mean().item(),
+                "cos_min": c.min().item(),
+                "max_abs": maxabs[j],
+                "mean_abs": sumabs[j] / (count * hidden),
+                "bit_identical": same[j] / (count * hidden),
+            }
+        )
+    return {
+        "a": a.location,
+        "b": b.location,
+        "a_backend": a.attrs.backends.linear_attention,
+        "b_backend": b.attrs.backends.linear_attention,
+        "shards": shards,
+        "tokens": count,
+        "taps": list(rows),
+    }
 
 
 def compare(args) -> dict:
@@ -103,7 +132,7 @@ def rows_of(store, out: Path) -> Path:
         reader = ShardReader(store, shard)
         for i in range(len(reader)):
             s = reader[i]
-            rows[s.row_id]["response_ids"] = s.tokens[s.prompt_len:].tolist()
+            rows[s.row_id]["response_ids"] = s.tokens[s.prompt_len :].tolist()
     path, text = out / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows)
     if not path.exists() or path.read_text() != text:  # a run beside this one may be reading it
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -126,11 +155,34 @@ def fla_extract(args) -> dict:
             env.pop("TRITON_INTERPRET", None)
             if path == "fla":
                 env["TRITON_INTERPRET"] = "1"
-            cmd = [sys.executable, "-m", "pipeline", "extract", "--store", str(out / f"{path}-{dtype}.zarr"),
-                   "--dataset", str(data), "--shards", args.shards, "--num-shards", str(attrs.num_shards),
-                   "--responses", "dataset", "--linear-attention", path, "--dtype", dtype, "--device", "cpu",
-                   "--max-new-tokens", str(attrs.compat.max_new_tokens), "--max-length", str(attrs.compat.max_length),
-                   "--batch-size", str(args.batch_size)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "extract",
+                "--store",
+                str(out / f"{path}-{dtype}.zarr"),
+                "--dataset",
+                str(data),
+                "--shards",
+                args.shards,
+                "--num-shards",
+                str(attrs.num_shards),
+                "--responses",
+                "dataset",
+                "--linear-attention",
+                path,
+                "--dtype",
+                dtype,
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                str(attrs.compat.max_new_tokens),
+                "--max-length",
+                str(attrs.compat.max_length),
+                "--batch-size",
+                str(args.batch_size),
+            ]
             t0 = time.perf_counter()
             subprocess.run(cmd, env=env, check=True, cwd=harness.REPO)
             seconds[f"{path}-{dtype}"] = round(time.perf_counter() - t0, 1)
@@ -152,9 +204,13 @@ def fla_compare(args) -> dict:
             records = s.committed().values()
             matches, tokens = (sum(r.agreement[k] for r in records) for k in ("matches", "tokens"))
             result["stores"][f"{p}-{dtype}"] = {
-                "linear_attention": s.attrs.backends.linear_attention, "triton": s.attrs.backends.triton,
-                "kernel_calls": s.attrs.backends.kernel_calls, "greedy_agreement": matches / tokens,
-                "agreement_tokens": tokens, "extract_s": round(sum(r.run.get("wall_s", 0) for r in records), 1)}
+                "linear_attention": s.attrs.backends.linear_attention,
+                "triton": s.attrs.backends.triton,
+                "kernel_calls": s.attrs.backends.kernel_calls,
+                "greedy_agreement": matches / tokens,
+                "agreement_tokens": tokens,
+                "extract_s": round(sum(r.run.get("wall_s", 0) for r in records), 1),
+            }
         result["per_dtype"][dtype] = per_tap(stores["fla"], stores["torch"])
     return result
 
@@ -165,15 +221,20 @@ def main() -> None:
     c = harness.subcommand(subs, "compare", "per tap, store B's states against store A's")
     c.add_argument("a")
     c.add_argument("b")
-    fla = subs.add_parser("fla", help="the fla kernels against the PyTorch fallback").add_subparsers(dest="step",
-                                                                                                    required=True)
+    fla = subs.add_parser("fla", help="the fla kernels against the PyTorch fallback").add_subparsers(
+        dest="step", required=True
+    )
     e = harness.subcommand(fla, "extract", "the four stores (run in the fla-interpret venv)")
     e.add_argument("--store", required=True, help="a torch-path store whose prompts and completions to use")
     e.add_argument("--shards", default="0-1")
     e.add_argument("--out", required=True)
     e.add_argument("--batch-size", type=int, default=4)
-    e.add_argument("--paths", default=",".join(PATHS), help="which paths to extract, comma-separated; runs "
-                   "with other --shards may extract into the same stores side by side")
+    e.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help="which paths to extract, comma-separated; runs "
+        "with other --shards may extract into the same stores side by side",
+    )
     e.add_argument("--dtypes", default=",".join(DTYPES), help="of the target's forward, comma-separated")
     fc = harness.subcommand(fla, "compare", "per dtype and tap, the fla path against the torch path")
     fc.add_argument("--out", required=True)

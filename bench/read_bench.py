@@ -58,10 +58,12 @@ from stages.train.dataset import StoreBatches
 from stages.train.samples import index_samples
 from store.hidden_store import HiddenStore
 
-TOY = [["worker", "--shards", "2,4", "--like", "{store}"],
-       ["startup", "build", "--store", "{tmp}/s.zarr", "--like", "{store}", "--shards", "12"],
-       ["startup", "time", "--store", "{store}", "--ranks", "1", "--eval-shards", "3"],
-       ["startup", "samples", "--samples", "5000", "--batching", "random,packed", "--data-order", "global,node"]]
+TOY = [
+    ["worker", "--shards", "2,4", "--like", "{store}"],
+    ["startup", "build", "--store", "{tmp}/s.zarr", "--like", "{store}", "--shards", "12"],
+    ["startup", "time", "--store", "{store}", "--ranks", "1", "--eval-shards", "3"],
+    ["startup", "samples", "--samples", "5000", "--batching", "random,packed", "--data-order", "global,node"],
+]
 SAMPLES, TOKENS, TAPS, WIDTH = 400, 1000, 1, 8  # worker: per shard
 TINY_SAMPLES, TINY_TOKENS = 4, 48  # startup build: per shard, tiny, so the build takes about a minute
 
@@ -124,8 +126,16 @@ def run_worker(args) -> dict:
             rng = np.random.default_rng(0)
             batches = [[(refs[k],) for k in rng.integers(0, len(refs), 8)] for _ in range(n_batches)]
             reads, worker_mem = harness.in_child(worker_reads, str(path), batches)
-            results.append({"shards": n, "samples": len(refs), **index, "index_rss_growth_mb": growth_mb(index_mem),
-                            "worker_rss_growth_mb": growth_mb(worker_mem), **reads})
+            results.append(
+                {
+                    "shards": n,
+                    "samples": len(refs),
+                    **index,
+                    "index_rss_growth_mb": growth_mb(index_mem),
+                    "worker_rss_growth_mb": growth_mb(worker_mem),
+                    **reads,
+                }
+            )
             print(results[-1], file=sys.stderr)
     return {"samples_per_shard": samples, "tokens_per_sample": TOKENS, "results": results}
 
@@ -142,8 +152,9 @@ def build(location: str, like: str, shards: int) -> None:
 
     src = HiddenStore(like)
     compat = dataclasses.replace(src.attrs.compat, num_shards=shards)
-    attrs = dataclasses.replace(src.attrs, num_shards=shards, compat=compat,
-                                fingerprint=fingerprint.sha256_json(to_json(compat)))
+    attrs = dataclasses.replace(
+        src.attrs, num_shards=shards, compat=compat, fingerprint=fingerprint.sha256_json(to_json(compat))
+    )
     store = StoreWriter(location)
     store.create_or_check(attrs, src.embedding("embed_tokens"), src.embedding("lm_head"))
     g = torch.Generator().manual_seed(0)
@@ -151,11 +162,16 @@ def build(location: str, like: str, shards: int) -> None:
     for shard in tqdm(range(shards), unit="shard", desc="build"):
         if store.commit_record(shard) is not None:
             continue
-        w = ShardWriter(store, shard, n_taps, width, chunk_tokens=attrs.layout.chunk_tokens,
-                        shard_tokens=attrs.layout.shard_tokens)
+        w = ShardWriter(
+            store, shard, n_taps, width, chunk_tokens=attrs.layout.chunk_tokens, shard_tokens=attrs.layout.shard_tokens
+        )
         for i in range(TINY_SAMPLES):
-            w.add(shard * TINY_SAMPLES + i, list(range(5, 5 + TINY_TOKENS // 2)), list(range(7, 7 + TINY_TOKENS // 2)),
-                  truncated=False)
+            w.add(
+                shard * TINY_SAMPLES + i,
+                list(range(5, 5 + TINY_TOKENS // 2)),
+                list(range(7, 7 + TINY_TOKENS // 2)),
+                truncated=False,
+            )
         w.add_hidden(torch.randn(TINY_SAMPLES * TINY_TOKENS, n_taps, width, generator=g).to(torch.bfloat16))
         w.commit(None, run={})
 
@@ -169,8 +185,9 @@ def time_child(store: str, out: str, eval_shards: str) -> None:
     from stages.train.setup import prepare
 
     imports = time.perf_counter() - t0
-    config = TrainConfig.of(store=store, out=out, eval_shards=eval_shards, workers=1, batch_size=2, max_steps=1,
-                            threads=1)
+    config = TrainConfig.of(
+        store=store, out=out, eval_shards=eval_shards, workers=1, batch_size=2, max_steps=1, threads=1
+    )
     t = time.perf_counter()
     s = prepare(config, log=lambda m: None)
     setup = time.perf_counter() - t
@@ -179,9 +196,19 @@ def time_child(store: str, out: str, eval_shards: str) -> None:
     t = time.perf_counter()
     next(iter(loader(config.data, mine, False, set(), store=s.store, node_cache=s.node_cache)))
     first = time.perf_counter() - t
-    print("RESULT", json.dumps({"rank": acc.process_index, "ranks": acc.num_processes, "imports_s": round(imports, 2),
-                                "setup_s": round(setup, 2), "first_batch_s": round(first, 2),
-                                "samples": len(s.train_refs) + len(s.eval_refs)}))
+    print(
+        "RESULT",
+        json.dumps(
+            {
+                "rank": acc.process_index,
+                "ranks": acc.num_processes,
+                "imports_s": round(imports, 2),
+                "setup_s": round(setup, 2),
+                "first_batch_s": round(first, 2),
+                "samples": len(s.train_refs) + len(s.eval_refs),
+            }
+        ),
+    )
 
 
 def results_of(p: subprocess.CompletedProcess) -> list[dict]:
@@ -194,8 +221,18 @@ def results_of(p: subprocess.CompletedProcess) -> list[dict]:
 def time_ranks(location: str, ranks: int, eval_shards: str) -> list[dict]:
     """`startup time` on `ranks` fresh processes: each rank's figures."""
     with tempfile.TemporaryDirectory() as out:
-        child = ["-m", "bench.read_bench", "startup", "child", "--store", location, "--out", out,
-                 "--eval-shards", eval_shards]
+        child = [
+            "-m",
+            "bench.read_bench",
+            "startup",
+            "child",
+            "--store",
+            location,
+            "--out",
+            out,
+            "--eval-shards",
+            eval_shards,
+        ]
         launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
         p = subprocess.run(harness.python(*launcher, *child), capture_output=True, text=True, env=env, cwd=harness.REPO)
@@ -279,37 +316,77 @@ print("RESULT", json.dumps({{"batching": {batching!r}, "order": ORDER, "samples"
 """
 
 
-def time_samples(samples: int, world: int, batching: str, code: Path, order: str = "global", local: int = 8,
-                 window: int = 64) -> dict:
+def time_samples(
+    samples: int, world: int, batching: str, code: Path, order: str = "global", local: int = 8, window: int = 64
+) -> dict:
     """SAMPLES_CHILD run on the code of the checkout `code` (its stages/, through PYTHONPATH)."""
-    script = SAMPLES_CHILD.format(samples=samples, world=world, batching=batching, order=order, local=local,
-                                  window=window)
+    script = SAMPLES_CHILD.format(
+        samples=samples, world=world, batching=batching, order=order, local=local, window=window
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code)}
-    return results_of(subprocess.run(harness.python("-c", script), capture_output=True, text=True, env=env,
-                                     cwd=code))[0]
+    return results_of(subprocess.run(harness.python("-c", script), capture_output=True, text=True, env=env, cwd=code))[
+        0
+    ]
 
 
 def table(header: list[str], rows: list[list]) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      *("| " + " | ".join(map(str, r)) + " |" for r in rows)])
+    return "\n".join(
+        [
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+            *("| " + " | ".join(map(str, r)) + " |" for r in rows),
+        ]
+    )
 
 
 def run_samples(args) -> list[dict]:
-    rows = [time_samples(args.samples, args.world, b, args.code, o, args.local, args.shuffle_window)
-            for o in args.data_order.split(",") for b in args.batching.split(",")]
-    print(table(["order", "batching", "launch s", "resumed launch s", "next epoch s", "save s", "cold walk s",
-                 "held MB", "peak MB"],
-                [[r.get("order", "global"), r["batching"], r["launch"]["total_s"], r["resumed_launch_epoch_3"]["total_s"],
-                  r["next_epoch_s"], r["save_after_3_5_epochs_s"], r["walk_3_5_epochs_cold_s"], r["held_mb"],
-                  r["peak_mb"]] for r in rows]), file=sys.stderr)
+    rows = [
+        time_samples(args.samples, args.world, b, args.code, o, args.local, args.shuffle_window)
+        for o in args.data_order.split(",")
+        for b in args.batching.split(",")
+    ]
+    print(
+        table(
+            [
+                "order",
+                "batching",
+                "launch s",
+                "resumed launch s",
+                "next epoch s",
+                "save s",
+                "cold walk s",
+                "held MB",
+                "peak MB",
+            ],
+            [
+                [
+                    r.get("order", "global"),
+                    r["batching"],
+                    r["launch"]["total_s"],
+                    r["resumed_launch_epoch_3"]["total_s"],
+                    r["next_epoch_s"],
+                    r["save_after_3_5_epochs_s"],
+                    r["walk_3_5_epochs_cold_s"],
+                    r["held_mb"],
+                    r["peak_mb"],
+                ]
+                for r in rows
+            ],
+        ),
+        file=sys.stderr,
+    )
     return rows
 
 
 def run_time(args) -> list[dict]:
     rows = [r for n in map(int, args.ranks.split(",")) for r in time_ranks(args.store, n, args.eval_shards)]
-    print(table(["ranks", "rank", "setup s", "first batch s", "samples"],
-                [[r["ranks"], r["rank"], r["setup_s"], r["first_batch_s"], r["samples"]] for r in rows]),
-          file=sys.stderr)
+    print(
+        table(
+            ["ranks", "rank", "setup s", "first batch s", "samples"],
+            [[r["ranks"], r["rank"], r["setup_s"], r["first_batch_s"], r["samples"]] for r in rows],
+        ),
+        file=sys.stderr,
+    )
     return rows
 
 
@@ -322,11 +399,14 @@ def run_build(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    w = harness.subcommand(sub, "worker", "a loader worker's memory and the training index's time against the shard count")
+    w = harness.subcommand(
+        sub, "worker", "a loader worker's memory and the training index's time against the shard count"
+    )
     w.add_argument("--shards", default="8,64")
     w.add_argument("--like", required=True, help="a store whose root the synthetic shards are written under")
     startup = sub.add_parser("startup", help="training's start-up at the real job's shard count").add_subparsers(
-        dest="step", required=True)
+        dest="step", required=True
+    )
     b = harness.subcommand(startup, "build", "a store of thousands of tiny shards")
     b.add_argument("--store", required=True)
     b.add_argument("--like", required=True)
@@ -352,7 +432,11 @@ def main() -> None:
         time_child(args.store, args.out, args.eval_shards)
         return
     harness.torch_setup(args.threads)
-    run = run_worker if args.cmd == "worker" else {"build": run_build, "time": run_time, "samples": run_samples}[args.step]
+    run = (
+        run_worker
+        if args.cmd == "worker"
+        else {"build": run_build, "time": run_time, "samples": run_samples}[args.step]
+    )
     harness.emit(run(args), args)
 
 

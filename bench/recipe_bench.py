@@ -71,17 +71,55 @@ from bench import harness
 from recipe_results import FIXED, RESULTS, recipe_flags, table, versus
 
 ROOT = harness.REPO
-TOY = [["table", "--steps", "200"],
-       ["run", "--store", "{store}", "--recipes", "default", "--seeds", "0", "--steps", "3", "--jobs", "1",
-        "--runs", "{tmp}/runs", "--results", "{tmp}/results"],
-       ["run", "--store", "{store}", "--recipes", "accept-1", "--seeds", "0", "--steps", "3", "--jobs", "1",
-        "--init-from", "{checkpoint}", "--label", "ft", "--runs", "{tmp}/runs", "--results", "{tmp}/results"]]
+TOY = [
+    ["table", "--steps", "200"],
+    [
+        "run",
+        "--store",
+        "{store}",
+        "--recipes",
+        "default",
+        "--seeds",
+        "0",
+        "--steps",
+        "3",
+        "--jobs",
+        "1",
+        "--runs",
+        "{tmp}/runs",
+        "--results",
+        "{tmp}/results",
+    ],
+    [
+        "run",
+        "--store",
+        "{store}",
+        "--recipes",
+        "accept-1",
+        "--seeds",
+        "0",
+        "--steps",
+        "3",
+        "--jobs",
+        "1",
+        "--init-from",
+        "{checkpoint}",
+        "--label",
+        "ft",
+        "--runs",
+        "{tmp}/runs",
+        "--results",
+        "{tmp}/results",
+    ],
+]
 TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 
 # The replay: every held-out prompt, chain and DDTree-16/64. fp32, not evaluate.py's default bf16: on this
 # CPU (no native bf16 matmul) bf16 replay took 4.7x as long (172 s against 37 s on 80 prompts), and the
 # two gave chain tau 1.140 and 1.137, DDTree-64 1.981 and 1.982 on the same drafter.
 REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
+
+
 def argv(fields: dict) -> list[str]:
     return [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
@@ -90,7 +128,21 @@ def tagged(name: str, tag: str) -> str:
     return f"{name}@{tag}" if tag else name
 
 
-def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: Path, replay_store: str | None = None, train_tag: str = "", label: str = "", allow_mismatch: bool = False, fixed: dict | None = None, replay_shards: str | None = None, init_from: str = "") -> Path:
+def one_run(
+    store: str,
+    name: str,
+    seed: int,
+    steps: int,
+    runs: Path,
+    results: Path,
+    replay_store: str | None = None,
+    train_tag: str = "",
+    label: str = "",
+    allow_mismatch: bool = False,
+    fixed: dict | None = None,
+    replay_shards: str | None = None,
+    init_from: str = "",
+) -> Path:
     """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
     the training store in the run directory, label the result (default: train_tag); a finished training
     of the same recipe, seed and train_tag is replayed again rather than redone (replay_store: another
@@ -115,27 +167,67 @@ def one_run(store: str, name: str, seed: int, steps: int, runs: Path, results: P
     mismatch = ["--allow-mismatch"] if allow_mismatch else []
     # named: a checkpoint without store_placement would replay every shard a --replay-store holds
     held_out = ["--shards", replay_shards or fixed["eval_shards"]]
-    _call([sys.executable, str(ROOT / "evaluate.py"), "--store", replay_store, "--checkpoint", str(run_dir / "final"),
-            "--out", str(report), "--force", *held_out, *REPLAY, *mismatch], env, run_dir.parent / f"s{seed}.eval-{label or train_tag}.log")
-    result = collect(replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report,
-                     train_s, fixed)
-    result |= {"train_store": store, "replay_store": replay_store, "allow_mismatch": allow_mismatch,
-               "init_from": start or None}
+    _call(
+        [
+            sys.executable,
+            str(ROOT / "evaluate.py"),
+            "--store",
+            replay_store,
+            "--checkpoint",
+            str(run_dir / "final"),
+            "--out",
+            str(report),
+            "--force",
+            *held_out,
+            *REPLAY,
+            *mismatch,
+        ],
+        env,
+        run_dir.parent / f"s{seed}.eval-{label or train_tag}.log",
+    )
+    result = collect(
+        replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report, train_s, fixed
+    )
+    result |= {
+        "train_store": store,
+        "replay_store": replay_store,
+        "allow_mismatch": allow_mismatch,
+        "init_from": start or None,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
 
 
-def train_one(store: str, name: str, seed: int, steps: int, run_dir: Path, env: dict, fixed: dict | None = None,
-              init_from: str = "") -> float:
+def train_one(
+    store: str,
+    name: str,
+    seed: int,
+    steps: int,
+    run_dir: Path,
+    env: dict,
+    fixed: dict | None = None,
+    init_from: str = "",
+) -> float:
     """Train one (recipe, seed) into run_dir (from scratch, or from the checkpoint init_from) -> seconds taken."""
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     flags = recipe_flags(name)
     trainer = [str(ROOT / "train.py")]
     t0 = time.time()
-    train = [sys.executable, *trainer, "--store", store, "--out", str(run_dir), "--max-steps", str(steps),
-             "--seed", str(seed), *argv({**(fixed or FIXED), **flags})]
+    train = [
+        sys.executable,
+        *trainer,
+        "--store",
+        store,
+        "--out",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        *argv({**(fixed or FIXED), **flags}),
+    ]
     train += ["--init-from", init_from] if init_from else []
     _call(train, env, run_dir.parent / f"s{seed}.train.log")
     return time.time() - t0
@@ -149,8 +241,17 @@ def _call(cmd: list[str], env: dict, log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {r.returncode}); see {log}")
 
 
-def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: Path, report: Path,
-            train_s: float, fixed: dict | None = None) -> dict:
+def collect(
+    store: str,
+    name: str,
+    seed: int,
+    steps: int,
+    flags: dict,
+    run_dir: Path,
+    report: Path,
+    train_s: float,
+    fixed: dict | None = None,
+) -> dict:
     from store.hidden_store import HiddenStore
     from store.shard_reader import ShardReader
 
@@ -166,25 +267,56 @@ def collect(store: str, name: str, seed: int, steps: int, flags: dict, run_dir: 
     for p in rep["per_prompt"]:
         reader = readers.setdefault(p["shard"], ShardReader(hs, p["shard"]))
         ended = int(reader.tokens(p["index"])[-1]) in eos
-        prompts.append({"shard": p["shard"], "index": p["index"], "completion_len": p["completion_len"],
-                        "eos": ended, "tau": p["tau"], "ddtree": p["ddtree"]})
-    return {"recipe": name, "seed": seed, "steps": steps, "flags": flags, "fixed": fixed, "train_config": config,
-            "train_seconds": round(train_s, 1),
-            "s_per_step": (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]),
-            "blocks_per_step": statistics.mean(r["blocks"] for r in train) / fixed["log_every"],
-            "heldout_loss": final["loss"], "heldout_ce": final.get("ce"), "heldout_tau_streak": final["tau_streak"],
-            "train_tau_replay": final.get("tau_replay"),
-            "tau": rep["tau"], "tau_ci95": rep["tau_ci95"], "tau_pooled": rep["tau_pooled"],
-            "ddtree16": rep["ddtree"]["16"], "ddtree64": rep["ddtree"]["64"], "check": rep["check"], "prompts": prompts}
+        prompts.append(
+            {
+                "shard": p["shard"],
+                "index": p["index"],
+                "completion_len": p["completion_len"],
+                "eos": ended,
+                "tau": p["tau"],
+                "ddtree": p["ddtree"],
+            }
+        )
+    return {
+        "recipe": name,
+        "seed": seed,
+        "steps": steps,
+        "flags": flags,
+        "fixed": fixed,
+        "train_config": config,
+        "train_seconds": round(train_s, 1),
+        "s_per_step": (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"]),
+        "blocks_per_step": statistics.mean(r["blocks"] for r in train) / fixed["log_every"],
+        "heldout_loss": final["loss"],
+        "heldout_ce": final.get("ce"),
+        "heldout_tau_streak": final["tau_streak"],
+        "train_tau_replay": final.get("tau_replay"),
+        "tau": rep["tau"],
+        "tau_ci95": rep["tau_ci95"],
+        "tau_pooled": rep["tau_pooled"],
+        "ddtree16": rep["ddtree"]["16"],
+        "ddtree64": rep["ddtree"]["64"],
+        "check": rep["check"],
+        "prompts": prompts,
+    }
 
 
 def markdown(t: dict) -> str:
-    cols = [("tau", "chain tau"), ("tau_pooled", "pooled"), ("ddtree16", "DDTree-16"), ("ddtree64", "DDTree-64"),
-            ("tau_eos", "tau, EOS-ended"), ("tau_cut", "tau, cut"), ("heldout_ce", "held-out CE"),
-            ("s_per_step", "s/step")]
+    cols = [
+        ("tau", "chain tau"),
+        ("tau_pooled", "pooled"),
+        ("ddtree16", "DDTree-16"),
+        ("ddtree64", "DDTree-64"),
+        ("tau_eos", "tau, EOS-ended"),
+        ("tau_cut", "tau, cut"),
+        ("heldout_ce", "held-out CE"),
+        ("s_per_step", "s/step"),
+    ]
     head = " | ".join(c for _, c in cols)
-    lines = [f"| recipe ({t['steps']} steps) | seeds | {head} | chain tau vs {t['against']} | EOS-ended vs {t['against']} |",
-             "|" + " --- |" * (len(cols) + 4)]
+    lines = [
+        f"| recipe ({t['steps']} steps) | seeds | {head} | chain tau vs {t['against']} | EOS-ended vs {t['against']} |",
+        "|" + " --- |" * (len(cols) + 4),
+    ]
     for name, row in t["recipes"].items():
         cells = []
         for k, _ in cols:
@@ -208,11 +340,19 @@ def main() -> None:
     r.add_argument("--results", default=str(RESULTS))
     r.add_argument("--replay-store", help="replay on this store of the same prompts (default: --store)")
     r.add_argument("--train-tag", default="", help="names the training store: runs are kept as RECIPE@TAG")
-    r.add_argument("--allow-mismatch", action="store_true", help="replay on a --replay-store whose conditioning "
-                   "differs from the training store's (evaluate.py --allow-mismatch; the result records it)")
+    r.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="replay on a --replay-store whose conditioning "
+        "differs from the training store's (evaluate.py --allow-mismatch; the result records it)",
+    )
     r.add_argument("--label", default="", help="results are kept as RECIPE@LABEL (default: --train-tag)")
-    r.add_argument("--init-from", default="", help="start every run from this drafter checkpoint (train.py "
-                   "--init-from; '{seed}' in it is the run's seed) instead of from scratch; needs --label")
+    r.add_argument(
+        "--init-from",
+        default="",
+        help="start every run from this drafter checkpoint (train.py "
+        "--init-from; '{seed}' in it is the run's seed) instead of from scratch; needs --label",
+    )
     t = harness.subcommand(sub, "table", "summarize the kept runs of one budget")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--against", default="baseline")
@@ -229,10 +369,23 @@ def main() -> None:
             ap.error("--init-from needs --label: its runs are not from scratch")
         jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(one_run, args.store, n, s, args.steps, Path(args.runs), Path(args.results),
-                                   args.replay_store, args.train_tag, args.label, args.allow_mismatch,
-                                   init_from=args.init_from)
-                       for n, s in jobs]
+            futures = [
+                pool.submit(
+                    one_run,
+                    args.store,
+                    n,
+                    s,
+                    args.steps,
+                    Path(args.runs),
+                    Path(args.results),
+                    args.replay_store,
+                    args.train_tag,
+                    args.label,
+                    args.allow_mismatch,
+                    init_from=args.init_from,
+                )
+                for n, s in jobs
+            ]
             kept = {f"{n} seed {s}": str(f.result()) for (n, s), f in zip(jobs, futures)}
         harness.emit({"runs": kept}, args)
         return

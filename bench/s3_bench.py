@@ -74,15 +74,31 @@ from pathlib import Path
 
 from bench import harness
 
-TOY = [["reads", "--local", "{store}", "--shards", "0-3", "--samples", "20"],
-       ["startup", "--startup", "{store}", "--eval-shards", "3"],
-       ["eval-startup", "--local", "{store}", "--delay-ms", "5", "--prompts", "4", "--old-shards", "2"],
-       ["cache", "--tiny", "{store}", "--wide", "{tmp}/wide.zarr", "--shards", "1", "--repeat", "1"],
-       ["train", "--store", "{store}", "--steps", "10", "--delays", "0,20"]]
+TOY = [
+    ["reads", "--local", "{store}", "--shards", "0-3", "--samples", "20"],
+    ["startup", "--startup", "{store}", "--eval-shards", "3"],
+    ["eval-startup", "--local", "{store}", "--delay-ms", "5", "--prompts", "4", "--old-shards", "2"],
+    ["cache", "--tiny", "{store}", "--wide", "{tmp}/wide.zarr", "--shards", "1", "--repeat", "1"],
+    ["train", "--store", "{store}", "--steps", "10", "--delays", "0,20"],
+]
 CACHE_DELAY_MS, BATCH = 50, 4
 WIDE_SAMPLES, WIDE_TAPS, WIDE_H, WIDE_TOKENS = 4, 2, 5120, 1950
-SETTING = ["--batch-size", "4", "--anchors", "64", "--threads", "1", "--workers", "2", "--log-every", "5",
-           "--save-every", "0", "--eval-replay-prompts", "0"]
+SETTING = [
+    "--batch-size",
+    "4",
+    "--anchors",
+    "64",
+    "--threads",
+    "1",
+    "--workers",
+    "2",
+    "--log-every",
+    "5",
+    "--save-every",
+    "0",
+    "--eval-replay-prompts",
+    "0",
+]
 
 
 def upload(local: str, url: str, shards: list[int] | None) -> float:
@@ -100,8 +116,12 @@ def upload(local: str, url: str, shards: list[int] | None) -> float:
         if not p.is_file():
             continue
         key = p.relative_to(base).as_posix()
-        if keep is not None and key.startswith(("shards/", "_commits/")) and not any(
-                key == k or key.startswith(k + "/") for k in keep) and key != layout.commit_key("root"):
+        if (
+            keep is not None
+            and key.startswith(("shards/", "_commits/"))
+            and not any(key == k or key.startswith(k + "/") for k in keep)
+            and key != layout.commit_key("root")
+        ):
             continue
         if key.startswith(("_locks/", "_index/")):  # no lock, and no index file: the first launch builds it
             continue
@@ -117,8 +137,10 @@ def moto(local: str | None = None, name: str = "hs", shards: list[int] | None = 
     from tests.s3 import serving
 
     url = f"s3://bench/{name}.zarr"
-    with tempfile.TemporaryDirectory() as tmp, serving(Path(os.environ.get("MOTO_LOG_DIR", tmp)) / "moto.log",
-                                                       "bench") as server:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        serving(Path(os.environ.get("MOTO_LOG_DIR", tmp)) / "moto.log", "bench") as server,
+    ):
         seconds = upload(local, url, shards) if local else 0.0
         yield server, url, seconds, Path(tmp)
 
@@ -131,8 +153,15 @@ def proxied(server, delay_ms: float):
 
     proxy = LatencyProxy(server.url, delay_ms / 1000).start()
     try:
-        yield proxy, {**server.env, "FSSPEC_S3_ENDPOINT_URL": proxy.url, "PYTHONPATH": str(harness.REPO),
-                      "OMP_NUM_THREADS": "1"}
+        yield (
+            proxy,
+            {
+                **server.env,
+                "FSSPEC_S3_ENDPOINT_URL": proxy.url,
+                "PYTHONPATH": str(harness.REPO),
+                "OMP_NUM_THREADS": "1",
+            },
+        )
     finally:
         proxy.stop()
 
@@ -167,8 +196,12 @@ def read_samples(location: str, shards: list[int], n: int) -> dict:
             nbytes[0] += reader[r.index].hidden.numel() * 2
 
     s = harness.medians(read, 1)["median_s"]  # one pass: a second would read from open readers
-    return {"samples": len(picks), "s": round(s, 2), "samples_per_s": round(len(picks) / s, 1),
-            "mb_per_s": round(nbytes[0] / s / 1e6, 1)}
+    return {
+        "samples": len(picks),
+        "s": round(s, 2),
+        "samples_per_s": round(len(picks) / s, 1),
+        "mb_per_s": round(nbytes[0] / s / 1e6, 1),
+    }
 
 
 def run_reads(args) -> dict:
@@ -191,8 +224,10 @@ def run_startup(args) -> dict:
         out["startup_upload_s"] = round(seconds, 1)
         for launch in ("first", "next"):  # the first launch builds the index file, the next reads it
             before = server.requests()
-            out[f"startup_s3_{launch}"] = {**time_ranks(url, 1, args.eval_shards)[0],
-                                           "requests": server.requests() - before}
+            out[f"startup_s3_{launch}"] = {
+                **time_ranks(url, 1, args.eval_shards)[0],
+                "requests": server.requests() - before,
+            }
     shutil.rmtree(Path(args.startup) / index_file.FOLDER, ignore_errors=True)
     for launch in ("first", "next"):
         out[f"startup_local_{launch}"] = time_ranks(args.startup, 1, args.eval_shards)[0]
@@ -269,13 +304,19 @@ def phases(url: str, proxy) -> dict:
     def phase(name: str, fn) -> None:
         r0, heads = proxy.counts()[0], proxy.by_method["HEAD"]
         s = harness.medians(fn, 1)["median_s"]
-        out[name] = {"s": round(s, 3), "requests": proxy.counts()[0] - r0, "head": proxy.by_method["HEAD"] - heads,
-                     "rounds": round(s / proxy.delay_s, 1)}
+        out[name] = {
+            "s": round(s, 3),
+            "requests": proxy.counts()[0] - r0,
+            "head": proxy.by_method["HEAD"] - heads,
+            "rounds": round(s / proxy.delay_s, 1),
+        }
 
     phase("attrs", lambda: store.attrs)
     names = ("embed_tokens", "lm_head")
-    phase("embeddings", lambda: store.embeddings(names) if hasattr(store, "embeddings")
-          else [store.embedding(n) for n in names])
+    phase(
+        "embeddings",
+        lambda: store.embeddings(names) if hasattr(store, "embeddings") else [store.embedding(n) for n in names],
+    )
     phase("index_file", lambda: held.update(index=index_file.load(store)[0]))
     record = held["index"].records[0]
     phase("reader_open", lambda: held.update(reader=ShardReader(store, 0, record)))
@@ -303,9 +344,10 @@ def on_code(code: Path) -> dict:
     store/, stages/, pipeline/), this one after it (bench/harness.py), this file run by path."""
     argv = sys.argv[1:]
     at = argv.index("--code")
-    del argv[at:at + 2]
-    script = ("import runpy, sys; sys.argv = [sys.argv[1]] + sys.argv[2:]; "
-              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    del argv[at : at + 2]
+    script = (
+        "import runpy, sys; sys.argv = [sys.argv[1]] + sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     env = {"PYTHONPATH": f"{code.resolve()}{os.pathsep}{harness.REPO}"}
     return json.loads(output_of(harness.python("-P", "-c", script, __file__, *argv), env, cwd=code))
 
@@ -329,8 +371,11 @@ def run_eval_startup(args) -> dict:
             out["start_up"] = counted(proxy, lambda: start_up(url, args.prompts))
             old = counted(proxy, lambda: before(url, args.old_shards))
     n = out["index"]["shards"]
-    out["before"] = {**old, "scaled_to_all_shards_s": round(old["s"] * n / args.old_shards, 1),
-                     "scaled_requests": round(old["requests"] * n / args.old_shards)}
+    out["before"] = {
+        **old,
+        "scaled_to_all_shards_s": round(old["s"] * n / args.old_shards, 1),
+        "scaled_requests": round(old["requests"] * n / args.old_shards),
+    }
     out["start_up_over_index"] = round(out["start_up"]["s"] / out["index"]["s"], 2)
     return out
 
@@ -384,28 +429,46 @@ def cache_child(location: str, cache_dir: str | None, epochs: int, counts_url: s
 
         def epoch():
             for lo in range(0, len(order), BATCH):
-                got = read_samples([(readers[s], i, None, None) for s, i in order[lo:lo + BATCH]])
+                got = read_samples([(readers[s], i, None, None) for s, i in order[lo : lo + BATCH]])
                 assert all(not isinstance(x, Exception) for x in got), got
 
         before = counts()
         s = harness.medians(epoch, 1)["median_s"]  # one epoch: a second would be the next epoch
         after = counts()
-        out.append({"samples": len(order), "s": round(s, 3), "requests": after["requests"] - before["requests"],
-                    "bytes": after["bytes"] - before["bytes"]})
+        out.append(
+            {
+                "samples": len(order),
+                "s": round(s, 3),
+                "requests": after["requests"] - before["requests"],
+                "bytes": after["bytes"] - before["bytes"],
+            }
+        )
     return out
 
 
 def cache_epochs(server, url: str, cache_dir: str | None, epochs: int) -> list[dict]:
     with proxied(server, CACHE_DELAY_MS) as (proxy, env):
-        argv = harness.python("-m", "bench.s3_bench", "cache-child", url, "--epochs", str(epochs), "--counts",
-                              f"{proxy.url}/__counts__", *(["--cache-dir", cache_dir] if cache_dir else []))
+        argv = harness.python(
+            "-m",
+            "bench.s3_bench",
+            "cache-child",
+            url,
+            "--epochs",
+            str(epochs),
+            "--counts",
+            f"{proxy.url}/__counts__",
+            *(["--cache-dir", cache_dir] if cache_dir else []),
+        )
         return json.loads(output_of(argv, env, cwd=harness.REPO).strip().splitlines()[-1])
 
 
 def figures(epoch: dict, used: int) -> dict:
-    return {**epoch, "requests_per_sample": round(epoch["requests"] / epoch["samples"], 2),
-            "fetched_per_used": round(epoch["bytes"] / used, 3),
-            "samples_per_s": round(epoch["samples"] / epoch["s"], 2)}
+    return {
+        **epoch,
+        "requests_per_sample": round(epoch["requests"] / epoch["samples"], 2),
+        "fetched_per_used": round(epoch["bytes"] / used, 3),
+        "samples_per_s": round(epoch["samples"] / epoch["s"], 2),
+    }
 
 
 def used_bytes(local: Path) -> int:
@@ -413,8 +476,12 @@ def used_bytes(local: Path) -> int:
     from store.hidden_store import HiddenStore
 
     store = HiddenStore(str(local))
-    return sum(n for shard in store.committed() for f, n in store._file_sizes(f"shards/{shard:05d}").items()
-               if f.split("/")[0] in ("hidden", "tokens", "loss_mask") and not f.endswith("zarr.json"))
+    return sum(
+        n
+        for shard in store.committed()
+        for f, n in store._file_sizes(f"shards/{shard:05d}").items()
+        if f.split("/")[0] in ("hidden", "tokens", "loss_mask") and not f.endswith("zarr.json")
+    )
 
 
 def cache_round(wide: Path, used: int) -> dict:
@@ -427,8 +494,9 @@ def cache_round(wide: Path, used: int) -> dict:
         for k, e in enumerate(cache_epochs(server, url, cache, 2)):
             out[f"cache_epoch{k + 1}"] = figures(e, used)
         out["cache_epoch3_other_process"] = figures(cache_epochs(server, url, cache, 1)[0], used)
-        out["cache_bytes_on_disk"] = sum(f.stat().st_size for f in Path(cache).rglob("*") if f.is_file()
-                                         and not f.name.startswith("index.sqlite"))
+        out["cache_bytes_on_disk"] = sum(
+            f.stat().st_size for f in Path(cache).rglob("*") if f.is_file() and not f.name.startswith("index.sqlite")
+        )
     return out
 
 
@@ -449,17 +517,27 @@ def run_cache(args) -> dict:
 
 def train_run(url: str, out: Path, steps: int, delay_ms: int, server, extra: list[str]) -> dict:
     with proxied(server, delay_ms) as (proxy, env):
-        p = subprocess.run(harness.python("train.py", "--store", url, "--out", str(out), "--max-steps", str(steps),
-                                          *SETTING, *extra), cwd=harness.REPO, env={**os.environ, **env},
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            harness.python("train.py", "--store", url, "--out", str(out), "--max-steps", str(steps), *SETTING, *extra),
+            cwd=harness.REPO,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+        )
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     times = [r["time"] for r in recs if r["split"] == "train"]
     per_step = [(b - a) / 5 for a, b in zip(times, times[1:])]  # --log-every 5
-    return {"delay_ms": delay_ms, "steps": steps, "s_per_step": round(harness.median_of(per_step), 3),
-            "s_per_step_windows": [round(x, 3) for x in per_step], "requests": proxy.requests,
-            "requests_per_sample": round(proxy.requests / (steps * 4), 2), "bytes": proxy.bytes}
+    return {
+        "delay_ms": delay_ms,
+        "steps": steps,
+        "s_per_step": round(harness.median_of(per_step), 3),
+        "s_per_step_windows": [round(x, 3) for x in per_step],
+        "requests": proxy.requests,
+        "requests_per_sample": round(proxy.requests / (steps * 4), 2),
+        "bytes": proxy.bytes,
+    }
 
 
 def run_train(args) -> dict:
@@ -469,8 +547,13 @@ def run_train(args) -> dict:
             rows.append(train_run(url, tmp / f"run-{delay}", args.steps, delay, server, args.extra.split()))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     base = rows[0]["s_per_step"]
-    return {"store": str(args.store), "setting": SETTING, "extra": args.extra, "runs": rows,
-            "steps_per_s_ratio": {r["delay_ms"]: round(base / r["s_per_step"], 3) for r in rows}}
+    return {
+        "store": str(args.store),
+        "setting": SETTING,
+        "extra": args.extra,
+        "runs": rows,
+        "steps_per_s_ratio": {r["delay_ms"]: round(base / r["s_per_step"], 3) for r in rows},
+    }
 
 
 def main() -> None:
@@ -509,8 +592,13 @@ def main() -> None:
         print(json.dumps(cache_child(args.url, args.cache_dir, args.epochs, args.counts)))
         return
     harness.torch_setup(args.threads)
-    run = {"reads": run_reads, "startup": run_startup, "eval-startup": run_eval_startup, "cache": run_cache,
-           "train": run_train}[args.cmd]
+    run = {
+        "reads": run_reads,
+        "startup": run_startup,
+        "eval-startup": run_eval_startup,
+        "cache": run_cache,
+        "train": run_train,
+    }[args.cmd]
     harness.emit(run(args), args)
 
 

@@ -48,10 +48,32 @@ import recipe_results
 from bench import harness, recipe_bench
 
 RESULTS = harness.REPO / "bench" / "results" / "scaling_runs"
-TOY = [["run", "--store", "{store}", "--first-shards", "1,2", "--val-shards", "2", "--replay-shards", "3",
-        "--steps", "3", "--seeds", "0", "--jobs", "1", "--runs", "{tmp}/runs", "--results", "{tmp}/results",
-        "--png", "{tmp}/scaling.png"],
-       ["size", "--steps", "200", "--against", "muon+dpace+random"]]
+TOY = [
+    [
+        "run",
+        "--store",
+        "{store}",
+        "--first-shards",
+        "1,2",
+        "--val-shards",
+        "2",
+        "--replay-shards",
+        "3",
+        "--steps",
+        "3",
+        "--seeds",
+        "0",
+        "--jobs",
+        "1",
+        "--runs",
+        "{tmp}/runs",
+        "--results",
+        "{tmp}/results",
+        "--png",
+        "{tmp}/scaling.png",
+    ],
+    ["size", "--steps", "200", "--against", "muon+dpace+random"],
+]
 RECIPE = "default"  # train.py's defaults, whatever they are today
 Z95 = 1.96
 
@@ -71,13 +93,31 @@ def run(args) -> dict:
     eval_store = args.eval_store or args.store
     replay = args.replay_shards or f"0-{HiddenStore(eval_store).num_shards - 1}"
     points = {k: samples_in(args.store, k) for k in map(int, args.first_shards.split(","))}
-    jobs = [(k, steps, int(s)) for k in points for steps in map(int, args.steps.split(",")) for s in args.seeds.split(",")]
+    jobs = [
+        (k, steps, int(s)) for k in points for steps in map(int, args.steps.split(",")) for s in args.seeds.split(",")
+    ]
 
     def one(k: int, steps: int, seed: int) -> str:
-        fixed = {**recipe_results.FIXED, "shards": f"0-{k - 1}", "eval_shards": args.val_shards,
-                 **({"log_every": 1} if args.toy else {})}
-        return str(recipe_bench.one_run(args.store, RECIPE, seed, steps, Path(args.runs), Path(args.results),
-                                        eval_store, f"n{points[k]}", fixed=fixed, replay_shards=replay))
+        fixed = {
+            **recipe_results.FIXED,
+            "shards": f"0-{k - 1}",
+            "eval_shards": args.val_shards,
+            **({"log_every": 1} if args.toy else {}),
+        }
+        return str(
+            recipe_bench.one_run(
+                args.store,
+                RECIPE,
+                seed,
+                steps,
+                Path(args.runs),
+                Path(args.results),
+                eval_store,
+                f"n{points[k]}",
+                fixed=fixed,
+                replay_shards=replay,
+            )
+        )
 
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = {job: pool.submit(one, *job) for job in jobs}
@@ -96,7 +136,10 @@ def table(results: Path) -> dict:
         row = {"samples": samples, "steps": steps, "seeds": sorted(seeds)}
         for k in recipe_results.METRICS:
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None and seeds[s][k] == seeds[s][k]]
-            row[k] = {"mean": statistics.mean(vals) if vals else None, "sd": statistics.stdev(vals) if len(vals) > 1 else None}
+            row[k] = {
+                "mean": statistics.mean(vals) if vals else None,
+                "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+            }
         rows.append(row)
     curves = {"samples": _curves(rows, "steps", "samples", cells), "steps": _curves(rows, "samples", "steps", cells)}
     shared = {k: v for k, v in recipe_results.FIXED.items() if k not in ("shards", "eval_shards")}  # each row its own
@@ -124,21 +167,37 @@ def _curves(rows: list[dict], fixed: str, along: str, cells: dict) -> list[dict]
 
 
 def markdown(t: dict) -> str:
-    cols = [("tau", "chain tau"), ("tau_pooled", "pooled"), ("ddtree16", "DDTree-16"), ("ddtree64", "DDTree-64"),
-            ("tau_eos", "tau, EOS-ended"), ("heldout_ce", "val CE"), ("s_per_step", "s/step")]
+    cols = [
+        ("tau", "chain tau"),
+        ("tau_pooled", "pooled"),
+        ("ddtree16", "DDTree-16"),
+        ("ddtree64", "DDTree-64"),
+        ("tau_eos", "tau, EOS-ended"),
+        ("heldout_ce", "val CE"),
+        ("s_per_step", "s/step"),
+    ]
     out = []
     for along, fixed in (("samples", "steps"), ("steps", "samples")):
         for curve in t["curves"][along]:
-            out += [f"\ntau against {along} at {curve[fixed]} {fixed} ({t['recipe']})\n",
-                    f"| {along} | seeds | " + " | ".join(c for _, c in cols) + " | chain tau vs the row before |",
-                    "|" + " --- |" * (len(cols) + 3)]
+            out += [
+                f"\ntau against {along} at {curve[fixed]} {fixed} ({t['recipe']})\n",
+                f"| {along} | seeds | " + " | ".join(c for _, c in cols) + " | chain tau vs the row before |",
+                "|" + " --- |" * (len(cols) + 3),
+            ]
             for p in curve["points"]:
                 row = t["rows"][p["row"]]
-                cells = ["-" if row[k]["mean"] is None else f"{row[k]['mean']:.3f}" +
-                         (f" ± {row[k]['sd']:.3f}" if row[k]["sd"] is not None else "") for k, _ in cols]
+                cells = [
+                    "-"
+                    if row[k]["mean"] is None
+                    else f"{row[k]['mean']:.3f}" + (f" ± {row[k]['sd']:.3f}" if row[k]["sd"] is not None else "")
+                    for k, _ in cols
+                ]
                 v = p.get("vs_before")
-                vs = "-" if v is None else f"{v['diff']:+.3f}" + (
-                    f" [{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]" if v["ci95"] else "")
+                vs = (
+                    "-"
+                    if v is None
+                    else f"{v['diff']:+.3f}" + (f" [{v['ci95'][0]:+.3f}, {v['ci95'][1]:+.3f}]" if v["ci95"] else "")
+                )
                 out.append(f"| {p[along]} | {len(row['seeds'])} | " + " | ".join(cells) + f" | {vs} |")
     return "\n".join(out) if out else "(no curve: fewer than two points share a budget or a sample count)"
 
@@ -155,22 +214,38 @@ def plot(t: dict, png: Path) -> Path:
     for ax, (along, fixed) in zip(axes, (("samples", "steps"), ("steps", "samples"))):
         for curve in t["curves"][along]:
             rows = [t["rows"][p["row"]] for p in curve["points"]]
-            for key, label, marker in (("tau", "chain", "o"), ("tau_pooled", "pooled", "s"), ("ddtree64", "DDTree-64", "^")):
-                ax.errorbar([r[along] for r in rows], [r[key]["mean"] for r in rows],
-                            yerr=[r[key]["sd"] or 0.0 for r in rows], marker=marker, markersize=4, linewidth=0.8,
-                            capsize=2, label=f"{label}, {curve[fixed]:,} {fixed}")
+            for key, label, marker in (
+                ("tau", "chain", "o"),
+                ("tau_pooled", "pooled", "s"),
+                ("ddtree64", "DDTree-64", "^"),
+            ):
+                ax.errorbar(
+                    [r[along] for r in rows],
+                    [r[key]["mean"] for r in rows],
+                    yerr=[r[key]["sd"] or 0.0 for r in rows],
+                    marker=marker,
+                    markersize=4,
+                    linewidth=0.8,
+                    capsize=2,
+                    label=f"{label}, {curve[fixed]:,} {fixed}",
+                )
         ax.set_xscale("log", base=2)
         xs = sorted({t["rows"][p["row"]][along] for curve in t["curves"][along] for p in curve["points"]})
         ax.set_xticks(xs, [f"{x:,}" for x in xs])
         ax.minorticks_off()
-        ax.set(xlabel="distinct training samples" if along == "samples" else "optimizer steps",
-               ylabel="tau (tokens per round)", title=f"tau against {along}")
+        ax.set(
+            xlabel="distinct training samples" if along == "samples" else "optimizer steps",
+            ylabel="tau (tokens per round)",
+            title=f"tau against {along}",
+        )
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     seeds = sorted({len(r["seeds"]) for r in t["rows"]})
-    fig.suptitle(f"{t['recipe']} (train.py's defaults), held-out replay; seeds a point: "
-                 f"{', '.join(map(str, seeds)) or 'none'}", fontsize=9)
+    fig.suptitle(
+        f"{t['recipe']} (train.py's defaults), held-out replay; seeds a point: {', '.join(map(str, seeds)) or 'none'}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -199,8 +274,15 @@ def components(a: dict, b: dict) -> dict:
     ms_s = n * sum((m - grand) ** 2 for m in sm) / (S - 1)
     ms_r = sum((d[i][j] - pm[i] - sm[j] + grand) ** 2 for i in range(n) for j in range(S)) / ((n - 1) * (S - 1))
     sd = math.sqrt(statistics.mean(statistics.variance([d[i][j] for i in range(n)]) for j in range(S)))
-    return {"prompts": n, "seeds": seeds, "diff": grand, "sd_prompt": sd, "var_prompt": (ms_p - ms_r) / S,
-            "var_seed": (ms_s - ms_r) / n, "var_resid": ms_r}
+    return {
+        "prompts": n,
+        "seeds": seeds,
+        "diff": grand,
+        "sd_prompt": sd,
+        "var_prompt": (ms_p - ms_r) / S,
+        "var_seed": (ms_s - ms_r) / n,
+        "var_resid": ms_r,
+    }
 
 
 def size(results: Path, steps: int, against: str, relative: float, recipes: list[str] | None) -> dict:
@@ -217,27 +299,46 @@ def size(results: Path, steps: int, against: str, relative: float, recipes: list
     for S in (1, 3, 5, 6, 8, 10, 20):
         room = (half / Z95) ** 2 - pooled["var_seed"] / S
         n = (pooled["var_prompt"] + pooled["var_resid"] / S) / room if room > 0 else None
-        need[S] = {"prompts": None if n is None else math.ceil(n),
-                   "seed_floor": Z95 * math.sqrt(max(pooled["var_seed"], 0) / S)}
+        need[S] = {
+            "prompts": None if n is None else math.ceil(n),
+            "seed_floor": Z95 * math.sqrt(max(pooled["var_seed"], 0) / S),
+        }
     m, S0 = next(iter(pairs.values()))["prompts"], len(ref)
     bench_half = recipe_results.T95[S0 - 1] * math.sqrt((pooled["var_seed"] + pooled["var_resid"] / m) / S0)
-    return {"steps": steps, "against": against, "reference_tau": tau, "relative": relative, "half_width": half,
-            "pairs": pairs, "pooled": pooled, "one_seed_prompts": math.ceil((Z95 * pooled["sd_prompt"] / half) ** 2),
-            "needed": need, "bench_half_width": bench_half, "bench_prompts": m, "bench_seeds": S0}
+    return {
+        "steps": steps,
+        "against": against,
+        "reference_tau": tau,
+        "relative": relative,
+        "half_width": half,
+        "pairs": pairs,
+        "pooled": pooled,
+        "one_seed_prompts": math.ceil((Z95 * pooled["sd_prompt"] / half) ** 2),
+        "needed": need,
+        "bench_half_width": bench_half,
+        "bench_prompts": m,
+        "bench_seeds": S0,
+    }
 
 
 def size_markdown(r: dict) -> str:
     p = r["pooled"]
-    lines = [f"{len(r['pairs'])} pairs against {r['against']} (tau {r['reference_tau']:.3f}) at {r['steps']} steps; "
-             f"half-width {100 * r['relative']:.0f}% = {r['half_width']:.3f}",
-             f"pooled: sd per prompt {p['sd_prompt']:.3f}, var_prompt {p['var_prompt']:.4f}, "
-             f"var_seed {p['var_seed']:.4f}, var_resid {p['var_resid']:.4f}",
-             f"one seed: n = (1.96 x {p['sd_prompt']:.3f} / {r['half_width']:.3f})^2 = {r['one_seed_prompts']}",
-             f"the recipe bench's own interval ({r['bench_prompts']} prompts, {r['bench_seeds']} seeds, t): "
-             f"+-{r['bench_half_width']:.3f}", "", "| seeds | prompts needed | seed part alone (+-) |",
-             "| --- | --- | --- |"]
-    lines += [f"| {S} | {v['prompts'] if v['prompts'] is not None else 'none suffices'} | {v['seed_floor']:.3f} |"
-              for S, v in r["needed"].items()]
+    lines = [
+        f"{len(r['pairs'])} pairs against {r['against']} (tau {r['reference_tau']:.3f}) at {r['steps']} steps; "
+        f"half-width {100 * r['relative']:.0f}% = {r['half_width']:.3f}",
+        f"pooled: sd per prompt {p['sd_prompt']:.3f}, var_prompt {p['var_prompt']:.4f}, "
+        f"var_seed {p['var_seed']:.4f}, var_resid {p['var_resid']:.4f}",
+        f"one seed: n = (1.96 x {p['sd_prompt']:.3f} / {r['half_width']:.3f})^2 = {r['one_seed_prompts']}",
+        f"the recipe bench's own interval ({r['bench_prompts']} prompts, {r['bench_seeds']} seeds, t): "
+        f"+-{r['bench_half_width']:.3f}",
+        "",
+        "| seeds | prompts needed | seed part alone (+-) |",
+        "| --- | --- | --- |",
+    ]
+    lines += [
+        f"| {S} | {v['prompts'] if v['prompts'] is not None else 'none suffices'} | {v['seed_floor']:.3f} |"
+        for S, v in r["needed"].items()
+    ]
     return "\n".join(lines)
 
 
@@ -248,7 +349,9 @@ def main() -> None:
     r.add_argument("--store", required=True, help="the training pool's store (shards of equal size)")
     r.add_argument("--eval-store", help="the evaluation set's store (default: --store)")
     r.add_argument("--first-shards", required=True, help="comma-separated k: train on shards 0..k-1")
-    r.add_argument("--val-shards", default="104-105", help="train.py's --eval-shards (of --store; no point trains on them)")
+    r.add_argument(
+        "--val-shards", default="104-105", help="train.py's --eval-shards (of --store; no point trains on them)"
+    )
     r.add_argument("--replay-shards", help="shards of --eval-store to replay (default: all)")
     r.add_argument("--steps", default="1000", help="comma-separated step budgets")
     r.add_argument("--seeds", default="0,1,2")
@@ -267,8 +370,13 @@ def main() -> None:
     s.add_argument("--results", default=str(recipe_results.RESULTS))
     args = harness.parse(ap)
     if args.cmd == "size":
-        result = size(Path(args.results), args.steps, args.against, args.relative,
-                      args.recipes.split(",") if args.recipes else None)
+        result = size(
+            Path(args.results),
+            args.steps,
+            args.against,
+            args.relative,
+            args.recipes.split(",") if args.recipes else None,
+        )
         print(size_markdown(result))
         harness.emit(result, args)
         return

@@ -66,11 +66,13 @@ def layouts():
     from store.format.bf16_codec import Bf16Planes
 
     return {
-        "blosc zstd-3 byte shuffle": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle,
-                                                         typesize=2)],
-        "blosc zstd-1 bit shuffle + crc32c": lambda: [BloscCodec(cname="zstd", clevel=1,
-                                                                 shuffle=BloscShuffle.bitshuffle, typesize=2),
-                                                      Crc32cCodec()],
+        "blosc zstd-3 byte shuffle": lambda: [
+            BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle, typesize=2)
+        ],
+        "blosc zstd-1 bit shuffle + crc32c": lambda: [
+            BloscCodec(cname="zstd", clevel=1, shuffle=BloscShuffle.bitshuffle, typesize=2),
+            Crc32cCodec(),
+        ],
         "planes zstd-1 / raw + crc32c": lambda: [Bf16Planes(level=1, low="raw"), Crc32cCodec()],
         "planes zstd-1 / lz4 + crc32c": lambda: [Bf16Planes(level=1, low="lz4"), Crc32cCodec()],
     }
@@ -119,10 +121,20 @@ def wide_states(tokens: np.ndarray, width: int = WIDE_H) -> np.ndarray:
 
     sys.modules.setdefault("fla", None)
     config = Qwen3_5TextConfig(
-        vocab_size=4096, hidden_size=width, intermediate_size=1024, num_hidden_layers=5,
-        layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"], num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=len(tokens))
+        vocab_size=4096,
+        hidden_size=width,
+        intermediate_size=1024,
+        num_hidden_layers=5,
+        layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=len(tokens),
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -148,17 +160,27 @@ def measure(x: np.ndarray, offsets: np.ndarray, codecs, tmp: Path, repeat: int) 
     path = tmp / "w.zarr"
 
     def write():
-        a = zarr.create_array(str(path), shape=shape, dtype=np.uint16, chunks=chunk, shards=shard,
-                              compressors=codecs(), fill_value=0, overwrite=True)
+        a = zarr.create_array(
+            str(path),
+            shape=shape,
+            dtype=np.uint16,
+            chunks=chunk,
+            shards=shard,
+            compressors=codecs(),
+            fill_value=0,
+            overwrite=True,
+        )
         for s in range(0, len(x), shard[0]):
-            a[s:s + shard[0]] = x[s:s + shard[0]]
+            a[s : s + shard[0]] = x[s : s + shard[0]]
 
     out = {"write_MBps": round(raw / timed(write, repeat) / 1e6)}
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     a = zarr.open_array(str(path), mode="r")
     assert np.array_equal(a[:], x)
     out["read_MBps"] = round(raw / timed(lambda: a[:], repeat) / 1e6)
-    picks = [(int(offsets[i]), int(offsets[i + 1])) for i in np.random.default_rng(0).integers(0, len(offsets) - 1, 200)]
+    picks = [
+        (int(offsets[i]), int(offsets[i + 1])) for i in np.random.default_rng(0).integers(0, len(offsets) - 1, 200)
+    ]
     out["sample_read_ms"] = sample_ms(lambda s, e: a[s:e], picks)
     direct = span_reader.for_array(fsspec.filesystem("file"), str(path), a)
     if direct is not None:  # the same file read straight from its chunks, as ShardReader does
@@ -184,16 +206,25 @@ def root_of(store: str, path: Path, x: np.ndarray, hidden_format: str) -> None:
     from store.store_writer import StoreWriter
 
     attrs = HiddenStore(store).attrs
-    compat = dataclasses.replace(attrs.compat.as_format(hidden_format), taps=tuple(range(x.shape[1])),
-                                 codec=hidden_formats.of(hidden_format).codec)
-    attrs = dataclasses.replace(attrs, compat=compat, fingerprint=fingerprint.sha256_json(to_json(compat)),
-                                hidden_size=x.shape[2], taps=compat.taps)
+    compat = dataclasses.replace(
+        attrs.compat.as_format(hidden_format),
+        taps=tuple(range(x.shape[1])),
+        codec=hidden_formats.of(hidden_format).codec,
+    )
+    attrs = dataclasses.replace(
+        attrs,
+        compat=compat,
+        fingerprint=fingerprint.sha256_json(to_json(compat)),
+        hidden_size=x.shape[2],
+        taps=compat.taps,
+    )
     zeros = torch.zeros(attrs.vocab_size, x.shape[2], dtype=torch.bfloat16)
     StoreWriter(str(path)).create_or_check(attrs, zeros, zeros)
 
 
-def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, root: str,
-           producer_mb_s: float | None = None) -> dict:
+def writer(
+    x: np.ndarray, hidden_format: str, threads: int, tmp: Path, root: str, producer_mb_s: float | None = None
+) -> dict:
     """The extractor's ShardWriter on x (16 passes; fp8: x already rounded, as the capture hands it
     over), as fast as it takes batches of 256 tokens or fed at producer_mb_s with room for two shard
     files (the default --writer-memory-gb is 4 GiB, about 20 at 27B width): MB/s (of raw bf16) until
@@ -214,8 +245,16 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, root: str
     path.mkdir()
     root_of(root, path, x, hidden_format)
     held = 2 * 4096 * x[0].nbytes if producer_mb_s else 1 << 40
-    w = ShardWriter(StoreWriter(str(path)), 0, x.shape[1], x.shape[2], chunk_tokens=256, shard_tokens=4096,
-                    threads=threads, max_held_bytes=held)
+    w = ShardWriter(
+        StoreWriter(str(path)),
+        0,
+        x.shape[1],
+        x.shape[2],
+        chunk_tokens=256,
+        shard_tokens=4096,
+        threads=threads,
+        max_held_bytes=held,
+    )
     t0 = time.perf_counter()
     for k in range(16 * len(x) // batch):
         if producer_mb_s:
@@ -223,7 +262,7 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, root: str
                 time.sleep(0.0005)
         a = (k * batch) % len(x)
         w.add(k, [1], [2] * (batch - 1), truncated=False)
-        w.add_hidden(states[a:a + batch].clone())
+        w.add_hidden(states[a : a + batch].clone())
     fed = time.perf_counter() - t0
     w.commit(None, run={})
     total = time.perf_counter() - t0
@@ -234,8 +273,10 @@ def writer(x: np.ndarray, hidden_format: str, threads: int, tmp: Path, root: str
 
 
 def writer_runs(x: np.ndarray, fmt: str, threads: int, tmp: Path, root: str) -> dict:
-    return {"as fast as it takes": writer(x, fmt, threads, tmp, root),
-            "at 500 MB/s": writer(x, fmt, threads, tmp, root, producer_mb_s=500)}
+    return {
+        "as fast as it takes": writer(x, fmt, threads, tmp, root),
+        "at 500 MB/s": writer(x, fmt, threads, tmp, root, producer_mb_s=500),
+    }
 
 
 def reader(path: Path, workers: list[int]) -> dict:
@@ -255,8 +296,9 @@ def reader(path: Path, workers: list[int]) -> dict:
     lengths = np.diff(r.offsets)
     batches = [[(Ref(0, int(i), int(lengths[i])),) for i in rng.integers(0, len(r), 4)] for _ in range(48)]
     for n in workers:
-        loader = torch.utils.data.DataLoader(StoreBatches(str(path), batches), batch_size=None, num_workers=n,
-                                             prefetch_factor=2)
+        loader = torch.utils.data.DataLoader(
+            StoreBatches(str(path), batches), batch_size=None, num_workers=n, prefetch_factor=2
+        )
         it = iter(loader)
         next(it)  # workers started and warm
         t, raw = time.perf_counter(), 0
@@ -269,8 +311,10 @@ def reader(path: Path, workers: list[int]) -> dict:
 def run_layouts(args, tmp: Path) -> dict:
     x, offsets = load(args.store)
     y = without_repeats(x)
-    data = {"store as it is": (x, offsets),
-            "repeated rows dropped": (y, np.linspace(0, len(y), len(offsets)).astype(np.int64))}
+    data = {
+        "store as it is": (x, offsets),
+        "repeated rows dropped": (y, np.linspace(0, len(y), len(offsets)).astype(np.int64)),
+    }
     result = {"store": args.store, "threads": args.threads, "results": {}}
     if args.wide_tokens:
         w = wide_states(store_tokens(args.store, args.wide_tokens), args.width)
@@ -293,8 +337,12 @@ def on_disk(path: str) -> dict:
     records = store.committed().values()
     raw = sum(r.tokens for r in records) * len(store.attrs.taps) * store.attrs.hidden_size * 2
     states = sum(r.bytes["hidden"] for r in records)
-    return {"raw_MB": round(raw / 1e6, 2), "states_MB": round(states / 1e6, 2), "ratio": round(states / raw, 4),
-            "shards_MB": round(sum(r.bytes["shard"] for r in records) / 1e6, 2)}
+    return {
+        "raw_MB": round(raw / 1e6, 2),
+        "states_MB": round(states / 1e6, 2),
+        "ratio": round(states / raw, 4),
+        "shards_MB": round(sum(r.bytes["shard"] for r in records) / 1e6, 2),
+    }
 
 
 class Errors:
@@ -311,9 +359,9 @@ class Errors:
         x, y = ref.double(), q.double()
         e = (y - x).abs()
         self.abs_sum += e.sum((0, 2)).numpy()
-        self.sq_err += (e ** 2).sum((0, 2)).numpy()
-        self.sq_ref += (x ** 2).sum((0, 2)).numpy()
-        self.sq_q += (y ** 2).sum((0, 2)).numpy()
+        self.sq_err += (e**2).sum((0, 2)).numpy()
+        self.sq_ref += (x**2).sum((0, 2)).numpy()
+        self.sq_q += (y**2).sum((0, 2)).numpy()
         self.dot += (x * y).sum((0, 2)).numpy()
         self.n += e.shape[0] * e.shape[2]
         for j in range(e.shape[1]):
@@ -321,14 +369,26 @@ class Errors:
             if m > self.max[j]:
                 t, c = divmod(int(e[:, j].argmax()), e.shape[2])
                 self.max[j] = m
-                self.worst[j] = {**where, "token": t, "channel": c, "value": float(x[t, j, c]),
-                                 "stored": float(y[t, j, c]), "token_max_abs": float(x[t, j].abs().max())}
+                self.worst[j] = {
+                    **where,
+                    "token": t,
+                    "channel": c,
+                    "value": float(x[t, j, c]),
+                    "stored": float(y[t, j, c]),
+                    "token_max_abs": float(x[t, j].abs().max()),
+                }
 
     def result(self, taps) -> dict:
-        return {str(k): {"max_abs": float(self.max[j]), "mean_abs": float(self.abs_sum[j] / self.n),
-                         "relative_rms": float(np.sqrt(self.sq_err[j] / self.sq_ref[j])),
-                         "cosine": float(self.dot[j] / np.sqrt(self.sq_ref[j] * self.sq_q[j])),
-                         "worst": self.worst[j]} for j, k in enumerate(taps)}
+        return {
+            str(k): {
+                "max_abs": float(self.max[j]),
+                "mean_abs": float(self.abs_sum[j] / self.n),
+                "relative_rms": float(np.sqrt(self.sq_err[j] / self.sq_ref[j])),
+                "cosine": float(self.dot[j] / np.sqrt(self.sq_ref[j] * self.sq_q[j])),
+                "worst": self.worst[j],
+            }
+            for j, k in enumerate(taps)
+        }
 
 
 def shipped_errors(bf16: str, fp8: str) -> dict:
@@ -365,8 +425,12 @@ def information(q) -> dict:
 
     k = exponents(q.view(torch.int16))
     e4m3 = (q.float() * torch.exp2(-k.float())).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    fields = {"sign": entropy(e4m3 >> 7), "exponent": entropy((e4m3 >> 3) & 0xF), "mantissa": entropy(e4m3 & 7),
-              "byte": entropy(e4m3)}
+    fields = {
+        "sign": entropy(e4m3 >> 7),
+        "exponent": entropy((e4m3 >> 3) & 0xF),
+        "mantissa": entropy(e4m3 & 7),
+        "byte": entropy(e4m3),
+    }
     fields["exponents_k_per_group"] = entropy((k.numpy() + 128).astype(np.int64))
     fields["floor_ratio"] = round(fields["byte"] / 16, 4)  # bits a value over bf16's 16
     fields["byte_per_tap"] = [entropy(e4m3[:, j]) for j in range(e4m3.shape[1])]  # each tap's own statistics
@@ -385,8 +449,11 @@ def decode_speed(q: np.ndarray, repeat: int) -> dict:
     codes, ks = codec.codes(data, into=buf)
     unzstd = timed(lambda: codec.codes(data, into=buf), 5 * repeat)
     lookup = timed(lambda: codec.decode_codes(codes, ks, out=out), 5 * repeat)
-    return {"zstd_MBps": round(chunk.nbytes / unzstd / 1e6), "lookup_MBps": round(chunk.nbytes / lookup / 1e6),
-            "decode_MBps": round(chunk.nbytes / (unzstd + lookup) / 1e6)}
+    return {
+        "zstd_MBps": round(chunk.nbytes / unzstd / 1e6),
+        "lookup_MBps": round(chunk.nbytes / lookup / 1e6),
+        "decode_MBps": round(chunk.nbytes / (unzstd + lookup) / 1e6),
+    }
 
 
 def direct_read(bits: np.ndarray, codecs: list, tmp: Path, repeat: int) -> int:
@@ -397,8 +464,16 @@ def direct_read(bits: np.ndarray, codecs: list, tmp: Path, repeat: int) -> int:
 
     from store import span_reader
 
-    a = zarr.create_array(str(tmp / "direct.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(256, *bits.shape[1:]),
-                          shards=(len(bits), *bits.shape[1:]), compressors=codecs, fill_value=0, overwrite=True)
+    a = zarr.create_array(
+        str(tmp / "direct.zarr"),
+        shape=bits.shape,
+        dtype=np.uint16,
+        chunks=(256, *bits.shape[1:]),
+        shards=(len(bits), *bits.shape[1:]),
+        compressors=codecs,
+        fill_value=0,
+        overwrite=True,
+    )
     a[:] = bits
     reader_ = span_reader.for_array(fsspec.filesystem("file"), str(tmp / "direct.zarr"), a)
     out = np.empty_like(bits)
@@ -422,17 +497,24 @@ def wide_fp8(tokens: np.ndarray, width: int, tmp: Path, root: str, repeat: int) 
     qbits = layout.to_bits(q)
     offsets = np.arange(0, len(bits) + 1, 512 if len(bits) > 512 else 64)
     H = x.shape[2]
-    out = {"shape": list(x.shape), "raw_MB": round(bits.nbytes / 1e6, 1),
-           "quantize_MBps": round(bits.nbytes / rounding / 1e6),
-           "per_tap": errors.result(range(x.shape[1])), "information": information(q),
-           "decode": decode_speed(qbits, repeat),
-           "zarr": {"bf16 (planes zstd-1 / lz4)": measure(bits, offsets, lambda: layout.hidden_codecs(1), tmp, repeat),
-                    "fp8 (e4m3 x 2^k, zstd-1)": measure(qbits, offsets,
-                                                        lambda: [Fp8E4m3(group=H, level=1), Crc32cCodec()], tmp,
-                                                        repeat)},
-           "direct_read_into_a_buffer_MBps": {
-               "bf16": direct_read(bits, layout.hidden_codecs(1), tmp, repeat),
-               "fp8": direct_read(qbits, [Fp8E4m3(group=H), Crc32cCodec()], tmp, repeat)}}
+    out = {
+        "shape": list(x.shape),
+        "raw_MB": round(bits.nbytes / 1e6, 1),
+        "quantize_MBps": round(bits.nbytes / rounding / 1e6),
+        "per_tap": errors.result(range(x.shape[1])),
+        "information": information(q),
+        "decode": decode_speed(qbits, repeat),
+        "zarr": {
+            "bf16 (planes zstd-1 / lz4)": measure(bits, offsets, lambda: layout.hidden_codecs(1), tmp, repeat),
+            "fp8 (e4m3 x 2^k, zstd-1)": measure(
+                qbits, offsets, lambda: [Fp8E4m3(group=H, level=1), Crc32cCodec()], tmp, repeat
+            ),
+        },
+        "direct_read_into_a_buffer_MBps": {
+            "bf16": direct_read(bits, layout.hidden_codecs(1), tmp, repeat),
+            "fp8": direct_read(qbits, [Fp8E4m3(group=H), Crc32cCodec()], tmp, repeat),
+        },
+    }
     for fmt, data in (("bf16", bits), ("fp8", qbits)):
         out.setdefault("writer", {})[fmt] = {f"{n} thread(s)": writer_runs(data, fmt, n, tmp, root) for n in (1, 2)}
         out.setdefault("reader", {})[fmt] = reader(tmp / f"writer-{fmt}.zarr", [1])
@@ -442,9 +524,14 @@ def wide_fp8(tokens: np.ndarray, width: int, tmp: Path, root: str, repeat: int) 
 
 def run_fp8(args, tmp: Path) -> dict:
     t0 = time.time()
-    result = {"bf16": args.bf16, "fp8": args.fp8,
-              "shipped": {"on_disk": {"bf16": on_disk(args.bf16), "fp8": on_disk(args.fp8)},
-                          **shipped_errors(args.bf16, args.fp8)}}
+    result = {
+        "bf16": args.bf16,
+        "fp8": args.fp8,
+        "shipped": {
+            "on_disk": {"bf16": on_disk(args.bf16), "fp8": on_disk(args.fp8)},
+            **shipped_errors(args.bf16, args.fp8),
+        },
+    }
     print(result["shipped"]["on_disk"], file=sys.stderr)
     if args.wide_tokens:
         tokens = store_tokens(args.bf16, args.wide_tokens)

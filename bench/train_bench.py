@@ -66,9 +66,11 @@ from stages.train.epoch_order import train_batches
 from stages.train.setup import prepare
 from store.format.ranges import parse_ranges
 
-TOY = [["speed", "--store", "{store}", "--shards", "0-2"],
-       ["long-context", "--like", "{store}", "--store", "{tmp}/long.zarr"],
-       ["gpu", "--store", "{store}"]]
+TOY = [
+    ["speed", "--store", "{store}", "--shards", "0-2"],
+    ["long-context", "--like", "{store}", "--store", "{tmp}/long.zarr"],
+    ["gpu", "--store", "{store}"],
+]
 PROMPT, SAMPLES = 64, 8
 STEP_PARTS = ("data_wait", "fwd_prep", "fwd_model", "fwd_loss", "backward", "optimizer")
 
@@ -79,8 +81,11 @@ def cpu_busy_s() -> tuple[float, float]:
     with open("/proc/stat") as fh:
         f = [int(x) for x in fh.readline().split()[1:]]
     machine = (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-    ours = sum(getattr(resource.getrusage(w), k) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for k in ("ru_utime", "ru_stime"))
+    ours = sum(
+        getattr(resource.getrusage(w), k)
+        for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for k in ("ru_utime", "ru_stime")
+    )
     return machine, ours
 
 
@@ -104,16 +109,22 @@ class Clock:
                 return fn(*a, **k)
             finally:
                 self.t[name] = self.t.get(name, 0.0) + self.now() - t
+
         return timed
 
 
 @contextlib.contextmanager
 def timed_calls(clock: Clock, s):
     """Timing wrappers on what train_step and forward_loss call, restored on exit."""
-    targets = [(step_module, "sample_anchors", "fwd_prep"), (step_module, "make_blocks", "fwd_prep"),
-               (masks, "build", "fwd_prep"), (step_module, "dflash_loss", "fwd_loss"), (s.accelerator, "backward", "backward"),
-               (s.accelerator, "clip_grad_norm_", "optimizer"),
-               *[(opt, attr, "optimizer") for opt in s.optimizers for attr in ("step", "zero_grad")]]
+    targets = [
+        (step_module, "sample_anchors", "fwd_prep"),
+        (step_module, "make_blocks", "fwd_prep"),
+        (masks, "build", "fwd_prep"),
+        (step_module, "dflash_loss", "fwd_loss"),
+        (s.accelerator, "backward", "backward"),
+        (s.accelerator, "clip_grad_norm_", "optimizer"),
+        *[(opt, attr, "optimizer") for opt in s.optimizers for attr in ("step", "zero_grad")],
+    ]
     saved = []
     for obj, attr, name in targets:
         own = attr in vars(obj)  # module functions are restored; instance shadows are deleted
@@ -169,10 +180,19 @@ def train_steps(s, config, clock: Clock, warmup: int, steps: int) -> dict:
     t = clock.t
     wall = sum(x[2] for x in per_step)
     t["fwd_model"] = wall - sum(t.get(k, 0.0) for k in STEP_PARTS if k != "fwd_model")  # the rest of the step
-    r = {"steps": steps, "wall_s": wall, "steps_per_s": steps / wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-         "sequences_per_s": seqs / wall, "padding_share": 1 - tokens / padded if config.optim.grad_accum == 1 else None,
-         "first_loss": losses[0], "last_loss": losses[-1], "slowest_step_s": max(x[2] for x in per_step),
-         "median_step_s": harness.median_of(x[2] for x in per_step)}
+    r = {
+        "steps": steps,
+        "wall_s": wall,
+        "steps_per_s": steps / wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "sequences_per_s": seqs / wall,
+        "padding_share": 1 - tokens / padded if config.optim.grad_accum == 1 else None,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "slowest_step_s": max(x[2] for x in per_step),
+        "median_step_s": harness.median_of(x[2] for x in per_step),
+    }
     r.update({f"{k}_s": t.get(k, 0.0) for k in STEP_PARTS})
     r.update({f"{k}_share": t.get(k, 0.0) / wall for k in STEP_PARTS})
     r["per_step"] = per_step
@@ -191,8 +211,11 @@ def loader_alone(s, config, n: int) -> dict:
         t2 = time.perf_counter()
     finally:
         batches.close()
-    return {"loader_first_batch_s": t1 - t0, "loader_batches": n,
-            "loader_batches_per_s": (n - 1) / (t2 - t1) if n > 1 else float("nan")}
+    return {
+        "loader_first_batch_s": t1 - t0,
+        "loader_batches": n,
+        "loader_batches_per_s": (n - 1) / (t2 - t1) if n > 1 else float("nan"),
+    }
 
 
 def build_in_process(s, config, n: int) -> dict:
@@ -213,11 +236,20 @@ def one_repeat(args) -> tuple[dict, dict]:
     """One repeat of `speed` (run in a fresh process) -> (figures, what ran)."""
     harness.torch_setup(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        config = TrainConfig.of(store=args.store, out=str(Path(tmp) / "run"), shards=args.shards,
-                               max_steps=args.warmup + args.steps, batch_size=args.batch_size,
-                               grad_accum=args.grad_accum, anchors=args.anchors, max_length=args.max_length,
-                               num_layers=args.num_layers, workers=args.workers, threads=args.threads,
-                               seed=args.seed)
+        config = TrainConfig.of(
+            store=args.store,
+            out=str(Path(tmp) / "run"),
+            shards=args.shards,
+            max_steps=args.warmup + args.steps,
+            batch_size=args.batch_size,
+            grad_accum=args.grad_accum,
+            anchors=args.anchors,
+            max_length=args.max_length,
+            num_layers=args.num_layers,
+            workers=args.workers,
+            threads=args.threads,
+            seed=args.seed,
+        )
         t = time.perf_counter()
         s = prepare(config, log=lambda m: None)
         res = {"prepare_s": time.perf_counter() - t}
@@ -227,16 +259,29 @@ def one_repeat(args) -> tuple[dict, dict]:
         res.update(loader_alone(s, config, n))
         res["loader_over_step_ratio"] = res["loader_batches_per_s"] / (res["steps_per_s"] * args.grad_accum)
         res.update(build_in_process(s, config, min(n, s.micro_per_epoch)))
-        info = {"device": str(s.accelerator.device), "torch_threads": torch.get_num_threads(),
-                "params": sum(p.numel() for p in s.raw.parameters()), "train_samples": len(s.train_refs),
-                "train_tokens": sum(x.length for x in s.train_refs), "micro_per_epoch": s.micro_per_epoch,
-                "drafter": {k: getattr(s.drafter_config, k) for k in (
-                    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "intermediate_size", "vocab_size", "block_size")}}
+        info = {
+            "device": str(s.accelerator.device),
+            "torch_threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in s.raw.parameters()),
+            "train_samples": len(s.train_refs),
+            "train_tokens": sum(x.length for x in s.train_refs),
+            "micro_per_epoch": s.micro_per_epoch,
+            "drafter": {
+                k: getattr(s.drafter_config, k)
+                for k in (
+                    "num_hidden_layers",
+                    "hidden_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "intermediate_size",
+                    "vocab_size",
+                    "block_size",
+                )
+            },
+        }
         s.accelerator.end_training()
         return res, info
-
-
 
 
 def speed(args) -> dict:
@@ -247,16 +292,32 @@ def speed(args) -> dict:
         (res, info), mem = harness.in_child(one_repeat, args)
         (m1, o1), t1 = cpu_busy_s(), time.perf_counter()
         res["foreign_cpu_share"] = max(0.0, (m1 - m0) - (o1 - o0)) / ((t1 - t0) * (os.cpu_count() or 1))
-        res["rss_after_imports_mib"], res["rss_peak_mib"] = mem["start_rss_bytes"] / 2**20, mem["peak_rss_bytes"] / 2**20
+        res["rss_after_imports_mib"], res["rss_peak_mib"] = (
+            mem["start_rss_bytes"] / 2**20,
+            mem["peak_rss_bytes"] / 2**20,
+        )
         runs.append(res)
-        print(f"repeat {r + 1}/{args.repeat}: {res['steps_per_s']:.2f} steps/s, {res['tokens_per_s']:.0f} tokens/s, "
-              f"loader {res['loader_batches_per_s']:.1f} batches/s (x{res['loader_over_step_ratio']:.0f}), data wait "
-              f"{res['data_wait_share']:.2%}; other programs used {res['foreign_cpu_share']:.0%} of the CPUs",
-              file=sys.stderr, flush=True)
+        print(
+            f"repeat {r + 1}/{args.repeat}: {res['steps_per_s']:.2f} steps/s, {res['tokens_per_s']:.0f} tokens/s, "
+            f"loader {res['loader_batches_per_s']:.1f} batches/s (x{res['loader_over_step_ratio']:.0f}), data wait "
+            f"{res['data_wait_share']:.2%}; other programs used {res['foreign_cpu_share']:.0%} of the CPUs",
+            file=sys.stderr,
+            flush=True,
+        )
     med = {k: harness.median_of(x[k] for x in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
-    return {"command": "python -m bench.train_bench " + " ".join(sys.argv[1:]), "args": vars(args), "machine": {
-        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}, "info": info, "runs": runs, "median": med}
+    return {
+        "command": "python -m bench.train_bench " + " ".join(sys.argv[1:]),
+        "args": vars(args),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        },
+        "info": info,
+        "runs": runs,
+        "median": med,
+    }
 
 
 def build_long(location: str, like: str, lengths: list[int]) -> None:
@@ -269,16 +330,23 @@ def build_long(location: str, like: str, lengths: list[int]) -> None:
 
     src = HiddenStore(like)
     compat = dataclasses.replace(src.attrs.compat, num_shards=len(lengths))
-    attrs = dataclasses.replace(src.attrs, num_shards=len(lengths), compat=compat,
-                                fingerprint=fingerprint.sha256_json(to_json(compat)))
+    attrs = dataclasses.replace(
+        src.attrs, num_shards=len(lengths), compat=compat, fingerprint=fingerprint.sha256_json(to_json(compat))
+    )
     store = StoreWriter(location)
     store.create_or_check(attrs, src.embedding("embed_tokens"), src.embedding("lm_head"))
     g = torch.Generator().manual_seed(0)
     for shard, n in enumerate(lengths):
         if store.commit_record(shard) is not None:
             continue
-        w = ShardWriter(store, shard, len(attrs.taps), attrs.hidden_size, chunk_tokens=attrs.layout.chunk_tokens,
-                        shard_tokens=attrs.layout.shard_tokens)
+        w = ShardWriter(
+            store,
+            shard,
+            len(attrs.taps),
+            attrs.hidden_size,
+            chunk_tokens=attrs.layout.chunk_tokens,
+            shard_tokens=attrs.layout.shard_tokens,
+        )
         for i in range(SAMPLES):
             ids = torch.randint(5, attrs.vocab_size - 8, (n,), generator=g).tolist()
             w.add(shard * SAMPLES + i, ids[:PROMPT], ids[PROMPT:], truncated=False)
@@ -291,9 +359,20 @@ def long_run(store: str, shard: int, length: int, ckpt: bool, threads: int) -> f
     from stages.train.run import run
 
     with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig.of(store=store, out=f"{out}/run", shards=str(shard), max_length=length, batch_size=1,
-                             workers=0, max_steps=3, threads=threads, grad_checkpoint=ckpt, eval_every=0,
-                             save_every=0, log_every=1)
+        config = TrainConfig.of(
+            store=store,
+            out=f"{out}/run",
+            shards=str(shard),
+            max_length=length,
+            batch_size=1,
+            workers=0,
+            max_steps=3,
+            threads=threads,
+            grad_checkpoint=ckpt,
+            eval_every=0,
+            save_every=0,
+            log_every=1,
+        )
         t = time.perf_counter()
         run(config, log=lambda m: None)
         return time.perf_counter() - t
@@ -306,8 +385,14 @@ def long_context(args) -> dict:
     for shard, n in enumerate(lengths):
         for ckpt in (False, True):
             seconds, mem = harness.in_child(long_run, args.store, shard, n, ckpt, args.threads)
-            rows.append({"max_length": n, "grad_checkpoint": ckpt, "peak_rss_mb": round(mem["peak_rss_bytes"] / 2**20),
-                         "run_s": round(seconds, 1)})
+            rows.append(
+                {
+                    "max_length": n,
+                    "grad_checkpoint": ckpt,
+                    "peak_rss_mb": round(mem["peak_rss_bytes"] / 2**20),
+                    "run_s": round(seconds, 1),
+                }
+            )
     return {"samples_per_length": SAMPLES, "threads": args.threads, "rows": rows}
 
 
@@ -324,8 +409,9 @@ def kernel_agreement(store_path: str, anchors: int, dtype: str) -> dict:
     config = TrainConfig.of(anchors=anchors, layer_types="sliding,sliding,sliding,sliding,full", sliding_window=64)
     dc, _ = drafter_config(config, store.attrs, None)
     dev = torch.device("cuda")
-    model = Drafter(dc, store.embedding("embed_tokens").to(dev, torch.bfloat16),
-                    store.embedding("lm_head").to(dev, torch.bfloat16)).to(dev)
+    model = Drafter(
+        dc, store.embedding("embed_tokens").to(dev, torch.bfloat16), store.embedding("lm_head").to(dev, torch.bfloat16)
+    ).to(dev)
     model.init_weights(torch.Generator().manual_seed(0), std=0.05)
     model.to(dev)
     refs = sorted(index_samples(store, sorted(store.committed())[:2], 1024), key=lambda r: -r.length)[:4]
@@ -346,14 +432,27 @@ def kernel_agreement(store_path: str, anchors: int, dtype: str) -> dict:
         loss = dflash_loss(h, blk.labels, model.lm_head, 7.0).loss
         loss.backward()
         torch.cuda.synchronize()
-        out[kind] = (h.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}, float(loss),
-                     time.perf_counter() - t)
+        out[kind] = (
+            h.detach().float(),
+            {n: p.grad.float() for n, p in model.named_parameters()},
+            float(loss),
+            time.perf_counter() - t,
+        )
     (h0, g0, l0, t0), (h1, g1, l1, t1) = out["local"], out["flex"]
     rel = {n: float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0}
-    return {"dtype": dtype, "anchors": anchors, "context": S, "loss_local": l0, "loss_flex": l1,
-            "output_max_abs_diff": float((h0 - h1).abs().max()), "output_scale": float(h0.abs().max()),
-            "grad_rel_diff_max": max(rel.values()), "grad_rel_diff_worst": max(rel, key=rel.get),
-            "seconds_local_first": t0, "seconds_flex_first": t1}
+    return {
+        "dtype": dtype,
+        "anchors": anchors,
+        "context": S,
+        "loss_local": l0,
+        "loss_flex": l1,
+        "output_max_abs_diff": float((h0 - h1).abs().max()),
+        "output_scale": float(h0.abs().max()),
+        "grad_rel_diff_max": max(rel.values()),
+        "grad_rel_diff_worst": max(rel, key=rel.get),
+        "seconds_local_first": t0,
+        "seconds_flex_first": t1,
+    }
 
 
 def training(store_path: str, steps: int, batch_size: int, anchors: int, run_dir: str | None) -> dict:
@@ -362,16 +461,26 @@ def training(store_path: str, steps: int, batch_size: int, anchors: int, run_dir
     out = Path(run_dir) if run_dir else Path(tempfile.mkdtemp()) / "run"
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    summary = run(TrainConfig.of(store=store_path, out=str(out), max_steps=steps, batch_size=batch_size, anchors=anchors,
-                              log_every=10), log=lambda m: print(m, file=sys.stderr))
+    summary = run(
+        TrainConfig.of(
+            store=store_path, out=str(out), max_steps=steps, batch_size=batch_size, anchors=anchors, log_every=10
+        ),
+        log=lambda m: print(m, file=sys.stderr),
+    )
     wall = time.perf_counter() - t
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["split"] == "train"]
     later = train[1:] or train
-    return {"steps": summary["steps"], "wall_s": wall, "batch_size": batch_size, "anchors": anchors,
-            "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
-            "tokens_per_s_median": harness.median_of(r["tokens_per_s"] for r in later),
-            "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "steps": summary["steps"],
+        "wall_s": wall,
+        "batch_size": batch_size,
+        "anchors": anchors,
+        "first_loss": train[0]["loss"],
+        "last_loss": train[-1]["loss"],
+        "tokens_per_s_median": harness.median_of(r["tokens_per_s"] for r in later),
+        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def gpu(args) -> dict:
@@ -379,9 +488,12 @@ def gpu(args) -> dict:
         if args.toy:
             return {"skipped": "no CUDA on this machine"}
         sys.exit("error: `gpu` needs CUDA")
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "kernels": [kernel_agreement(args.store, args.anchors, d) for d in ("fp32", "bf16")],
-            "training": training(args.store, args.steps, args.batch_size, args.anchors, args.run_dir)}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "kernels": [kernel_agreement(args.store, args.anchors, d) for d in ("fp32", "bf16")],
+        "training": training(args.store, args.steps, args.batch_size, args.anchors, args.run_dir),
+    }
 
 
 def main() -> None:
@@ -409,7 +521,9 @@ def main() -> None:
     g.add_argument("--steps", type=int, default=60)
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--anchors", type=int, default=512)
-    g.add_argument("--run-dir", default=None, help="where the training run goes (must not hold a run) [default: a temp dir]")
+    g.add_argument(
+        "--run-dir", default=None, help="where the training run goes (must not hold a run) [default: a temp dir]"
+    )
     args = harness.parse(p)
     if args.toy and args.cmd == "speed":
         args.steps, args.warmup, args.repeat, args.anchors, args.num_layers, args.workers = 2, 1, 1, 32, 1, 1

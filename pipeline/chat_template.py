@@ -27,11 +27,13 @@ class Chat:
 
     def text(self, messages, generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
-                                                      tokenize=False, **self.kwargs)
+            return self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
+            )
         except Exception as e:  # noqa: BLE001 - jinja's errors (raise_exception, a missing key) name no row
-            raise DatasetError(f"{self.where}: the chat template cannot render this row "
-                               f"({type(e).__name__}: {e})") from None
+            raise DatasetError(
+                f"{self.where}: the chat template cannot render this row ({type(e).__name__}: {e})"
+            ) from None
 
     def ids(self, messages, generation_prompt: bool) -> list[int]:
         """The template applied to messages, as token ids (the template writes its own specials)."""
@@ -56,14 +58,18 @@ def check(chat: Chat, messages) -> None:
     if chat.kwargs.get("tools"):
         bare = Chat(chat.tokenizer, {k: v for k, v in chat.kwargs.items() if k != "tools"}, chat.where)
         if chat.text(messages, True) == bare.text(messages, True):
-            raise DatasetError(f"{chat.where}: the row has {len(chat.kwargs['tools'])} tool(s) but the target's chat "
-                               "template does not render them (the text is the same without them)")
+            raise DatasetError(
+                f"{chat.where}: the row has {len(chat.kwargs['tools'])} tool(s) but the target's chat "
+                "template does not render them (the text is the same without them)"
+            )
     for j, m in enumerate(messages):
         if m.get("tool_calls"):
             without = [*messages[:j], {k: v for k, v in m.items() if k != "tool_calls"}]
-            if chat.text(messages[:j + 1], False) == chat.text(without, False):
-                raise DatasetError(f"{chat.where}: turn {j} has tool_calls but the target's chat template does not "
-                                   "render them (the text is the same without them)")
+            if chat.text(messages[: j + 1], False) == chat.text(without, False):
+                raise DatasetError(
+                    f"{chat.where}: turn {j} has tool_calls but the target's chat template does not "
+                    "render them (the text is the same without them)"
+                )
 
 
 def templated(message: dict) -> bool:
@@ -76,9 +82,11 @@ def answer_text(chat: Chat, before, message: dict, ends_of_turn: list[str]) -> s
     last end-of-turn token; refused when the rendering of `before` is not a prefix of it."""
     prompt, upto = chat.text(before, True), chat.text([*before, message], False)
     if not upto.startswith(prompt):
-        raise DatasetError(f"{chat.where}: the chat template renders the turns before assistant turn {len(before)} "
-                           "differently once it follows, so its answer cannot be cut from the rendering")
-    answer = upto[len(prompt):]
+        raise DatasetError(
+            f"{chat.where}: the chat template renders the turns before assistant turn {len(before)} "
+            "differently once it follows, so its answer cannot be cut from the rendering"
+        )
+    answer = upto[len(prompt) :]
     cut = max((answer.rfind(e) + len(e) for e in ends_of_turn if e in answer), default=len(answer))
     return answer[:cut]
 

@@ -60,14 +60,25 @@ def info(store: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("store")
-@click.option("--shards", "shard_text", default=None,
-              help="Check only these shards ('0-63', 'all'); each must be committed. [default: every committed shard]")
-@click.option("--sample", type=click.FloatRange(0, 1, min_open=True), default=None,
-              help="Decode only this share of each shard's state chunks, chosen at random (each checked against its "
-                   "own checksum in a schema-2 store); the verdict states the coverage. [default: every byte]")
-@click.option("--processes", type=click.IntRange(min=1), default=None,
-              help="Shards checked in parallel processes (at most one per shard). [default: the cores this process "
-                   "may use]")
+@click.option(
+    "--shards",
+    "shard_text",
+    default=None,
+    help="Check only these shards ('0-63', 'all'); each must be committed. [default: every committed shard]",
+)
+@click.option(
+    "--sample",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Decode only this share of each shard's state chunks, chosen at random (each checked against its "
+    "own checksum in a schema-2 store); the verdict states the coverage. [default: every byte]",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Shards checked in parallel processes (at most one per shard). [default: the cores this process may use]",
+)
 def verify(store: str, shard_text: str | None, sample: float | None, processes: int | None) -> None:
     """Re-read the committed shards of STORE; check shapes, offsets, masks and checksums.
 
@@ -81,8 +92,9 @@ def verify(store: str, shard_text: str | None, sample: float | None, processes: 
 
     HiddenStore(store).check_reachable()
     with tqdm(unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
-        report = verify_store(store, shard_text, lambda _shard: bar.update(), sample,
-                              processes or len(os.sched_getaffinity(0)))
+        report = verify_store(
+            store, shard_text, lambda _shard: bar.update(), sample, processes or len(os.sched_getaffinity(0))
+        )
     for line in report.lines():
         log(line)
     click.echo(report.verdict())

@@ -83,8 +83,10 @@ class Process:
     @classmethod
     def from_env(cls, env=None) -> Process:
         env = os.environ if env is None else env
-        for rank, world, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                                   ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
+        for rank, world, local in (
+            ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+        ):
             if rank in env and world in env:
                 return cls(int(env[rank]), int(env[world]), int(env.get(local, env[rank])))
         return cls()

@@ -24,8 +24,14 @@ from pipeline.errors import DatasetError
 SHAREGPT_FIELD = "conversations"  # where ShareGPT rows keep their turns, when the messages field is absent
 # a turn's role (`role`, or ShareGPT's `from`; case ignored) -> the role the chat template gets: the four
 # chat templates know, and ShareGPT's names for two of them
-ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "human": "user",
-         "gpt": "assistant"}
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "human": "user",
+    "gpt": "assistant",
+}
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,17 @@ class Row:
         if self.prompt_ids is not None:
             return [self]  # a token row is one sample, its loss mask as given
         turns = self.conversation()
-        return [replace(self, messages=turns[:j], response=m["content"], response_ids=self.response_ids
-                        if j == len(turns) - 1 else None, answer=m)
-                for j, m in enumerate(turns) if m["role"] == "assistant"] or [self]  # no answer: skipped as such
+        return [
+            replace(
+                self,
+                messages=turns[:j],
+                response=m["content"],
+                response_ids=self.response_ids if j == len(turns) - 1 else None,
+                answer=m,
+            )
+            for j, m in enumerate(turns)
+            if m["role"] == "assistant"
+        ] or [self]  # no answer: skipped as such
 
 
 class PromptSet:
@@ -83,7 +97,8 @@ class PromptSet:
             raise DatasetError(
                 f"dataset {source}: row 0 has neither field {fields.messages!r} ({SHAREGPT_FIELD!r}) nor "
                 f"{fields.prompt!r} nor token ids ({INPUT_IDS!r}, {PROMPT_IDS!r}) (fields present: "
-                f"{sorted(records[0])}); set --messages-field or --prompt-field")
+                f"{sorted(records[0])}); set --messages-field or --prompt-field"
+            )
 
     def __len__(self) -> int:
         return len(self.records)
@@ -109,8 +124,11 @@ class PromptSet:
         rec = self.records[i]
         f = self.fields
         ids = self._ids(i, rec)
-        extra = {"tools": self._json(i, rec, TOOLS_FIELD, list, ()), "template_kwargs": self._json(
-            i, rec, f.template_kwargs, dict, {}) if f.template_kwargs else {}, "category": self._label(i, rec)}
+        extra = {
+            "tools": self._json(i, rec, TOOLS_FIELD, list, ()),
+            "template_kwargs": self._json(i, rec, f.template_kwargs, dict, {}) if f.template_kwargs else {},
+            "category": self._label(i, rec),
+        }
         if INPUT_IDS in rec or PROMPT_IDS in rec:
             return self._token_row(i, rec, ids, extra)
         turns_field = f.messages if f.messages in rec else SHAREGPT_FIELD if SHAREGPT_FIELD in rec else None
@@ -124,13 +142,17 @@ class PromptSet:
         if f.prompt in rec:
             prompt = rec[f.prompt]
             if not isinstance(prompt, str):
-                raise DatasetError(f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text")
+                raise DatasetError(
+                    f"dataset {self.source}: row {i} field {f.prompt!r} is {type(prompt).__name__}, expected text"
+                )
             response = rec.get(f.response)
             if isinstance(response, list):  # content parts, joined as a turn's are
                 response = turn_text(f"dataset {self.source}: row {i} field {f.response!r}", response)
             return Row(i, ({"role": "user", "content": prompt},), response, ids, **extra)
-        raise DatasetError(f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
-                           f"nor {f.prompt!r} (fields present: {sorted(rec)})")
+        raise DatasetError(
+            f"dataset {self.source}: row {i} has neither field {f.messages!r} ({SHAREGPT_FIELD!r}) "
+            f"nor {f.prompt!r} (fields present: {sorted(rec)})"
+        )
 
     def _ids(self, i: int, rec: dict, name: str | None = None) -> tuple[int, ...] | None:
         """The row's field `name` as token ids, if any; by default the response's, from `<response
@@ -139,8 +161,7 @@ class PromptSet:
         ids = rec.get(name)
         if ids is None:
             return None
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                for t in ids):
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is not a list of token ids (ints >= 0)")
         return tuple(ids)
 
@@ -153,8 +174,10 @@ class PromptSet:
         if value is None:
             return ""
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is {type(value).__name__}, expected "
-                               "a label (text or a number)")
+            raise DatasetError(
+                f"dataset {self.source}: row {i} field {name!r} is {type(value).__name__}, expected "
+                "a label (text or a number)"
+            )
         return str(value)
 
     def _token_row(self, i: int, rec: dict, response_ids, extra: dict) -> Row:
@@ -165,8 +188,10 @@ class PromptSet:
             return Row(i, (), None, response_ids, prompt_ids=self._ids(i, rec, PROMPT_IDS) or (), **extra)
         ids, mask = self._ids(i, rec, INPUT_IDS) or (), rec.get(LOSS_MASK)
         if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-            raise DatasetError(f"dataset {self.source}: row {i} field {LOSS_MASK!r} must be a list of 0 and 1 as long "
-                               f"as {INPUT_IDS!r} ({len(ids)} ids)")
+            raise DatasetError(
+                f"dataset {self.source}: row {i} field {LOSS_MASK!r} must be a list of 0 and 1 as long "
+                f"as {INPUT_IDS!r} ({len(ids)} ids)"
+            )
         runs = loss_runs(mask)
         if not runs:
             return Row(i, (), None, None, prompt_ids=ids, **extra)
@@ -182,10 +207,14 @@ class PromptSet:
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is text but not JSON ({e})") from None
+                raise DatasetError(
+                    f"dataset {self.source}: row {i} field {name!r} is text but not JSON ({e})"
+                ) from None
         if not isinstance(value, kind):
-            raise DatasetError(f"dataset {self.source}: row {i} field {name!r} is {type(value).__name__}, expected "
-                               f"{'a list' if kind is list else 'an object'} (or its JSON text)")
+            raise DatasetError(
+                f"dataset {self.source}: row {i} field {name!r} is {type(value).__name__}, expected "
+                f"{'a list' if kind is list else 'an object'} (or its JSON text)"
+            )
         return tuple(value) if kind is list else value
 
     def _turns(self, i: int, field: str, turns) -> list[dict]:
@@ -201,7 +230,9 @@ class PromptSet:
             elif "from" in t and "value" in t:
                 out.append({"role": turn_role(at, "from", t["from"]), "content": turn_text(at, t["value"])})
             else:
-                raise DatasetError(f"{at}: expected {{'role', 'content'}} or {{'from', 'value'}}, found keys {sorted(t)}")
+                raise DatasetError(
+                    f"{at}: expected {{'role', 'content'}} or {{'from', 'value'}}, found keys {sorted(t)}"
+                )
         return out
 
     def describe(self) -> dict:
@@ -249,8 +280,10 @@ def turn_text(where: str, content) -> str:
         if kind == "text" and not isinstance(part.get("text"), str):
             raise DatasetError(f"{where}: content part {k} is of type 'text' but its 'text' is not text")
         if kind != "text":
-            raise DatasetError(f"{where}: content part {k} is of type {kind!r}; only text parts "
-                               "({'type': 'text', 'text': ...}) can be read, the target is read as a text model")
+            raise DatasetError(
+                f"{where}: content part {k} is of type {kind!r}; only text parts "
+                "({'type': 'text', 'text': ...}) can be read, the target is read as a text model"
+            )
     return "".join(part["text"] for part in content)
 
 

@@ -60,12 +60,19 @@ def redact(url: str) -> str:
 def server_root(url: str) -> str:
     """The server's root: the URL redacted, less the OpenAI clients' `/v1` base path if given."""
     root = redact(url)
-    return root[:-len("/v1")] if root.endswith("/v1") else root
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 class ReferenceServer:
-    def __init__(self, url: str, model: str | None = None, concurrency: int = 32, timeout_s: float = 600.0,
-                 retries: int = 4, backoff_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        concurrency: int = 32,
+        timeout_s: float = 600.0,
+        retries: int = 4,
+        backoff_s: float = 1.0,
+    ) -> None:
         self.url, self.model = server_root(url), model  # http://host:port and http://host:port/v1 alike
         self.headers = {"Content-Type": "application/json", **_auth(url)}
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -82,8 +89,9 @@ class ReferenceServer:
         models = [m["id"] for m in served]
         if self.model is None:
             if len(models) != 1:
-                raise EngineError(f"--server-url {redact(self.url)} serves {models or 'no model'}; "
-                                  "choose one with --server-model")
+                raise EngineError(
+                    f"--server-url {redact(self.url)} serves {models or 'no model'}; choose one with --server-model"
+                )
             self.model = models[0]
         elif self.model not in models:
             raise EngineError(f"--server-model {self.model}: {redact(self.url)} serves {models}, not it")
@@ -110,8 +118,10 @@ class ReferenceServer:
         except EngineError:
             return  # the engine has no /tokenize: nothing to compare; the agreement check remains
         if theirs != ours:
-            raise EngineError(f"--server-url {redact(self.url)}: the served model {self.model} has another vocabulary "
-                              f"(it tokenizes a probe text to {theirs[:8]}..., the target's tokenizer to {ours[:8]}...)")
+            raise EngineError(
+                f"--server-url {redact(self.url)}: the served model {self.model} has another vocabulary "
+                f"(it tokenizes a probe text to {theirs[:8]}..., the target's tokenizer to {ours[:8]}...)"
+            )
 
     # -- completions -----------------------------------------------------------------------
     def submit(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> Future:
@@ -131,25 +141,42 @@ class ReferenceServer:
 
     def _complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> list[int] | None:
         if self.info is not None and self.info.engine == "sglang":
-            body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens,
-                                                             "stop_token_ids": stop_ids}}
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "stop_token_ids": stop_ids},
+            }
             out = self._post("/generate", body, rejected_ok=True)
             if out is None:
                 return None
             finish = out.get("meta_info", {}).get("finish_reason") or {}
-            return _with_eos(out["output_ids"], {"matched_stop": finish.get("matched") if isinstance(finish, dict) else None},
-                             stop_ids)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stop_token_ids": stop_ids, "return_token_ids": True, "skip_special_tokens": False}
+            return _with_eos(
+                out["output_ids"],
+                {"matched_stop": finish.get("matched") if isinstance(finish, dict) else None},
+                stop_ids,
+            )
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stop_token_ids": stop_ids,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         out = self._post("/v1/completions", body, rejected_ok=True)
         if out is None:
             return None
         choice = out["choices"][0]
         if choice.get("token_ids") is None:
-            raise EngineError(f"--server-url {redact(self.url)}: the completion carries no token ids "
-                              "(the server ignored return_token_ids; a vLLM too old?)")
-        return _with_eos(choice["token_ids"], {"finish_reason": choice.get("finish_reason"),
-                                               "matched_stop": choice.get("stop_reason")}, stop_ids)
+            raise EngineError(
+                f"--server-url {redact(self.url)}: the completion carries no token ids "
+                "(the server ignored return_token_ids; a vLLM too old?)"
+            )
+        return _with_eos(
+            choice["token_ids"],
+            {"finish_reason": choice.get("finish_reason"), "matched_stop": choice.get("stop_reason")},
+            stop_ids,
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -159,8 +186,9 @@ class ReferenceServer:
         return self._request(urllib.request.Request(self.url + path, headers=self.headers), retries)
 
     def _post(self, path: str, body: dict, retries: int | None = None, rejected_ok: bool = False) -> dict | None:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers=self.headers)
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), method="POST", headers=self.headers
+        )
         return self._request(req, retries, rejected_ok)
 
     def _request(self, req, retries: int | None, rejected_ok: bool = False) -> dict | None:
@@ -179,9 +207,11 @@ class ReferenceServer:
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             if attempt + 1 < tries:
-                time.sleep(self.backoff_s * 2 ** attempt)
-        raise EngineError(f"--server-url {redact(self.url)}: {req.full_url.removeprefix(self.url)} failed "
-                          f"after {tries} tr{'y' if tries == 1 else 'ies'} ({last})")
+                time.sleep(self.backoff_s * 2**attempt)
+        raise EngineError(
+            f"--server-url {redact(self.url)}: {req.full_url.removeprefix(self.url)} failed "
+            f"after {tries} tr{'y' if tries == 1 else 'ies'} ({last})"
+        )
 
 
 def _auth(url: str) -> dict:
@@ -189,8 +219,9 @@ def _auth(url: str) -> dict:
     bearer token (what `vllm serve --api-key` and SGLang's --api-key check)."""
     p = urllib.parse.urlsplit(url)
     if p.username or p.password:
-        token = base64.b64encode(f"{urllib.parse.unquote(p.username or '')}:"
-                                 f"{urllib.parse.unquote(p.password or '')}".encode()).decode()
+        token = base64.b64encode(
+            f"{urllib.parse.unquote(p.username or '')}:{urllib.parse.unquote(p.password or '')}".encode()
+        ).decode()
         return {"Authorization": f"Basic {token}"}
     key = os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}

@@ -60,8 +60,9 @@ class JsonlRows:
         try:
             rec = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DatasetError(f"--dataset {self.path}: line {self.lines[i]} is not valid JSON "
-                               f"({getattr(e, 'msg', e)})") from None
+            raise DatasetError(
+                f"--dataset {self.path}: line {self.lines[i]} is not valid JSON ({getattr(e, 'msg', e)})"
+            ) from None
         if not isinstance(rec, dict):
             raise DatasetError(f"--dataset {self.path}: line {self.lines[i]} is not a JSON object")
         return rec
@@ -135,6 +136,8 @@ def _from_datasets(name: str, split: str, on_disk: bool):
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split]
     except Exception as e:
-        raise DatasetError(f"--dataset {name}: cannot load it with `datasets` ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DatasetError(
+            f"--dataset {name}: cannot load it with `datasets` ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return ds, name, fingerprint.sha256_json({"fingerprint": ds._fingerprint, "rows": len(ds)})

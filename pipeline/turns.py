@@ -35,8 +35,10 @@ def answer_spans(chat: Chat, messages, prompt: list[int], eos_ids: list[int]) ->
         before = chat.text(messages[:j], True)
         answer = answer_text(chat, messages[:j], message, ends_of_turn)
         if not full.startswith(before + answer):
-            raise DatasetError(f"{where}: the chat template renders assistant turn {j} differently once later "
-                               "turns follow, so its tokens cannot be found in the prompt; use --turns split (or last)")
+            raise DatasetError(
+                f"{where}: the chat template renders assistant turn {j} differently once later "
+                "turns follow, so its tokens cannot be found in the prompt; use --turns split (or last)"
+            )
         a, b = len(before), len(before) + len(answer)
         inside = [k for k, (s, e) in enumerate(encoded.offset_mapping) if s < b and e > a]
         if inside:

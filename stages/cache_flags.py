@@ -9,22 +9,34 @@ from store.io.node_cache import NodeCache
 
 
 def cache_dir_setting():
-    return setting(None, "Node-local cache directory for an object-store --store: each shard file is fetched once "
-                         "per node, kept here (whole, renamed into place) and read from the node's disk after; "
-                         "shared by the node's processes, bounded by --cache-size (least recently used files "
-                         "evicted), every read still verified. A local --store ignores it.", default_text="off")
+    return setting(
+        None,
+        "Node-local cache directory for an object-store --store: each shard file is fetched once "
+        "per node, kept here (whole, renamed into place) and read from the node's disk after; "
+        "shared by the node's processes, bounded by --cache-size (least recently used files "
+        "evicted), every read still verified. A local --store ignores it.",
+        default_text="off",
+    )
 
 
 def cache_size_setting():
-    return setting(None, "Bytes the --cache-dir may hold, e.g. '500G' or '20T' (powers of 1024); required with "
-                         "--cache-dir. Leave the disk some room: files being fetched sit beside the bound.",
-                   parse=parse_size, default_text="none")
+    return setting(
+        None,
+        "Bytes the --cache-dir may hold, e.g. '500G' or '20T' (powers of 1024); required with "
+        "--cache-dir. Leave the disk some room: files being fetched sit beside the bound.",
+        parse=parse_size,
+        default_text="none",
+    )
 
 
 def check(config) -> None:
     """A cache size exactly when a cache directory, positive."""
-    require(config, "cache_size", config.cache_size is not None or config.cache_dir is None,
-            "is required with --cache-dir (e.g. --cache-size 500G)")
+    require(
+        config,
+        "cache_size",
+        config.cache_size is not None or config.cache_dir is None,
+        "is required with --cache-dir (e.g. --cache-size 500G)",
+    )
     if config.cache_size is None:
         return
     shown = format_size(config.cache_size)  # as the user wrote it (1G, not 1073741824)

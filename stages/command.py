@@ -79,6 +79,7 @@ def _base(hint):
 def _parser(parse, default):
     """A flag's text through its parse function; text it refuses is one line (ConfigError: the flag,
     the text as given, what was expected)."""
+
     def callback(_ctx, param, value):
         if value is None:
             return default

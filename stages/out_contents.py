@@ -41,11 +41,16 @@ class Kind:
 
 
 STORE = Kind(what="a hidden-state store", marks=("zarr.json", "shards", "_commits", "_locks", "_index"))
-RUN = Kind(what="a training run", marks=("metrics.jsonl", "final", SCHEDULE, "curve.png", "audit", RUN_LOCK, LAUNCH_MARK),
-           pattern=r"\.?step-\d+(\.tmp)?|\.final\.(tmp|old)\d+|\.shards\.json\.tmp")
+RUN = Kind(
+    what="a training run",
+    marks=("metrics.jsonl", "final", SCHEDULE, "curve.png", "audit", RUN_LOCK, LAUNCH_MARK),
+    pattern=r"\.?step-\d+(\.tmp)?|\.final\.(tmp|old)\d+|\.shards\.json\.tmp",
+)
 REPORT = Kind(what="an evaluate.py report", marks=(*REPORT_FILES, REPORT_LOCK), pattern=r"\.report\.(json|md)\.tmp\d+")
-DRAFTER = Kind(what="a drafter checkpoint", marks=("config.json", "model.safetensors", "modeling_dflash.py",
-                                                   "trainer_state.json", "training"))
+DRAFTER = Kind(
+    what="a drafter checkpoint",
+    marks=("config.json", "model.safetensors", "modeling_dflash.py", "trainer_state.json", "training"),
+)
 KINDS = (STORE, RUN, REPORT, DRAFTER)
 
 
@@ -90,8 +95,11 @@ def refuse_a_store(path: str | Path, flag: str, shown: str | Path | None = None)
     if store is None:
         return
     value = shown if shown is not None else path
-    where = (described(entries(store), "") if store == Path(path).absolute()
-             else f"lies inside the hidden-state store {store}")
+    where = (
+        described(entries(store), "")
+        if store == Path(path).absolute()
+        else f"lies inside the hidden-state store {store}"
+    )
     raise ConfigError(flag, value, f"{where}: no command writes its output into a store; choose a directory outside it")
 
 
@@ -104,8 +112,9 @@ def refuse_other_kinds(directory: Path, own: Kind, flag: str, writes: str, mine:
         return
     for kind in KINDS:
         if kind is not own and kind.marked(names):
-            raise ConfigError(flag, directory, f"is {kind.what} ({_listed(kind.marked(names))}): {writes}; choose "
-                                               f"another {flag}")
+            raise ConfigError(
+                flag, directory, f"is {kind.what} ({_listed(kind.marked(names))}): {writes}; choose another {flag}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,5 +147,9 @@ class Output:
             what = described(foreign if own and complete else names, self.command)
             raise ConfigError(self.flag, value, f"{what}: {self.writes}; choose another {self.flag}")
         if own and not force:
-            raise ConfigError(self.flag, value, f"already holds {self.earlier} ({', '.join(own)}); pass --force to "
-                                                f"replace it, or choose another {self.flag}")
+            raise ConfigError(
+                self.flag,
+                value,
+                f"already holds {self.earlier} ({', '.join(own)}); pass --force to "
+                f"replace it, or choose another {self.flag}",
+            )

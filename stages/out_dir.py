@@ -30,8 +30,12 @@ def claim(lock: Path, flag: str, value, writer: str) -> LockFile:
     holder = held.try_acquire()
     if holder is not None:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
-        raise ConfigError(flag, value, f"another {writer} is writing it (host {holder.get('host')}, pid "
-                                       f"{holder.get('pid')}, since {since}); wait for it, or choose another {flag}")
+        raise ConfigError(
+            flag,
+            value,
+            f"another {writer} is writing it (host {holder.get('host')}, pid "
+            f"{holder.get('pid')}, since {since}); wait for it, or choose another {flag}",
+        )
     return held
 
 

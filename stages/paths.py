@@ -34,14 +34,17 @@ REFUSALS = {
     errno.EISDIR: ("is a directory", "give a file's path, not a directory's"),
     errno.ENOSPC: ("no space left on device", "free space, or choose a path on another file system"),
     errno.EDQUOT: ("disk quota exceeded", "free space within your quota, or choose another file system"),
-    errno.EFBIG: ("file too large", "raise the file-size limit (`ulimit -f`), or choose a file system that "
-                                    "takes larger files"),
+    errno.EFBIG: (
+        "file too large",
+        "raise the file-size limit (`ulimit -f`), or choose a file system that takes larger files",
+    ),
     errno.ENAMETOOLONG: ("file name too long", "choose a shorter path"),
 }
 # Where a refusal is the installation's, not the user's: this package's code, Python's library.
 _CODE = [Path(__file__).resolve().parents[1] / top for top in ("store", "pipeline", "stages")]
-_PYTHON = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib",
-                                                                                "platlib")}
+_PYTHON = {
+    Path(p).resolve() for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")
+}
 
 
 def check_inputs(store: str, out: str, flag: str = "--out") -> None:

@@ -39,13 +39,22 @@ def curve_series(recs: list[dict]) -> list[Series]:
         label = "train (window mean)" if split == "train" else "held out"
         marker, line = (None, True) if split == "train" else ("o", len(rs) >= MIN_TREND)
         steps = [r["step"] for r in rs]
-        out += [Series("loss", steps, [r["loss"] for r in rs], label, marker, line),
-                Series("tau", steps, [r["tau_streak"] for r in rs], label + ", streak", marker, line)]
+        out += [
+            Series("loss", steps, [r["loss"] for r in rs], label, marker, line),
+            Series("tau", steps, [r["tau_streak"] for r in rs], label + ", streak", marker, line),
+        ]
         replayed = [r for r in rs if "tau_replay" in r]
         if replayed:
-            out.append(Series("tau", [r["step"] for r in replayed], [r["tau_replay"] for r in replayed],
-                              f"held out, replayed ({replayed[-1]['replay_prompts']} prompts)", "s",
-                              len(replayed) >= MIN_TREND))
+            out.append(
+                Series(
+                    "tau",
+                    [r["step"] for r in replayed],
+                    [r["tau_replay"] for r in replayed],
+                    f"held out, replayed ({replayed[-1]['replay_prompts']} prompts)",
+                    "s",
+                    len(replayed) >= MIN_TREND,
+                )
+            )
     return out
 
 

@@ -19,16 +19,33 @@ import math
 from store.errors import ConfigError
 
 
-def setting(default=dataclasses.MISSING, help: str = "", *, flag: str | None = None, default_text: str | None = None,
-            choices: tuple | None = None, parse=None, click: dict | None = None, resume: str | None = None,
-            drafter: str | None = None) -> dataclasses.Field:
+def setting(
+    default=dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    default_text: str | None = None,
+    choices: tuple | None = None,
+    parse=None,
+    click: dict | None = None,
+    resume: str | None = None,
+    drafter: str | None = None,
+) -> dataclasses.Field:
     """A config field. flag: the option's name when it is not `--field-name`; default_text: how the
     default reads in --help when the value itself says little (None meaning "auto"); choices: the
     allowed values; parse: text -> value, for fields a single option string cannot hold as is;
     click: any further click.option arguments. Roles: resume="fixed": a resumed run must keep the
     value (training); drafter: the DrafterConfig field the value sets, when given (training)."""
-    meta = {"help": help, "flag": flag, "default_text": default_text, "choices": choices, "parse": parse,
-            "click": click or {}, "resume": resume, "drafter": drafter}
+    meta = {
+        "help": help,
+        "flag": flag,
+        "default_text": default_text,
+        "choices": choices,
+        "parse": parse,
+        "click": click or {},
+        "resume": resume,
+        "drafter": drafter,
+    }
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -146,7 +163,7 @@ def parse_size(text: str) -> int:
     body = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = body[-1:] if body[-1:] in _SIZE_UNITS and body[-1:] else ""
     try:
-        value = float(body[:len(body) - len(unit)])
+        value = float(body[: len(body) - len(unit)])
     except ValueError:
         raise ValueError("expected a size such as '500G', '2T' or a number of bytes") from None
     if not math.isfinite(value) or value < 0:

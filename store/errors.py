@@ -58,12 +58,16 @@ class StoreCorrupt(StoreError):
 
 
 # What to run about damage, named in the errors above.
-ROOT_FIX = ("the store's root is damaged (zarr.json, target/ or _commits/root.json; the shards are separate "
-            "and `pipeline verify` checks them): rebuild it with `pipeline extract ... --redo` and the settings the "
-            "store was made with, --num-shards included, or restore those files from a copy")
+ROOT_FIX = (
+    "the store's root is damaged (zarr.json, target/ or _commits/root.json; the shards are separate "
+    "and `pipeline verify` checks them): rebuild it with `pipeline extract ... --redo` and the settings the "
+    "store was made with, --num-shards included, or restore those files from a copy"
+)
 
 
 def redo_hint(location: str, shard: int) -> str:
     """What to run about a damaged shard of the store at location."""
-    return (f"run `pipeline verify {location} --shards {shard}`, then re-extract it with the store's "
-            f"settings (`pipeline info` shows them) and `--shards {shard} --redo`")
+    return (
+        f"run `pipeline verify {location} --shards {shard}`, then re-extract it with the store's "
+        f"settings (`pipeline info` shows them) and `--shards {shard} --redo`"
+    )

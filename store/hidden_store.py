@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 
 class HiddenStore:
-    def __init__(self, location: str, cache_bytes: int = read_cache.DEFAULT_BYTES,
-                 node_cache: NodeCache | None = None) -> None:
+    def __init__(
+        self, location: str, cache_bytes: int = read_cache.DEFAULT_BYTES, node_cache: NodeCache | None = None
+    ) -> None:
         """cache_bytes: the bound of what this handle's readers keep of what they fetched beyond
         the spans asked for (store/io/read_cache.py; 0: nothing kept). node_cache: a node-local
         directory the shard files of an object store are read through, each fetched once per node
@@ -103,8 +104,9 @@ class HiddenStore:
 
     def shard_damage(self, e: StoreCorrupt, shard: int, sample: int | None = None) -> StoreCorrupt:
         """e, told which shard (and sample) it lies in and what to run about it."""
-        return e.located(f"shard {shard}" + ("" if sample is None else f", sample {sample}"),
-                         redo_hint(self.location, shard))
+        return e.located(
+            f"shard {shard}" + ("" if sample is None else f", sample {sample}"), redo_hint(self.location, shard)
+        )
 
     # -- root ------------------------------------------------------------------------------
     def group(self) -> zarr.Group:
@@ -153,8 +155,11 @@ class HiddenStore:
                 raise e.located(None, ROOT_FIX) from None
             attrs = StoreAttrs.from_json(raw, self.location)
             if attrs.fingerprint != root.fingerprint:
-                raise StoreCorrupt(f"{self.path('zarr.json')}: the attributes' fingerprint {attrs.fingerprint[:12]} is "
-                                   f"not the {root.fingerprint[:12]} of {layout.commit_key('root')}", ROOT_FIX)
+                raise StoreCorrupt(
+                    f"{self.path('zarr.json')}: the attributes' fingerprint {attrs.fingerprint[:12]} is "
+                    f"not the {root.fingerprint[:12]} of {layout.commit_key('root')}",
+                    ROOT_FIX,
+                )
             self._attrs = attrs
         return self._attrs
 
@@ -175,8 +180,9 @@ class HiddenStore:
             if isinstance(data, FileNotFoundError):
                 raise StoreCorrupt(f"{self.path(key)}: missing", ROOT_FIX)
             try:
-                commit_file.check_fetched(self.root.rstrip("/"), {k: v for k, v in (root.metadata or {}).items()
-                                                                  if k == meta}, {meta: data})
+                commit_file.check_fetched(
+                    self.root.rstrip("/"), {k: v for k, v in (root.metadata or {}).items() if k == meta}, {meta: data}
+                )
                 arrays.append((self.path(key), zarr_files.parse(data, self.path(meta))))
             except StoreCorrupt as e:
                 raise e.located(None, ROOT_FIX) from None
@@ -186,8 +192,11 @@ class HiddenStore:
                 raise StoreCorrupt(f"{path}: unreadable ({type(bits).__name__}: {bits})", ROOT_FIX)
             expected = root.checksums.get(name)
             if expected is not None and layout.crc32(bits) != expected:
-                raise StoreCorrupt(f"{path}: its CRC-32 is not the one {layout.commit_key('root')} records (a chunk "
-                                   f"file is damaged, missing or replaced)", ROOT_FIX)
+                raise StoreCorrupt(
+                    f"{path}: its CRC-32 is not the one {layout.commit_key('root')} records (a chunk "
+                    f"file is damaged, missing or replaced)",
+                    ROOT_FIX,
+                )
             out.append(layout.from_bits(bits))
         return out
 
@@ -245,8 +254,11 @@ class HiddenStore:
             names = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
             return []
-        return [int(b[:-5]) for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
-                if b.endswith(".json") and b[:-5].isdigit()]
+        return [
+            int(b[:-5])
+            for b in (n.rstrip("/").rsplit("/", 1)[-1] for n in names)
+            if b.endswith(".json") and b[:-5].isdigit()
+        ]
 
     def commits(self, shards: list[int] | None = None) -> tuple[dict[int, ShardCommit], dict[int, StoreCorrupt]]:
         """(shard -> commit record, shard -> the error of its damaged commit file), in shard order, of
@@ -291,7 +303,7 @@ class HiddenStore:
             try:
                 if not self.fs.exists(path):
                     return {}
-                return {f[len(path) + 1:]: int(n) for f, n in self.fs.du(path, total=False).items()}
+                return {f[len(path) + 1 :]: int(n) for f, n in self.fs.du(path, total=False).items()}
             except FileNotFoundError:
                 if attempt == 4:
                     raise
@@ -317,9 +329,12 @@ def _refuse_a_file(location: str, root: str) -> None:
         p = os.path.dirname(p)
     if os.path.isdir(p):
         return
-    what = "a file, not a hidden-state store" if p == os.path.abspath(root) else f"not a hidden-state store: {p} is a file"
-    raise NotAStore(f"{location}: {what} (a store is a directory, as `pipeline extract` writes it); give the store's "
-                    "directory")
+    what = (
+        "a file, not a hidden-state store" if p == os.path.abspath(root) else f"not a hidden-state store: {p} is a file"
+    )
+    raise NotAStore(
+        f"{location}: {what} (a store is a directory, as `pipeline extract` writes it); give the store's directory"
+    )
 
 
 def _local_sizes(path: str) -> dict[str, int]:
@@ -332,4 +347,3 @@ def _local_sizes(path: str) -> dict[str, int]:
             except FileNotFoundError:
                 pass
     return sizes
-

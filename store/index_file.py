@@ -108,9 +108,12 @@ def encode(key: str, index: StoreIndex) -> bytes:
     (each flat, with its per-shard ends), then the crc32c of all of it."""
     shards = list(index.records)
     commits = [commit_file.canonical(commit_file.seal(index.records[s].to_json())) for s in shards]
-    parts = {"state": np.frombuffer(key.encode(), np.uint8), "shards": np.array(shards, np.int64),
-             "commits": np.frombuffer(b"".join(commits), np.uint8),
-             "commits_ends": np.cumsum([len(c) for c in commits], dtype=np.int64)}
+    parts = {
+        "state": np.frombuffer(key.encode(), np.uint8),
+        "shards": np.array(shards, np.int64),
+        "commits": np.frombuffer(b"".join(commits), np.uint8),
+        "commits_ends": np.cumsum([len(c) for c in commits], dtype=np.int64),
+    }
     for name in NAMES:
         arrays = [index.arrays[s][name] for s in shards]
         parts[name] = np.concatenate(arrays) if arrays else np.zeros(0, layout.ARRAY_DTYPES[name])
@@ -133,7 +136,9 @@ def decode(data: bytes, key: str, where: str) -> StoreIndex | None:
             return None
         shards = parts["shards"].tolist()
         texts = np.split(parts["commits"], parts["commits_ends"][:-1])
-        records = {s: ShardCommit.from_json(commit_file.parse(t.tobytes(), where), where) for s, t in zip(shards, texts)}
+        records = {
+            s: ShardCommit.from_json(commit_file.parse(t.tobytes(), where), where) for s, t in zip(shards, texts)
+        }
         arrays = {s: {} for s in shards}
         for name in NAMES:
             for s, a in zip(shards, np.split(parts[name], parts[f"{name}_ends"][:-1])):
@@ -142,8 +147,9 @@ def decode(data: bytes, key: str, where: str) -> StoreIndex | None:
         return None
     for s, rec in records.items():
         for name, a in arrays[s].items():
-            if name in rec.shapes and (list(a.shape) != list(rec.shapes[name]) or
-                                       rec.checksums.get(name, layout.crc32(a)) != layout.crc32(a)):
+            if name in rec.shapes and (
+                list(a.shape) != list(rec.shapes[name]) or rec.checksums.get(name, layout.crc32(a)) != layout.crc32(a)
+            ):
                 return None
     return StoreIndex(records, arrays)
 

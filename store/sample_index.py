@@ -24,20 +24,28 @@ from store.format.schema import ShardCommit
 from store.shard_reader import ShardReader
 
 
-def per_sample(store: HiddenStore, records: dict[int, ShardCommit],
-               names: tuple[str, ...] = ("offsets", "first_pairs")) -> dict[int, dict[str, np.ndarray]]:
+def per_sample(
+    store: HiddenStore, records: dict[int, ShardCommit], names: tuple[str, ...] = ("offsets", "first_pairs")
+) -> dict[int, dict[str, np.ndarray]]:
     """shard -> {name: its array}, for every shard of records (its commit record), in one batch
     of reads; shards another layout or a failed check leaves out are read by ShardReader."""
     direct = store.read_checks(records).direct_reads  # else every shard goes through ShardReader (zarr)
-    keys = {(s, n, f): store.path(f"{layout.shard_group(s)}/{n}/{f}") for s, rec in records.items()
-            for n in names if direct and n in rec.shapes for f in ("zarr.json", first_chunk(rec))}
+    keys = {
+        (s, n, f): store.path(f"{layout.shard_group(s)}/{n}/{f}")
+        for s, rec in records.items()
+        for n in names
+        if direct and n in rec.shapes
+        for f in ("zarr.json", first_chunk(rec))
+    }
     blobs = commit_file.cat_many(store.fs, list(keys.values()))
     got = dict(zip(keys, blobs))
     out = {}
     for s, rec in records.items():
         try:
-            out[s] = {n: per_sample_array.decoded(rec, n, got.get((s, n, "zarr.json")), got.get((s, n, first_chunk(rec))))
-                      for n in names}
+            out[s] = {
+                n: per_sample_array.decoded(rec, n, got.get((s, n, "zarr.json")), got.get((s, n, first_chunk(rec))))
+                for n in names
+            }
         except per_sample_array.NotDirect:
             reader = ShardReader(store, s, rec)
             out[s] = {n: getattr(reader, n) for n in names}

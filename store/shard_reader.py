@@ -52,11 +52,14 @@ class ShardReader:
         self.record = record or store.commit_record(shard)
         if self.record is None:
             store.require_committed([shard])
-        names = [*sorted({*(self.record.metadata or {}), "zarr.json", *(f"{n}/zarr.json" for n in self.record.shapes)}),
-                 *(f"{n}/{first_chunk(self.record)}" for n in _PER_SAMPLE if n in self.record.shapes)]  # one chunk each
+        names = [
+            *sorted({*(self.record.metadata or {}), "zarr.json", *(f"{n}/zarr.json" for n in self.record.shapes)}),
+            *(f"{n}/{first_chunk(self.record)}" for n in _PER_SAMPLE if n in self.record.shapes),
+        ]  # one chunk each
         group = layout.shard_group(shard)
-        self._files = {name.removeprefix(f"{group}/"): data
-                       for name, data in store.fetch([f"{group}/{n}" for n in names]).items()}
+        self._files = {
+            name.removeprefix(f"{group}/"): data for name, data in store.fetch([f"{group}/{n}" for n in names]).items()
+        }
         store.check_shard_files(shard, self.record, self._files)
         self._meta: dict = {}
         try:
@@ -83,9 +86,18 @@ class ShardReader:
         if not checks.direct_reads:
             return None
         node = self.store.node_files(self.shard, self.record)  # a node-local cache of its files, if any
-        direct = [span_reader.for_array(self.store.fs, self._path(name), self._metadata(name),
-                                        checks.every_chunk(self.shard), self.store.cache, self.store.local, node)
-                  for name in _PER_TOKEN]
+        direct = [
+            span_reader.for_array(
+                self.store.fs,
+                self._path(name),
+                self._metadata(name),
+                checks.every_chunk(self.shard),
+                self.store.cache,
+                self.store.local,
+                node,
+            )
+            for name in _PER_TOKEN
+        ]
         return None if None in direct else direct
 
     def _path(self, name: str) -> str:
@@ -96,21 +108,28 @@ class ShardReader:
         commit record."""
         if name not in self._meta:
             try:
-                meta = zarr_files.parse(self._files.get(f"{name}/zarr.json", FileNotFoundError(name)),
-                                        self._path(f"{name}/zarr.json"))
+                meta = zarr_files.parse(
+                    self._files.get(f"{name}/zarr.json", FileNotFoundError(name)), self._path(f"{name}/zarr.json")
+                )
             except StoreCorrupt as e:
                 raise self._damaged(e) from None
             shape, recorded, dtype = list(meta.shape), self.record.shapes.get(name), meta.dtype.to_native_dtype()
             if shape != recorded or dtype != layout.ARRAY_DTYPES[name]:
-                raise self._damaged(StoreCorrupt(f"{self._path(name)}: shape {shape} {dtype}, its commit file "
-                                                 f"says {recorded} {np.dtype(layout.ARRAY_DTYPES[name])}"))
+                raise self._damaged(
+                    StoreCorrupt(
+                        f"{self._path(name)}: shape {shape} {dtype}, its commit file "
+                        f"says {recorded} {np.dtype(layout.ARRAY_DTYPES[name])}"
+                    )
+                )
             self._meta[name] = meta
             self._files.pop(f"{name}/zarr.json", None)  # a kept reader holds the parse, not the bytes
         return self._meta[name]
 
     def _open(self, name: str):
         """The zarr array `name`, over its checked metadata (zarr reads it not again)."""
-        return zarr_files.handle(self.store.store_path, f"{layout.shard_group(self.shard)}/{name}", self._metadata(name))
+        return zarr_files.handle(
+            self.store.store_path, f"{layout.shard_group(self.shard)}/{name}", self._metadata(name)
+        )
 
     def _array(self, name: str) -> np.ndarray:
         """A per-sample array (or the loss mask of an old shard), read whole and checked against the
@@ -118,7 +137,9 @@ class ShardReader:
         writes, every check passed: store/format/per_sample_array.py), else read through zarr."""
         meta = self._files.get(f"{name}/zarr.json")
         try:
-            data = per_sample_array.decoded(self.record, name, meta, self._files.pop(f"{name}/{first_chunk(self.record)}", None))
+            data = per_sample_array.decoded(
+                self.record, name, meta, self._files.pop(f"{name}/{first_chunk(self.record)}", None)
+            )
             self._files.pop(f"{name}/zarr.json", None)
             return data
         except per_sample_array.NotDirect:
@@ -129,8 +150,12 @@ class ShardReader:
         except Exception as e:  # noqa: BLE001 - zarr's own error on a chunk it cannot decode
             raise self._damaged(StoreCorrupt(f"{self._path(name)}: unreadable ({type(e).__name__}: {e})"))
         if layout.crc32(data) != self.record.checksums.get(name):
-            raise self._damaged(StoreCorrupt(f"{self._path(name)}: its CRC-32 is not the one its commit file records "
-                                             "(a chunk file is damaged, missing or replaced)"))
+            raise self._damaged(
+                StoreCorrupt(
+                    f"{self._path(name)}: its CRC-32 is not the one its commit file records "
+                    "(a chunk file is damaged, missing or replaced)"
+                )
+            )
         return data
 
     offsets = functools.cached_property(lambda self: self._array("offsets"))  # [N+1] int64
@@ -167,8 +192,9 @@ class ShardReader:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         if limit is not None:
             b = min(b, a + limit)
-        assert hidden_out is None or (hidden_out.is_contiguous()
-                                      and hidden_out.shape == (b - a, *self._metadata("hidden").shape[1:]))
+        assert hidden_out is None or (
+            hidden_out.is_contiguous() and hidden_out.shape == (b - a, *self._metadata("hidden").shape[1:])
+        )
         return a, b, None if hidden_out is None else layout.to_bits(hidden_out)  # a view of it
 
     def _through_zarr(self, i: int, a: int, b: int, out: np.ndarray | None) -> tuple:
@@ -176,15 +202,18 @@ class ShardReader:
         try:
             tokens, mask, bits = sync(_spans(slice(a, b), *self._per_token))
         except (ValueError, RuntimeError, OSError) as e:  # zarr's own error on a chunk it cannot decode (schema 1)
-            raise self._damaged(StoreCorrupt(f"{self._path(self._failing(a, b))}: unreadable ({type(e).__name__}: "
-                                             f"{e})"), i) from None
+            raise self._damaged(
+                StoreCorrupt(f"{self._path(self._failing(a, b))}: unreadable ({type(e).__name__}: {e})"), i
+            ) from None
         if out is not None:
             out[...], bits = bits, out
         return tokens, mask, bits
 
     def _sample(self, i: int, tokens, mask, bits, hidden_out: torch.Tensor | None) -> Sample:
         return Sample(
-            shard=self.shard, index=i, row_id=int(self.row_ids[i]),
+            shard=self.shard,
+            index=i,
+            row_id=int(self.row_ids[i]),
             tokens=torch.from_numpy(np.asarray(tokens).astype(np.int64)),
             loss_mask=torch.from_numpy(np.asarray(mask).astype(bool)),
             prompt_len=int(self.prompt_lens[i]),
@@ -238,7 +267,7 @@ def read_samples(items: list[tuple[ShardReader, int, int | None, torch.Tensor | 
     got = span_reader.read_spans(spans)
     for n, k in enumerate(owners):
         reader, i, _, hidden_out = items[k]
-        three = got[3 * n:3 * n + 3]
+        three = got[3 * n : 3 * n + 3]
         failed = next(((name, x) for name, x in zip(_PER_TOKEN, three) if isinstance(x, Exception)), None)
         if failed is None:
             results[k] = reader._sample(i, *three, hidden_out)
@@ -249,8 +278,9 @@ def read_samples(items: list[tuple[ShardReader, int, int | None, torch.Tensor | 
             results[k] = reader._damaged(StoreCorrupt(f"{where} is missing (deleted since the shard was opened)"), i)
         else:  # a fetch that failed, bytes a codec refused: the array is unreadable here
             e = failed[1]
-            results[k] = reader._damaged(StoreCorrupt(f"{reader._path(failed[0])}: unreadable ({type(e).__name__}: "
-                                                      f"{e})"), i)
+            results[k] = reader._damaged(
+                StoreCorrupt(f"{reader._path(failed[0])}: unreadable ({type(e).__name__}: {e})"), i
+            )
     return results
 
 

@@ -49,9 +49,18 @@ class ShardStats:
 
 
 class ShardWriter:
-    def __init__(self, store: StoreWriter, shard: int, n_taps: int, hidden_size: int,
-                 chunk_tokens: int, shard_tokens: int, level: int | None = None,
-                 max_held_bytes: int = 4 << 30, threads: int = 2) -> None:
+    def __init__(
+        self,
+        store: StoreWriter,
+        shard: int,
+        n_taps: int,
+        hidden_size: int,
+        chunk_tokens: int,
+        shard_tokens: int,
+        level: int | None = None,
+        max_held_bytes: int = 4 << 30,
+        threads: int = 2,
+    ) -> None:
         """The states are coded in the hidden format of the store written (store/format/hidden_formats.py):
         fp8 states come already rounded (by the capture), and their codec refuses any that are not."""
         assert shard_tokens % chunk_tokens == 0, (shard_tokens, chunk_tokens)
@@ -85,9 +94,16 @@ class ShardWriter:
         g.attrs.put({"shard": shard})
         self.group = g
         self.hidden = g.create_array(
-            "hidden", shape=(0, n_taps, hidden_size), dtype=np.uint16,
-            chunks=(chunk_tokens, n_taps, hidden_size), shards=(shard_tokens, n_taps, hidden_size),
-            compressors=codecs, fill_value=0, config=_EVERY_CHUNK, chunk_key_encoding=_KEYS)
+            "hidden",
+            shape=(0, n_taps, hidden_size),
+            dtype=np.uint16,
+            chunks=(chunk_tokens, n_taps, hidden_size),
+            shards=(shard_tokens, n_taps, hidden_size),
+            compressors=codecs,
+            fill_value=0,
+            config=_EVERY_CHUNK,
+            chunk_key_encoding=_KEYS,
+        )
         self._queue: queue.Queue = queue.Queue()
         self._codec = codecs[0]  # whole shard files are encoded here, not by zarr
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
@@ -95,8 +111,15 @@ class ShardWriter:
         self._thread.start()
 
     # -- model thread ----------------------------------------------------------------------
-    def add(self, row_id: int, prompt: list[int], completion: list[int], truncated: bool,
-            answers: tuple[tuple[int, int], ...] = (), category: str | None = None) -> None:
+    def add(
+        self,
+        row_id: int,
+        prompt: list[int],
+        completion: list[int],
+        truncated: bool,
+        answers: tuple[tuple[int, int], ...] = (),
+        category: str | None = None,
+    ) -> None:
         """Record one sample's ids; its hidden states come in the batch passed to `add_hidden`.
         answers: [start, end) spans inside the prompt that carry the loss too (earlier assistant turns);
         category: the sample's label (given for every sample of a shard or for none)."""
@@ -106,7 +129,7 @@ class ShardWriter:
         for a, b in answers:
             assert 0 <= a < b <= len(prompt), (a, b, len(prompt))
             mask[a:b] = 1
-        mask[len(prompt):] = 1
+        mask[len(prompt) :] = 1
         self.tokens.append(ids)
         self.loss_mask.append(mask)
         self.prompt_lens.append(len(prompt))
@@ -124,8 +147,11 @@ class ShardWriter:
         plus a batch, never deadlocked)."""
         t0 = time.perf_counter()
         with self._room:
-            while ((self._queued or self._in_flight) and self._held_tokens + len(hidden) > self._max_held_tokens
-                   and self._error is None):
+            while (
+                (self._queued or self._in_flight)
+                and self._held_tokens + len(hidden) > self._max_held_tokens
+                and self._error is None
+            ):
                 self._room.wait(0.5)
             self._raise_if_failed()
             self._held_tokens += len(hidden)
@@ -157,26 +183,43 @@ class ShardWriter:
         }
         arrays["first_pairs"] = layout.first_pairs(arrays["loss_mask"], arrays["offsets"])
         for name, data in arrays.items():
-            self.group.create_array(name, shape=data.shape, dtype=data.dtype,
-                                    chunks=(max(1, min(len(data), layout.TOKEN_CHUNK)),),
-                                    compressors=layout.small_codecs(), fill_value=0,
-                                    config=_EVERY_CHUNK, chunk_key_encoding=_KEYS)[:] = data
+            self.group.create_array(
+                name,
+                shape=data.shape,
+                dtype=data.dtype,
+                chunks=(max(1, min(len(data), layout.TOKEN_CHUNK)),),
+                compressors=layout.small_codecs(),
+                fill_value=0,
+                config=_EVERY_CHUNK,
+                chunk_key_encoding=_KEYS,
+            )[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
         checksums["hidden"] = self._crc
         if lock is not None and not lock.still_held():
-            raise StoreError(f"{self.store.location}: lost the lock on shard {self.shard} ({lock.path}); "
-                             "not committing")
+            raise StoreError(
+                f"{self.store.location}: lost the lock on shard {self.shard} ({lock.path}); not committing"
+            )
         record = ShardCommit(
-            shard=self.shard, samples=self.stats.samples, tokens=self.stats.tokens,
-            completion_tokens=self.stats.completion_tokens, skipped=self.stats.skipped, truncated=self.stats.truncated,
-            shapes={"hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
-                    **{k: list(v.shape) for k, v in arrays.items()}},
+            shard=self.shard,
+            samples=self.stats.samples,
+            tokens=self.stats.tokens,
+            completion_tokens=self.stats.completion_tokens,
+            skipped=self.stats.skipped,
+            truncated=self.stats.truncated,
+            shapes={
+                "hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
+                **{k: list(v.shape) for k, v in arrays.items()},
+            },
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
             writer={"stall_s": round(self.stall_s, 4), "busy_s": round(self.busy_s, 4)},
-            agreement=self.stats.agreement, run=run, categories=_categories(self.categories),
+            agreement=self.stats.agreement,
+            run=run,
+            categories=_categories(self.categories),
             bytes=self.store.shard_bytes(self.shard),
-            metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]), every_chunk=True,
-            chunk_separator=_KEYS["separator"])
+            metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]),
+            every_chunk=True,
+            chunk_separator=_KEYS["separator"],
+        )
         self.store.write_commit(record)
         self._pool.shutdown()
         return record
@@ -234,8 +277,9 @@ class ShardWriter:
         with self._room:
             self._in_flight += self.shard_tokens
         chunks = [self._pop(self.chunk_tokens) for _ in range(self.shard_tokens // self.chunk_tokens)]
-        self._encoding.append((start // self.shard_tokens,
-                               [self._pool.submit(shard_file.encode_chunk, self._codec, c) for c in chunks]))
+        self._encoding.append(
+            (start // self.shard_tokens, [self._pool.submit(shard_file.encode_chunk, self._codec, c) for c in chunks])
+        )
         self._cut = end
 
     def _write_encoded(self, wait: bool) -> None:
@@ -243,8 +287,9 @@ class ShardWriter:
         while self._encoding and (wait or all(f.done() for f in self._encoding[0][1])):
             index, futures = self._encoding.popleft()
             key = self.hidden.metadata.encode_chunk_key((index, 0, 0))
-            self.store.write_pieces(f"{layout.shard_group(self.shard)}/hidden/{key}",
-                                    shard_file.assemble([f.result() for f in futures]))
+            self.store.write_pieces(
+                f"{layout.shard_group(self.shard)}/hidden/{key}", shard_file.assemble([f.result() for f in futures])
+            )
             self._wrote(self.shard_tokens)
             wait = False
 
@@ -257,7 +302,7 @@ class ShardWriter:
         if rest:
             with self._room:
                 self._in_flight += rest
-            self.hidden[self._cut:self._cut + rest] = self._pop(rest)
+            self.hidden[self._cut : self._cut + rest] = self._pop(rest)
             self._cut += rest
             self._wrote(rest)
 

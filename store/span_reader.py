@@ -54,8 +54,15 @@ def _buffer(slot: str, nbytes: int) -> np.ndarray:
     return held[:nbytes]
 
 
-def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: ReadCache | None = None,
-              local: bool | None = None, node=None) -> SpanReader | None:
+def for_array(
+    fs,
+    path: str,
+    array,
+    missing_is_damage: bool = False,
+    cache: ReadCache | None = None,
+    local: bool | None = None,
+    node=None,
+) -> SpanReader | None:
     """A direct reader of `array` (a zarr array or its metadata, at `path` on fsspec file system
     `fs`), or None when its layout is not one this module decodes. missing_is_damage: every chunk
     was written (fill-value ones too), so a missing chunk is an error rather than zeros. cache:
@@ -68,8 +75,12 @@ def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: Read
     kind = None
     if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
         kind = ShardSpans if _plane_shards(codecs[0], meta) else None
-    elif (len(codecs) == 3 and _little(codecs[0]) and isinstance(codecs[1], BloscCodec)
-            and isinstance(codecs[2], Crc32cCodec)):
+    elif (
+        len(codecs) == 3
+        and _little(codecs[0])
+        and isinstance(codecs[1], BloscCodec)
+        and isinstance(codecs[2], Crc32cCodec)
+    ):
         kind = ChunkSpans
     if kind is None:
         return None
@@ -82,11 +93,18 @@ def for_array(fs, path: str, array, missing_is_damage: bool = False, cache: Read
 
 def _plane_shards(sharding: ShardingCodec, meta) -> bool:
     inner, index = sharding.codecs, sharding.index_codecs
-    return (sharding.index_location == ShardingCodecIndexLocation.end
-            and len(inner) == 3 and _little(inner[0]) and isinstance(inner[1], hidden_formats.CODEC_CLASSES)
-            and isinstance(inner[2], Crc32cCodec) and len(index) == 2 and _little(index[0])
-            and isinstance(index[1], Crc32cCodec) and meta.dtype.to_native_dtype().itemsize == 2
-            and tuple(sharding.chunk_shape[1:]) == tuple(meta.shape[1:]))
+    return (
+        sharding.index_location == ShardingCodecIndexLocation.end
+        and len(inner) == 3
+        and _little(inner[0])
+        and isinstance(inner[1], hidden_formats.CODEC_CLASSES)
+        and isinstance(inner[2], Crc32cCodec)
+        and len(index) == 2
+        and _little(index[0])
+        and isinstance(index[1], Crc32cCodec)
+        and meta.dtype.to_native_dtype().itemsize == 2
+        and tuple(sharding.chunk_shape[1:]) == tuple(meta.shape[1:])
+    )
 
 
 def _little(codec) -> bool:
@@ -154,8 +172,9 @@ def _read_batch(spans: list[Span]) -> list:
             plans.append(s.reader.parts(s.a, s.b, known))
         except Exception as e:  # noqa: BLE001 - a damaged index, a failed fetch: this span's result
             plans.append(e)
-    ranges = list(dict.fromkeys(p.range for plan in plans if isinstance(plan, list) for p in plan
-                                if p.range is not None))
+    ranges = list(
+        dict.fromkeys(p.range for plan in plans if isinstance(plan, list) for p in plan if p.range is not None)
+    )
     if ranges:
         got = dict(zip(ranges, _fetch(spans[0].reader, ranges)))
         for plan in plans:
@@ -204,8 +223,9 @@ class SpanReader:
 
     node = None  # the node-local cache its fetches go through (store/io/node_cache.StoreFiles), if any
 
-    def __init__(self, fs, local: bool, path: str, meta, chunk_rows: int, missing_is_damage: bool,
-                 cache: ReadCache) -> None:
+    def __init__(
+        self, fs, local: bool, path: str, meta, chunk_rows: int, missing_is_damage: bool, cache: ReadCache
+    ) -> None:
         self.fs, self.local, self.path = fs, local, path.rstrip("/")
         self.missing_is_damage, self.cache = missing_is_damage, cache
         self.id = next(_ids)  # this reader's entries in the cache (a reader opened later reads afresh)
@@ -266,8 +286,9 @@ class SpanReader:
     def _fill(self, out: np.ndarray, what: str) -> None:
         """A chunk that has no bytes: zeros when zarr may have skipped it as all fill value, else damage."""
         if self.missing_is_damage:
-            raise StoreCorrupt(f"{what} is missing (every chunk of this shard was written: the file was deleted or "
-                               "cut short)")
+            raise StoreCorrupt(
+                f"{what} is missing (every chunk of this shard was written: the file was deleted or cut short)"
+            )
         out[...] = 0
 
     def _file(self, c: tuple[int, ...]) -> str:
@@ -313,7 +334,7 @@ class ChunkSpans(SpanReader):
             if isinstance(values, str):
                 self._fill(out[rows], r[0])
             else:
-                out[rows] = values[first:first + rows.stop - rows.start]
+                out[rows] = values[first : first + rows.stop - rows.start]
 
 
 class ShardSpans(SpanReader):
@@ -379,17 +400,23 @@ class ShardSpans(SpanReader):
             if isinstance(data, Exception):
                 raise data
             if p.range is not None and len(data) != p.range[2] - p.range[1]:
-                raise StoreCorrupt(f"{p.range[0]}: ends {p.range[2] - p.range[1] - len(data)} bytes short of chunk "
-                                   f"bytes {p.range[1]}..{p.range[2]}")
+                raise StoreCorrupt(
+                    f"{p.range[0]}: ends {p.range[2] - p.range[1] - len(data)} bytes short of chunk "
+                    f"bytes {p.range[1]}..{p.range[2]}"
+                )
             for c, at, length in p.chunks:
                 first, rows = rows_of[c]
                 path, _, _ = self._where(c, known)
                 what = f"{path}, chunk {c % self.per_file}"
                 if data is None:
-                    self._fill(out[rows], what if isinstance(self._known(known, self._index_range(c // self.per_file)),
-                                                              np.ndarray) else path)
+                    self._fill(
+                        out[rows],
+                        what
+                        if isinstance(self._known(known, self._index_range(c // self.per_file)), np.ndarray)
+                        else path,
+                    )
                     continue
-                body = self._checked(data[at:at + length], what) if p.range is not None else data
+                body = self._checked(data[at : at + length], what) if p.range is not None else data
                 if c in p.edges and not self.local and self.cache.max_bytes:
                     self.cache.put((self.id, c), np.array(body))  # checked: a neighbour decodes it as it is
                 self._decode(body, first, out[rows])

@@ -58,8 +58,9 @@ class StoreWriter(HiddenStore):
         return None if self._objects is None else ObjectLease(self._objects, path, self.lease_s, beat)
 
     # -- root ------------------------------------------------------------------------------
-    def create_or_check(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor,
-                        repair: bool = False) -> str:
+    def create_or_check(
+        self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, repair: bool = False
+    ) -> str:
         """Create the root once (under a lock), or check an existing root matches `attrs.compat`;
         with repair, a damaged root made with these settings is rebuilt first.
 
@@ -95,23 +96,35 @@ class StoreWriter(HiddenStore):
             return e.damage
         return None
 
-    def _rebuild(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor, damage: str,
-                 lock: LockFile | ObjectLease | None) -> None:
+    def _rebuild(
+        self,
+        attrs: StoreAttrs,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        damage: str,
+        lock: LockFile | ObjectLease | None,
+    ) -> None:
         """Write the root again from this run, whose fingerprint must be the one the damaged root
         still shows (in its commit file or its attributes): the shards were made with these settings."""
         shown = set()
-        for read in (lambda: self.read_json(layout.commit_key("root"))["fingerprint"],
-                     lambda: json.loads(self.fs.cat_file(self.path("zarr.json")))["attributes"]["fingerprint"]):
+        for read in (
+            lambda: self.read_json(layout.commit_key("root"))["fingerprint"],
+            lambda: json.loads(self.fs.cat_file(self.path("zarr.json")))["attributes"]["fingerprint"],
+        ):
             try:
                 shown.add(read())
             except Exception:  # noqa: BLE001 - a damaged copy shows nothing
                 pass
         if attrs.fingerprint not in shown:
-            why = (f"the store was made with other settings (fingerprint {', '.join(f[:12] for f in sorted(shown))}, "
-                   f"this run {attrs.fingerprint[:12]})" if shown
-                   else "no fingerprint is left to check this run against")
-            raise StoreMismatch(f"{self.location}: the root is damaged ({damage}) and cannot be rebuilt from this "
-                                f"run: {why}")
+            why = (
+                f"the store was made with other settings (fingerprint {', '.join(f[:12] for f in sorted(shown))}, "
+                f"this run {attrs.fingerprint[:12]})"
+                if shown
+                else "no fingerprint is left to check this run against"
+            )
+            raise StoreMismatch(
+                f"{self.location}: the root is damaged ({damage}) and cannot be rebuilt from this run: {why}"
+            )
         for key in ("target", "zarr.json"):
             if self.fs.exists(self.path(key)):
                 self.fs.rm(self.path(key), recursive=True)
@@ -119,8 +132,14 @@ class StoreWriter(HiddenStore):
             self.__dict__.pop(cached, None)
         self._create(attrs, embed, lm_head, lock, over_shards=True)
 
-    def _create(self, attrs: StoreAttrs, embed: torch.Tensor, lm_head: torch.Tensor,
-                lock: LockFile | ObjectLease | None, over_shards: bool = False) -> None:
+    def _create(
+        self,
+        attrs: StoreAttrs,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        lock: LockFile | ObjectLease | None,
+        over_shards: bool = False,
+    ) -> None:
         if not over_shards and self.fs.exists(self.path("shards")) and self.fs.ls(self.path("shards")):
             raise NotAStore(f"{self.location}: has shard data but no root commit; not a store this tool made")
         g = zarr.open_group(self.location, mode="a")
@@ -128,40 +147,64 @@ class StoreWriter(HiddenStore):
         for name, w in (("embed_tokens", embed), ("lm_head", lm_head)):
             bits = layout.to_bits(w.detach().to("cpu", torch.bfloat16))
             rows = max(1, min(bits.shape[0], (1 << 24) // max(1, bits.shape[1] * 2)))
-            g.create_array(f"target/{name}", shape=bits.shape, dtype=np.uint16, chunks=(rows, bits.shape[1]),
-                           compressors=layout.hidden_codecs(attrs.compat.compression_level),
-                           fill_value=0, overwrite=True, chunk_key_encoding=layout.chunk_key_encoding())[:] = bits
+            g.create_array(
+                f"target/{name}",
+                shape=bits.shape,
+                dtype=np.uint16,
+                chunks=(rows, bits.shape[1]),
+                compressors=layout.hidden_codecs(attrs.compat.compression_level),
+                fill_value=0,
+                overwrite=True,
+                chunk_key_encoding=layout.chunk_key_encoding(),
+            )[:] = bits
             checksums[name] = layout.crc32(bits)
         g.attrs.put(to_json(attrs))
         folder = self.root.rstrip("/")
-        record = RootCommit(time=time.time(), host=HOST, fingerprint=attrs.fingerprint, checksums=checksums,
-                            metadata=commit_file.file_checksums(self.fs, folder, list(ROOT_METADATA)))
+        record = RootCommit(
+            time=time.time(),
+            host=HOST,
+            fingerprint=attrs.fingerprint,
+            checksums=checksums,
+            metadata=commit_file.file_checksums(self.fs, folder, list(ROOT_METADATA)),
+        )
         if lock is not None and not lock.still_held():
-            raise StoreError(f"{self.location}: lost the lock on the root ({lock.path}) while creating it; "
-                             "not committing it (rerun: the process that took it over creates it)")
+            raise StoreError(
+                f"{self.location}: lost the lock on the root ({lock.path}) while creating it; "
+                "not committing it (rerun: the process that took it over creates it)"
+            )
         self.write_json(layout.commit_key("root"), to_json(record))
 
     def check_compatible(self, compat: Compat) -> None:
         shape = self.layout
         if shape.schema < SCHEMA_VERSION:
-            raise StoreMismatch(f"{self.location} is a schema-{shape.schema} store (an earlier "
-                                f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
-                                f"go into a new store (schema {SCHEMA_VERSION})")
+            raise StoreMismatch(
+                f"{self.location} is a schema-{shape.schema} store (an earlier "
+                f"dflash-pipeline's layout): training and evaluation still read it, but new shards "
+                f"go into a new store (schema {SCHEMA_VERSION})"
+            )
         if not shape.writable:
-            raise StoreMismatch(f"{self.location} holds states coded with {shape.codec} (the retired "
-                                f"--codec option): training and evaluation still read it, but new shards go into a "
-                                f"new store ({shape.format.codec})")
+            raise StoreMismatch(
+                f"{self.location} holds states coded with {shape.codec} (the retired "
+                f"--codec option): training and evaluation still read it, but new shards go into a "
+                f"new store ({shape.format.codec})"
+            )
         diff = self.attrs.compat.differences(as_recorded(self.attrs.compat, compat))
         if diff:
-            detail = "; ".join(f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items()))
-            hint = (f"; its states are {shape.format.name}: pass --hidden-format {shape.format.name}"
-                    if "hidden_format" in diff else "")
+            detail = "; ".join(
+                f"{k}: store has {_short(a)}, this run has {_short(b)}" for k, (a, b) in sorted(diff.items())
+            )
+            hint = (
+                f"; its states are {shape.format.name}: pass --hidden-format {shape.format.name}"
+                if "hidden_format" in diff
+                else ""
+            )
             if "shard_tokens" in diff:  # the default grew from 4096 to 16384 with format revision 5
                 hint += f"; pass --shard-tokens {self.attrs.compat.shard_tokens}, the store's"
             if "conv1d" in diff:
                 hint += conv1d_hint(self.attrs.compat.conv1d)
-            raise StoreMismatch(f"{self.location} was made with a different target/taps/config, refusing to add shards "
-                                f"({detail}){hint}")
+            raise StoreMismatch(
+                f"{self.location} was made with a different target/taps/config, refusing to add shards ({detail}){hint}"
+            )
 
     # -- shards ----------------------------------------------------------------------------
     def shard_metadata(self, shard: int, arrays: list[str]) -> dict[str, int]:
@@ -197,8 +240,10 @@ def as_recorded(stored: Compat, run: Compat) -> Compat:
 
 def conv1d_hint(stored: str) -> str:
     """What to do when this run's conv1d kernel (compat.conv1d) is not the store's."""
-    return (f"; its states were made with the {stored} conv1d kernel: add shards from a node that runs it "
-            "(causal_conv1d: the causal-conv1d package, on CUDA)")
+    return (
+        f"; its states were made with the {stored} conv1d kernel: add shards from a node that runs it "
+        "(causal_conv1d: the causal-conv1d package, on CUDA)"
+    )
 
 
 def _short(v) -> str:

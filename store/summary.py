@@ -54,21 +54,30 @@ def summarize(store: HiddenStore) -> dict:
             "hidden_size": hidden,
             "vocab_size": attrs.vocab_size,
             "mask_token_id": attrs.mask_token_id,
-            "linear_attention": attrs.backends.linear_attention + (
-                " (Triton's interpreter on CPU, not a GPU)" if attrs.backends.triton == "interpreter" else ""),
+            "linear_attention": attrs.backends.linear_attention
+            + (" (Triton's interpreter on CPU, not a GPU)" if attrs.backends.triton == "interpreter" else ""),
             "attention": attrs.backends.attention,
             "device": attrs.device,
             "dtype": attrs.dtype,
             "dataset": attrs.dataset.source,
-            "responses": attrs.compat.responses + TURNS.get(attrs.compat.turns, "") + (
+            "responses": attrs.compat.responses
+            + TURNS.get(attrs.compat.turns, "")
+            + (
                 f"; chat template arguments {json.dumps(attrs.compat.chat_template_kwargs)}"
-                if attrs.compat.chat_template_kwargs else "") + (
+                if attrs.compat.chat_template_kwargs
+                else ""
+            )
+            + (
                 f"; each row's own from field {attrs.compat.dataset_fields['template_kwargs']!r}"
-                if "template_kwargs" in attrs.compat.dataset_fields else ""),
+                if "template_kwargs" in attrs.compat.dataset_fields
+                else ""
+            ),
             "versions": attrs.versions,
-            "layout": (f"{store.layout.describe()} level "
-                       f"{attrs.compat.compression_level}, chunks of {attrs.layout.chunk_tokens} tokens in files of "
-                       f"{attrs.layout.shard_tokens}"),
+            "layout": (
+                f"{store.layout.describe()} level "
+                f"{attrs.compat.compression_level}, chunks of {attrs.layout.chunk_tokens} tokens in files of "
+                f"{attrs.layout.shard_tokens}"
+            ),
             "checks": checks.describe(),
         },
     }
@@ -106,15 +115,21 @@ def agreement(records) -> dict | None:
     if not checked:
         return None
     matches, tokens = sum(a["matches"] for a in checked), sum(a["tokens"] for a in checked)
-    return {"matches": matches, "tokens": tokens, "rate": round(matches / tokens, 6) if tokens else None,
-            "shards_checked": len(checked)}
+    return {
+        "matches": matches,
+        "tokens": tokens,
+        "rate": round(matches / tokens, 6) if tokens else None,
+        "shards_checked": len(checked),
+    }
 
 
 def fmt_agreement(a: dict | None) -> str:
     if not a or not a["tokens"]:
         return "not checked"
-    return (f"{100 * a['rate']:.2f}% of {a['tokens']} completion tokens are the target's own argmax "
-            f"({a['shards_checked']} shard(s) checked)")
+    return (
+        f"{100 * a['rate']:.2f}% of {a['tokens']} completion tokens are the target's own argmax "
+        f"({a['shards_checked']} shard(s) checked)"
+    )
 
 
 def fmt_counts(counts: dict) -> str:

@@ -32,8 +32,11 @@ class Report:
 
     def lines(self) -> list[str]:
         """What is wrong (CORRUPT, MISSING) and what a rerun redoes, one line each."""
-        out = [f"CORRUPT {'root' if shard < 0 else f'shard {shard}'}: {p}"
-               for shard, problems in sorted(self.problems.items()) for p in problems]
+        out = [
+            f"CORRUPT {'root' if shard < 0 else f'shard {shard}'}: {p}"
+            for shard, problems in sorted(self.problems.items())
+            for p in problems
+        ]
         if self.missing:
             out.append(f"MISSING shards {format_ranges(self.missing)}: not committed")
         if self.partial:
@@ -46,11 +49,13 @@ class Report:
         if self.whole:
             coverage = " (every byte: this layout has no chunk checksums to sample)"
         return f"checked {len(self.checked)} committed shard(s){coverage}: " + (
-            "all good" if self.ok else f"{len(self.problems)} corrupt, {len(self.missing)} missing")
+            "all good" if self.ok else f"{len(self.problems)} corrupt, {len(self.missing)} missing"
+        )
 
 
-def verify_store(location: str, shard_text: str | None = None, progress=None, sample: float | None = None,
-                 processes: int = 1) -> Report:
+def verify_store(
+    location: str, shard_text: str | None = None, progress=None, sample: float | None = None, processes: int = 1
+) -> Report:
     """`pipeline verify`: check the store at location; shard_text (e.g. '0-63') limits the check
     to those shards, each of which must be committed."""
     store = HiddenStore(location)
@@ -58,8 +63,13 @@ def verify_store(location: str, shard_text: str | None = None, progress=None, sa
     return verify(store, expected, progress, sample, processes)
 
 
-def verify(store: HiddenStore, expected: list[int] | None = None, progress=None, sample: float | None = None,
-           processes: int = 1) -> Report:
+def verify(
+    store: HiddenStore,
+    expected: list[int] | None = None,
+    progress=None,
+    sample: float | None = None,
+    processes: int = 1,
+) -> Report:
     """Check the root and the `expected` shards (default: every committed one); expected shards
     that are not committed count as missing. sample: the share of state chunks to decode, chosen
     at random (None: every byte, and each whole array against its commit checksum); processes:
@@ -83,8 +93,9 @@ def verify(store: HiddenStore, expected: list[int] | None = None, progress=None,
         if expected is None or shard in expected:
             report.problems[shard] = [error.damage]
     report.missing = [s for s in (expected or []) if s not in committed and s not in damaged]
-    report.partial = [s for s in range(store.num_shards) if s not in committed and s not in damaged
-                      and store.has_data(s)]
+    report.partial = [
+        s for s in range(store.num_shards) if s not in committed and s not in damaged and store.has_data(s)
+    ]
     if root_problems := check_root(store):
         report.problems[-1] = root_problems
     return report
@@ -120,8 +131,9 @@ def check_root(store: HiddenStore) -> list[str]:
     return problems
 
 
-def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int, hidden_size: int,
-                sample: float | None = None) -> tuple[list[str], tuple[int, int]]:
+def check_shard(
+    store: HiddenStore, shard: int, record: ShardCommit, n_taps: int, hidden_size: int, sample: float | None = None
+) -> tuple[list[str], tuple[int, int]]:
     """A shard's problems, and (state chunks decoded, state chunks in all)."""
     try:
         store.check_shard_files(shard, record)
@@ -133,10 +145,16 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
         arrays = {name: g[name] for name in names}
     except Exception as e:  # noqa: BLE001
         return [f"arrays missing or unreadable ({type(e).__name__}: {e})"], (0, 0)
-    problems = [f"{name}: shape {list(arr.shape)}, commit file says {record.shapes.get(name)}"
-                for name, arr in arrays.items() if list(arr.shape) != record.shapes.get(name)]
-    problems += [f"{name}: dtype {arr.dtype}, expected {np.dtype(layout.ARRAY_DTYPES[name])}"
-                 for name, arr in arrays.items() if arr.dtype != layout.ARRAY_DTYPES[name]]
+    problems = [
+        f"{name}: shape {list(arr.shape)}, commit file says {record.shapes.get(name)}"
+        for name, arr in arrays.items()
+        if list(arr.shape) != record.shapes.get(name)
+    ]
+    problems += [
+        f"{name}: dtype {arr.dtype}, expected {np.dtype(layout.ARRAY_DTYPES[name])}"
+        for name, arr in arrays.items()
+        if arr.dtype != layout.ARRAY_DTYPES[name]
+    ]
     if problems:
         return problems, (0, 0)
     if tuple(arrays["hidden"].shape[1:]) != (n_taps, hidden_size):
@@ -145,23 +163,33 @@ def check_shard(store: HiddenStore, shard: int, record: ShardCommit, n_taps: int
         small = {name: arr[:] for name, arr in arrays.items() if name != "hidden"}
     except Exception as e:  # noqa: BLE001
         return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"], (0, 0)
-    problems += [f"{name}: checksum mismatch" for name, data in small.items()
-                 if layout.crc32(data) != record.checksums.get(name)]
+    problems += [
+        f"{name}: checksum mismatch" for name, data in small.items() if layout.crc32(data) != record.checksums.get(name)
+    ]
     problems += _check_offsets(small, int(arrays["hidden"].shape[0]), store.attrs.compat.turns == "all")
-    if "first_pairs" in small and not problems and not np.array_equal(
-            small["first_pairs"], layout.first_pairs(small["loss_mask"], small["offsets"])):
+    if (
+        "first_pairs" in small
+        and not problems
+        and not np.array_equal(small["first_pairs"], layout.first_pairs(small["loss_mask"], small["offsets"]))
+    ):
         problems.append("first_pairs does not match the loss mask")
     spans = None
     if sample is not None:  # chunk checksums: read straight from the chunk files, a missing one damage
         checks = store.read_checks({shard: record})
-        spans = span_reader.for_array(store.fs, store.path(f"{layout.shard_group(shard)}/hidden"), arrays["hidden"],
-                                      checks.every_chunk(shard)) if checks.direct_reads else None
+        spans = (
+            span_reader.for_array(
+                store.fs, store.path(f"{layout.shard_group(shard)}/hidden"), arrays["hidden"], checks.every_chunk(shard)
+            )
+            if checks.direct_reads
+            else None
+        )
     hidden_problems, chunks = _check_hidden(arrays["hidden"], record.checksums.get("hidden"), sample, shard, spans)
     return problems + hidden_problems, chunks
 
 
-def _check_hidden(arr, checksum: int | None, sample: float | None, seed: int,
-                  spans=None) -> tuple[list[str], tuple[int, int]]:
+def _check_hidden(
+    arr, checksum: int | None, sample: float | None, seed: int, spans=None
+) -> tuple[list[str], tuple[int, int]]:
     """Every chunk decoded and the whole array's CRC-32 compared, or (sample) a random share of the
     chunks decoded, each against its own crc32c; spans: the direct reader of arr (else zarr reads)."""
     step = arr.chunks[0]
@@ -173,16 +201,17 @@ def _check_hidden(arr, checksum: int | None, sample: float | None, seed: int,
         except Exception as e:  # noqa: BLE001 - a chunk that cannot be decoded
             return [f"hidden: unreadable chunk ({type(e).__name__}: {e})"], (total, total)
         return [], (total, total)
-    picks = sorted(np.random.default_rng(seed).permutation(total)[:max(1, round(sample * total))]) if total else []
+    picks = sorted(np.random.default_rng(seed).permutation(total)[: max(1, round(sample * total))]) if total else []
     for k in picks:
         try:
             if spans is not None:
                 spans.read(k * step, min((k + 1) * step, int(arr.shape[0])))
             else:
-                arr[k * step:(k + 1) * step]
+                arr[k * step : (k + 1) * step]
         except Exception as e:  # noqa: BLE001
-            return [f"hidden: chunk {k} (tokens {k * step}-{(k + 1) * step - 1}) unreadable ({type(e).__name__}: {e})"], \
-                (len(picks), total)
+            return [
+                f"hidden: chunk {k} (tokens {k * step}-{(k + 1) * step - 1}) unreadable ({type(e).__name__}: {e})"
+            ], (len(picks), total)
     return [], (len(picks), total)
 
 
@@ -204,9 +233,11 @@ def _check_offsets(small: dict, total: int, every_turn: bool) -> list[str]:
         return problems + ["loss_mask holds values other than 0 and 1"]
     expected = np.ones(total, dtype=np.uint8)
     for a, p in zip(off[:-1], plen):
-        expected[a:a + p] = mask[a:a + p] if every_turn else 0
+        expected[a : a + p] = mask[a : a + p] if every_turn else 0
     if not np.array_equal(expected, mask):
-        problems.append("loss_mask is not exactly the completion tokens" + (" (and earlier answers)" if every_turn else ""))
+        problems.append(
+            "loss_mask is not exactly the completion tokens" + (" (and earlier answers)" if every_turn else "")
+        )
     return problems
 
 
@@ -214,5 +245,5 @@ def _hidden_crc(arr) -> int:
     crc = 0
     step = arr.shards[0] if getattr(arr, "shards", None) else arr.chunks[0]
     for a in range(0, arr.shape[0], step):
-        crc = layout.crc32(arr[a:a + step], crc)
+        crc = layout.crc32(arr[a : a + step], crc)
     return crc

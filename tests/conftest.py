@@ -21,8 +21,9 @@ from pipeline import DEFAULT_PROMPTS, TINY_TARGET  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Small and fast, and every row kind the extractor must handle.
-SMALL = dict(max_new_tokens=24, max_length=160, batch_size=3, dtype="fp32", device="cpu",
-             chunk_tokens=32, shard_tokens=64)
+SMALL = dict(
+    max_new_tokens=24, max_length=160, batch_size=3, dtype="fp32", device="cpu", chunk_tokens=32, shard_tokens=64
+)
 
 
 def small_rows(n: int = 14) -> list[dict]:
@@ -53,7 +54,10 @@ def small_store(tmp_path_factory, small_dataset) -> Path:
     from stages.extract.run import run
 
     path = tmp_path_factory.mktemp("stores") / "hs.zarr"
-    run(ExtractConfig(store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL), log=lambda m: None)
+    run(
+        ExtractConfig(store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL),
+        log=lambda m: None,
+    )
     return path
 
 
@@ -64,8 +68,12 @@ def fp8_store(tmp_path_factory, small_dataset) -> Path:
     from stages.extract.run import run
 
     path = tmp_path_factory.mktemp("stores") / "fp8.zarr"
-    run(ExtractConfig(store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, hidden_format="fp8",
-                      **SMALL), log=lambda m: None)
+    run(
+        ExtractConfig(
+            store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, hidden_format="fp8", **SMALL
+        ),
+        log=lambda m: None,
+    )
     return path
 
 

@@ -43,10 +43,31 @@ class VllmServer:
         python = build_venv()
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "2"}
         self.proc = subprocess.Popen(
-            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model), "--host",
-             "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--enforce-eager",
-             "--gpu-memory-utilization", "0.1", "--max-model-len", "2048", "--seed", "0"],
-            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                str(python),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(self.model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dtype",
+                "bfloat16",
+                "--enforce-eager",
+                "--gpu-memory-utilization",
+                "0.1",
+                "--max-model-len",
+                "2048",
+                "--seed",
+                "0",
+            ],
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -59,10 +80,17 @@ class VllmServer:
         raise TimeoutError(f"vLLM not ready after {timeout_s}s; see {self.log}")
 
     def complete(self, prompt: list[int], max_tokens: int, stop: list[int] | None = None) -> list[int]:
-        body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stop_token_ids": stop or [], "return_token_ids": True}
-        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "model": str(self.model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stop_token_ids": stop or [],
+            "return_token_ids": True,
+        }
+        req = urllib.request.Request(
+            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             return json.loads(resp.read())["choices"][0]["token_ids"]
 

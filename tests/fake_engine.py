@@ -17,8 +17,15 @@ from pipeline.target.model import _cut
 
 
 class FakeEngine:
-    def __init__(self, target, model: str = "tiny", fail_first: int = 0, reject_longer_than: int | None = None,
-                 die_after: int | None = None, vocab_shift: int = 0) -> None:
+    def __init__(
+        self,
+        target,
+        model: str = "tiny",
+        fail_first: int = 0,
+        reject_longer_than: int | None = None,
+        die_after: int | None = None,
+        vocab_shift: int = 0,
+    ) -> None:
         self.target, self.model = target, model
         self.fail_first, self.reject_longer_than, self.die_after = fail_first, reject_longer_than, die_after
         self.vocab_shift = vocab_shift
@@ -40,16 +47,32 @@ class FakeEngine:
         """The target's greedy completion of the prompt ids; EOS kept, finish_reason as vLLM says it.
         (Plain Hugging Face generate: the target's kernel recorder belongs to the extraction.)"""
         t = self.target
-        config = GenerationConfig(max_new_tokens=body["max_tokens"], do_sample=False, num_beams=1,
-                                  eos_token_id=t.eos_ids, pad_token_id=t.pad_id)
+        config = GenerationConfig(
+            max_new_tokens=body["max_tokens"],
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=t.eos_ids,
+            pad_token_id=t.pad_id,
+        )
         ids = torch.tensor([body["prompt"]])
         with self._lock, torch.inference_mode():
             new = t.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        out = _cut(new[0, len(body["prompt"]):].tolist(), t.eos_ids, body["max_tokens"])
+        out = _cut(new[0, len(body["prompt"]) :].tolist(), t.eos_ids, body["max_tokens"])
         stopped = bool(out) and out[-1] in body.get("stop_token_ids", [])
-        return {"id": "cmpl-fake", "object": "text_completion", "model": self.model,
-                "choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": "stop" if stopped else "length",
-                             "stop_reason": None}]}
+        return {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": out,
+                    "finish_reason": "stop" if stopped else "length",
+                    "stop_reason": None,
+                }
+            ],
+        }
 
     def _handler(self):
         engine = self
@@ -68,7 +91,9 @@ class FakeEngine:
 
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": engine.model, "object": "model", "owned_by": "vllm"}]})
+                    self._send(
+                        200, {"object": "list", "data": [{"id": engine.model, "object": "model", "owned_by": "vllm"}]}
+                    )
                 elif self.path == "/version":
                     self._send(200, {"version": "0.0-fake"})
                 else:

@@ -14,8 +14,13 @@ request_path, result_path = sys.argv[2:4]
 with open(request_path) as fh:
     req = json.load(fh)
 time.sleep(float(os.environ.get("FAKE_VLLM_SECONDS", "0")))
-result = {"vllm": "fake", "requests": [{"token_ids": [0], "accepted": [], "drafted": []} for _ in req["prompts"]],
-          "metrics": {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                      "gpu_memory_utilization": req["gpu_memory_utilization"]}}
+result = {
+    "vllm": "fake",
+    "requests": [{"token_ids": [0], "accepted": [], "drafted": []} for _ in req["prompts"]],
+    "metrics": {
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "gpu_memory_utilization": req["gpu_memory_utilization"],
+    },
+}
 with open(result_path, "w") as fh:
     json.dump(result, fh)

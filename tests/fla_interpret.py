@@ -32,5 +32,12 @@ def env(interpret: bool = True) -> dict:
 
 def run(args: list[str], interpret: bool = True, timeout: float = 3600, **kwargs) -> subprocess.CompletedProcess:
     """`python ARGS` in the venv (args[0] a script path or "-c"), output captured."""
-    return subprocess.run([str(build_venv()), *args], env=env(interpret), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+    return subprocess.run(
+        [str(build_venv()), *args],
+        env=env(interpret),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )

@@ -27,10 +27,22 @@ SHIMS = REPO / "tools" / "engines" / "fla_interpret"  # its sitecustomize widens
 
 def run(args: list[str], calls: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """`pipeline ARGS` under the stand-in in a subprocess, one thread; its fla calls land in `calls`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
-           "PYTHONPATH": f"{SHIMS}{os.pathsep}{REPO}", "DFLASH_STANDIN_CALLS": str(calls)}
-    return subprocess.run([sys.executable, "-m", "tests.fla_standin", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": f"{SHIMS}{os.pathsep}{REPO}",
+        "DFLASH_STANDIN_CALLS": str(calls),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tests.fla_standin", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_calls() -> None:

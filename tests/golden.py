@@ -39,8 +39,12 @@ def cpu() -> dict:
     """The CPU path a measurement ran on: torch's ISA capability, the processor, the overrides set."""
     import torch
 
-    return {"capability": torch.backends.cpu.get_cpu_capability(), "processor": processor(),
-            "torch": torch.__version__, "env": {k: os.environ[k] for k in CPU_ENV if k in os.environ}}
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "processor": processor(),
+        "torch": torch.__version__,
+        "env": {k: os.environ[k] for k in CPU_ENV if k in os.environ},
+    }
 
 
 def processor() -> str:
@@ -76,8 +80,13 @@ def state_summary(bits: np.ndarray) -> dict:
 
 
 def tap_summary(tap: np.ndarray) -> dict:
-    return {"values": int(tap.size), "sum": float(tap.sum()), "abs_sum": float(np.abs(tap).sum()),
-            "sumsq": float((tap * tap).sum()), "signed": float((tap * signs(tap.size)).sum())}
+    return {
+        "values": int(tap.size),
+        "sum": float(tap.sum()),
+        "abs_sum": float(np.abs(tap).sum()),
+        "sumsq": float((tap * tap).sum()),
+        "signed": float((tap * signs(tap.size)).sum()),
+    }
 
 
 def measure(store: Path, out: Path, train_args=()) -> dict:
@@ -90,18 +99,43 @@ def measure(store: Path, out: Path, train_args=()) -> dict:
     hs = HiddenStore(str(store))
     records = hs.committed()
     group = zarr.open_group(str(store), mode="r")
-    r = train(["--store", store, "--out", out, "--shards", "0-2", "--eval-shards", "3", "--max-steps", STEPS,
-               "--save-every", 0, *TINY, *train_args])
+    r = train(
+        [
+            "--store",
+            store,
+            "--out",
+            out,
+            "--shards",
+            "0-2",
+            "--eval-shards",
+            "3",
+            "--max-steps",
+            STEPS,
+            "--save-every",
+            0,
+            *TINY,
+            *train_args,
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     final = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["split"] == "eval" and final["step"] == STEPS
-    return {"cpu": cpu(),
-            "exact": {"checksums": {str(s): {k: rec.checksums[k] for k in EXACT_ARRAYS} for s, rec in records.items()},
-                      "store_fingerprint": hs.attrs.fingerprint, "tau_streak": final["tau_streak"],
-                      "tau_replay": final["tau_replay"], "replay_prompts": final["replay_prompts"]},
-            "measured": {"states": {str(s): state_summary(group[f"shards/{s:05d}/hidden"][:]) for s in records},
-                         "train_losses": losses(out), "loss": final["loss"]},
-            "hidden_crc32": {str(s): rec.checksums["hidden"] for s, rec in records.items()}}
+    return {
+        "cpu": cpu(),
+        "exact": {
+            "checksums": {str(s): {k: rec.checksums[k] for k in EXACT_ARRAYS} for s, rec in records.items()},
+            "store_fingerprint": hs.attrs.fingerprint,
+            "tau_streak": final["tau_streak"],
+            "tau_replay": final["tau_replay"],
+            "replay_prompts": final["replay_prompts"],
+        },
+        "measured": {
+            "states": {str(s): state_summary(group[f"shards/{s:05d}/hidden"][:]) for s in records},
+            "train_losses": losses(out),
+            "loss": final["loss"],
+        },
+        "hidden_crc32": {str(s): rec.checksums["hidden"] for s, rec in records.items()},
+    }
 
 
 def relative(want: float, got: float, scale: float) -> float:
@@ -131,8 +165,10 @@ def spread(want: dict, got: dict) -> dict[str, tuple[float, str]]:
     if len(g["train_losses"]) != len(w["train_losses"]):
         out["train_losses"] = (float("inf"), f"{len(w['train_losses'])} losses, got {len(g['train_losses'])}")
     else:
-        out["train_losses"] = max((relative(a, b, a), f"step {i + 1} {a:.9g} -> {b:.9g}")
-                                  for i, (a, b) in enumerate(zip(w["train_losses"], g["train_losses"])))
+        out["train_losses"] = max(
+            (relative(a, b, a), f"step {i + 1} {a:.9g} -> {b:.9g}")
+            for i, (a, b) in enumerate(zip(w["train_losses"], g["train_losses"]))
+        )
     out["loss"] = (relative(w["loss"], g["loss"], w["loss"]), f"{w['loss']:.9g} -> {g['loss']:.9g}")
     return out
 
@@ -141,9 +177,12 @@ def exact_differences(want: dict, got: dict) -> list[str]:
     """The exact figures that differ; a figure only one side has is left out (the asset's first point,
     on AVX-512, was recorded before the store's fingerprint was)."""
     w, g = want["exact"], got["exact"]
-    out = [f"shard {s} {name}: CRC-32 {crc} -> {g['checksums'].get(s, {}).get(name)}"
-           for s, arrays in w["checksums"].items() for name, crc in arrays.items()
-           if g["checksums"].get(s, {}).get(name) != crc]
+    out = [
+        f"shard {s} {name}: CRC-32 {crc} -> {g['checksums'].get(s, {}).get(name)}"
+        for s, arrays in w["checksums"].items()
+        for name, crc in arrays.items()
+        if g["checksums"].get(s, {}).get(name) != crc
+    ]
     out += [f"shard {s}: not in the golden store" for s in g["checksums"] if s not in w["checksums"]]
     shared = sorted(w.keys() & g.keys() - {"checksums"})
     return out + [f"{k}: {w[k]} -> {g[k]} (exact on every CPU measured)" for k in shared if w[k] != g[k]]
@@ -183,8 +222,10 @@ def extract(path: Path, work: Path, **over) -> None:
 
     dataset = work / "prompts.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in small_rows()))
-    run(ExtractConfig(store=str(path), dataset=str(dataset), shards="0-3", num_shards=4, **{**SMALL, **over}),
-        log=lambda m: None)
+    run(
+        ExtractConfig(store=str(path), dataset=str(dataset), shards="0-3", num_shards=4, **{**SMALL, **over}),
+        log=lambda m: None,
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -70,7 +70,9 @@ elif WHERE == "report":
 elif WHERE == "step":
     wrap(run, "train_step", before=lambda s, config, batches, step, seen: step + 1 == STEP)
 elif WHERE == "training-state":
-    wrap(run_dir, "write_drafter", before=lambda setup, config, directory, step, atomic=True: step == STEP and not atomic)
+    wrap(
+        run_dir, "write_drafter", before=lambda setup, config, directory, step, atomic=True: step == STEP and not atomic
+    )
 elif WHERE in ("weights", "final"):
     wrap(checkpoint, "save_file", after=half_written)
 elif WHERE == "publish":

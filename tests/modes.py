@@ -20,8 +20,11 @@ def umask(mask: int):
 
 def file_modes(directory: Path) -> dict[str, str]:
     """{relative path: '0644'} of every file under DIRECTORY."""
-    return {p.relative_to(directory).as_posix(): f"{stat.S_IMODE(p.stat().st_mode):04o}"
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(directory).as_posix(): f"{stat.S_IMODE(p.stat().st_mode):04o}"
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def as_another_user(fn):

@@ -13,8 +13,17 @@ from tests.conftest import REPO, SMALL
 
 def cli_args(store: Path, dataset: Path, shards: str, num_shards: int = 4, **over) -> list[str]:
     opts = {**SMALL, **over}
-    args = ["extract", "--store", str(store), "--dataset", str(dataset), "--shards", shards,
-            "--num-shards", str(num_shards)]
+    args = [
+        "extract",
+        "--store",
+        str(store),
+        "--dataset",
+        str(dataset),
+        "--shards",
+        shards,
+        "--num-shards",
+        str(num_shards),
+    ]
     for k, v in opts.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -26,18 +35,23 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def pipeline_proc(args: list[str], pause_after: int | None = None, nproc: int | None = None,
-                  **kw) -> subprocess.Popen:
+def pipeline_proc(args: list[str], pause_after: int | None = None, nproc: int | None = None, **kw) -> subprocess.Popen:
     """`pipeline ...` in a subprocess, one thread so results are identical across processes. With
     pause_after=N it prints PAUSED and waits to be killed after N batches (tests/paused_cli.py);
     with nproc=N it runs as N processes under torchrun."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           **kw.pop("env", {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
     program = ["pipeline"] if pause_after is None else ["tests.paused_cli", str(pause_after)]
     launcher = [] if nproc is None else ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
-    return subprocess.Popen([sys.executable, "-m", *launcher, *program, *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", *launcher, *program, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+        **kw,
+    )
 
 
 def run_pipeline(args: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
@@ -53,12 +67,16 @@ def train(args, launcher=(), stop_after=None, timeout=300) -> subprocess.Complet
     """train.py in a subprocess; with stop_after=N, interrupted right after step-N (tests/stopped_train.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     program = ["train.py"] if stop_after is None else ["-m", "tests.stopped_train", str(stop_after)]
-    return subprocess.run([*launcher, *(() if launcher else (sys.executable,)), *program, *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*launcher, *(() if launcher else (sys.executable,)), *program, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def losses(out) -> list[float]:
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in recs if r["split"] == "train"]
-
-

@@ -32,8 +32,12 @@ class S3Server:
 
     def start(self, timeout_s: float = 60) -> S3Server:
         subprocess.run(["bash", str(REPO / "tools" / "s3" / "build_moto.sh"), str(VENV)], check=True)
-        self.proc = subprocess.Popen([str(VENV / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(VENV / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             try:

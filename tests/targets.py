@@ -31,7 +31,7 @@ def reference_states(target, seq: list[int]) -> tuple:
 def bf16_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     """Equal up to bf16 rounding of an fp32 value (one bf16 ulp)."""
     ref16 = ref.to(torch.bfloat16).float()
-    return bool(((got.float() - ref16).abs() <= ref16.abs() * 2 ** -7 + 1e-6).all())
+    return bool(((got.float() - ref16).abs() <= ref16.abs() * 2**-7 + 1e-6).all())
 
 
 def multimodal_checkpoint(directory: Path, mtp_tensors: int = 1) -> Path:
@@ -43,9 +43,16 @@ def multimodal_checkpoint(directory: Path, mtp_tensors: int = 1) -> Path:
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 
     text = AutoConfig.from_pretrained(TINY_TARGET)
-    vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                 out_hidden_size=text.hidden_size, patch_size=4, temporal_patch_size=2,
-                                 spatial_merge_size=2)
+    vision = Qwen3_5VisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text.hidden_size,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+    )
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict()))
     state = model.state_dict()
@@ -55,8 +62,9 @@ def multimodal_checkpoint(directory: Path, mtp_tensors: int = 1) -> Path:
         state[f"mtp.layers.{i}.weight"] = torch.zeros(4, 4)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         shutil.copy(TINY_TARGET / name, directory / name)
     return directory

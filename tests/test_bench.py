@@ -67,17 +67,27 @@ def test_force_replaces_an_earlier_result_and_nothing_else(store_copy, tmp_path)
     (run / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "notes.json").write_text("not json")
     (tmp_path / "old.json").write_text('{"median_s": 1}\n')
-    refused = {store_copy / "zarr.json": f"lies inside the hidden-state store {store_copy}",
-               run / "metrics.jsonl": "is a file of a training run", tmp_path / "notes.json": "is not JSON",
-               tmp_path: "is a directory"}
+    refused = {
+        store_copy / "zarr.json": f"lies inside the hidden-state store {store_copy}",
+        run / "metrics.jsonl": "is a file of a training run",
+        tmp_path / "notes.json": "is not JSON",
+        tmp_path: "is a directory",
+    }
     before = {p: p.read_bytes() for p in refused if p.is_file()}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for path, why in refused.items():
-        r = subprocess.run([sys.executable, "-m", "bench.extract_bench", "--json", str(path), "--force", "--toy"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.extract_bench", "--json", str(path), "--force", "--toy"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 2 and r.stderr.splitlines()[-1].endswith(
             f"error: argument --json: {path} {why}: --json writes a bench result, replacing only an earlier one; "
-            "choose another path"), r.stderr
+            "choose another path"
+        ), r.stderr
     assert {p: p.read_bytes() for p in before} == before
     from bench import harness
 

@@ -35,16 +35,22 @@ def bad_field_dataset(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("case,expect", [
-    ("missing_file", "--dataset /nonexistent/prompts.jsonl: no such file"),
-    ("missing_field", "has neither field 'messages' ('conversations') nor 'prompt' nor token ids ('input_ids', 'prompt_ids') (fields present: ['question'])"),
-    ("tap_too_high", "--taps: layer id(s) [8] out of range: the target has 8 decoder layers (ids 0-7)"),
-    ("bad_shards", "--shards '0-x': invalid shard range"),
-    ("shards_out_of_range", "reaches shard 9, but the store has 4 shards"),
-    ("bad_target", "--target /nonexistent/model: not a model directory"),
-    ("target_without_config", "no config.json"),
-    ("mask_outside_vocab", "--mask-token-id 99999: outside the vocabulary (0-4095)"),
-])
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("missing_file", "--dataset /nonexistent/prompts.jsonl: no such file"),
+        (
+            "missing_field",
+            "has neither field 'messages' ('conversations') nor 'prompt' nor token ids ('input_ids', 'prompt_ids') (fields present: ['question'])",
+        ),
+        ("tap_too_high", "--taps: layer id(s) [8] out of range: the target has 8 decoder layers (ids 0-7)"),
+        ("bad_shards", "--shards '0-x': invalid shard range"),
+        ("shards_out_of_range", "reaches shard 9, but the store has 4 shards"),
+        ("bad_target", "--target /nonexistent/model: not a model directory"),
+        ("target_without_config", "no config.json"),
+        ("mask_outside_vocab", "--mask-token-id 99999: outside the vocabulary (0-4095)"),
+    ],
+)
 def test_bad_input_one_line(monkeypatch, capsys, tmp_path, small_dataset, bad_field_dataset, case, expect):
     store = tmp_path / "hs.zarr"
     args = {
@@ -69,14 +75,15 @@ def test_store_with_other_fingerprint_is_refused(monkeypatch, capsys, tmp_path, 
     code, out, err = run_main(monkeypatch, capsys, cli_args(store, small_dataset, "0") + ["--dtype", "bf16"])
     assert code == 2
     line = one_error_line(err)
-    assert "different target/taps/config" in line and "dtype: store has \"fp32\", this run has \"bf16\"" in line
+    assert "different target/taps/config" in line and 'dtype: store has "fp32", this run has "bf16"' in line
 
 
 def test_verify_and_info_commands(monkeypatch, capsys, small_store):
     code, out, err = run_main(monkeypatch, capsys, ["verify", str(small_store), "--shards", "0-3"])
     assert code == 0 and "checked 4 committed shard(s): all good" in out
-    code, out, err = run_main(monkeypatch, capsys, ["verify", str(small_store), "--shards", "1-2", "--sample", "0.5",
-                                                    "--processes", "2"])
+    code, out, err = run_main(
+        monkeypatch, capsys, ["verify", str(small_store), "--shards", "1-2", "--sample", "0.5", "--processes", "2"]
+    )
     assert code == 0 and "checked 2 committed shard(s) (states: " in out and "all good" in out
     code, out, err = run_main(monkeypatch, capsys, ["info", str(small_store), "--json"])
     assert code == 0 and json.loads(out)["shards_done"] == 4
@@ -110,6 +117,18 @@ def test_error_is_one_line_in_a_real_process(tmp_path, small_dataset):
 def test_help_explains_every_flag(monkeypatch, capsys):
     code, out, err = run_main(monkeypatch, capsys, ["extract", "--help"])
     assert code == 0
-    for flag in ("--store", "--shards", "--num-shards", "--target", "--dataset", "--max-new-tokens", "--max-length",
-                 "--batch-size", "--device", "--dtype", "--taps", "--responses"):
+    for flag in (
+        "--store",
+        "--shards",
+        "--num-shards",
+        "--target",
+        "--dataset",
+        "--max-new-tokens",
+        "--max-length",
+        "--batch-size",
+        "--device",
+        "--dtype",
+        "--taps",
+        "--responses",
+    ):
         assert flag in out

@@ -60,7 +60,9 @@ def test_an_option_cell_names_its_seeds_when_fewer_than_the_reference_has(doc_ta
     ref = {"seeds": [0, 1, 2], "tau": {"mean": 8.8}}
     paired = {"seeds": [0, 1], "diff": -0.1, "relative": -0.0114, "ci95": [-0.5, 0.3]}
     assert doc_tables._option_cell(ref, "tau", ref) == "8.800 (3 seeds)"
-    assert doc_tables._option_cell({"tau": {"paired": paired}}, "tau", ref) == "-0.100 (-1.1%) [-0.500, +0.300]; 2 seeds"
+    assert (
+        doc_tables._option_cell({"tau": {"paired": paired}}, "tau", ref) == "-0.100 (-1.1%) [-0.500, +0.300]; 2 seeds"
+    )
     full = {**paired, "seeds": [0, 1, 2]}
     assert doc_tables._option_cell({"tau": {"paired": full}}, "tau", ref) == "-0.100 (-1.1%) [-0.500, +0.300]"
     assert doc_tables._option_cell(None, "tau", ref) == "not run"
@@ -79,7 +81,8 @@ def test_a_row_edited_by_hand_is_named(doc_tables, docs_copy):
     path = docs_copy / "docs" / "training.md"
     path.write_text(path.read_text().replace("| `--epochs INTEGER` | 6 |", "| `--epochs INTEGER` | 7 |"))
     assert doc_tables.stale(docs_copy) == [
-        "docs/training.md: the table under <!-- flags: train run --> is out of date; run `python tools/doc_tables.py`"]
+        "docs/training.md: the table under <!-- flags: train run --> is out of date; run `python tools/doc_tables.py`"
+    ]
     path.write_text(doc_tables.render(path.read_text()))
     assert doc_tables.stale(docs_copy) == []
 
@@ -92,7 +95,8 @@ def test_a_flag_missing_from_the_markers_or_unknown_is_named(doc_tables, docs_co
     path.write_text(text.replace(marker, "<!-- flags: train --follow --follow-poll -->"))
     assert doc_tables.coverage(docs_copy) == [
         "train: --shard-schedule in no table (add them to a <!-- flags: train ... --> marker, then run "
-        "`python tools/doc_tables.py`)"]
+        "`python tools/doc_tables.py`)"
+    ]
     path.write_text(text.replace(marker, "<!-- flags: train shard_schedule --no-such-flag -->"))
     assert doc_tables.coverage(docs_copy) == ["train: no option --no-such-flag (remove it from its marker)"]
     assert doc_tables.stale(docs_copy) == ["docs/training.md: train has no option --no-such-flag"]
@@ -130,6 +134,9 @@ def test_every_production_module_is_in_the_code_map():
     from tests.test_layers import production_files
 
     doc = (REPO / "docs" / "architecture.md").read_text()
-    missing = [p.relative_to(REPO).as_posix() for p in production_files(REPO)
-               if p.name != "__init__.py" and p.relative_to(REPO).as_posix() not in mapped_files(doc)]
+    missing = [
+        p.relative_to(REPO).as_posix()
+        for p in production_files(REPO)
+        if p.name != "__init__.py" and p.relative_to(REPO).as_posix() not in mapped_files(doc)
+    ]
     assert missing == [], f"docs/architecture.md's code map lacks {missing}"

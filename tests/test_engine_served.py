@@ -33,17 +33,44 @@ TOLERANCE = 0.02  # |served / replay - 1| on the agreeing prompts; measured +0.2
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     store = root / "hs.zarr"
-    extract(ExtractConfig(store=str(store), target=str(TINY_TARGET), shards="0-2", num_shards=32, dtype="bf16",
-                          device="cpu", max_new_tokens=64, max_length=512, batch_size=8), log=lambda m: None)
-    train(TrainConfig.of(store=str(store), out=str(root / "run"), eval_shards="2", max_steps=150, batch_size=4,
-                      anchors=64), log=lambda m: None)
+    extract(
+        ExtractConfig(
+            store=str(store),
+            target=str(TINY_TARGET),
+            shards="0-2",
+            num_shards=32,
+            dtype="bf16",
+            device="cpu",
+            max_new_tokens=64,
+            max_length=512,
+            batch_size=8,
+        ),
+        log=lambda m: None,
+    )
+    train(
+        TrainConfig.of(
+            store=str(store), out=str(root / "run"), eval_shards="2", max_steps=150, batch_size=4, anchors=64
+        ),
+        log=lambda m: None,
+    )
     return {"store": store, "drafter": root / "run" / "final", "python": str(build_venv()), "root": root}
 
 
 def served(setup, drafter, name: str) -> dict:
-    rep = evaluate(EvalConfig(store=str(setup["store"]), checkpoints=(str(drafter),), shards="2",
-                              out=str(setup["root"] / name), ddtree=(), served="vllm", served_python=setup["python"],
-                              allow_mismatch=True, served_memory=0.5), log=print)  # of NUMA node 0's 11.8 GiB here:
+    rep = evaluate(
+        EvalConfig(
+            store=str(setup["store"]),
+            checkpoints=(str(drafter),),
+            shards="2",
+            out=str(setup["root"] / name),
+            ddtree=(),
+            served="vllm",
+            served_python=setup["python"],
+            allow_mismatch=True,
+            served_memory=0.5,
+        ),
+        log=print,
+    )  # of NUMA node 0's 11.8 GiB here:
     # vLLM's own 0.92 is refused whenever the page cache holds more than a few GiB of that node
     return rep["checkpoints"][0]["served"]
 
@@ -52,10 +79,12 @@ def test_served_tau_equals_replay_tau_on_the_agreeing_prompts(setup):
     config, _, _ = checkpoint.load(setup["drafter"])
     assert vllm_kv_problem(config, HiddenStore(str(setup["store"])).attrs.target) is None
     sv = served(setup, setup["drafter"], "report")
-    print(f"\n{sv['identical_completions']} of {sv['prompts']} served completions equal the stored ones "
-          f"({sv['identical_rounds']} with replay's rounds); agreeing: served {sv['agreeing']['served_tau']:.4f} "
-          f"replay {sv['agreeing']['replay_tau']:.4f}; all: served {sv['all']['served_tau']:.4f} "
-          f"replay {sv['all']['replay_tau']:.4f}; vLLM convention {sv['vllm_convention_tau']:.4f}")
+    print(
+        f"\n{sv['identical_completions']} of {sv['prompts']} served completions equal the stored ones "
+        f"({sv['identical_rounds']} with replay's rounds); agreeing: served {sv['agreeing']['served_tau']:.4f} "
+        f"replay {sv['agreeing']['replay_tau']:.4f}; all: served {sv['all']['served_tau']:.4f} "
+        f"replay {sv['all']['replay_tau']:.4f}; vLLM convention {sv['vllm_convention_tau']:.4f}"
+    )
     assert sv["identical_completions"] >= 0.5 * sv["prompts"] > 0  # measured 14 of 20 (64-token completions)
     assert abs(sv["agreeing"]["difference"]) < TOLERANCE
     assert sv["identical_rounds"] >= 0.7 * sv["identical_completions"]

@@ -17,8 +17,18 @@ from tests.engines import VllmServer
 
 pytestmark = pytest.mark.engine
 MODEL = Path(os.environ.get("DFLASH_ENGINE_TARGET", TINY_TARGET))
-SETTINGS = dict(max_new_tokens=32, max_length=256, batch_size=4, dtype="bf16", device="cpu", chunk_tokens=32,
-                shard_tokens=64, num_shards=64, responses="server", concurrency=8)
+SETTINGS = dict(
+    max_new_tokens=32,
+    max_length=256,
+    batch_size=4,
+    dtype="bf16",
+    device="cpu",
+    chunk_tokens=32,
+    shard_tokens=64,
+    num_shards=64,
+    responses="server",
+    concurrency=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +45,16 @@ def extract(path, url, shards, log=print):
 def test_references_are_what_vllm_returns_for_the_same_ids(server, tmp_path):
     summary = extract(tmp_path / "hs.zarr", server.url, "0-3")
     store = HiddenStore(str(tmp_path / "hs.zarr"))
-    print(f"\nvLLM references: {summary['samples']} samples, {summary['tokens']} tokens, agreement "
-          f"{summary['agreement']}, engine {store.attrs.engine}")
+    print(
+        f"\nvLLM references: {summary['samples']} samples, {summary['tokens']} tokens, agreement "
+        f"{summary['agreement']}, engine {store.attrs.engine}"
+    )
     assert store.attrs.engine["engine"] == "vllm" and store.attrs.engine["version"]
     eos = list(store.attrs.eos_token_ids)
     checked = 0
     for shard in store.committed():
         for s in ShardReader(store, shard):
-            prompt, stored = s.tokens[:s.prompt_len].tolist(), s.tokens[s.prompt_len:].tolist()
+            prompt, stored = s.tokens[: s.prompt_len].tolist(), s.tokens[s.prompt_len :].tolist()
             limit = store.attrs.compat.completion_limit(s.prompt_len)
             assert stored == server.complete(prompt, limit, eos), s.row_id
             checked += 1

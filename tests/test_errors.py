@@ -21,13 +21,21 @@ ROOT = os.geteuid() == 0  # permissions do not stop root
 
 def command(*args, limit_file_bytes: int | None = None) -> subprocess.CompletedProcess:
     """A command as a user runs it: `python train.py ...`, `python evaluate.py ...`, `python -m pipeline ...`."""
+
     def limit():
         if limit_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit,
+    )
 
 
 def the_error(p: subprocess.CompletedProcess) -> str:
@@ -70,8 +78,10 @@ STORE_USERS = {
 @pytest.mark.parametrize("cmd", [c for c in STORE_USERS if c != "export"])
 def test_a_store_path_that_is_a_file_is_refused_in_one_line(cmd, a_file, tmp_path, released):
     line = the_error(command(*STORE_USERS[cmd](a_file, tmp_path, released)))
-    assert line == (f"error: {a_file}: a file, not a hidden-state store (a store is a directory, as `pipeline "
-                    "extract` writes it); give the store's directory")
+    assert line == (
+        f"error: {a_file}: a file, not a hidden-state store (a store is a directory, as `pipeline "
+        "extract` writes it); give the store's directory"
+    )
     assert not (tmp_path / "run").exists() and not (tmp_path / "report").exists()
 
 
@@ -134,8 +144,10 @@ def test_evaluate_checks_out_before_it_replays(small_store, released, a_file):
 
     said = []
     with pytest.raises(ConfigError, match="is a file, not a directory"):
-        run(EvalConfig(store=str(small_store), checkpoints=(str(released),), out=str(a_file / "report"),
-                       device="cpu"), log=said.append)
+        run(
+            EvalConfig(store=str(small_store), checkpoints=(str(released),), out=str(a_file / "report"), device="cpu"),
+            log=said.append,
+        )
     assert not any("replaying" in line for line in said)
 
 
@@ -168,18 +180,23 @@ def _run(monkeypatch, capsys, cmd) -> tuple[int, str]:
     return stop.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("code,said", [
-    (errno.EACCES, "permission denied; choose a path you may write, or change its permissions"),
-    (errno.EROFS, "read-only file system; choose a path on a writable file system"),
-    (errno.ENOSPC, "no space left on device; free space, or choose a path on another file system"),
-    (errno.EDQUOT, "disk quota exceeded; free space within your quota, or choose another file system"),
-    (errno.EFBIG, "file too large; raise the file-size limit (`ulimit -f`)"),
-    (errno.EISDIR, "is a directory; give a file's path, not a directory's"),
-])
+@pytest.mark.parametrize(
+    "code,said",
+    [
+        (errno.EACCES, "permission denied; choose a path you may write, or change its permissions"),
+        (errno.EROFS, "read-only file system; choose a path on a writable file system"),
+        (errno.ENOSPC, "no space left on device; free space, or choose a path on another file system"),
+        (errno.EDQUOT, "disk quota exceeded; free space within your quota, or choose another file system"),
+        (errno.EFBIG, "file too large; raise the file-size limit (`ulimit -f`)"),
+        (errno.EISDIR, "is a directory; give a file's path, not a directory's"),
+    ],
+)
 def test_the_file_systems_refusal_of_a_path_is_one_line(monkeypatch, capsys, tmp_path, code, said):
     path = tmp_path / "out" / "report.json"
-    for exc in (OSError(code, os.strerror(code), str(path)),
-                RuntimeError("the writer thread stopped")):  # raised from the refusal, as a writer thread does
+    for exc in (
+        OSError(code, os.strerror(code), str(path)),
+        RuntimeError("the writer thread stopped"),
+    ):  # raised from the refusal, as a writer thread does
         if isinstance(exc, RuntimeError):
             exc.__cause__ = OSError(code, os.strerror(code), str(path))
         status, err = _run(monkeypatch, capsys, _raising(exc))
@@ -187,18 +204,24 @@ def test_the_file_systems_refusal_of_a_path_is_one_line(monkeypatch, capsys, tmp
 
 
 def test_a_path_under_a_file_names_the_file(monkeypatch, capsys, a_file):
-    status, err = _run(monkeypatch, capsys, _raising(NotADirectoryError(errno.ENOTDIR, "Not a directory",
-                                                                        str(a_file / "x" / "y.json"))))
+    status, err = _run(
+        monkeypatch,
+        capsys,
+        _raising(NotADirectoryError(errno.ENOTDIR, "Not a directory", str(a_file / "x" / "y.json"))),
+    )
     assert status == 2
     assert err == f"error: {a_file} is a file, not a directory; choose another path, or move the file out of the way\n"
 
 
-@pytest.mark.parametrize("exc", [
-    OSError(errno.EACCES, "Permission denied"),  # no path: nothing to name
-    FileNotFoundError(errno.ENOENT, "No such file or directory", "/tmp/x"),  # the code's own expectation
-    PermissionError(errno.EACCES, "Permission denied", str(REPO / "stages" / "command.py")),  # the installation's
-    KeyError("a bug"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(errno.EACCES, "Permission denied"),  # no path: nothing to name
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/tmp/x"),  # the code's own expectation
+        PermissionError(errno.EACCES, "Permission denied", str(REPO / "stages" / "command.py")),  # the installation's
+        KeyError("a bug"),
+    ],
+)
 def test_internal_errors_keep_their_traceback(monkeypatch, capsys, exc):
     monkeypatch.setattr(sys, "argv", ["cmd"])
     with pytest.raises(type(exc)):
@@ -208,12 +231,18 @@ def test_internal_errors_keep_their_traceback(monkeypatch, capsys, exc):
 MISTAKES = {
     "a bad flag value": (["train.py", "--epochs", "0"], "error: --epochs 0: must be at least 1"),
     "a store that is a file": (["train.py", "--store", "{file}"], "error: {file}: a file, not a hidden-state store"),
-    "a missing store": (["evaluate.py", "--checkpoint", "ck", "--store", "{tmp}/none.zarr"],
-                        "error: {tmp}/none.zarr: not a hidden-state store (no _commits/root.json)"),
-    "an out under a file": (["evaluate.py", "--checkpoint", "ck", "--store", "{store}", "--out", "{file}/r"],
-                            "error: --out {file}/r: cannot be written: {file} is a file"),
-    "an extract flag": (["pipeline", "extract", "--compression-level", "99"],
-                        "error: --compression-level 99: levels run -7 to 22"),
+    "a missing store": (
+        ["evaluate.py", "--checkpoint", "ck", "--store", "{tmp}/none.zarr"],
+        "error: {tmp}/none.zarr: not a hidden-state store (no _commits/root.json)",
+    ),
+    "an out under a file": (
+        ["evaluate.py", "--checkpoint", "ck", "--store", "{store}", "--out", "{file}/r"],
+        "error: --out {file}/r: cannot be written: {file} is a file",
+    ),
+    "an extract flag": (
+        ["pipeline", "extract", "--compression-level", "99"],
+        "error: --compression-level 99: levels run -7 to 22",
+    ),
     "info on a file": (["pipeline", "info", "{file}"], "error: {file}: a file, not a hidden-state store"),
 }
 PROBE = """import runpy, sys

@@ -40,10 +40,35 @@ pytestmark = pytest.mark.faults
 SEED = int(os.environ.get("DFLASH_FAULT_SEED", "0"))
 KILLS = int(os.environ.get("DFLASH_FAULT_KILLS", "3"))
 DAMAGE = int(os.environ.get("DFLASH_FAULT_DAMAGE", "60"))
-EXTRACT = ["--shards", "0-3", "--num-shards", "64", "--max-new-tokens", "32", "--max-length", "256",
-           "--batch-size", "4", "--chunk-tokens", "64", "--shard-tokens", "256"]  # of the shipped prompt set
-TRAIN = ["--max-steps", "30", "--save-every", "5", "--keep-last", "2", "--eval-shards", "3", "--noise-std", "0.05",
-         *TINY]
+EXTRACT = [
+    "--shards",
+    "0-3",
+    "--num-shards",
+    "64",
+    "--max-new-tokens",
+    "32",
+    "--max-length",
+    "256",
+    "--batch-size",
+    "4",
+    "--chunk-tokens",
+    "64",
+    "--shard-tokens",
+    "256",
+]  # of the shipped prompt set
+TRAIN = [
+    "--max-steps",
+    "30",
+    "--save-every",
+    "5",
+    "--keep-last",
+    "2",
+    "--eval-shards",
+    "3",
+    "--noise-std",
+    "0.05",
+    *TINY,
+]
 
 
 def rng(kind: str, i: int) -> random.Random:
@@ -52,8 +77,14 @@ def rng(kind: str, i: int) -> random.Random:
 
 def train_proc(args: list) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "train.py", *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(p: subprocess.Popen) -> None:
@@ -87,8 +118,10 @@ def shard_files(store: Path) -> dict[str, bytes]:
 
 def commits(store: Path) -> dict[str, dict]:
     keep = ("shard", "samples", "tokens", "completion_tokens", "skipped", "truncated", "shapes", "checksums")
-    return {f.name: {k: v for k, v in json.loads(f.read_text()).items() if k in keep}
-            for f in sorted((store / "_commits").glob("0*.json"))}
+    return {
+        f.name: {k: v for k, v in json.loads(f.read_text()).items() if k in keep}
+        for f in sorted((store / "_commits").glob("0*.json"))
+    }
 
 
 def final_tensors(out: Path) -> dict:
@@ -110,8 +143,11 @@ def reference(tmp_path_factory):
 def train_reference(reference, tmp_path_factory):
     """An uninterrupted training run on the reference store: (its out, the window to kill it in)."""
     out = tmp_path_factory.mktemp("faults") / "train-ref"
-    first = lambda: min(r["time"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())  # noqa: E731
-                        if "time" in r)
+    first = lambda: min(
+        r["time"]
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+        if "time" in r
+    )
     return out, window(train_proc(["--store", reference[0], "--out", out, *TRAIN]), first)
 
 
@@ -122,7 +158,9 @@ def test_extraction_killed_at_random_then_rerun_is_identical(reference, tmp_path
     delay = rng("extract", i).uniform(start, wall)
     killed = kill_after(pipeline_proc(args(store)), delay)
     committed = len(list((store / "_commits").glob("0*.json"))) if store.exists() else 0
-    print(f"extraction {'killed' if killed else 'done'} after {delay:.1f}s (window to {wall:.1f}s), {committed} shards committed")
+    print(
+        f"extraction {'killed' if killed else 'done'} after {delay:.1f}s (window to {wall:.1f}s), {committed} shards committed"
+    )
     finish(pipeline_proc(args(store)))
     assert commits(store) == commits(ref), f"seed {SEED}, killed after {delay:.2f}s"
     assert shard_files(store) == shard_files(ref), f"seed {SEED}, killed after {delay:.2f}s"
@@ -162,10 +200,10 @@ def random_damage(original: bytes, r: random.Random) -> tuple[str, bytes | None]
     kind = r.choice(["flip", "cut", "delete"])
     if kind == "flip" and original:
         at, length = r.randrange(len(original)), r.randint(1, 64)
-        flipped = bytes(b ^ r.randint(1, 255) for b in original[at:at + length])
-        return kind, original[:at] + flipped + original[at + length:]
+        flipped = bytes(b ^ r.randint(1, 255) for b in original[at : at + length])
+        return kind, original[:at] + flipped + original[at + length :]
     if kind == "cut" and original:
-        return kind, original[:r.randrange(len(original))]
+        return kind, original[: r.randrange(len(original))]
     return kind, None
 
 

@@ -60,16 +60,22 @@ def test_the_chunked_fla_kernel_under_the_interpreter_equals_the_naive_recurrenc
     assert kernel_error("chunk_gated_delta_rule")["max_abs"] < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="in bf16, fla 0.6.0's chunked kernel is wrong by ~1e9 "
-                                       "under Triton 3.7.1's interpreter (its bf16 is not the GPU's): parity in bf16 "
-                                       "needs a GPU (bench/gpu_check.sh)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="in bf16, fla 0.6.0's chunked kernel is wrong by ~1e9 "
+    "under Triton 3.7.1's interpreter (its bf16 is not the GPU's): parity in bf16 "
+    "needs a GPU (bench/gpu_check.sh)",
+)
 def test_the_chunked_fla_kernel_in_bf16_under_the_interpreter_is_close_to_the_naive_recurrence():
     assert kernel_error("chunk_gated_delta_rule", "bfloat16")["max_abs"] < 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="fla 0.6.0's fused recurrent kernel returns NaN under "
-                                       "Triton 3.7.1's interpreter with these shims (generation's decode steps); "
-                                       "stage one therefore captures stored completions (--responses dataset)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="fla 0.6.0's fused recurrent kernel returns NaN under "
+    "Triton 3.7.1's interpreter with these shims (generation's decode steps); "
+    "stage one therefore captures stored completions (--responses dataset)",
+)
 def test_the_fused_recurrent_fla_kernel_under_the_interpreter_equals_the_naive_recurrence():
     got = kernel_error("fused_recurrent_gated_delta_rule")
     assert got["nan"] == 0 and got["max_abs"] < 1e-5
@@ -87,14 +93,16 @@ def test_the_targets_forward_through_fla_equals_its_torch_path_and_is_recorded_a
     assert (torch_info["backends"], torch_info["triton"]) == ("torch", None), torch_info
     assert fla_states.shape == torch_states.shape == (104, 3, 128)
     a, b = fla_states.float(), torch_states.float()
-    assert bool(((a - b).abs() <= 2 * 2.0 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-6).all())  # <= 2 bf16 steps
+    assert bool(((a - b).abs() <= 2 * 2.0**-7 * torch.maximum(a.abs(), b.abs()) + 1e-6).all())  # <= 2 bf16 steps
     same = (fla_states.view(torch.int16) == torch_states.view(torch.int16)).float().mean()
     assert 0.9 < same < 1  # two implementations whose fp32 sums round to the same bf16 nearly always
 
 
 def test_fla_without_cuda_or_the_interpreter_is_one_line():
-    p = fla_interpret.run(["-m", "pipeline", "extract", "--store", "/tmp/never.zarr", "--linear-attention", "fla",
-                           "--device", "cpu"], interpret=False)
+    p = fla_interpret.run(
+        ["-m", "pipeline", "extract", "--store", "/tmp/never.zarr", "--linear-attention", "fla", "--device", "cpu"],
+        interpret=False,
+    )
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: --linear-attention fla:")
     assert "TRITON_INTERPRET=1" in p.stderr
 
@@ -108,12 +116,27 @@ def test_stage_one_captures_through_fla_under_the_interpreter(small_store, tmp_p
     reader = ShardReader(torch_store, 0)
     for i in range(len(reader)):
         s = reader[i]
-        rows[s.row_id]["response_ids"] = s.tokens[s.prompt_len:].tolist()
+        rows[s.row_id]["response_ids"] = s.tokens[s.prompt_len :].tolist()
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp_path / "fla.zarr"
-    args = ["-m", "pipeline", "extract", "--store", str(store), "--dataset", str(data), "--shards", "0",
-            "--num-shards", "4", "--responses", "dataset", "--linear-attention", "fla"]
+    args = [
+        "-m",
+        "pipeline",
+        "extract",
+        "--store",
+        str(store),
+        "--dataset",
+        str(data),
+        "--shards",
+        "0",
+        "--num-shards",
+        "4",
+        "--responses",
+        "dataset",
+        "--linear-attention",
+        "fla",
+    ]
     for k, v in SMALL.items():
         if k not in ("max_new_tokens",):
             args += [f"--{k.replace('_', '-')}", str(v)]
@@ -129,4 +152,6 @@ def test_stage_one_captures_through_fla_under_the_interpreter(small_store, tmp_p
         assert a.row_id == f.row_id and torch.equal(a.tokens, f.tokens)
         diffs.append(float((a.hidden.float() - f.hidden.float()).abs().max()))
     assert 0 < max(diffs) < 0.05, diffs  # bf16 states of fp32 forwards: a few bf16 steps at most
-    assert np.isclose(fla.commit_record(0).agreement["matches"] / fla.commit_record(0).agreement["tokens"], 1, atol=0.05)
+    assert np.isclose(
+        fla.commit_record(0).agreement["matches"] / fla.commit_record(0).agreement["tokens"], 1, atol=0.05
+    )

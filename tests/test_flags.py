@@ -21,8 +21,11 @@ def commands() -> dict[str, click.Command]:
     import train
     from pipeline.cli import cli
 
-    return {**{f"pipeline {name}": cmd for name, cmd in sorted(cli.commands.items())},
-            "train.py": train.main, "evaluate.py": evaluate.main}
+    return {
+        **{f"pipeline {name}": cmd for name, cmd in sorted(cli.commands.items())},
+        "train.py": train.main,
+        "evaluate.py": evaluate.main,
+    }
 
 
 def default(p: click.Parameter):
@@ -51,6 +54,8 @@ def test_every_flag_and_default_is_listed():
     want = FLAGS.read_text()
     added = sorted(set(got.splitlines()) - set(want.splitlines()))
     gone = sorted(set(want.splitlines()) - set(got.splitlines()))
-    assert not added and not gone, (f"the flags changed (new or changed: {added}; gone or changed: {gone}); if "
-                                    "meant, rerun with DFLASH_WRITE_FLAGS=1 and say why in the commit")
+    assert not added and not gone, (
+        f"the flags changed (new or changed: {added}; gone or changed: {gone}); if "
+        "meant, rerun with DFLASH_WRITE_FLAGS=1 and say why in the commit"
+    )
     assert got.count("train.py --") > 50 and "pipeline extract --shards" in got

@@ -42,12 +42,16 @@ def test_the_golden_numbers_hold(small_store, tmp_path):
     if os.environ.get("DFLASH_WRITE_GOLDEN"):
         new, dropped = golden.rewritten(json.loads(GOLDEN.read_text()) if GOLDEN.exists() else None, got)
         GOLDEN.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
-        pytest.skip(f"wrote {GOLDEN} on {golden.describe(got['cpu'])}"
-                    + (f", dropping the points that no longer hold: {dropped}" if dropped else "")
-                    + ": commit it with the reason the numbers moved")
+        pytest.skip(
+            f"wrote {GOLDEN} on {golden.describe(got['cpu'])}"
+            + (f", dropping the points that no longer hold: {dropped}" if dropped else "")
+            + ": commit it with the reason the numbers moved"
+        )
     problems = golden.differences(json.loads(GOLDEN.read_text()), got)
-    assert not problems, (f"moved from {GOLDEN.name}:\n" + "\n".join(problems) + "\nif on purpose, rerun with "
-                          "DFLASH_WRITE_GOLDEN=1 and say why in the commit")
+    assert not problems, (
+        f"moved from {GOLDEN.name}:\n" + "\n".join(problems) + "\nif on purpose, rerun with "
+        "DFLASH_WRITE_GOLDEN=1 and say why in the commit"
+    )
     trained = got["measured"]["train_losses"]
     assert len(trained) == golden.STEPS and trained[-1] < trained[0]
 
@@ -73,9 +77,11 @@ def test_states_a_few_rounding_steps_apart_hold(small_store):
     assert 0 < moved <= golden.TOLERANCE["states"], where
 
 
-CHANGES = {"taps shifted by one (each tap the layer before's output)": lambda bits: bits[:, [0, 0, 1, 2, 3]],
-           "tokens shifted by one": lambda bits: np.roll(bits, 1, axis=0),
-           "one token's states zeroed": lambda bits: np.where(np.arange(len(bits))[:, None, None] == 5, 0, bits)}
+CHANGES = {
+    "taps shifted by one (each tap the layer before's output)": lambda bits: bits[:, [0, 0, 1, 2, 3]],
+    "tokens shifted by one": lambda bits: np.roll(bits, 1, axis=0),
+    "one token's states zeroed": lambda bits: np.where(np.arange(len(bits))[:, None, None] == 5, 0, bits),
+}
 
 
 @pytest.mark.parametrize("change", CHANGES)
@@ -97,8 +103,12 @@ def test_every_cpu_recorded_in_the_asset_holds_against_its_reference():
 
 def test_a_difference_names_the_quantity_how_far_and_both_cpus():
     asset = json.loads(GOLDEN.read_text())
-    other = {"capability": "DEFAULT", "processor": "elsewhere", "torch": asset["cpu"]["torch"],
-             "env": {"ATEN_CPU_CAPABILITY": "default"}}
+    other = {
+        "capability": "DEFAULT",
+        "processor": "elsewhere",
+        "torch": asset["cpu"]["torch"],
+        "env": {"ATEN_CPU_CAPABILITY": "default"},
+    }
     losses = [x * (1 + 3 * golden.TOLERANCE["train_losses"]) for x in asset["measured"]["train_losses"]]
     got = {**asset, "cpu": other, "measured": {**asset["measured"], "train_losses": losses}}
     got["exact"] = {**asset["exact"], "tau_replay": asset["exact"]["tau_replay"] + 0.25}
@@ -107,15 +117,20 @@ def test_a_difference_names_the_quantity_how_far_and_both_cpus():
     assert problems[0] == f"tau_replay: {tau} -> {tau + 0.25} (exact on every CPU measured)"
     moved = 3 * golden.TOLERANCE["train_losses"]
     assert problems[1].startswith(f"train_losses: {moved:.3g} relative, past the tolerance")
-    assert problems[2] == (f"golden written on {golden.describe(asset['cpu'])}; this run on DEFAULT (elsewhere, torch "
-                           f"{asset['cpu']['torch']}, ATEN_CPU_CAPABILITY=default)")
+    assert problems[2] == (
+        f"golden written on {golden.describe(asset['cpu'])}; this run on DEFAULT (elsewhere, torch "
+        f"{asset['cpu']['torch']}, ATEN_CPU_CAPABILITY=default)"
+    )
 
 
 def test_a_rewrite_keeps_the_other_cpus_that_still_hold():
     asset = json.loads(GOLDEN.read_text())
     reference = {k: asset[k] for k in ("cpu", "exact", "measured", "hidden_crc32")}
-    stale = {**reference, "cpu": {**reference["cpu"], "capability": "SSE42"},
-             "measured": {**reference["measured"], "loss": 2 * reference["measured"]["loss"]}}
+    stale = {
+        **reference,
+        "cpu": {**reference["cpu"], "capability": "SSE42"},
+        "measured": {**reference["measured"], "loss": 2 * reference["measured"]["loss"]},
+    }
     same_cpu = {**reference, "measured": {**reference["measured"], "loss": 2 * reference["measured"]["loss"]}}
     new, dropped = golden.rewritten({**same_cpu, "also_measured": [*asset["also_measured"], stale]}, reference)
     assert new["also_measured"] == asset["also_measured"] and dropped == [golden.describe(stale["cpu"])]

@@ -96,8 +96,11 @@ def kept_apart(root: Path) -> list[str]:
         theirs = {other} | (names_in(root / other) - names_in(root / me))
         for path in sorted((root / me).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
-            bad += [f"{rel}:{line} imports {target} ({me}/ and {other}/ never import each other)"
-                    for line, target in imports(path) if target.split(".")[0] in theirs]
+            bad += [
+                f"{rel}:{line} imports {target} ({me}/ and {other}/ never import each other)"
+                for line, target in imports(path)
+                if target.split(".")[0] in theirs
+            ]
     return bad
 
 
@@ -118,8 +121,9 @@ def violations(root: Path) -> list[str]:
         text = path.read_text()
         lines, commands = len(text.splitlines()), max(1, len(re.findall(r"^@[\w.]*command\(", text, re.M)))
         if rel in ENTRY and lines > LINES_PER_COMMAND * commands:
-            bad.append(f"{rel}: entry point of {lines} lines for {commands} command(s) "
-                       f"(> {LINES_PER_COMMAND} per command)")
+            bad.append(
+                f"{rel}: entry point of {lines} lines for {commands} command(s) (> {LINES_PER_COMMAND} per command)"
+            )
         if "DFLASH_TEST" in text:
             bad.append(f"{rel}: test hook in production code")
     return bad
@@ -129,25 +133,48 @@ def test_the_house_holds():
     assert violations(REPO) == []
 
 
-@pytest.mark.parametrize("where,code,needle", [
-    ("store/x.py", "from pipeline.errors import DrafterError\n", "store/x.py:1 imports pipeline.errors.DrafterError"),
-    ("store/format/x.py", "from store.io import locks\n", "store/format/x.py:1 imports store.io.locks"),
-    ("store/io/x.py", "def f():\n    from store.format.layout import shard_group\n", "store/io/x.py:2"),
-    ("store/format/x.py", "from store.hidden_store import HiddenStore\n", "store/format/x.py:1 imports store.hidden_store"),
-    ("store/errors.py", "from store.format import layout\n", "store/errors.py:1"),
-    ("pipeline/drafter/x.py", "def f():\n    from pipeline.target import taps\n", "pipeline/drafter/x.py:2"),
-    ("pipeline/target/x.py", "import stages.settings\n", "imports stages.settings"),
-    ("stages/train/x.py", "from stages.evaluate.run import run\n", "stages/train/x.py:1"),
-    ("stages/export/x.py", "from stages.train import run_dir\n", "stages/export/x.py:1"),
-    ("stages/evaluate/x.py", "from store.store_writer import StoreWriter\n", "only extraction writes a store"),
-    ("pipeline/x.py", "import store.store_writer\n", "only extraction writes a store"),
-    ("stages/extract/x.py", "import os\nV = os.environ.get('DFLASH_TEST_STOP')\n", "test hook"),
-    ("train.py", "\n" * 41, "entry point of 41 lines for 1 command(s)"),
-    ("pipeline/cli.py", "@cli.command()\ndef a(): pass\n" * 2 + "\n" * 77, "entry point of 81 lines for 2 command(s)"),
-    ("bench/x.py", "from tools.s3.latency_proxy import LatencyProxy\n", "bench/x.py:1 imports tools.s3.latency_proxy"),
-    ("tools/x.py", "def f():\n    from bench.recipe_bench import table\n", "tools/x.py:2 imports bench.recipe_bench"),
-    ("tools/s3/x.py", "import bench.harness\n", "(tools/ and bench/ never import each other)"),
-])
+@pytest.mark.parametrize(
+    "where,code,needle",
+    [
+        (
+            "store/x.py",
+            "from pipeline.errors import DrafterError\n",
+            "store/x.py:1 imports pipeline.errors.DrafterError",
+        ),
+        ("store/format/x.py", "from store.io import locks\n", "store/format/x.py:1 imports store.io.locks"),
+        ("store/io/x.py", "def f():\n    from store.format.layout import shard_group\n", "store/io/x.py:2"),
+        (
+            "store/format/x.py",
+            "from store.hidden_store import HiddenStore\n",
+            "store/format/x.py:1 imports store.hidden_store",
+        ),
+        ("store/errors.py", "from store.format import layout\n", "store/errors.py:1"),
+        ("pipeline/drafter/x.py", "def f():\n    from pipeline.target import taps\n", "pipeline/drafter/x.py:2"),
+        ("pipeline/target/x.py", "import stages.settings\n", "imports stages.settings"),
+        ("stages/train/x.py", "from stages.evaluate.run import run\n", "stages/train/x.py:1"),
+        ("stages/export/x.py", "from stages.train import run_dir\n", "stages/export/x.py:1"),
+        ("stages/evaluate/x.py", "from store.store_writer import StoreWriter\n", "only extraction writes a store"),
+        ("pipeline/x.py", "import store.store_writer\n", "only extraction writes a store"),
+        ("stages/extract/x.py", "import os\nV = os.environ.get('DFLASH_TEST_STOP')\n", "test hook"),
+        ("train.py", "\n" * 41, "entry point of 41 lines for 1 command(s)"),
+        (
+            "pipeline/cli.py",
+            "@cli.command()\ndef a(): pass\n" * 2 + "\n" * 77,
+            "entry point of 81 lines for 2 command(s)",
+        ),
+        (
+            "bench/x.py",
+            "from tools.s3.latency_proxy import LatencyProxy\n",
+            "bench/x.py:1 imports tools.s3.latency_proxy",
+        ),
+        (
+            "tools/x.py",
+            "def f():\n    from bench.recipe_bench import table\n",
+            "tools/x.py:2 imports bench.recipe_bench",
+        ),
+        ("tools/s3/x.py", "import bench.harness\n", "(tools/ and bench/ never import each other)"),
+    ],
+)
 def test_the_check_catches_what_it_forbids(tmp_path, where, code, needle):
     path = tmp_path / where
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,9 +185,13 @@ def test_the_check_catches_what_it_forbids(tmp_path, where, code, needle):
 def runtime_imports(path: Path) -> set[str]:
     """The modules `path` imports when it runs, at any depth, leaving out `if TYPE_CHECKING:` blocks."""
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for stmt in node.body for n in ast.walk(stmt)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
     out = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -199,7 +230,9 @@ def test_the_loop_check_finds_one_in_a_function_and_not_under_type_checking(tmp_
     (tmp_path / "store").mkdir()
     (tmp_path / "store/a.py").write_text("from store.b import f\n")
     (tmp_path / "store/b.py").write_text("def f():\n    from store.a import g\n")
-    (tmp_path / "store/c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from store.a import g\n")
+    (tmp_path / "store/c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from store.a import g\n"
+    )
     (tmp_path / "store/d.py").write_text("from store.c import x\n")
     assert import_loops(tmp_path) == [["store.a", "store.b"]]
     (tmp_path / "store/c.py").write_text("from store.d import y\n")
@@ -208,14 +241,17 @@ def test_the_loop_check_finds_one_in_a_function_and_not_under_type_checking(tmp_
 
 def test_bench_and_tools_reached_by_a_path_of_their_own_are_caught_too(tmp_path):
     """A tools/ script puts a folder on sys.path and imports its module by name (as it imports its siblings)."""
-    for where, code in [("bench/recipe_bench.py", "from recipe_results import table\n"),
-                        ("bench/harness.py", ""),
-                        ("tools/doc_tables.py", "import stdlib_corpus\nimport recipe_bench\n"),
-                        ("tools/stdlib_corpus.py", ""),
-                        ("tools/s3/latency_proxy.py", ""),
-                        ("bench/s3_bench.py", "def proxied():\n    from s3.latency_proxy import LatencyProxy\n")]:
+    for where, code in [
+        ("bench/recipe_bench.py", "from recipe_results import table\n"),
+        ("bench/harness.py", ""),
+        ("tools/doc_tables.py", "import stdlib_corpus\nimport recipe_bench\n"),
+        ("tools/stdlib_corpus.py", ""),
+        ("tools/s3/latency_proxy.py", ""),
+        ("bench/s3_bench.py", "def proxied():\n    from s3.latency_proxy import LatencyProxy\n"),
+    ]:
         (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / where).write_text(code)
     assert kept_apart(tmp_path) == [
         "bench/s3_bench.py:2 imports s3.latency_proxy.LatencyProxy (bench/ and tools/ never import each other)",
-        "tools/doc_tables.py:2 imports recipe_bench (tools/ and bench/ never import each other)"]
+        "tools/doc_tables.py:2 imports recipe_bench (tools/ and bench/ never import each other)",
+    ]

@@ -34,15 +34,55 @@ def test_extract_check_train_and_evaluate_from_s3(s3, small_dataset, tmp_path):
     verify = run_pipeline(["verify", store])
     assert verify.returncode == 0 and "checked 2 committed shard(s): all good" in verify.stdout, verify.stderr
     out = tmp_path / "run"
-    t = train(["--store", store, "--shards", "0", "--eval-shards", "1", "--out", out, "--max-steps", "20",
-               "--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2", "--eval-every", "10"])
+    t = train(
+        [
+            "--store",
+            store,
+            "--shards",
+            "0",
+            "--eval-shards",
+            "1",
+            "--out",
+            out,
+            "--max-steps",
+            "20",
+            "--workers",
+            "1",
+            "--anchors",
+            "16",
+            "--num-layers",
+            "1",
+            "--batch-size",
+            "2",
+            "--eval-every",
+            "10",
+        ]
+    )
     assert t.returncode == 0, t.stderr[-3000:]
     no_stray_lines(t.stderr)
     done = next(line for line in t.stdout.splitlines() if line.startswith("done: "))
     assert "sample index of 2 shards built" in t.stderr and f"saved to {store}/_index/samples-" in t.stderr, t.stderr
-    e = subprocess.run([sys.executable, "evaluate.py", "--store", store, "--checkpoint", str(out / "final"),
-                        "--shards", "1", "--dtype", "fp32", "--out", str(tmp_path / "report")], cwd=REPO,
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    e = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--store",
+            store,
+            "--checkpoint",
+            str(out / "final"),
+            "--shards",
+            "1",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert e.returncode == 0, e.stderr[-3000:]
     no_stray_lines(e.stderr)
     tau = json.loads((tmp_path / "report" / "report.json").read_text())["checkpoints"][0]["tau"]
@@ -64,8 +104,28 @@ def test_a_killed_extraction_rerun_gives_the_identical_store(s3, small_dataset, 
     assert p.returncode == 0, p.stderr[-2000:]
     no_stray_lines(p.stderr)
     assert_stores_equal(whole, killed)
-    again = train(["--store", whole, "--shards", "0-2", "--eval-shards", "3", "--out", tmp_path / "run", "--max-steps",
-                   "1", "--workers", "0", "--anchors", "16", "--num-layers", "1", "--batch-size", "2"])
+    again = train(
+        [
+            "--store",
+            whole,
+            "--shards",
+            "0-2",
+            "--eval-shards",
+            "3",
+            "--out",
+            tmp_path / "run",
+            "--max-steps",
+            "1",
+            "--workers",
+            "0",
+            "--anchors",
+            "16",
+            "--num-layers",
+            "1",
+            "--batch-size",
+            "2",
+        ]
+    )
     assert again.returncode == 0 and "sample index of 4 shards read from" in again.stderr, again.stderr[-2000:]
 
 
@@ -84,13 +144,26 @@ def test_a_sample_costs_at_most_two_requests_once_its_shard_is_open(s3, small_da
     from store.shard_reader import ShardReader, read_samples
 
     small_store = tmp_path / "hs.zarr"
-    run(ExtractConfig(store=str(small_store), dataset=str(small_dataset), shards="0-3", num_shards=4,
-                      **{**SMALL, "chunk_tokens": 256, "shard_tokens": 4096}), log=lambda m: None)
+    run(
+        ExtractConfig(
+            store=str(small_store),
+            dataset=str(small_dataset),
+            shards="0-3",
+            num_shards=4,
+            **{**SMALL, "chunk_tokens": 256, "shard_tokens": 4096},
+        ),
+        log=lambda m: None,
+    )
 
     url = "s3://bucket/reads.zarr"
-    files = [p for p in small_store.rglob("*") if p.is_file() and not p.relative_to(small_store).as_posix().startswith(
-        ("_locks/", "_index/"))]
-    fsspec.filesystem("s3").put([str(p) for p in files], [f"{url}/{p.relative_to(small_store).as_posix()}" for p in files])
+    files = [
+        p
+        for p in small_store.rglob("*")
+        if p.is_file() and not p.relative_to(small_store).as_posix().startswith(("_locks/", "_index/"))
+    ]
+    fsspec.filesystem("s3").put(
+        [str(p) for p in files], [f"{url}/{p.relative_to(small_store).as_posix()}" for p in files]
+    )
     local, remote = HiddenStore(str(small_store)), HiddenStore(url)
     readers = {s: ShardReader(remote, s) for s in sorted(remote.committed())}
     refs = [(s, i) for s, r in readers.items() for i in range(len(r)) if r._direct]  # opens each reader's arrays
@@ -98,7 +171,7 @@ def test_a_sample_costs_at_most_two_requests_once_its_shard_is_open(s3, small_da
     before = s3.requests()
     for _ in range(2):
         for lo in range(0, len(order), 4):
-            batch = order[lo:lo + 4]
+            batch = order[lo : lo + 4]
             for (s, i), got in zip(batch, read_samples([(readers[s], i, None, None) for s, i in batch])):
                 want = ShardReader(local, s)[i]
                 assert torch.equal(got.hidden.view(torch.int16), want.hidden.view(torch.int16))

@@ -81,9 +81,34 @@ def test_processes_sharing_a_cache_read_the_store_once(s3, small_store, tmp_path
 def test_two_epochs_of_training_fetch_each_file_once(s3, small_store, tmp_path):
     location = put(small_store, "s3://bucket/train.zarr")
     mark = log_lines(s3)
-    t = train(["--store", location, "--shards", "0-1", "--eval-shards", "2", "--out", tmp_path / "run",
-               "--epochs", "2", "--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2",
-               "--eval-replay-prompts", "0", "--cache-dir", tmp_path / "cache", "--cache-size", "1G"])
+    t = train(
+        [
+            "--store",
+            location,
+            "--shards",
+            "0-1",
+            "--eval-shards",
+            "2",
+            "--out",
+            tmp_path / "run",
+            "--epochs",
+            "2",
+            "--workers",
+            "1",
+            "--anchors",
+            "16",
+            "--num-layers",
+            "1",
+            "--batch-size",
+            "2",
+            "--eval-replay-prompts",
+            "0",
+            "--cache-dir",
+            tmp_path / "cache",
+            "--cache-size",
+            "1G",
+        ]
+    )
     assert t.returncode == 0, t.stderr[-3000:]
     trained = [p for p in gets(s3, mark) if is_data(p) and re.search(r"/shards/0000[01]/", p)]
     assert trained and len(trained) == len(set(trained))

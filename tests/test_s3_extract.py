@@ -65,12 +65,15 @@ def test_four_processes_extracting_one_new_store_make_what_one_process_makes(s3,
     shards = [written(err) for _, err in outs]
     assert sorted(s for w in shards for s in w) == [0, 1, 2, 3]  # every shard written once, by one process
     assert_stores_equal(one_process, store)
-    print(f"\n4 processes, one new S3 store: {wall:.1f} s; shards written per process {shards}; "
-          f"{s3.requests()} requests so far")
+    print(
+        f"\n4 processes, one new S3 store: {wall:.1f} s; shards written per process {shards}; "
+        f"{s3.requests()} requests so far"
+    )
 
 
-def test_a_stopped_writers_shard_is_taken_over_after_its_lease_and_the_store_is_identical(s3, small_dataset,
-                                                                                          one_process):
+def test_a_stopped_writers_shard_is_taken_over_after_its_lease_and_the_store_is_identical(
+    s3, small_dataset, one_process
+):
     """A writer stopped inside shard 1 (SIGSTOP: alive, its heartbeat silent, as a node that stopped
     answering) keeps it for its lease; a rerun within the lease leaves it, one after takes it over;
     then the stopped writer is killed (SIGKILL). The store equals one process's."""
@@ -97,5 +100,7 @@ def test_a_stopped_writers_shard_is_taken_over_after_its_lease_and_the_store_is_
         stalled.send_signal(signal.SIGKILL)
         stalled.wait(timeout=30)
     assert_stores_equal(one_process, store)
-    print(f"\nstopped writer: rerun within the lease left shard 1 ({early_s:.1f} s after the stop); "
-          f"rerun after it took shard 1 over and completed the store in {late_s:.1f} s")
+    print(
+        f"\nstopped writer: rerun within the lease left shard 1 ({early_s:.1f} s after the stop); "
+        f"rerun after it took shard 1 over and completed the store in {late_s:.1f} s"
+    )

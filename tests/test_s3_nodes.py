@@ -29,11 +29,26 @@ def free_port() -> int:
 def node(rank: int, port: int, args: list) -> subprocess.Popen:
     """One node's torchrun: 2 processes, the rendezvous on 127.0.0.1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank),
-           "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), "train.py",
-           *map(str, args)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        str(rank),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "train.py",
+        *map(str, args),
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def both(args_of, timeout: float = 900) -> list[subprocess.CompletedProcess]:
@@ -71,16 +86,40 @@ def test_two_nodes_train_resume_after_a_kill_and_evaluate(s3, small_dataset, tmp
     caches = [tmp_path / f"node{k}-cache" for k in (0, 1)]
 
     def args(k: int) -> list:
-        return ["--store", store, "--out", out, "--shards", "0-2", "--eval-shards", "3", "--max-steps", STEPS,
-                "--save-every", SAVE, "--data-order", "node", "--cache-dir", caches[k], "--cache-size", "1G",
-                "--audit", *TINY, "--batch-size", 1, "--eval-replay-prompts", 0]
+        return [
+            "--store",
+            store,
+            "--out",
+            out,
+            "--shards",
+            "0-2",
+            "--eval-shards",
+            "3",
+            "--max-steps",
+            STEPS,
+            "--save-every",
+            SAVE,
+            "--data-order",
+            "node",
+            "--cache-dir",
+            caches[k],
+            "--cache-size",
+            "1G",
+            "--audit",
+            *TINY,
+            "--batch-size",
+            1,
+            "--eval-replay-prompts",
+            0,
+        ]
 
     port = free_port()
     procs = [node(k, port, args(k)) for k in (0, 1)]
     deadline = time.monotonic() + 900
     while not (out / f"step-{SAVE}").is_dir():  # a save, then SIGKILL on both nodes (every process of each)
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            [p.communicate()[1][-3000:] for p in procs if p.poll() is not None]
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+            p.communicate()[1][-3000:] for p in procs if p.poll() is not None
+        ]
         time.sleep(0.2)
     doomed = [q for p in procs for q in tree(p.pid)]
     for q in doomed:
@@ -106,12 +145,30 @@ def test_two_nodes_train_resume_after_a_kill_and_evaluate(s3, small_dataset, tmp
     assert len({a["param_sha256"] for a in audits}) == 1
     held = [cached_shards(c) - {3} for c in caches]  # both validate on the held-out shard 3
     assert held[0] and held[1] and not held[0] & held[1], held  # each node read its own shards, once, locally
-    read = [{s for a in audits[2 * k:2 * k + 2] for s, _ in a["samples"]} for k in (0, 1)]
+    read = [{s for a in audits[2 * k : 2 * k + 2] for s, _ in a["samples"]} for k in (0, 1)]
     assert not read[0] & read[1] and read[0] <= held[0] and read[1] <= held[1], (read, held)
 
-    e = subprocess.run([sys.executable, "evaluate.py", "--store", store, "--checkpoint", str(out / "final"),
-                        "--shards", "3", "--dtype", "fp32", "--out", str(tmp_path / "report")], cwd=REPO,
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    e = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--store",
+            store,
+            "--checkpoint",
+            str(out / "final"),
+            "--shards",
+            "3",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "report"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert e.returncode == 0, e.stderr[-3000:]
     tau = json.loads((tmp_path / "report" / "report.json").read_text())["checkpoints"][0]["tau"]
     assert tau >= 1.0

@@ -51,14 +51,22 @@ def test_sets_regenerate_byte_for_byte(tmp_path):
 
 @same_python
 def test_shipped_prompts_regenerate_byte_for_byte(tmp_path):
-    r = tool(REPO / "tools" / "train_tiny_target.py", "--out", ASSETS / "tiny_target", "--prompts",
-             tmp_path / "p.jsonl", "--prompts-only")
+    r = tool(
+        REPO / "tools" / "train_tiny_target.py",
+        "--out",
+        ASSETS / "tiny_target",
+        "--prompts",
+        tmp_path / "p.jsonl",
+        "--prompts-only",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert sha(tmp_path / "p.jsonl") == sha(ASSETS / "prompts.jsonl")
 
 
 def test_sets_are_held_out_and_disjoint():
-    shipped, evaluation, pool = (rows(ASSETS / n) for n in ("prompts.jsonl", "heldout_eval.jsonl", "heldout_pool.jsonl"))
+    shipped, evaluation, pool = (
+        rows(ASSETS / n) for n in ("prompts.jsonl", "heldout_eval.jsonl", "heldout_pool.jsonl")
+    )
     assert len(evaluation) == 264 and len(pool) == 1060 and len(pool) % 10 == 0
     # the pool holds every shipped row unchanged, in another order
     assert sorted(json.dumps(r) for r in pool if r in shipped) == sorted(map(json.dumps, shipped))

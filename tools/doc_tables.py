@@ -55,8 +55,12 @@ def stages() -> dict:
     from stages.extract.config import ExtractConfig
     from stages.train.config import TrainConfig
 
-    return {"extract": (cli.commands["extract"], ExtractConfig), "train": (train.main, TrainConfig),
-            "evaluate": (evaluate.main, EvalConfig), "export": (cli.commands["export"], ExportConfig)}
+    return {
+        "extract": (cli.commands["extract"], ExtractConfig),
+        "train": (train.main, TrainConfig),
+        "evaluate": (evaluate.main, EvalConfig),
+        "export": (cli.commands["export"], ExportConfig),
+    }
 
 
 def cell(text: str) -> str:
@@ -135,10 +139,14 @@ def consumer_table() -> str:
     def yes(b: bool) -> str:
         return "yes" if b else "no"
 
-    lines = ["| consumer | sliding_attention layers | our rule on every layer | applies input_embedding_scale |",
-             "| --- | --- | --- | --- |"]
-    lines += [f"| {cell(c.name)} | {cell(c.sliding)} | {yes(c.same_rule)} | {yes(c.applies_embedding_scale)} |"
-              for c in CONSUMERS]
+    lines = [
+        "| consumer | sliding_attention layers | our rule on every layer | applies input_embedding_scale |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {cell(c.name)} | {cell(c.sliding)} | {yes(c.same_rule)} | {yes(c.applies_embedding_scale)} |"
+        for c in CONSUMERS
+    ]
     return "\n".join(lines)
 
 
@@ -157,8 +165,10 @@ def options_table(names: list[str]) -> str:
         stores = {name: row["stores"] for name, row in rows.items()}
         other = [name for name in stores if stores[name] != stores.get(ref, stores[name])]
         if other:
-            raise ValueError(f"<!-- options --> at {steps} steps: {', '.join(other)} trained on "
-                             f"{', '.join(stores[other[0]])}, {ref} on {', '.join(stores[ref])}: no paired figure")
+            raise ValueError(
+                f"<!-- options --> at {steps} steps: {', '.join(other)} trained on "
+                f"{', '.join(stores[other[0]])}, {ref} on {', '.join(stores[ref])}: no paired figure"
+            )
     keys = (("tau", "chain tau"), ("tau_eos", "EOS-ended"), ("tau_pooled", "pooled"))
     head = " | ".join(f"{label}, {steps:,} steps" for steps in BUDGETS for _, label in keys)
     lines = [f"| option | flags | {head} |", "| --- | --- |" + " --- |" * len(BUDGETS) * len(keys)]
@@ -194,8 +204,11 @@ def tables(text: str) -> list[tuple[re.Match, str]]:
     out = []
     for m in MARKER.finditer(text):
         kind, args = m.group(1), (m.group(2) or "?").split()
-        table = {"flags": lambda: flag_table(args[0], args[1:]), "consumers": consumer_table,
-                 "options": lambda: options_table(args)}[kind]()
+        table = {
+            "flags": lambda: flag_table(args[0], args[1:]),
+            "consumers": consumer_table,
+            "options": lambda: options_table(args),
+        }[kind]()
         out.append((m, f"\n{table}\n\n"))
     return out
 
@@ -236,8 +249,9 @@ def coverage(root: Path = REPO) -> list[str]:
             if m.group(1) == "flags":
                 stage, *flags = (m.group(2) or "?").split()
                 if stage not in listed:
-                    return [f"{path.relative_to(root)}: {m.group(0).splitlines()[0]} names no stage of "
-                            f"{', '.join(listed)}"]
+                    return [
+                        f"{path.relative_to(root)}: {m.group(0).splitlines()[0]} names no stage of {', '.join(listed)}"
+                    ]
                 try:
                     listed[stage] += named_flags(stage, flags) if flags else list(flag_rows(stage))
                 except ValueError as e:
@@ -251,8 +265,10 @@ def coverage(root: Path = REPO) -> list[str]:
         if not flags:
             problems.append(f"{stage}: no table (add <!-- flags: {stage} --> ... <!-- /flags --> to a doc)")
         if missing:
-            problems.append(f"{stage}: {', '.join(missing)} in no table (add them to a <!-- flags: {stage} ... --> "
-                            f"marker, then run `{COMMAND}`)")
+            problems.append(
+                f"{stage}: {', '.join(missing)} in no table (add them to a <!-- flags: {stage} ... --> "
+                f"marker, then run `{COMMAND}`)"
+            )
         if twice:
             problems.append(f"{stage}: {', '.join(twice)} listed by more than one table")
         if unknown:

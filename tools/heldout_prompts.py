@@ -40,7 +40,9 @@ SHARD_ROWS = 10  # rows a shard of the pool: --num-shards = rows / 10 gives shar
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, required=True, help="where heldout_eval.jsonl and heldout_pool.jsonl go")
-    p.add_argument("--target", type=Path, default=ASSETS / "tiny_target", help="the tiny target (tokenizer, provenance)")
+    p.add_argument(
+        "--target", type=Path, default=ASSETS / "tiny_target", help="the tiny target (tokenizer, provenance)"
+    )
     p.add_argument("--shipped", type=Path, default=ASSETS / "prompts.jsonl", help="the shipped prompt set")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -49,9 +51,11 @@ def parse_args() -> argparse.Namespace:
 def check_python(target: Path) -> None:
     made = json.loads((target / "provenance.json").read_text())["python"]
     if platform.python_version() != made:
-        raise SystemExit(f"error: {target}/provenance.json: the corpus was read from Python {made}'s standard "
-                         f"library, this is Python {platform.python_version()}: its functions differ, so would these "
-                         f"sets (run it with Python {made})")
+        raise SystemExit(
+            f"error: {target}/provenance.json: the corpus was read from Python {made}'s standard "
+            f"library, this is Python {platform.python_version()}: its functions differ, so would these "
+            f"sets (run it with Python {made})"
+        )
 
 
 def new_functions(functions: list[stdlib_corpus.Function], tok, shipped: list[dict]) -> list[stdlib_corpus.Function]:
@@ -98,8 +102,10 @@ def main() -> None:
     evaluation, pool = split(new_functions(stdlib_corpus.collect(), tok, shipped), shipped, args.seed)
     write(evaluation, args.out_dir / "heldout_eval.jsonl")
     write(pool, args.out_dir / "heldout_pool.jsonl")
-    print(f"{len(evaluation)} prompts -> {args.out_dir / 'heldout_eval.jsonl'}; {len(pool)} prompts "
-          f"({len(shipped)} shipped) -> {args.out_dir / 'heldout_pool.jsonl'}")
+    print(
+        f"{len(evaluation)} prompts -> {args.out_dir / 'heldout_eval.jsonl'}; {len(pool)} prompts "
+        f"({len(shipped)} shipped) -> {args.out_dir / 'heldout_pool.jsonl'}"
+    )
 
 
 if __name__ == "__main__":

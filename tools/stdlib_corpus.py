@@ -16,8 +16,17 @@ from pathlib import Path
 
 # Tests, vendored and generated code, and tkinter/turtle, whose hundreds of near-identical
 # `return self.tk.call(self._w, ...)` one-liners teach a small model a greedy loop.
-SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__", "ensurepip",
-             "tkinter"}
+SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "lib2to3",
+    "turtledemo",
+    "__pycache__",
+    "ensurepip",
+    "tkinter",
+}
 SKIP_FILES = {"turtle.py"}
 HELDOUT_BUCKETS = 8  # 1 in 8 functions is held out
 USER_TEMPLATE = "Complete this Python function.\n{header}"
@@ -43,8 +52,11 @@ class Function:
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not SKIP_DIRS & set(p.relative_to(root).parts[:-1]) and p.name not in SKIP_FILES]
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not SKIP_DIRS & set(p.relative_to(root).parts[:-1]) and p.name not in SKIP_FILES
+    ]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -75,8 +87,11 @@ def _split(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> tupl
     start = min([d.lineno for d in fn.decorator_list] + [fn.lineno]) - 1
     body = fn.body
     first = body[0]
-    has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+    has_doc = (
+        isinstance(first, ast.Expr)
+        and isinstance(getattr(first, "value", None), ast.Constant)
         and isinstance(first.value.value, str)
+    )
     if has_doc:
         body = body[1:]
         head_end = first.end_lineno
@@ -85,7 +100,9 @@ def _split(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> tupl
     if not body or head_end <= start or body[0].lineno - 1 < head_end:
         return None  # one-liners and bodies sharing the header line
     header = "\n".join(lines[start:head_end])
-    body_text = "\n".join(lines[body[0].lineno - 1 - _leading_comments(lines, body[0].lineno - 1, head_end):fn.end_lineno])
+    body_text = "\n".join(
+        lines[body[0].lineno - 1 - _leading_comments(lines, body[0].lineno - 1, head_end) : fn.end_lineno]
+    )
     if not body_text.strip():
         return None
     return header, body_text

@@ -80,8 +80,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=640, help="held-out prompts to ship")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (fixed for reproducibility)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts-only", action="store_true",
-                   help="only rewrite --prompts, with the tokenizer already in --out (what a full run writes too)")
+    p.add_argument(
+        "--prompts-only",
+        action="store_true",
+        help="only rewrite --prompts, with the tokenizer already in --out (what a full run writes too)",
+    )
     return p.parse_args()
 
 
@@ -100,8 +103,11 @@ def encode(tok, fn: stdlib_corpus.Function) -> list[int]:
     """
     user, assistant = fn.messages()
     prompt = tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
-    return (tok(prompt, add_special_tokens=False).input_ids
-            + tok(assistant["content"] + "<|im_end|>\n", add_special_tokens=False).input_ids + [tok.pad_token_id])
+    return (
+        tok(prompt, add_special_tokens=False).input_ids
+        + tok(assistant["content"] + "<|im_end|>\n", add_special_tokens=False).input_ids
+        + [tok.pad_token_id]
+    )
 
 
 def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:
@@ -109,13 +115,19 @@ def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", mask_token="<|mask|>",
-        chat_template=CHAT_TEMPLATE, model_max_length=4096,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
     )
 
 
@@ -134,8 +146,13 @@ def model_config(tok: PreTrainedTokenizerFast) -> Qwen3_5TextConfig:
         linear_value_head_dim=64,
         linear_conv_kernel_dim=4,
         max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [1, 1, 2], "mrope_interleaved": True},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 2],
+            "mrope_interleaved": True,
+        },
         tie_word_embeddings=False,
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
@@ -167,7 +184,8 @@ def train(model: Qwen3_5ForCausalLM, batches, args: argparse.Namespace) -> list[
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
+    )
     losses, t0 = [], time.time()
     for step, chunk in enumerate(batches):
         out = model(input_ids=chunk[:, :-1], labels=chunk[:, :-1])
@@ -210,7 +228,9 @@ def main() -> None:
     functions = stdlib_corpus.collect()
     heldout = [f for f in functions if f.heldout]
     if args.prompts_only:
-        n = write_prompts(heldout, PreTrainedTokenizerFast.from_pretrained(args.out), args.prompts, args.num_prompts, args.seed)
+        n = write_prompts(
+            heldout, PreTrainedTokenizerFast.from_pretrained(args.out), args.prompts, args.num_prompts, args.seed
+        )
         print(f"{n} prompts -> {args.prompts}")
         return
     train_fns = [f for f in functions if not f.heldout]
@@ -219,8 +239,11 @@ def main() -> None:
     eos = tok.eos_token_id
     ids = [encode(tok, f) for f in train_fns]
     n_tokens = sum(map(len, ids))
-    print(f"{len(functions)} functions, {len(train_fns)} for training, {n_tokens} tokens; "
-          f"tokenizer {time.time() - t0:.0f}s", flush=True)
+    print(
+        f"{len(functions)} functions, {len(train_fns)} for training, {n_tokens} tokens; "
+        f"tokenizer {time.time() - t0:.0f}s",
+        flush=True,
+    )
 
     config = model_config(tok)
     model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.float32)
@@ -236,10 +259,15 @@ def main() -> None:
     tok.save_pretrained(args.out)
     write_prompts(heldout, tok, args.prompts, args.num_prompts, args.seed)
     provenance = {
-        "python": platform.python_version(), "torch": torch.__version__, "threads": args.threads,
-        "args": {k: str(v) for k, v in vars(args).items()}, "train_tokens_seen": args.steps * args.batch * args.seq_len,
-        "corpus_tokens": n_tokens, "final_loss_mean_last50": sum(losses[-50:]) / len(losses[-50:]),
-        "first_loss": losses[0], "wall_s": round(time.time() - t0),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "train_tokens_seen": args.steps * args.batch * args.seq_len,
+        "corpus_tokens": n_tokens,
+        "final_loss_mean_last50": sum(losses[-50:]) / len(losses[-50:]),
+        "first_loss": losses[0],
+        "wall_s": round(time.time() - t0),
     }
     (args.out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     print(json.dumps(provenance, indent=2))

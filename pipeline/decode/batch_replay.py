@@ -80,8 +80,9 @@ class ContextCache:
 class BatchReplay:
     """Replays samples `slots` at a time under chain drafting plus one DDTree per budget."""
 
-    def __init__(self, m: Drafter, budgets: tuple[int, ...], slots: int, capacity: int,
-                 max_rounds: int | None = None) -> None:
+    def __init__(
+        self, m: Drafter, budgets: tuple[int, ...], slots: int, capacity: int, max_rounds: int | None = None
+    ) -> None:
         self.m, self.budgets, self.max_rounds = m, tuple(budgets), max_rounds
         self.B = m.config.block_size
         self.P = 1 + len(self.budgets)
@@ -124,9 +125,18 @@ class BatchReplay:
         self.start[slot] = P
         self.active[slot] = P < T - 1
         buckets = len(CONTEXT_LABELS)
-        self.counts[slot] = PromptCounts(s.shard, s.index, s.row_id, P, T - P, [0] * self.P, [0] * self.P,
-                                         [] if (s.shard, s.index) in self.keep else None,
-                                         [[0] * buckets for _ in range(self.P)], [[0] * buckets for _ in range(self.P)])
+        self.counts[slot] = PromptCounts(
+            s.shard,
+            s.index,
+            s.row_id,
+            P,
+            T - P,
+            [0] * self.P,
+            [0] * self.P,
+            [] if (s.shard, s.index) in self.keep else None,
+            [[0] * buckets for _ in range(self.P)],
+            [[0] * buckets for _ in range(self.P)],
+        )
 
     @torch.no_grad()
     def _round(self) -> list[int]:
@@ -159,7 +169,7 @@ class BatchReplay:
 
     def _accepted(self, result, lane: int, s: Sample, start: int) -> int:
         """result: the chain's drafts [D], or a tree's per-depth (values [D, k], ids [D, k])."""
-        target = s.tokens[start + 1:start + self.B].tolist()
+        target = s.tokens[start + 1 : start + self.B].tolist()
         if lane == 0:
             return accepted(result.tolist(), target)
         vals, ids = result
@@ -174,8 +184,8 @@ class BatchReplay:
         starts, valid = np.zeros((K, W), np.int64), np.zeros((K, W), bool)
         tokens = np.zeros((K, W), np.int64)
         for r, (slot, live) in enumerate(zip(busy, lanes)):
-            starts[r, :len(live)], valid[r, :len(live)] = self.start[slot, live], True
-            tokens[r, :len(live)] = self.samples[slot].tokens[starts[r, :len(live)]].numpy()
+            starts[r, : len(live)], valid[r, : len(live)] = self.start[slot, live], True
+            tokens[r, : len(live)] = self.samples[slot].tokens[starts[r, : len(live)]].numpy()
         ctx_len = int(starts[valid].max())  # keys at or past every live start are never seen
         anchors = torch.as_tensor(starts, device=dev)
         ids = torch.full((K, W, B), m.config.mask_token_id, dtype=torch.long, device=dev)
@@ -207,11 +217,11 @@ class BatchReplay:
             if not n:
                 continue
             if k is None:
-                drafts, at = flat[at:at + n * D].reshape(n, D).astype(np.int64), at + n * D
+                drafts, at = flat[at : at + n * D].reshape(n, D).astype(np.int64), at + n * D
                 out.update({(slot, 0): drafts[i] for i, (slot, _) in enumerate(where[lane])})
                 continue
-            vals = flat[at:at + n * D * k].reshape(n, D, k)
-            ids = flat[at + n * D * k:at + 2 * n * D * k].reshape(n, D, k).astype(np.int64)
+            vals = flat[at : at + n * D * k].reshape(n, D, k)
+            ids = flat[at + n * D * k : at + 2 * n * D * k].reshape(n, D, k).astype(np.int64)
             at += 2 * n * D * k
             out.update({(slot, lane): (vals[i], ids[i]) for i, (slot, _) in enumerate(where[lane])})
         return out

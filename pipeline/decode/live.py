@@ -33,8 +33,9 @@ def _stored_like(states: torch.Tensor) -> torch.Tensor:
     return states.to(torch.bfloat16)  # [n, n_taps, H]: what the store would hold
 
 
-def speculative(drafter: Drafter, target: LiveTarget, prompt: torch.Tensor, max_new_tokens: int,
-                eos: set[int]) -> LiveRun:
+def speculative(
+    drafter: Drafter, target: LiveTarget, prompt: torch.Tensor, max_new_tokens: int, eos: set[int]
+) -> LiveRun:
     t0 = time.perf_counter()
     B = drafter.config.block_size
     first, states = target.prefill(prompt)
@@ -45,11 +46,11 @@ def speculative(drafter: Drafter, target: LiveTarget, prompt: torch.Tensor, max_
     start = P  # position of the last committed token
     while first not in eos and start < P + max_new_tokens - 1:
         left = P + max_new_tokens - 1 - start  # tokens still allowed after position start
-        drafts = session.draft(run.tokens[-1]).argmax(-1).tolist()[:min(B - 1, left)]
+        drafts = session.draft(run.tokens[-1]).argmax(-1).tolist()[: min(B - 1, left)]
         run.drafts.append(drafts)
         posterior, block_states = target.verify(torch.tensor([run.tokens[-1], *drafts]))
         acc = accepted(drafts, posterior.tolist())
-        new = posterior[:acc + 1].tolist()  # drafts[:acc] == posterior[:acc], then the bonus
+        new = posterior[: acc + 1].tolist()  # drafts[:acc] == posterior[:acc], then the bonus
         stop = next((i + 1 for i, t in enumerate(new) if t in eos), None)  # tokens up to an EOS, EOS kept
         end = min(left, stop or len(new))
         acc, n = min(acc, end), round_tokens(acc, end)

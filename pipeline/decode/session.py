@@ -27,7 +27,7 @@ class DraftSession:
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of the cached context: [1, kv_heads, length, head_dim] views."""
-        return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in self.cache]
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self.cache]
 
     @torch.no_grad()
     def extend(self, hidden: torch.Tensor) -> None:
@@ -41,7 +41,7 @@ class DraftSession:
         if end > self.cache[0][0].shape[2]:
             self._grow(max(end, 2 * self.cache[0][0].shape[2]))
         for (k, v), (nk, nv) in zip(self.cache, new):
-            k[:, :, self.length:end], v[:, :, self.length:end] = nk, nv
+            k[:, :, self.length : end], v[:, :, self.length : end] = nk, nv
         self.length = end
 
     def _grow(self, capacity: int) -> None:
@@ -49,7 +49,7 @@ class DraftSession:
         for k, v in self.cache:
             shape = (*k.shape[:2], capacity, k.shape[3])
             k2, v2 = k.new_zeros(shape), v.new_zeros(shape)
-            k2[:, :, :self.length], v2[:, :, :self.length] = k[:, :, :self.length], v[:, :, :self.length]
+            k2[:, :, : self.length], v2[:, :, : self.length] = k[:, :, : self.length], v[:, :, : self.length]
             grown.append((k2, v2))
         self.cache = grown
 

@@ -65,6 +65,12 @@ def _local_sdpa(q, k_ctx, v_ctx, k_blk, v_blk, mask: torch.Tensor, B: int, scale
     def with_ctx(ctx, blk):  # -> [b*N, hkv, S+B, d]
         return torch.cat((ctx[:, None].expand(b, n, *ctx.shape[1:]), per_block(blk)), dim=3).flatten(0, 1)
 
-    out = F.scaled_dot_product_attention(per_block(q).flatten(0, 1), with_ctx(k_ctx, k_blk), with_ctx(v_ctx, v_blk),
-                                         attn_mask=mask.flatten(0, 1)[:, None], scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        per_block(q).flatten(0, 1),
+        with_ctx(k_ctx, k_blk),
+        with_ctx(v_ctx, v_blk),
+        attn_mask=mask.flatten(0, 1)[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.view(b, n, hq, B, d).transpose(1, 2).reshape(b, hq, Q, d)

@@ -36,8 +36,14 @@ def anchor_candidates(loss_mask: torch.Tensor, starts: torch.Tensor | None = Non
     return torch.nonzero(ok).flatten()
 
 
-def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator | None = None,
-                   budget: int | None = None, starts: torch.Tensor | None = None, rule: str = "pair"):
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    n: int,
+    generator: torch.Generator | None = None,
+    budget: int | None = None,
+    starts: torch.Tensor | None = None,
+    rule: str = "pair",
+):
     """Up to n anchors per document, uniform without replacement, sorted per row; padded slots get
     valid=False. A row is one document unless `starts` ([b, T] long, see the module doc) says more.
 
@@ -62,7 +68,7 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator |
     anchors = torch.zeros(len(picks), width, dtype=torch.long)
     valid = torch.zeros(len(picks), width, dtype=torch.bool)
     for i, p in enumerate(picks):
-        anchors[i, :len(p)], valid[i, :len(p)] = p, True
+        anchors[i, : len(p)], valid[i, : len(p)] = p, True
     return anchors, valid
 
 
@@ -123,5 +129,11 @@ def make_blocks(tokens, loss_mask, anchors, valid, block_size: int, mask_token_i
     labels = torch.where(keep, target, torch.full_like(target, IGNORE))
     block_ids = torch.full_like(target, mask_token_id)
     block_ids[..., 0] = tokens[row[..., 0], anchors]
-    return Blocks(block_ids.view(b, n * block_size), (pos - first[..., None]).view(b, n * block_size), labels,
-                  anchors, valid, first)
+    return Blocks(
+        block_ids.view(b, n * block_size),
+        (pos - first[..., None]).view(b, n * block_size),
+        labels,
+        anchors,
+        valid,
+        first,
+    )

@@ -33,14 +33,21 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     out = {"fc.weight": (H, c.num_taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, H), p + "mlp.up_proj.weight": (c.intermediate_size, H),
-            p + "mlp.down_proj.weight": (H, c.intermediate_size),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H),
+                p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H),
+                p + "self_attn.o_proj.weight": (H, q),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (c.intermediate_size, H),
+                p + "mlp.up_proj.weight": (c.intermediate_size, H),
+                p + "mlp.down_proj.weight": (H, c.intermediate_size),
+            }
+        )
     return out
 
 
@@ -48,16 +55,27 @@ def check_tensors(config: DrafterConfig, tensors: dict[str, torch.Tensor], where
     want = expected_shapes(config)
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
-    shapes = sorted(f"{k} {tuple(tensors[k].shape)} (config needs {want[k]})"
-                    for k in set(want) & set(tensors) if tuple(tensors[k].shape) != want[k])
-    problems = [f"{label}: {', '.join(items)}" for label, items in
-                (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)) if items]
+    shapes = sorted(
+        f"{k} {tuple(tensors[k].shape)} (config needs {want[k]})"
+        for k in set(want) & set(tensors)
+        if tuple(tensors[k].shape) != want[k]
+    )
+    problems = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes))
+        if items
+    ]
     if problems:
         raise DrafterError(f"{where} does not match its config.json: " + "; ".join(problems))
 
 
-def write(directory: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor],
-          record: TrainingRecord | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+def write(
+    directory: str | Path,
+    config: DrafterConfig,
+    state: dict[str, torch.Tensor],
+    record: TrainingRecord | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """config.json + model.safetensors + modeling_dflash.py into an existing directory. state: the
     drafter's state_dict. config.json's auto_map points `AutoModel.from_pretrained(DIR,
     trust_remote_code=True)` at the modeling file, so that path builds this drafter (without it,
@@ -74,8 +92,13 @@ def write(directory: str | Path, config: DrafterConfig, state: dict[str, torch.T
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
-def save(directory: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor],
-         record: TrainingRecord | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+def save(
+    directory: str | Path,
+    config: DrafterConfig,
+    state: dict[str, torch.Tensor],
+    record: TrainingRecord | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
     """Write DIR atomically: into a temporary sibling, then a rename. A write that fails (a full disk)
     leaves no temporary sibling behind."""
     directory = Path(directory)
@@ -112,8 +135,9 @@ def _opened(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | None
     except FileNotFoundError:
         raise DrafterError(f"{path}: no such file (a checkpoint needs config.json and {WEIGHTS})") from None
     except PermissionError:
-        raise DrafterError(f"{path}: permission denied: {_mode_text(path)}; its owner can make it readable "
-                           f"(chmod a+r)") from None
+        raise DrafterError(
+            f"{path}: permission denied: {_mode_text(path)}; its owner can make it readable (chmod a+r)"
+        ) from None
     return config, record, path
 
 

@@ -44,7 +44,9 @@ class TrainingRecord:
     store_taps: tuple[int, ...] | None = None
     train_config: dict | None = None  # the TrainConfig of the run, as a record
     store_conditioning: str | None = None  # Compat.conditioning() of the store (None: recorded before it existed)
-    store_placement: str | None = None  # Compat.placement() of the store: which rows its shards hold (None: not recorded)
+    store_placement: str | None = (
+        None  # Compat.placement() of the store: which rows its shards hold (None: not recorded)
+    )
 
 
 def architecture(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING) -> dataclasses.Field:
@@ -85,18 +87,26 @@ class DrafterConfig:
                 raise DrafterError(f"drafter config: {what}")
 
         need(self.num_hidden_layers >= 1, f"num_hidden_layers {self.num_hidden_layers} must be at least 1")
-        need(len(self.layer_types) == self.num_hidden_layers,
-             f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        need(
+            len(self.layer_types) == self.num_hidden_layers,
+            f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+        )
         need(set(self.layer_types) <= set(LAYER_TYPES), f"layer_types {list(self.layer_types)}: expected {LAYER_TYPES}")
-        need("sliding_attention" not in self.layer_types or (self.sliding_window or 0) >= 1,
-             "sliding_attention layers need sliding_window >= 1")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
-             f"{self.num_key_value_heads}")
+        need(
+            "sliding_attention" not in self.layer_types or (self.sliding_window or 0) >= 1,
+            "sliding_attention layers need sliding_window >= 1",
+        )
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+            f"{self.num_key_value_heads}",
+        )
         need(self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even (RoPE)")
         need(self.block_size >= 2, f"block_size {self.block_size} must be at least 2")
-        need(0 <= self.mask_token_id < self.vocab_size,
-             f"mask_token_id {self.mask_token_id} is outside the vocabulary (0-{self.vocab_size - 1})")
+        need(
+            0 <= self.mask_token_id < self.vocab_size,
+            f"mask_token_id {self.mask_token_id} is outside the vocabulary (0-{self.vocab_size - 1})",
+        )
         need(len(self.target_layer_ids) >= 1, "target_layer_ids is empty")
 
     @staticmethod
@@ -119,12 +129,20 @@ class DrafterConfig:
         d["target_layer_ids"] = list(self.target_layer_ids)
         d["layer_types"] = list(self.layer_types)
         out = {
-            "architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu",
-            "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-            "use_cache": True, "use_sliding_window": "sliding_attention" in self.layer_types,
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
             **{k: v for k, v in d.items() if k not in ("is_causal", "input_embedding_scale") and v is not None},
-            "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
         }
         if self.input_embedding_scale != 1.0:  # written only when it matters: no serving consumer applies it
             out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
@@ -145,7 +163,7 @@ class DrafterConfig:
         dflash = d.get("dflash_config") or {}
 
         def get(name, default=KeyError, *, inner=False):
-            for src in ((dflash, d) if inner else (d, dflash)):
+            for src in (dflash, d) if inner else (d, dflash):
                 if name in src and src[name] is not None:
                     return src[name]
             if default is KeyError:
@@ -156,17 +174,22 @@ class DrafterConfig:
         heads = int(get("num_attention_heads"))
         default = _defaults(cls)
         return cls(
-            hidden_size=int(get("hidden_size")), intermediate_size=int(get("intermediate_size")),
-            num_hidden_layers=layers, num_attention_heads=heads,
+            hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size")),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
             num_key_value_heads=int(get("num_key_value_heads", heads)),
             head_dim=int(get("head_dim", int(get("hidden_size")) // heads)),
-            vocab_size=int(get("vocab_size")), block_size=int(get("block_size", BLOCK_SIZE, inner=True)),
+            vocab_size=int(get("vocab_size")),
+            block_size=int(get("block_size", BLOCK_SIZE, inner=True)),
             mask_token_id=int(get("mask_token_id", inner=True)),
             target_layer_ids=tuple(get("target_layer_ids", inner=True)),
             num_target_layers=get("num_target_layers", None),
             layer_types=tuple(get("layer_types", ["full_attention"] * layers)),
-            sliding_window=get("sliding_window", None), is_causal=get("is_causal", None),
-            rms_norm_eps=float(get("rms_norm_eps", default["rms_norm_eps"])), rope_parameters=_rope(d),
+            sliding_window=get("sliding_window", None),
+            is_causal=get("is_causal", None),
+            rms_norm_eps=float(get("rms_norm_eps", default["rms_norm_eps"])),
+            rope_parameters=_rope(d),
             max_position_embeddings=int(get("max_position_embeddings", default["max_position_embeddings"])),
             input_embedding_scale=float(get("input_embedding_scale", default["input_embedding_scale"], inner=True)),
         )
@@ -213,11 +236,13 @@ def _rope(d: dict) -> dict:
 def store_mismatches(config: DrafterConfig, attrs: StoreAttrs) -> dict[str, tuple]:
     """What differs between a drafter and a store: {field: (drafter's, store's)} for taps, number of
     taps, hidden size, vocabulary and mask token."""
-    pairs = {"taps": (list(config.target_layer_ids), list(attrs.taps)),
-             "num_taps": (config.num_taps, len(attrs.taps)),
-             "hidden_size": (config.hidden_size, attrs.hidden_size),
-             "vocab_size": (config.vocab_size, attrs.vocab_size),
-             "mask_token_id": (config.mask_token_id, attrs.mask_token_id)}
+    pairs = {
+        "taps": (list(config.target_layer_ids), list(attrs.taps)),
+        "num_taps": (config.num_taps, len(attrs.taps)),
+        "hidden_size": (config.hidden_size, attrs.hidden_size),
+        "vocab_size": (config.vocab_size, attrs.vocab_size),
+        "mask_token_id": (config.mask_token_id, attrs.mask_token_id),
+    }
     return {k: v for k, v in pairs.items() if v[0] != v[1]}
 
 
@@ -230,8 +255,9 @@ def read_config(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | 
     except FileNotFoundError:
         raise DrafterError(f"{path}: no such file (not a drafter checkpoint directory)") from None
     except PermissionError:
-        raise DrafterError(f"{path}: permission denied: this user cannot read it; its owner can make it "
-                           "readable (chmod a+r)") from None
+        raise DrafterError(
+            f"{path}: permission denied: this user cannot read it; its owner can make it readable (chmod a+r)"
+        ) from None
     except ValueError as e:
         raise DrafterError(f"{path}: not valid JSON ({e})") from None
     record = from_json(TrainingRecord, d[OUR_KEY], f"{path}: {OUR_KEY}", DrafterError) if d.get(OUR_KEY) else None
@@ -240,8 +266,9 @@ def read_config(directory: str | Path) -> tuple[DrafterConfig, TrainingRecord | 
 
 def default_gamma(block_size: int) -> float:
     if block_size not in GAMMA:
-        raise ConfigError("--block-size", block_size, f"no default loss decay for this size (known: {sorted(GAMMA)}); "
-                                                      "pass --gamma")
+        raise ConfigError(
+            "--block-size", block_size, f"no default loss decay for this size (known: {sorted(GAMMA)}); pass --gamma"
+        )
     return GAMMA[block_size]
 
 
@@ -255,5 +282,10 @@ def default_sizes(hidden_size: int) -> dict:
     heads = max(1, hidden_size // head_dim)
     if hidden_size >= 4096:
         heads = 32  # the released large drafters: 32 q heads, 8 kv heads
-    return {"num_hidden_layers": NUM_LAYERS, "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 4),
-            "head_dim": head_dim, "intermediate_size": int(round(hidden_size * 3.4 / 64)) * 64}
+    return {
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": head_dim,
+        "intermediate_size": int(round(hidden_size * 3.4 / 64)) * 64,
+    }

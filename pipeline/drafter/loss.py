@@ -132,9 +132,16 @@ class LossOut:
     sums: torch.Tensor  # [5 + 2B] fp32, summable across micro-batches and ranks (see `summarize`)
 
 
-def dflash_loss(h: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, gamma: float | None,
-                dpace: float | None = None, chunk_rows: int | None = None, norm: str = "weights",
-                acceptance: float = 0.0) -> LossOut:
+def dflash_loss(
+    h: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: torch.Tensor,
+    gamma: float | None,
+    dpace: float | None = None,
+    chunk_rows: int | None = None,
+    norm: str = "weights",
+    acceptance: float = 0.0,
+) -> LossOut:
     """h: [b, N*B, H] drafter output (after its norm); labels: [b, N, B] (IGNORE = no loss);
     lm_head: [V, H] frozen. Slot weights: exp(-(k-1)/gamma), or D-PACE with smoothing alpha = dpace
     when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES).
@@ -198,8 +205,9 @@ def _sums(ce, w, correct, keep) -> torch.Tensor:
     blocks = keep[..., 1]  # a block counts when its first draft has a label
     per_slot_ok = (correct & keep).flatten(0, 1).sum(0).float()  # [B]
     per_slot_n = keep.flatten(0, 1).sum(0).float()  # [B]
-    head = torch.stack([(w * ce).sum(), w.sum(), (streaks(correct, keep)[blocks] + 1).sum().float(),
-                        blocks.sum().float(), ce.sum()])
+    head = torch.stack(
+        [(w * ce).sum(), w.sum(), (streaks(correct, keep)[blocks] + 1).sum().float(), blocks.sum().float(), ce.sum()]
+    )
     return torch.cat([head.float(), per_slot_ok, per_slot_n])
 
 
@@ -212,7 +220,7 @@ def summarize(sums: torch.Tensor) -> dict:
     1..B-1."""
     s = sums.double().cpu().tolist()
     B = (len(s) - 5) // 2
-    ok, n = s[5:5 + B], s[5 + B:]
+    ok, n = s[5 : 5 + B], s[5 + B :]
     return {
         "loss": s[0] / s[1] if s[1] else math.nan,
         "ce": s[4] / sum(n) if sum(n) else math.nan,

@@ -50,16 +50,18 @@ def allowed(b, q_idx, kv_idx, *, anchors, valid, ctx_len: int, block_size: int, 
     return ok
 
 
-def bool_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,
-              starts=None) -> torch.Tensor:
+def bool_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule, starts=None
+) -> torch.Tensor:
     """For SDPA: [batch, 1, N*B, S + N*B] bool, True = may attend."""
     batch, n = anchors.shape
     dev = anchors.device
     q = torch.arange(n * block_size, device=dev)[None, :, None]
     kv = torch.arange(ctx_len + n * block_size, device=dev)[None, None, :]
     b = torch.arange(batch, device=dev)[:, None, None]
-    return allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule,
-                   starts=starts)[:, None]
+    return allowed(
+        b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule, starts=starts
+    )[:, None]
 
 
 @dataclass
@@ -82,8 +84,9 @@ class LocalMask:
         self.contexts = last.tolist()
 
 
-def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,
-               starts=None) -> LocalMask:
+def local_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule, starts=None
+) -> LocalMask:
     batch, n = anchors.shape
     dev = anchors.device
     blk = torch.arange(n, device=dev)[None, :, None, None]
@@ -91,16 +94,16 @@ def local_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
     kv = torch.arange(ctx_len + block_size, device=dev)[None, None, None, :]
     kv = torch.where(kv < ctx_len, kv, kv + blk * block_size)  # local key -> its index in the dense layout
     b = torch.arange(batch, device=dev)[:, None, None, None]
-    m = allowed(b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule,
-                starts=starts)
+    m = allowed(
+        b, q, kv, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule, starts=starts
+    )
     return LocalMask(m, block_size)
 
 
 TILE = 128  # flex_attention's sparse block: a BlockMask classifies TILE x TILE (query, key) tiles
 
 
-def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule,
-               starts=None):
+def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, rule: LayerRule, starts=None):
     """For flex_attention (CUDA): a BlockMask with the predicate as its mask_mod and its tiles
     classified from the block structure (tile_kinds), in time that grows with rows + tiles rather than
     rows x keys. It is the BlockMask create_block_mask(mask_mod, ...) builds from the dense mask."""
@@ -110,15 +113,30 @@ def block_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
     partial, full = tile_kinds(anchors, valid, ctx_len, block_size, rule, starts)  # [batch, n_q, n_kv] bool each
 
     def mask_mod(b, _h, q_idx, kv_idx):
-        return allowed(b, q_idx, kv_idx, anchors=anchors, valid=valid, ctx_len=ctx_len, block_size=block_size, rule=rule,
-                       starts=starts)
+        return allowed(
+            b,
+            q_idx,
+            kv_idx,
+            anchors=anchors,
+            valid=valid,
+            ctx_len=ctx_len,
+            block_size=block_size,
+            rule=rule,
+            starts=starts,
+        )
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                    seq_lengths=(n * block_size, ctx_len + n * block_size))
+    return BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=TILE,
+        mask_mod=mask_mod,
+        seq_lengths=(n * block_size, ctx_len + n * block_size),
+    )
 
 
-def tile_kinds(anchors, valid, ctx_len: int, block_size: int, rule: LayerRule,
-               starts=None) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_kinds(
+    anchors, valid, ctx_len: int, block_size: int, rule: LayerRule, starts=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full): [batch, n_q, n_kv] bool over the TILE x TILE (query, key) tiles. Each query row
     sees two key spans (visible_spans); a tile's count of allowed pairs follows from the spans. A tile
     cut short by the query or key length is never full (create_block_mask pads it with False)."""

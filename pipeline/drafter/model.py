@@ -46,9 +46,13 @@ class Rotary(nn.Module):
             from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            hf = Qwen3Config(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                             head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-                             rope_parameters=rope)
+            hf = Qwen3Config(
+                hidden_size=config.hidden_size,
+                num_attention_heads=config.num_attention_heads,
+                head_dim=config.head_dim,
+                max_position_embeddings=config.max_position_embeddings,
+                rope_parameters=rope,
+            )
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = float(scaling)
@@ -95,7 +99,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, *rope_blk)
         k_ctx, v_ctx = kv_ctx
         k_blk, v_blk = self.project_kv(x, *rope_blk)
-        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, self.head_dim ** -0.5)  # [b, heads, Q, head_dim]
+        out = attend(q, k_ctx, v_ctx, k_blk, v_blk, mask, self.head_dim**-0.5)  # [b, heads, Q, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -135,7 +139,9 @@ class Drafter(nn.Module):
         c = self.config = config
         for name, w in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(w.shape) != (c.vocab_size, c.hidden_size):
-                raise ValueError(f"target {name} is {tuple(w.shape)}, the drafter needs ({c.vocab_size}, {c.hidden_size})")
+                raise ValueError(
+                    f"target {name} is {tuple(w.shape)}, the drafter needs ({c.vocab_size}, {c.hidden_size})"
+                )
         self.fc = nn.Linear(c.num_taps * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
@@ -176,8 +182,9 @@ class Drafter(nn.Module):
     def forward(self, hidden, block_ids, ctx_positions, block_positions, masks: dict, noise=None) -> torch.Tensor:
         """hidden: [b, S, n_taps, H]; block_ids, block_positions: [b, Q]; ctx_positions: [b, S].
         Returns the normed block stream [b, Q, H] (logits: `self.logits`)."""
-        return self.run_block(self.context_kv(self.context(hidden, noise), ctx_positions), block_ids, block_positions,
-                              masks)
+        return self.run_block(
+            self.context_kv(self.context(hidden, noise), ctx_positions), block_ids, block_positions, masks
+        )
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """ctx: [b, S, H] -> per layer (k, v): [b, kv_heads, S, head_dim], k normed and rotated. The
@@ -191,8 +198,11 @@ class Drafter(nn.Module):
         rope_blk = self.rotary(block_positions)
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer, kv in zip(self.layers, kv_ctx):
-            x = checkpoint(layer, x, kv, rope_blk, masks, use_reentrant=False) if recompute else layer(
-                x, kv, rope_blk, masks)
+            x = (
+                checkpoint(layer, x, kv, rope_blk, masks, use_reentrant=False)
+                if recompute
+                else layer(x, kv, rope_blk, masks)
+            )
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ class DFlashAttention(nn.Module):
         v = torch.cat(vs, dim=2).repeat_interleave(rep, dim=1)
         if mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))  # [b, Q, H]
 
 
@@ -134,8 +134,10 @@ class DFlashDecoderLayer(nn.Module):
         self.causal = sliding if is_causal is None else bool(is_causal)
         self.window = c.sliding_window if sliding else None
         if sliding and not self.window:
-            raise ValueError(f"layer {i} is sliding_attention but the config has no sliding_window "
-                             "(Qwen3Config keeps it only with use_sliding_window: true)")
+            raise ValueError(
+                f"layer {i} is sliding_attention but the config has no sliding_window "
+                "(Qwen3Config keeps it only with use_sliding_window: true)"
+            )
         self.input_layernorm = DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = DFlashAttention(c)
         self.post_attention_layernorm = DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -187,8 +189,16 @@ class DFlashDraftModel(PreTrainedModel):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos() * scaling, emb.sin() * scaling
 
-    def forward(self, position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
-                past_key_values=None, use_cache=False, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        position_ids,
+        attention_mask=None,
+        noise_embedding=None,
+        target_hidden=None,
+        past_key_values=None,
+        use_cache=False,
+        **kwargs,
+    ) -> torch.Tensor:
         if past_key_values is not None:
             raise NotImplementedError("DFlashDraftModel (dflash-pipeline) has no KV cache: pass the whole context")
         dtype = self.fc.weight.dtype
@@ -216,7 +226,7 @@ class DFlashDraftModel(PreTrainedModel):
         while ids.shape[1] - prompt_len < max_new_tokens:
             drafts = self.draft(target, ids, states[:, : ids.shape[1] - 1])  # [1, B-1]
             out = target(torch.cat((ids, drafts), dim=1), output_hidden_states=True, use_cache=False)
-            greedy = out.logits[:, ids.shape[1] - 1:].argmax(-1)  # [1, B]: the target's token after each prefix
+            greedy = out.logits[:, ids.shape[1] - 1 :].argmax(-1)  # [1, B]: the target's token after each prefix
             k = int((drafts == greedy[:, :-1]).long().cumprod(-1).sum())
             accepted.append(k)
             new = greedy[0, : k + 1].tolist()[: max_new_tokens - (ids.shape[1] - prompt_len)]

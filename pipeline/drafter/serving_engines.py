@@ -26,12 +26,16 @@ class Consumer:
 
 
 CONSUMERS = (
-    Consumer("vLLM 0.32 (qwen3_dflash.py)", "causal and windowed; mixed sliding/full needs VLLM_USE_V2_MODEL_RUNNER=1",
-             True),
+    Consumer(
+        "vLLM 0.32 (qwen3_dflash.py)", "causal and windowed; mixed sliding/full needs VLLM_USE_V2_MODEL_RUNNER=1", True
+    ),
     Consumer("SGLang (DFLASH)", "causal and windowed", True),
     Consumer("SpecForge (training masks)", "causal inside the block, windowed", True),
-    Consumer("reference DFlash (Transformers)", "bidirectional (is_causal False on every layer); the window is "
-                                               "ignored under SDPA", False),
+    Consumer(
+        "reference DFlash (Transformers)",
+        "bidirectional (is_causal False on every layer); the window is ignored under SDPA",
+        False,
+    ),
 )
 
 
@@ -43,14 +47,21 @@ def serving_warnings(config: DrafterConfig, target: TargetRecord | None) -> list
     odd = [i for i, rule in enumerate(rules) if rule != (False, None)]  # causal or windowed
     if odd:
         others = [c.name for c in CONSUMERS if not c.same_rule]
-        what = (f"sliding_attention layers (window {config.sliding_window})"
-                if "sliding_attention" in config.layer_types else f"is_causal {config.is_causal}")
-        out.append(f"{what}: layers {odd} were trained causal or windowed; {', '.join(others)} will not reproduce "
-                   "that (bidirectional everywhere, window ignored under SDPA); vLLM, SGLang and this project's "
-                   "modeling_dflash.py do")
+        what = (
+            f"sliding_attention layers (window {config.sliding_window})"
+            if "sliding_attention" in config.layer_types
+            else f"is_causal {config.is_causal}"
+        )
+        out.append(
+            f"{what}: layers {odd} were trained causal or windowed; {', '.join(others)} will not reproduce "
+            "that (bidirectional everywhere, window ignored under SDPA); vLLM, SGLang and this project's "
+            "modeling_dflash.py do"
+        )
     if config.input_embedding_scale != 1.0:
-        out.append(f"input_embedding_scale {config.input_embedding_scale}: no serving consumer applies it, so "
-                   "every one will draft from differently scaled embeddings")
+        out.append(
+            f"input_embedding_scale {config.input_embedding_scale}: no serving consumer applies it, so "
+            "every one will draft from differently scaled embeddings"
+        )
     problem = vllm_kv_problem(config, target)
     if problem:
         out.append(problem)
@@ -90,6 +101,8 @@ def vllm_kv_problem(config: DrafterConfig, target: TargetRecord | None) -> str |
     mine = buckets["full_attention" if same else "drafter"]
     if math.ceil(mine / size) == 1:
         return None
-    return (f"vLLM will refuse this drafter beside its target: its {drafted} layers ({config.num_key_value_heads} KV "
-            f"heads x head_dim {config.head_dim}) would be split over {math.ceil(mine / size)} KV-cache groups. Give "
-            f"it the target's full-attention KV layout (--num-kv-heads {layout[0]} --head-dim {layout[1]})")
+    return (
+        f"vLLM will refuse this drafter beside its target: its {drafted} layers ({config.num_key_value_heads} KV "
+        f"heads x head_dim {config.head_dim}) would be split over {math.ceil(mine / size)} KV-cache groups. Give "
+        f"it the target's full-attention KV layout (--num-kv-heads {layout[0]} --head-dim {layout[1]})"
+    )

@@ -47,8 +47,12 @@ def select_linear_attention(device_type: str, choice: str) -> str:
     if choice not in ("auto", "fla", "torch"):
         raise ConfigError("--linear-attention", choice, "expected auto, fla or torch")
     if choice == "fla" and device_type != "cuda" and not interpreted():
-        raise ConfigError("--linear-attention", "fla", f"needs CUDA (this run's device is {device_type}), or "
-                          "Triton's interpreter (TRITON_INTERPRET=1) to run the kernels' code on CPU")
+        raise ConfigError(
+            "--linear-attention",
+            "fla",
+            f"needs CUDA (this run's device is {device_type}), or "
+            "Triton's interpreter (TRITON_INTERPRET=1) to run the kernels' code on CPU",
+        )
     if choice == "fla" and not fla_installed():
         raise ConfigError("--linear-attention", "fla", "needs flash-linear-attention with triton installed")
     if choice == "fla":
@@ -74,8 +78,25 @@ def fla_installed() -> bool:
 # and hub-kernel wrappers (torch.nn, kernels), transformers' dispatch and what it calls on the way
 # (device and compile checks, logging). transformers' modeling code is not among them: it holds
 # the PyTorch reference (`family`).
-ROUTING = frozenset({"torch", "kernels", "transformers", "functools", "contextlib", "logging", "warnings",
-                     "inspect", "typing", "abc", "threading", "importlib", "weakref", "collections", "copy"})
+ROUTING = frozenset(
+    {
+        "torch",
+        "kernels",
+        "transformers",
+        "functools",
+        "contextlib",
+        "logging",
+        "warnings",
+        "inspect",
+        "typing",
+        "abc",
+        "threading",
+        "importlib",
+        "weakref",
+        "collections",
+        "copy",
+    }
+)
 UNDECIDED = "undecided"
 
 
@@ -156,6 +177,7 @@ class KernelRecorder:
     def summary(self) -> dict:
         """{'linear_attention': 'fla'|'torch'|<package>|'mixed'|'none'|UNDECIDED, 'conv1d': ...,
         'calls': {'function:family': n}}."""
+
         def fam(prefixes: tuple[str, ...]) -> str:
             seen = {k.split(":")[1] for k in self.calls if k.split(":")[0].endswith(prefixes)}
             if not seen or UNDECIDED in seen:

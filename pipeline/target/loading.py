@@ -28,9 +28,12 @@ def resolve(target: str) -> Path:
         raise TargetError(f"--target {target}: not a model directory")
     try:
         from huggingface_hub import snapshot_download
+
         return Path(snapshot_download(target))
     except Exception as e:  # network, auth, unknown id: one line for the user
-        raise TargetError(f"--target {target}: cannot resolve it as a directory or hub id ({type(e).__name__}: {e})".splitlines()[0]) from None
+        raise TargetError(
+            f"--target {target}: cannot resolve it as a directory or hub id ({type(e).__name__}: {e})".splitlines()[0]
+        ) from None
 
 
 def load(target: str, device: str | None, dtype: str, linear_attention: str) -> Target:
@@ -51,14 +54,29 @@ def load(target: str, device: str | None, dtype: str, linear_attention: str) -> 
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=devices.dtype(dtype), output_loading_info=True,
-                                                           ignore_mismatched_sizes=True, device_map={"": dev})
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=devices.dtype(dtype),
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            device_map={"": dev},
+        )
     except Exception as e:
-        raise TargetError(f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise TargetError(
+            f"--target {path}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     weights.check_loaded(path, model, info)  # each tensor was read straight onto dev, never the whole model on the host
     model.eval()
-    return Target(model, tokenizer, path, dev, devices.dtype(dtype), KernelRecorder(model), requested,
-                  describe(model, tokenizer, path))
+    return Target(
+        model,
+        tokenizer,
+        path,
+        dev,
+        devices.dtype(dtype),
+        KernelRecorder(model),
+        requested,
+        describe(model, tokenizer, path),
+    )
 
 
 def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:
@@ -70,21 +88,34 @@ def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:
     files = {p.name: fingerprint.sha256_file(p) for p in weights.files(path)}
     tensor_set = {k: list(v.shape) for k, v in model.state_dict().items()}
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
-    tok_json = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else json.dumps(tok.get_vocab(), sort_keys=True)
+    tok_json = (
+        tok.backend_tokenizer.to_str()
+        if hasattr(tok, "backend_tokenizer")
+        else json.dumps(tok.get_vocab(), sort_keys=True)
+    )
     return TargetRecord(
-        path=str(path), model_class=model_class, model_type=model.config.model_type,
-        fingerprint=fingerprint.sha256_json({"config": config, "weights": files, "class": model_class,
-                                             "tensors": tensor_set}),
-        config_sha256=fingerprint.sha256_json(config), weights_sha256=files,
+        path=str(path),
+        model_class=model_class,
+        model_type=model.config.model_type,
+        fingerprint=fingerprint.sha256_json(
+            {"config": config, "weights": files, "class": model_class, "tensors": tensor_set}
+        ),
+        config_sha256=fingerprint.sha256_json(config),
+        weights_sha256=files,
         tokenizer_sha256=fingerprint.sha256_json({"tokenizer": tok_json, "special": tok.special_tokens_map}),
         chat_template_sha256=fingerprint.sha256_text(tok.chat_template or ""),
-        tokenizer_class=type(tok).__name__, non_text_tensors=weights.non_text_tensors(path, model),
-        **layout(model.config.get_text_config()))
+        tokenizer_class=type(tok).__name__,
+        non_text_tensors=weights.non_text_tensors(path, model),
+        **layout(model.config.get_text_config()),
+    )
 
 
 def layout(text) -> dict:
     """The target's context length, layer kinds and full-attention KV layout (drafter serving needs them)."""
     kinds = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    return {"max_position_embeddings": getattr(text, "max_position_embeddings", None), "layer_types": tuple(kinds),
-            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads}
+    return {
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+        "layer_types": tuple(kinds),
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+    }

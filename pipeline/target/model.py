@@ -72,18 +72,26 @@ class Target:
         ids, mask = self._pad(prompts, left=True)
         width = ids.shape[1]
         # A fresh config: pure argmax, none of the checkpoint's sampling or repetition settings.
-        config = GenerationConfig(max_new_tokens=longest, do_sample=False, num_beams=1, eos_token_id=self.eos_ids,
-                                  pad_token_id=self.pad_id, use_cache=True)
+        config = GenerationConfig(
+            max_new_tokens=longest,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
         with self.recorder.recording():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=config,
-                                      streamer=None if on_token is None else _TokenCount(on_token))
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=config,
+                streamer=None if on_token is None else _TokenCount(on_token),
+            )
         new = out[:, width:].tolist()
         return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
     @torch.inference_mode()
-    def capture(self, seqs: list[list[int]], taps: list[int], prompt_lens: list[int] | None = None, *,
-                rounding=None):
+    def capture(self, seqs: list[list[int]], taps: list[int], prompt_lens: list[int] | None = None, *, rounding=None):
         """Tap outputs for each sequence, concatenated along tokens.
 
         Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order. Right padding:
@@ -99,8 +107,9 @@ class Target:
         out = None
         try:
             with tapping(self.layers, taps, grabbed, stop_after_last=prompt_lens is None), self.recorder.recording():
-                out = self.model.get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                               use_cache=False)
+                out = self.model.get_decoder()(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+                )
         except StopForward:
             pass
         stacked = torch.stack([grabbed[k] for k in taps], dim=2).to(torch.bfloat16)  # [B, W, n_taps, H]
@@ -110,8 +119,9 @@ class Target:
             return hidden
         return hidden, self._agreement(out.last_hidden_state, ids, prompt_lens, [len(s) for s in seqs])
 
-    def _agreement(self, last: torch.Tensor, ids: torch.Tensor, prompt_lens: list[int], lengths: list[int],
-                   chunk: int = 1024) -> tuple[int, int]:
+    def _agreement(
+        self, last: torch.Tensor, ids: torch.Tensor, prompt_lens: list[int], lengths: list[int], chunk: int = 1024
+    ) -> tuple[int, int]:
         """last: [B, W, H] after the final norm. The target's greedy token after position t is the
         argmax of lm_head(last[t]); compare it with each completion token. Logits are made a chunk
         of positions at a time ([chunk, V], not [tokens, V])."""
@@ -122,8 +132,8 @@ class Target:
         head = self.model.get_output_embeddings()
         matches = 0
         for lo in range(0, len(rows), chunk):
-            h = last[rows_t[lo:lo + chunk].to(last.device), cols_t[lo:lo + chunk].to(last.device)]  # [c, H]
-            matches += int((head(h).argmax(-1).cpu() == want[lo:lo + chunk]).sum())
+            h = last[rows_t[lo : lo + chunk].to(last.device), cols_t[lo : lo + chunk].to(last.device)]  # [c, H]
+            matches += int((head(h).argmax(-1).cpu() == want[lo : lo + chunk]).sum())
         return matches, len(rows)
 
     def _pad(self, seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,11 +158,14 @@ class Target:
         """The kernels the recorder saw serve every call so far."""
         kernels = self.recorder.summary()
         fla = kernels["linear_attention"] in ("fla", "mixed")
-        return Backends(linear_attention=kernels["linear_attention"], conv1d=kernels["conv1d"],
-                        linear_attention_requested=self.requested_linear_attention,
-                        attention=getattr(self.model.config, "_attn_implementation", None),
-                        kernel_calls=kernels["calls"],
-                        triton=("interpreter" if interpreted() else "compiled") if fla else None)
+        return Backends(
+            linear_attention=kernels["linear_attention"],
+            conv1d=kernels["conv1d"],
+            linear_attention_requested=self.requested_linear_attention,
+            attention=getattr(self.model.config, "_attn_implementation", None),
+            kernel_calls=kernels["calls"],
+            triton=("interpreter" if interpreted() else "compiled") if fla else None,
+        )
 
     def check_backends(self) -> Backends:
         """What ran must be what was chosen: fla on CUDA when installed, the PyTorch path otherwise;
@@ -167,15 +180,22 @@ class Target:
             raise TargetError(
                 f"linear attention ran on '{ran}' but '{wanted}' was chosen for {self.device.type} "
                 f"(calls: {b.kernel_calls}): the model code was imported before the kernels were chosen, "
-                f"or {version} does not send {self.device.type} tensors to {wanted}")
+                f"or {version} does not send {self.device.type} tensors to {wanted}"
+            )
         return b
 
     def _unknown_record(self, b: Backends) -> str | None:
-        undecided = [kind for kind, ran in (("linear-attention", b.linear_attention), ("conv1d", b.conv1d)) if ran == UNDECIDED]
+        undecided = [
+            kind for kind, ran in (("linear-attention", b.linear_attention), ("conv1d", b.conv1d)) if ran == UNDECIDED
+        ]
         if undecided:
-            return (f"cannot tell which implementation served the {' and '.join(undecided)} calls: their dispatch "
-                    "reached no code known here")
-        if b.linear_attention == "none" and "linear_attention" in (getattr(self.model.config, "layer_types", None) or ()):
+            return (
+                f"cannot tell which implementation served the {' and '.join(undecided)} calls: their dispatch "
+                "reached no code known here"
+            )
+        if b.linear_attention == "none" and "linear_attention" in (
+            getattr(self.model.config, "layer_types", None) or ()
+        ):
             return "the target has linear-attention layers but none of their calls was seen"
         return None
 

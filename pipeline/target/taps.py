@@ -26,11 +26,13 @@ class StopForward(Exception):
 def tapping(layers: torch.nn.ModuleList, taps: list[int], grabbed: dict, stop_after_last: bool = False):
     """While active, each forward stores the output of layer k in grabbed[k] ([b, T, H]) for every
     tap k; with stop_after_last it raises StopForward after the last tap (catch it)."""
+
     def hook_for(k: int):
         def hook(_module, _inputs, output):
             grabbed[k] = output[0] if isinstance(output, tuple) else output
             if stop_after_last and k == taps[-1]:
                 raise StopForward
+
         return hook
 
     handles = [layers[k].register_forward_hook(hook_for(k)) for k in taps]
@@ -76,8 +78,11 @@ def validate_taps(taps: list[int], num_layers: int) -> list[int]:
         raise ConfigError("--taps", None, "need at least one tap layer")
     bad = [t for t in taps if not 0 <= t < num_layers]
     if bad:
-        raise ConfigError("--taps", None, f"layer id(s) {bad} out of range: the target has {num_layers} decoder "
-                                          f"layers (ids 0-{num_layers - 1})")
+        raise ConfigError(
+            "--taps",
+            None,
+            f"layer id(s) {bad} out of range: the target has {num_layers} decoder layers (ids 0-{num_layers - 1})",
+        )
     if sorted(set(taps)) != list(taps):
         raise ConfigError("--taps", taps, "ids must be strictly increasing and distinct")
     return list(taps)

@@ -133,21 +133,30 @@ class LiveTarget:
         positions = torch.arange(self._length, self._length + len(ids), device=device)[None]  # [1, T]
         grabbed: dict[int, torch.Tensor] = {}
         with tapping(self.target.layers, self.taps, grabbed):
-            out = self.target.model(input_ids=ids.to(device)[None], position_ids=positions, cache=self.cache,
-                                    use_cache=True, logits_to_keep=logits_to_keep)
+            out = self.target.model(
+                input_ids=ids.to(device)[None],
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
         states = torch.stack([grabbed[k][0] for k in self.taps], dim=1)  # [T, n_taps, H]
         return out.logits[0].float(), states.cpu()
 
     @contextmanager
     def _recording_mixers(self, calls: dict):
         """Pre-hooks that keep each linear-attention mixer's call: calls[i] = (args, kwargs)."""
+
         def hook_for(i: int):
             def hook(_module, args, kwargs):
                 calls[i] = (args, kwargs)
+
             return hook
 
-        handles = [_mixer(self.target.layers[i]).register_forward_pre_hook(hook_for(i), with_kwargs=True)
-                   for i in self._linear_layers()]
+        handles = [
+            _mixer(self.target.layers[i]).register_forward_pre_hook(hook_for(i), with_kwargs=True)
+            for i in self._linear_layers()
+        ]
         try:
             yield
         finally:
@@ -178,8 +187,9 @@ class LiveTarget:
 
     def _save_counts(self) -> dict:
         """layer -> a clone of its own token count, for the linear layers that keep one (transformers >= 5.25)."""
-        return {i: count.clone() for i in self._linear_layers()
-                if (count := _own_count(self.cache.layers[i])) is not None}
+        return {
+            i: count.clone() for i in self._linear_layers() if (count := _own_count(self.cache.layers[i])) is not None
+        }
 
     def _rewind_counts(self, counts: dict) -> None:
         """Copy the counts back in place, to before the block; the replay then advances them by n."""
@@ -234,8 +244,10 @@ def _check_layers(cache: DynamicCache) -> None:
         plain_kv = type(layer) is DynamicLayer
         linear = isinstance(layer, LinearAttentionLayer) and not isinstance(layer, CacheLayerMixin)
         if not (plain_kv or linear):
-            raise TargetError(f"cache layer {i} is {type(layer).__name__}: live rollback supports full attention "
-                                "and linear attention layers only")
+            raise TargetError(
+                f"cache layer {i} is {type(layer).__name__}: live rollback supports full attention "
+                "and linear attention layers only"
+            )
 
 
 def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:

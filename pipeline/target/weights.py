@@ -34,17 +34,24 @@ def check_loaded(path: Path, model: torch.nn.Module, info: dict) -> None:
     """Refuse a load that left any tensor of the model random or took a tensor it cannot place.
     info: transformers' loading info (`output_loading_info=True`, mismatched sizes tolerated so
     that they are reported here rather than raised one by one)."""
-    mismatched = [f"{name} (checkpoint {tuple(ckpt)}, model {tuple(want)})"
-                  for name, ckpt, want in sorted(info.get("mismatched_keys") or [])]
-    problems = [(f"missing (would be left random): {_names(sorted(info.get('missing_keys') or []))}"),
-                (f"wrong shape (would be left random): {_names(mismatched)}"),
-                (f"not used by {type(model).__name__} and not a known non-text part: "
-                 f"{_names(sorted(info.get('unexpected_keys') or []))}"),
-                (f"load errors: {_names(info.get('error_msgs') or [])}")]
+    mismatched = [
+        f"{name} (checkpoint {tuple(ckpt)}, model {tuple(want)})"
+        for name, ckpt, want in sorted(info.get("mismatched_keys") or [])
+    ]
+    problems = [
+        (f"missing (would be left random): {_names(sorted(info.get('missing_keys') or []))}"),
+        (f"wrong shape (would be left random): {_names(mismatched)}"),
+        (
+            f"not used by {type(model).__name__} and not a known non-text part: "
+            f"{_names(sorted(info.get('unexpected_keys') or []))}"
+        ),
+        (f"load errors: {_names(info.get('error_msgs') or [])}"),
+    ]
     problems = [p for p in problems if not p.endswith(": ")]
     if problems:
-        raise TargetError(f"--target {path}: the checkpoint does not match {type(model).__name__}: "
-                          + "; ".join(problems))
+        raise TargetError(
+            f"--target {path}: the checkpoint does not match {type(model).__name__}: " + "; ".join(problems)
+        )
 
 
 def non_text_tensors(path: Path, model: torch.nn.Module) -> dict[str, int]:

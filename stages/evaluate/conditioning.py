@@ -29,6 +29,7 @@ from store.format.schema import Compat, ShardCommit
 class Checked:
     """A checkpoint whose config, tensor names and shapes were checked; its weights stay on disk
     until `tensors` reads them, so several checkpoints never sit in host memory together."""
+
     path: str
     config: DrafterConfig
     record: TrainingRecord | None  # None for a released checkpoint
@@ -43,42 +44,62 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
     config, record = checkpoint.inspect(path)
     attrs = store.attrs
     diff = store_mismatches(config, attrs)
-    shape = [f"{label}: checkpoint has {diff[k][0]}, store has {diff[k][1]}" for k, label in
-             (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"), ("num_taps", "number of taps")) if k in diff]
+    shape = [
+        f"{label}: checkpoint has {diff[k][0]}, store has {diff[k][1]}"
+        for k, label in (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"), ("num_taps", "number of taps"))
+        if k in diff
+    ]
     if shape:
         raise DrafterError(f"{path} cannot run on {store.location}: " + "; ".join(shape))
-    problems = [f"{label}: checkpoint {diff[k][0]}, store {diff[k][1]}" for k, label in
-                (("taps", "taps"), ("mask_token_id", "mask token")) if k in diff]
+    problems = [
+        f"{label}: checkpoint {diff[k][0]}, store {diff[k][1]}"
+        for k, label in (("taps", "taps"), ("mask_token_id", "mask token"))
+        if k in diff
+    ]
     fp = record.store_fingerprint if record else None
     other_store = fp is not None and fp != attrs.fingerprint
     unrecorded = other_store and record.store_conditioning == unrecorded_conv1d(attrs.compat)
     other_data = other_store and (record.store_conditioning == attrs.compat.conditioning() or unrecorded)
     if unrecorded:
-        warnings.append(f"{path} was trained on a store that did not record its conv1d kernel; this store's states "
-                        f"were made with {attrs.compat.conv1d}: the conditioning is otherwise the same")
+        warnings.append(
+            f"{path} was trained on a store that did not record its conv1d kernel; this store's states "
+            f"were made with {attrs.compat.conv1d}: the conditioning is otherwise the same"
+        )
     trained_on = other_format(record, attrs.compat) if other_store else None
     if other_store and not other_data and trained_on is None:
-        problems.append(f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
-                        "(different target, taps, backend, tokenizer or data)")
+        problems.append(
+            f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
+            "(different target, taps, backend, tokenizer or data)"
+        )
     if problems and not allow_mismatch:
-        raise DrafterError(f"{path} was not trained on this store's conditioning ({'; '.join(problems)}); "
-                           "pass --allow-mismatch to evaluate anyway")
+        raise DrafterError(
+            f"{path} was not trained on this store's conditioning ({'; '.join(problems)}); "
+            "pass --allow-mismatch to evaluate anyway"
+        )
     if problems:
         warnings.append(f"MISMATCH allowed for {path}: " + "; ".join(problems))
         check = "mismatch (allowed): " + "; ".join(problems)
     elif fp is None:
         check = "released checkpoint: taps, hidden size, vocabulary and mask token match; store fingerprint not checked"
-        warnings.append(f"{path} carries no store fingerprint (a released checkpoint): only taps, hidden size, "
-                        "vocabulary and mask token were checked")
+        warnings.append(
+            f"{path} carries no store fingerprint (a released checkpoint): only taps, hidden size, "
+            "vocabulary and mask token were checked"
+        )
     elif trained_on is not None:
-        check = (f"cross-format: trained on {trained_on} states (store {fp[:12]}), replayed on this store's "
-                 f"{attrs.compat.format.name} states; the conditioning is otherwise the same")
-        warnings.append(f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.format.name} states "
-                        f"({store.location}): a cross-format evaluation, allowed because nothing else in the "
-                        "conditioning differs")
+        check = (
+            f"cross-format: trained on {trained_on} states (store {fp[:12]}), replayed on this store's "
+            f"{attrs.compat.format.name} states; the conditioning is otherwise the same"
+        )
+        warnings.append(
+            f"{path} was trained on {trained_on} states and is replayed on {attrs.compat.format.name} states "
+            f"({store.location}): a cross-format evaluation, allowed because nothing else in the "
+            "conditioning differs"
+        )
     elif other_data:
-        check = (f"conditioning matches (target, kernels, dtype, taps, tokenizer); trained on another store's data "
-                 f"(fingerprint {fp[:12]}, this store {attrs.fingerprint[:12]})")
+        check = (
+            f"conditioning matches (target, kernels, dtype, taps, tokenizer); trained on another store's data "
+            f"(fingerprint {fp[:12]}, this store {attrs.fingerprint[:12]})"
+        )
     else:
         check = "store fingerprint matches"
     return Checked(path, config, record, check)
@@ -102,6 +123,7 @@ def other_format(record: TrainingRecord, compat: Compat) -> str | None:
 @dataclass(frozen=True)
 class Replayed:
     """The shards of the store that evaluation replays, and why: said in the console and the report."""
+
     ids: list[int]
     chosen_by: str  # "--shards", "held-out" (a checkpoint's held-out shards) or "committed" (every committed shard)
     reason: str
@@ -111,8 +133,13 @@ class Replayed:
         return format_ranges(self.ids)
 
 
-def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked], warnings: list[str],
-                  committed: dict[int, ShardCommit] | None) -> Replayed:
+def choose_shards(
+    config: EvalConfig,
+    store: HiddenStore,
+    loaded: list[Checked],
+    warnings: list[str],
+    committed: dict[int, ShardCommit] | None,
+) -> Replayed:
     """--shards, else the held-out shards a checkpoint recorded of this store (or of a store holding the
     same prompts under the same shard numbers), else every committed shard of this store (committed:
     their records, as the store's index holds them; None: not known, read here). Another store's held-out shard numbers name that
@@ -125,13 +152,21 @@ def choose_shards(config: EvalConfig, store: HiddenStore, loaded: list[Checked],
     elif held:
         recorded = [x.record.eval_shards for x in held]
         if len(set(recorded)) > 1:
-            warnings.append(f"checkpoints recorded different held-out shards {sorted(set(recorded))}; using {recorded[0]}")
-        chosen = Replayed(parse_ranges(recorded[0], n), "held-out",
-                          f"the held-out shards (--eval-shards at training) of {held[0].path}, "
-                          + _trained_here(held[0].record, store))
+            warnings.append(
+                f"checkpoints recorded different held-out shards {sorted(set(recorded))}; using {recorded[0]}"
+            )
+        chosen = Replayed(
+            parse_ranges(recorded[0], n),
+            "held-out",
+            f"the held-out shards (--eval-shards at training) of {held[0].path}, "
+            + _trained_here(held[0].record, store),
+        )
     else:
-        chosen = Replayed(sorted(committed if committed is not None else store.committed()), "committed", "every committed shard of this store; "
-                          + _why_every(loaded, alike, store, warnings))
+        chosen = Replayed(
+            sorted(committed if committed is not None else store.committed()),
+            "committed",
+            "every committed shard of this store; " + _why_every(loaded, alike, store, warnings),
+        )
     store.require_committed([s for s in chosen.ids if s not in (committed or {})])  # unless the index has them
     if not chosen.ids:
         raise StoreError(f"{store.location}: no committed shards to evaluate")
@@ -146,15 +181,18 @@ def numbered_alike(record: TrainingRecord | None, store: HiddenStore) -> bool:
     """Whether a checkpoint's shard numbers name this store's prompts: it was trained on this store,
     or on one that holds the same dataset rows in each shard (the placement it recorded)."""
     attrs = store.attrs
-    return record is not None and (record.store_fingerprint == attrs.fingerprint
-                                   or record.store_placement == attrs.compat.placement())
+    return record is not None and (
+        record.store_fingerprint == attrs.fingerprint or record.store_placement == attrs.compat.placement()
+    )
 
 
 def _trained_here(record: TrainingRecord, store: HiddenStore) -> str:
     if record.store_fingerprint == store.attrs.fingerprint:
         return "trained on this store"
-    return (f"trained on another store (fingerprint {record.store_fingerprint[:12]}) that holds the same prompts "
-            "under the same shard numbers")
+    return (
+        f"trained on another store (fingerprint {record.store_fingerprint[:12]}) that holds the same prompts "
+        "under the same shard numbers"
+    )
 
 
 def _why_every(loaded: list[Checked], alike: list[Checked], store: HiddenStore, warnings: list[str]) -> str:
@@ -164,13 +202,17 @@ def _why_every(loaded: list[Checked], alike: list[Checked], store: HiddenStore, 
     for x in other:  # shard numbers beyond this store's cannot be its own: nothing to warn about
         numbers = [s for text in (x.record.train_shards, x.record.eval_shards) if text for s in parse_ranges(text)]
         if x.record.store_placement is None and x.record.eval_shards and max(numbers) < store.num_shards:
-            warnings.append(f"{x.path} records no placement of its training store's prompts (trained before it was "
-                            f"recorded): if {store.location} holds those prompts under the same shard numbers, shards "
-                            f"{x.record.train_shards} were trained on; pass --shards {x.record.eval_shards} to replay "
-                            "only its held-out ones")
+            warnings.append(
+                f"{x.path} records no placement of its training store's prompts (trained before it was "
+                f"recorded): if {store.location} holds those prompts under the same shard numbers, shards "
+                f"{x.record.train_shards} were trained on; pass --shards {x.record.eval_shards} to replay "
+                "only its held-out ones"
+            )
     if other:
         x = other[0]
-        held = f", whose held-out shards {x.record.eval_shards} name that store's prompts" if x.record.eval_shards else ""
+        held = (
+            f", whose held-out shards {x.record.eval_shards} name that store's prompts" if x.record.eval_shards else ""
+        )
         return f"{x.path} was trained on another store (fingerprint {x.record.store_fingerprint[:12]}){held}"
     if alike:
         return f"{alike[0].path} held out no shard of this store"

@@ -19,7 +19,7 @@ from pipeline.errors import EngineError
 
 CEILING = 0.9  # vLLM's own default share
 MARGIN = 0.03  # left free beside the engine (the evaluator's CUDA context, allocator slack)
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,10 @@ class EngineDevice:
     def text(self) -> str:
         if self.gpu is None:
             return self.device + (f", share {self.memory_share:.2f} of host memory" if self.memory_share else "")
-        return (f"{self.device} (GPU {self.gpu} of the node), share {self.memory_share:.2f} of {self.total_gib:.1f} "
-                f"GiB, {self.free_gib:.1f} GiB free at start")
+        return (
+            f"{self.device} (GPU {self.gpu} of the node), share {self.memory_share:.2f} of {self.total_gib:.1f} "
+            f"GiB, {self.free_gib:.1f} GiB free at start"
+        )
 
 
 def node_gpu(index: int, visible: str | None) -> str:
@@ -47,8 +49,9 @@ def node_gpu(index: int, visible: str | None) -> str:
         return str(index)
     ids = [v.strip() for v in visible.split(",") if v.strip()]
     if index >= len(ids):
-        raise EngineError(f"--served-device cuda:{index}: CUDA_VISIBLE_DEVICES={visible} shows this process "
-                          f"{len(ids)} GPU(s)")
+        raise EngineError(
+            f"--served-device cuda:{index}: CUDA_VISIBLE_DEVICES={visible} shows this process {len(ids)} GPU(s)"
+        )
     return ids[index]
 
 
@@ -69,8 +72,15 @@ def choose(device: str, share: float | None) -> EngineDevice:
     free, total = torch.cuda.mem_get_info(index)
     picked = default_share(free, total) if share is None else share
     if picked * total > free or picked < 0.05:
-        raise EngineError(f"--served-device {device}: {free / GIB:.1f} of {total / GIB:.1f} GiB free, the engine "
-                          f"needs share {picked:.2f} ({picked * total / GIB:.1f} GiB); another process holds the "
-                          "rest: give --served-device another GPU or a smaller --served-memory")
-    return EngineDevice(f"cuda:{index}", node_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES")), picked,
-                        round(free / GIB, 1), round(total / GIB, 1))
+        raise EngineError(
+            f"--served-device {device}: {free / GIB:.1f} of {total / GIB:.1f} GiB free, the engine "
+            f"needs share {picked:.2f} ({picked * total / GIB:.1f} GiB); another process holds the "
+            "rest: give --served-device another GPU or a smaller --served-memory"
+        )
+    return EngineDevice(
+        f"cuda:{index}",
+        node_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES")),
+        picked,
+        round(free / GIB, 1),
+        round(total / GIB, 1),
+    )

@@ -23,9 +23,13 @@ def by_category(counts: list[PromptCounts], budgets: tuple[int, ...], category: 
     members = defaultdict(list)
     for c in counts:
         members[category[(c.shard, c.index)]].append(c)
-    return {label: {**_group(members[label], budgets, lambda c, lane: (c.rounds[lane], c.tokens[lane])),
-                    "available": available[label]}
-            for label in sorted(members)}
+    return {
+        label: {
+            **_group(members[label], budgets, lambda c, lane: (c.rounds[lane], c.tokens[lane])),
+            "available": available[label],
+        }
+        for label in sorted(members)
+    }
 
 
 def by_context(counts: list[PromptCounts], budgets: tuple[int, ...]) -> dict:
@@ -34,8 +38,9 @@ def by_context(counts: list[PromptCounts], budgets: tuple[int, ...]) -> dict:
     for b, label in enumerate(CONTEXT_LABELS):
         reached = [c for c in counts if c.context_rounds[0][b]]
         if reached:
-            out[label] = _group(reached, budgets, lambda c, lane, b=b: (c.context_rounds[lane][b],
-                                                                         c.context_tokens[lane][b]))
+            out[label] = _group(
+                reached, budgets, lambda c, lane, b=b: (c.context_rounds[lane][b], c.context_tokens[lane][b])
+            )
     return out
 
 
@@ -43,5 +48,8 @@ def _group(members: list[PromptCounts], budgets: tuple[int, ...], of) -> dict:
     """Chain (lane 0) and each DDTree budget's tau over members; of(c, lane) -> (rounds, tokens)."""
     chain = tau_over_prompts([of(c, 0) for c in members])
     trees = {str(b): tau_over_prompts([of(c, 1 + i) for c in members]) for i, b in enumerate(budgets)}
-    return {**chain, "ddtree": {b: t["tau"] for b, t in trees.items()},
-            "ddtree_ci95": {b: t["tau_ci95"] for b, t in trees.items()}}
+    return {
+        **chain,
+        "ddtree": {b: t["tau"] for b, t in trees.items()},
+        "ddtree_ci95": {b: t["tau_ci95"] for b, t in trees.items()},
+    }

@@ -37,8 +37,10 @@ class LiveBench:
         self.samples = samples
         self.compat = attrs.compat
         self.eos = set(attrs.eos_token_ids)
-        runs = [live.greedy(self.lt, s.tokens[:s.prompt_len], self.limit(s), self.eos)
-                for s in tqdm(samples, total=len(samples), desc="target-only greedy", unit="prompt", disable=None)]
+        runs = [
+            live.greedy(self.lt, s.tokens[: s.prompt_len], self.limit(s), self.eos)
+            for s in tqdm(samples, total=len(samples), desc="target-only greedy", unit="prompt", disable=None)
+        ]
         self.base_tokens = sum(len(r.tokens) for r in runs)
         self.base_seconds = sum(r.seconds for r in runs)
 
@@ -48,15 +50,23 @@ class LiveBench:
     def run(self, drafter, replayed: list[list[tuple[int, int]]], label: str) -> dict:
         """replayed: the chain replay's rounds of the same samples, to compare with."""
         runs, same, stored = [], 0, 0
-        for s, rep in tqdm(zip(self.samples, replayed), total=len(replayed), desc=f"live {label}", unit="prompt",
-                           disable=None):
-            r = live.speculative(drafter, self.lt, s.tokens[:s.prompt_len], self.limit(s), self.eos)
+        for s, rep in tqdm(
+            zip(self.samples, replayed), total=len(replayed), desc=f"live {label}", unit="prompt", disable=None
+        ):
+            r = live.speculative(drafter, self.lt, s.tokens[: s.prompt_len], self.limit(s), self.eos)
             runs.append(r)
             same += r.rounds == rep
-            stored += r.tokens == s.tokens[s.prompt_len:].tolist()
+            stored += r.tokens == s.tokens[s.prompt_len :].tolist()
         seconds, tokens = sum(r.seconds for r in runs), sum(len(r.tokens) for r in runs)
         stats = summarize([r.rounds for r in runs], drafter.config.block_size)
-        return {"tau": stats["tau"], "tau_pooled": stats["tau_pooled"], "rounds": stats["rounds"],
-                "tokens_per_s": tokens / seconds, "target_only_tokens_per_s": self.base_tokens / self.base_seconds,
-                "speedup": (tokens / seconds) / (self.base_tokens / self.base_seconds),
-                "prompts": len(runs), "prompts_equal_to_replay": same, "completions_equal_to_store": stored}
+        return {
+            "tau": stats["tau"],
+            "tau_pooled": stats["tau_pooled"],
+            "rounds": stats["rounds"],
+            "tokens_per_s": tokens / seconds,
+            "target_only_tokens_per_s": self.base_tokens / self.base_seconds,
+            "speedup": (tokens / seconds) / (self.base_tokens / self.base_seconds),
+            "prompts": len(runs),
+            "prompts_equal_to_replay": same,
+            "completions_equal_to_store": stored,
+        }

@@ -14,8 +14,7 @@ def join(proc: Process, device: str) -> None:
     if proc.world > 1 and not dist.is_initialized():
         if device.startswith("cuda"):
             torch.cuda.set_device(proc.local_rank)  # gather_object sends through this rank's own GPU
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=proc.rank,
-                                world_size=proc.world)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=proc.rank, world_size=proc.world)
 
 
 def gather(proc: Process, part):

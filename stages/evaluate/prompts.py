@@ -28,8 +28,9 @@ READ_THREADS = 8  # reads in flight per process: enough to hide an object store'
 
 
 class Prompts:
-    def __init__(self, store: HiddenStore, shards: list[int], limit: int | None, seed: int,
-                 index: StoreIndex | None = None) -> None:
+    def __init__(
+        self, store: HiddenStore, shards: list[int], limit: int | None, seed: int, index: StoreIndex | None = None
+    ) -> None:
         """index: the store's index when the caller has read it (index_file.load); else read here."""
         self.store = store
         self.records, arrays = _shard_arrays(store, shards, index if index is not None else index_file.load(store)[0])
@@ -48,8 +49,9 @@ class Prompts:
         self.refs: list[Ref] = [(int(s), int(i)) for s, i in refs_a[pick]]  # in store order
         self.max_length = int(lengths_a[pick].max()) if len(pick) else 0
         # each replayed prompt's label (--category-field at extraction), when its shard has them
-        self.category = {(s, i): self.records[s].category(i) for s, i in self.refs
-                         if self.records[s].categories is not None}
+        self.category = {
+            (s, i): self.records[s].category(i) for s, i in self.refs if self.records[s].categories is not None
+        }
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -113,8 +115,9 @@ class Prompts:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _shard_arrays(store: HiddenStore, shards: list[int], index: StoreIndex
-                  ) -> tuple[dict[int, ShardCommit], dict[int, dict[str, np.ndarray]]]:
+def _shard_arrays(
+    store: HiddenStore, shards: list[int], index: StoreIndex
+) -> tuple[dict[int, ShardCommit], dict[int, dict[str, np.ndarray]]]:
     """(commit record, {offsets, prompt_lens}) of each of shards: from the index, and for a shard
     committed after it was made, from the shard's own files."""
     records = {s: index.records[s] for s in shards if s in index.records}

@@ -36,11 +36,13 @@ from store.index_file import StoreIndex
 
 def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, label: str) -> dict:
     """This process's prompts replayed -> {"counts": [PromptCounts], "histogram": [P][B], "seconds"}."""
-    engine = BatchReplay(m, config.ddtree, min(config.batch_prompts, max(1, len(mine))), prompts.max_length,
-                         config.max_rounds)
+    engine = BatchReplay(
+        m, config.ddtree, min(config.batch_prompts, max(1, len(mine))), prompts.max_length, config.max_rounds
+    )
     t0 = time.perf_counter()
-    counts = list(tqdm(engine.run(prompts.read(mine), keep), total=len(mine), desc=f"replay {label}",
-                       unit="prompt", disable=None))
+    counts = list(
+        tqdm(engine.run(prompts.read(mine), keep), total=len(mine), desc=f"replay {label}", unit="prompt", disable=None)
+    )
     return {"counts": counts, "histogram": engine.histogram, "seconds": time.perf_counter() - t0}
 
 
@@ -56,14 +58,28 @@ def summarize_parts(parts: list[dict], budgets: tuple[int, ...], prompts: Prompt
     chain, trees = policy(0), {str(b): policy(1 + i) for i, b in enumerate(budgets)}
     lane_rounds = sum(sum(c.rounds) for c in counts)
     seconds = max(p["seconds"] for p in parts)
-    out = {**chain, "block_size": B, "ddtree": {b: t["tau"] for b, t in trees.items()},
-           "ddtree_pooled": {b: t["tau_pooled"] for b, t in trees.items()},
-           "ddtree_ci95": {b: t["tau_ci95"] for b, t in trees.items()},
-           "replay_seconds": round(seconds, 3), "rounds_per_s": round(lane_rounds / seconds, 1) if seconds else None,
-           "per_prompt": [{"shard": c.shard, "index": c.index, "row_id": c.row_id, "prompt_len": c.prompt_len,
-                           "completion_len": c.completion_len, "rounds": c.rounds[0],
-                           "tau": c.tau(0), "ddtree": {str(b): c.tau(1 + i) for i, b in enumerate(budgets)}}
-                          for c in counts]}
+    out = {
+        **chain,
+        "block_size": B,
+        "ddtree": {b: t["tau"] for b, t in trees.items()},
+        "ddtree_pooled": {b: t["tau_pooled"] for b, t in trees.items()},
+        "ddtree_ci95": {b: t["tau_ci95"] for b, t in trees.items()},
+        "replay_seconds": round(seconds, 3),
+        "rounds_per_s": round(lane_rounds / seconds, 1) if seconds else None,
+        "per_prompt": [
+            {
+                "shard": c.shard,
+                "index": c.index,
+                "row_id": c.row_id,
+                "prompt_len": c.prompt_len,
+                "completion_len": c.completion_len,
+                "rounds": c.rounds[0],
+                "tau": c.tau(0),
+                "ddtree": {str(b): c.tau(1 + i) for i, b in enumerate(budgets)},
+            }
+            for c in counts
+        ],
+    }
     out["per_category"] = groups.by_category(counts, budgets, prompts.category)
     out["per_context"] = groups.by_context(counts, budgets)
     return out, {(c.shard, c.index): c.chain_rounds for c in counts if c.chain_rounds is not None}
@@ -98,9 +114,12 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     for w in warnings:
         log(f"warning: {w}")
     log(f"replaying shards {shards.text} of {config.store}: {shards.reason}")
-    log(f"replaying {len(prompts)} of {prompts.available} prompts" + (f" on {proc.world} processes" if proc.world > 1
-                                                                       else "") + f", drafter in {config.dtype}")
-    live_refs = prompts.refs[:config.live_prompts] if config.live else []
+    log(
+        f"replaying {len(prompts)} of {prompts.available} prompts"
+        + (f" on {proc.world} processes" if proc.world > 1 else "")
+        + f", drafter in {config.dtype}"
+    )
+    live_refs = prompts.refs[: config.live_prompts] if config.live else []
     keep = set(live_refs) | (set(prompts.refs) if config.served else set())
     embed, lm_head = store.embeddings(("embed_tokens", "lm_head"))  # [V, H] bf16, read once, fetched together
     results, kept, where = replay_all(config, proc, device, prompts, checked, keep, (embed, lm_head))
@@ -117,9 +136,15 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
             engine = choose_engine(config.served_device or device, config.served_memory)  # what is free now
             log(f"--served engine on {engine.text()}")
             res["served"] = served.run(x.path, x.config.block_size, [rounds[r] for r in prompts.refs], engine)
-    sample = {"prompts": len(prompts), "available": prompts.available, "seed": config.seed,
-              "live_prompts": len(live_refs) if config.live else None, "processes": proc.world,
-              "devices": where, "dtype": config.dtype}
+    sample = {
+        "prompts": len(prompts),
+        "available": prompts.available,
+        "seed": config.seed,
+        "live_prompts": len(live_refs) if config.live else None,
+        "processes": proc.world,
+        "devices": where,
+        "dtype": config.dtype,
+    }
     rep = report.build(config, store.attrs, shards, warnings, results, sample)
     report.write(rep, Path(config.out))
     return rep
@@ -135,8 +160,9 @@ def _index(store: HiddenStore) -> StoreIndex:
         return StoreIndex({}, {})
 
 
-def replay_all(config: EvalConfig, proc, device: str, prompts: Prompts, checked: list[Checked], keep: set,
-               tables) -> tuple[list[dict], list[dict], list[str]]:
+def replay_all(
+    config: EvalConfig, proc, device: str, prompts: Prompts, checked: list[Checked], keep: set, tables
+) -> tuple[list[dict], list[dict], list[str]]:
     """Each checkpoint in turn (one in memory at a time) replayed by every process on its part of
     the prompts; the gathers here are evaluation's only collectives. On rank 0: per checkpoint its
     results and the kept prompts' chain rounds by (shard, index), and each process's device."""
@@ -149,16 +175,33 @@ def replay_all(config: EvalConfig, proc, device: str, prompts: Prompts, checked:
         if proc.rank != 0:
             continue
         res, rounds = summarize_parts(parts, config.ddtree, prompts)
-        results.append({"name": _name(x.path, i), "path": x.path, "check": x.check,
-                        "train_shards": x.record.train_shards if x.record else None,
-                        "step": x.record.step if x.record else None, **res})
+        results.append(
+            {
+                "name": _name(x.path, i),
+                "path": x.path,
+                "check": x.check,
+                "train_shards": x.record.train_shards if x.record else None,
+                "step": x.record.step if x.record else None,
+                **res,
+            }
+        )
         kept.append(rounds)
         where = [p["device"] for p in parts]
     return results, kept, where
 
 
-def _live(config: EvalConfig, store: HiddenStore, prompts: Prompts, refs: list, checked: list[Checked],
-          results: list[dict], kept: list[dict], tables, device: str, warnings: list) -> None:
+def _live(
+    config: EvalConfig,
+    store: HiddenStore,
+    prompts: Prompts,
+    refs: list,
+    checked: list[Checked],
+    results: list[dict],
+    kept: list[dict],
+    tables,
+    device: str,
+    warnings: list,
+) -> None:
     """--live on rank 0 alone: the target, its target-only baseline, then each drafter in turn."""
     from stages.evaluate.live import LiveBench, open_target
 

@@ -46,12 +46,19 @@ class ServedBench:
 
     def request(self, drafter: str, block_size: int, where: EngineDevice) -> dict:
         compat = self.attrs.compat
-        return {"target": self.target, "drafter": str(Path(drafter).resolve()), "dtype": "bfloat16", "seed": 0,
-                "num_speculative_tokens": block_size - 1, "max_model_len": compat.max_length,
-                "gpu_memory_utilization": where.memory_share,
-                "stop_token_ids": list(self.attrs.eos_token_ids),
-                "prompts": [{"prompt": tokens[:n].tolist(), "max_tokens": compat.completion_limit(n)}
-                            for tokens, n in self.texts]}
+        return {
+            "target": self.target,
+            "drafter": str(Path(drafter).resolve()),
+            "dtype": "bfloat16",
+            "seed": 0,
+            "num_speculative_tokens": block_size - 1,
+            "max_model_len": compat.max_length,
+            "gpu_memory_utilization": where.memory_share,
+            "stop_token_ids": list(self.attrs.eos_token_ids),
+            "prompts": [
+                {"prompt": tokens[:n].tolist(), "max_tokens": compat.completion_limit(n)} for tokens, n in self.texts
+            ],
+        }
 
     def run(self, drafter: str, block_size: int, replayed: list[Rounds], where: EngineDevice) -> dict:
         """replayed: replay's chain rounds of the same prompts, in the same order; where: the engine's device."""
@@ -59,8 +66,13 @@ class ServedBench:
         result = call_worker(self.python, self.request(drafter, block_size, where), self.log, where.env())
         seconds = time.perf_counter() - t0
         stored = [tokens[n:] for tokens, n in self.texts]
-        return {"engine": f"vllm {result['vllm']}", "device": where.text(), "seconds": round(seconds, 1),
-                **compare(stored, result["requests"], replayed, block_size), "vllm_metrics": result["metrics"]}
+        return {
+            "engine": f"vllm {result['vllm']}",
+            "device": where.text(),
+            "seconds": round(seconds, 1),
+            **compare(stored, result["requests"], replayed, block_size),
+            "vllm_metrics": result["metrics"],
+        }
 
 
 def check_python(python: str) -> None:
@@ -82,8 +94,12 @@ def call_worker(python: str, request: dict, log, env: dict | None = None) -> dic
         req.write_text(json.dumps(request))
         log(f"serving {len(request['prompts'])} prompts with vLLM ({python}), drafter {request['drafter']}")
         with log_path.open("wb") as fh:
-            code = subprocess.run([python, str(WORKER), str(req), str(out)], stdout=fh, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}).returncode
+            code = subprocess.run(
+                [python, str(WORKER), str(req), str(out)],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            ).returncode
         result = json.loads(out.read_text()) if out.exists() else {}
         if code != 0 or "requests" not in result:
             lines = log_path.read_text(errors="replace").strip().splitlines()
@@ -122,12 +138,21 @@ def compare(stored: list, served: list[dict], replayed: list[Rounds], block_size
 
     def side_by_side(idx: list[int]) -> dict:
         s, r = summarize([rounds[i] for i in idx], block_size), summarize([replayed[i] for i in idx], block_size)
-        return {"prompts": len(idx), "served_tau": s["tau"], "replay_tau": r["tau"],
-                "difference": s["tau"] / r["tau"] - 1 if idx else float("nan"),
-                "served_per_slot": s["per_slot"], "replay_per_slot": r["per_slot"]}
+        return {
+            "prompts": len(idx),
+            "served_tau": s["tau"],
+            "replay_tau": r["tau"],
+            "difference": s["tau"] / r["tau"] - 1 if idx else float("nan"),
+            "served_per_slot": s["per_slot"],
+            "replay_per_slot": r["per_slot"],
+        }
 
     vllm_means = [sum(a + 1 for a in r["accepted"]) / len(r["accepted"]) for r in served if r["accepted"]]
-    return {"prompts": len(served), "identical_completions": len(same),
-            "identical_rounds": sum(rounds[i] == replayed[i] for i in same),
-            "agreeing": side_by_side(same), "all": side_by_side(list(range(len(served)))),
-            "vllm_convention_tau": sum(vllm_means) / len(vllm_means) if vllm_means else float("nan")}
+    return {
+        "prompts": len(served),
+        "identical_completions": len(same),
+        "identical_rounds": sum(rounds[i] == replayed[i] for i in same),
+        "agreeing": side_by_side(same),
+        "all": side_by_side(list(range(len(served)))),
+        "vllm_convention_tau": sum(vllm_means) / len(vllm_means) if vllm_means else float("nan"),
+    }

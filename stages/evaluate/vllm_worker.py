@@ -23,12 +23,22 @@ def engine(req: dict):
 
     share = req.get("gpu_memory_utilization")
     memory = {} if share is None else {"gpu_memory_utilization": share}
-    return LLM(model=req["target"], dtype=req["dtype"], seed=req["seed"], max_model_len=req["max_model_len"],
-               enable_prefix_caching=False,  # on CPU that path needs a Triton kernel; off everywhere for equal runs
-               enforce_eager=not torch.cuda.is_available(), per_request_spec_decode_metrics="detailed",
-               disable_log_stats=False,  # get_metrics() needs the stats
-               speculative_config={"method": "dflash", "model": req["drafter"],
-                                   "num_speculative_tokens": req["num_speculative_tokens"]}, **memory)
+    return LLM(
+        model=req["target"],
+        dtype=req["dtype"],
+        seed=req["seed"],
+        max_model_len=req["max_model_len"],
+        enable_prefix_caching=False,  # on CPU that path needs a Triton kernel; off everywhere for equal runs
+        enforce_eager=not torch.cuda.is_available(),
+        per_request_spec_decode_metrics="detailed",
+        disable_log_stats=False,  # get_metrics() needs the stats
+        speculative_config={
+            "method": "dflash",
+            "model": req["drafter"],
+            "num_speculative_tokens": req["num_speculative_tokens"],
+        },
+        **memory,
+    )
 
 
 def serve(req: dict) -> dict:
@@ -37,15 +47,24 @@ def serve(req: dict) -> dict:
 
     llm = engine(req)
     prompts = [TokensPrompt(prompt_token_ids=p["prompt"]) for p in req["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"], stop_token_ids=req["stop_token_ids"],
-                             detokenize=False) for p in req["prompts"]]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=p["max_tokens"], stop_token_ids=req["stop_token_ids"], detokenize=False
+        )
+        for p in req["prompts"]
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     requests = []
     for out in outputs:
         seq = out.outputs[0]
         m = seq.spec_decode_metrics
-        requests.append({"token_ids": list(seq.token_ids), "accepted": list(m.per_step_accepted) if m else [],
-                         "drafted": list(m.per_step_drafted) if m else []})
+        requests.append(
+            {
+                "token_ids": list(seq.token_ids),
+                "accepted": list(m.per_step_accepted) if m else [],
+                "drafted": list(m.per_step_drafted) if m else [],
+            }
+        )
     metrics = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):

@@ -33,8 +33,14 @@ from store.summary import human_bytes
 
 CARD = "README.md"
 FILES = (*checkpoint.SERVING_FILES, CARD)  # exactly what OUT_DIR holds
-OUTPUT = Output(command="pipeline export", flag="OUT_DIR", files=FILES, earlier="an earlier export", whole=True,
-                writes="export writes a serving checkpoint into an empty directory or one holding an earlier export")
+OUTPUT = Output(
+    command="pipeline export",
+    flag="OUT_DIR",
+    files=FILES,
+    earlier="an earlier export",
+    whole=True,
+    writes="export writes a serving checkpoint into an empty directory or one holding an earlier export",
+)
 REPORT_KIND = "dflash-eval-report"
 
 
@@ -68,14 +74,27 @@ def _run(src: Path, dst: Path, config: ExportConfig, log) -> dict:
         notes.append(f"weights converted from {', '.join(converted)} to bfloat16")
     for w in caveats + notes:
         log(f"warning: {w}")
-    card = CardRecord(out=str(dst), drafter=drafter, training=record, target=attrs.target if attrs else None,
-                      target_layers=attrs.num_layers if attrs else drafter.num_target_layers,
-                      skipped=skipped, measured=measured,
-                      evaluate=_evaluate_command(config, record, src), caveats=tuple(caveats + notes))
+    card = CardRecord(
+        out=str(dst),
+        drafter=drafter,
+        training=record,
+        target=attrs.target if attrs else None,
+        target_layers=attrs.num_layers if attrs else drafter.num_target_layers,
+        skipped=skipped,
+        measured=measured,
+        evaluate=_evaluate_command(config, record, src),
+        caveats=tuple(caveats + notes),
+    )
     _write(dst, drafter, tensors, record, render(card), config.force)
-    return {"checkpoint": str(src), "out": str(dst), "files": {f: (dst / f).stat().st_size for f in FILES},
-            "step": record.step if record else None, "target": attrs.target.path if attrs else None,
-            "tau": measured.tau if measured else None, "warnings": caveats + notes}
+    return {
+        "checkpoint": str(src),
+        "out": str(dst),
+        "files": {f: (dst / f).stat().st_size for f in FILES},
+        "step": record.step if record else None,
+        "target": attrs.target.path if attrs else None,
+        "tau": measured.tau if measured else None,
+        "warnings": caveats + notes,
+    }
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -92,13 +111,18 @@ def _check_destination(src: Path, dst: Path, force: bool) -> None:
     refuse_a_store(dst, "OUT_DIR")
     OUTPUT.check(dst, force)
     if d == Path.cwd().resolve():
-        raise ConfigError("OUT_DIR", str(dst), "is the current directory, which export cannot replace (it publishes "
-                                               "OUT_DIR by a rename); run it from another directory")
+        raise ConfigError(
+            "OUT_DIR",
+            str(dst),
+            "is the current directory, which export cannot replace (it publishes "
+            "OUT_DIR by a rename); run it from another directory",
+        )
     output_dir(Path(os.path.abspath(dst)).parent, "OUT_DIR", shown=dst)  # the files are written there first
 
 
-def _open_store(config: ExportConfig, record: TrainingRecord | None, drafter: DrafterConfig,
-                notes: list[str]) -> tuple[StoreAttrs | None, str | None]:
+def _open_store(
+    config: ExportConfig, record: TrainingRecord | None, drafter: DrafterConfig, notes: list[str]
+) -> tuple[StoreAttrs | None, str | None]:
     """(the store's attributes, None), or (None, why the target checks were skipped)."""
     path = config.store or (record.store if record else None)
     if path is None:
@@ -109,19 +133,26 @@ def _open_store(config: ExportConfig, record: TrainingRecord | None, drafter: Dr
         return None, f"store {path} cannot be opened: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     problems = [f"{k}: checkpoint {a}, store {b}" for k, (a, b) in store_mismatches(drafter, attrs).items()]
     if record is not None and record.store_fingerprint != attrs.fingerprint:
-        problems.append(f"store fingerprint: trained on {record.store_fingerprint[:12]}, {path} is "
-                        f"{attrs.fingerprint[:12]}")
+        problems.append(
+            f"store fingerprint: trained on {record.store_fingerprint[:12]}, {path} is {attrs.fingerprint[:12]}"
+        )
     if problems and not config.allow_mismatch:
-        raise DrafterError(f"{path} is not the store this checkpoint was trained on ({'; '.join(problems)}); pass "
-                           "--store with its store, or --allow-mismatch")
+        raise DrafterError(
+            f"{path} is not the store this checkpoint was trained on ({'; '.join(problems)}); pass "
+            "--store with its store, or --allow-mismatch"
+        )
     if problems:
-        notes.append(f"MISMATCH allowed: the target record comes from {path}, not the checkpoint's store ("
-                     + "; ".join(problems) + ")")
+        notes.append(
+            f"MISMATCH allowed: the target record comes from {path}, not the checkpoint's store ("
+            + "; ".join(problems)
+            + ")"
+        )
     return attrs, None
 
 
-def _measured(config: ExportConfig, src: Path, record: TrainingRecord | None, attrs: StoreAttrs | None,
-              notes: list[str]) -> Measured:
+def _measured(
+    config: ExportConfig, src: Path, record: TrainingRecord | None, attrs: StoreAttrs | None, notes: list[str]
+) -> Measured:
     """This checkpoint's row of the --report, checked against the checkpoint's store."""
     path = Path(config.report)
     path = path / "report.json" if path.is_dir() else path
@@ -135,30 +166,47 @@ def _measured(config: ExportConfig, src: Path, record: TrainingRecord | None, at
         raise ConfigError("--report", config.report, f"{path} is not an evaluate.py report (kind {REPORT_KIND!r})")
     entry = _entry(config, rep, src)
     theirs = rep.get("store_fingerprint")
-    mine, whose = (record.store_fingerprint, "the checkpoint was trained on") if record else (
-        (attrs.fingerprint, "--store is") if attrs else (None, None))
+    mine, whose = (
+        (record.store_fingerprint, "the checkpoint was trained on")
+        if record
+        else ((attrs.fingerprint, "--store is") if attrs else (None, None))
+    )
     problems = []
     if mine is None:
-        notes.append(f"--report {config.report}: its store could not be compared (the checkpoint records none and "
-                     "no store was opened)")
+        notes.append(
+            f"--report {config.report}: its store could not be compared (the checkpoint records none and "
+            "no store was opened)"
+        )
     elif theirs != mine:
         problems.append(f"it replayed store {str(theirs)[:12]}, {whose} {mine[:12]}")
     if record is not None and entry.get("step") is not None and entry["step"] != record.step:
         problems.append(f"it measured step {entry['step']}, the checkpoint is step {record.step}")
     if problems and not config.allow_mismatch:
-        raise ConfigError("--report", config.report, "not a report on this checkpoint's store: "
-                          + "; ".join(problems) + " (--allow-mismatch to export anyway)")
+        raise ConfigError(
+            "--report",
+            config.report,
+            "not a report on this checkpoint's store: " + "; ".join(problems) + " (--allow-mismatch to export anyway)",
+        )
     if problems:
         notes.append(f"MISMATCH allowed: the tau table of {config.report} " + "; ".join(problems))
     sample = rep.get("sample") or {}
     ci = entry.get("tau_ci95")
-    return Measured(report=str(config.report), name=entry.get("name", str(src)), tau=float(entry["tau"]),
-                    tau_ci95=tuple(ci) if ci else None, tau_pooled=entry.get("tau_pooled"),
-                    ddtree=entry.get("ddtree"), ddtree_ci95=entry.get("ddtree_ci95"),
-                    prompts=entry.get("prompts", sample.get("prompts")), available=sample.get("available"),
-                    shards=rep.get("shards"), dtype=sample.get("dtype"), store_fingerprint=theirs,
-                    warnings=tuple(map(str, rep.get("warnings") or ())),
-                    served=entry.get("served"))
+    return Measured(
+        report=str(config.report),
+        name=entry.get("name", str(src)),
+        tau=float(entry["tau"]),
+        tau_ci95=tuple(ci) if ci else None,
+        tau_pooled=entry.get("tau_pooled"),
+        ddtree=entry.get("ddtree"),
+        ddtree_ci95=entry.get("ddtree_ci95"),
+        prompts=entry.get("prompts", sample.get("prompts")),
+        available=sample.get("available"),
+        shards=rep.get("shards"),
+        dtype=sample.get("dtype"),
+        store_fingerprint=theirs,
+        warnings=tuple(map(str, rep.get("warnings") or ())),
+        served=entry.get("served"),
+    )
 
 
 def _entry(config: ExportConfig, rep: dict, src: Path) -> dict:
@@ -180,8 +228,9 @@ def _evaluate_command(config: ExportConfig, record: TrainingRecord | None, src: 
     return f"python evaluate.py --store {shlex.quote(store)} --checkpoint {shlex.quote(str(src))}"
 
 
-def _write(dst: Path, drafter: DrafterConfig, tensors: dict, record: TrainingRecord | None, card: str,
-           force: bool) -> None:
+def _write(
+    dst: Path, drafter: DrafterConfig, tensors: dict, record: TrainingRecord | None, card: str, force: bool
+) -> None:
     """OUT_DIR's files into a hidden sibling, then published by a rename (replacing OUT_DIR), OUT_DIR
     checked again first: what another command made there meanwhile is refused, not replaced."""
     where = Path(os.path.abspath(dst))
@@ -204,8 +253,10 @@ def summary(result: dict) -> str:
     files = ", ".join(f"{name} ({human_bytes(size)})" for name, size in result["files"].items())
     step = result["step"] if result["step"] is not None else "not recorded"
     tau = f"{result['tau']:.3f}" if result["tau"] is not None else "not measured (no --report)"
-    lines = [f"exported {result['checkpoint']} -> {result['out']}: {files}",
-             f"target: {result['target'] or 'not checked'}; step: {step}; replay tau: {tau}"]
+    lines = [
+        f"exported {result['checkpoint']} -> {result['out']}: {files}",
+        f"target: {result['target'] or 'not checked'}; step: {step}; replay tau: {tau}",
+    ]
     if result["warnings"]:
         lines.append(f"{len(result['warnings'])} serving caveat(s): see stderr and {result['out']}/{CARD}")
     return "\n".join(lines)

@@ -27,47 +27,81 @@ def default_num_shards(rows: int) -> int:
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     store: str = setting("hs.zarr", "Store path or fsspec URL (created if absent).")
-    shards: str = setting("all", "Shards to write, e.g. 'all', '0-63' or '0-3,8,10-12' (processes under a "
-                                 "launcher share them).")
-    redo: bool = setting(False, "Re-check the committed shards among --shards (every byte, as `pipeline verify` "
-                                "does) and delete and redo those that fail; the sound ones are kept. A damaged "
-                                "store root (attributes, embedding, lm_head) is rebuilt when this run's settings "
-                                "are the ones it was made with (give --num-shards too).")
-    num_shards: int | None = setting(None, "Shards the dataset is split into; fixed when the store is created.",
-                                     default_text=f"the store's, or one per {ROWS_PER_SHARD} rows, at least {MIN_SHARDS}")
+    shards: str = setting(
+        "all", "Shards to write, e.g. 'all', '0-63' or '0-3,8,10-12' (processes under a launcher share them)."
+    )
+    redo: bool = setting(
+        False,
+        "Re-check the committed shards among --shards (every byte, as `pipeline verify` "
+        "does) and delete and redo those that fail; the sound ones are kept. A damaged "
+        "store root (attributes, embedding, lm_head) is rebuilt when this run's settings "
+        "are the ones it was made with (give --num-shards too).",
+    )
+    num_shards: int | None = setting(
+        None,
+        "Shards the dataset is split into; fixed when the store is created.",
+        default_text=f"the store's, or one per {ROWS_PER_SHARD} rows, at least {MIN_SHARDS}",
+    )
     target: str | None = setting(None, "Target model directory or hub id.", default_text="the shipped tiny target")
-    dataset: str | None = setting(None, "Prompts: .jsonl, .json, .parquet, a saved `datasets` directory or a hub "
-                                        "dataset name.", default_text="the shipped prompt set")
+    dataset: str | None = setting(
+        None,
+        "Prompts: .jsonl, .json, .parquet, a saved `datasets` directory or a hub dataset name.",
+        default_text="the shipped prompt set",
+    )
     split: str = setting("train", "Split, for `datasets` sources.")
-    messages_field: str = setting("messages", "Field holding chat turns: {role, content} or ShareGPT {from, value} "
-                                              "(rows without it are read from 'conversations').")
+    messages_field: str = setting(
+        "messages",
+        "Field holding chat turns: {role, content} or ShareGPT {from, value} "
+        "(rows without it are read from 'conversations').",
+    )
     prompt_field: str = setting("prompt", "Field holding a plain prompt (if no messages).")
-    response_field: str = setting("response", "Field holding the response for plain prompts (--responses dataset); "
-                                              "a row may instead carry it as token ids in '<this>_ids' (e.g. "
-                                              "response_ids, an engine's output generated offline), used verbatim.")
-    responses: str = setting("regenerate", "regenerate: the target's greedy completion, generated here; server: the "
-                                           "greedy completion of the engine at --server-url (vLLM, SGLang); dataset: "
-                                           "the dataset's own assistant turn.",
-                             choices=("regenerate", "server", "dataset"))
-    turns: str = setting("last", "With --responses dataset, which assistant turns of a multi-turn row carry the loss: "
-                                 "last (the final answer; earlier turns are context), all (every assistant turn in "
-                                 "one sample, the turns between them as context) or split (one sample per assistant "
-                                 "turn, each rendered as the last turn: for templates that drop reasoning from "
-                                 "history).", choices=("last", "all", "split"))
+    response_field: str = setting(
+        "response",
+        "Field holding the response for plain prompts (--responses dataset); "
+        "a row may instead carry it as token ids in '<this>_ids' (e.g. "
+        "response_ids, an engine's output generated offline), used verbatim.",
+    )
+    responses: str = setting(
+        "regenerate",
+        "regenerate: the target's greedy completion, generated here; server: the "
+        "greedy completion of the engine at --server-url (vLLM, SGLang); dataset: "
+        "the dataset's own assistant turn.",
+        choices=("regenerate", "server", "dataset"),
+    )
+    turns: str = setting(
+        "last",
+        "With --responses dataset, which assistant turns of a multi-turn row carry the loss: "
+        "last (the final answer; earlier turns are context), all (every assistant turn in "
+        "one sample, the turns between them as context) or split (one sample per assistant "
+        "turn, each rendered as the last turn: for templates that drop reasoning from "
+        "history).",
+        choices=("last", "all", "split"),
+    )
     category_field: str | None = setting(
-        None, "Field holding a row's label (its benchmark, source or domain: text or a number), stored per sample; "
-              "evaluate.py then reports tau per label.", default_text="none")
+        None,
+        "Field holding a row's label (its benchmark, source or domain: text or a number), stored per sample; "
+        "evaluate.py then reports tau per label.",
+        default_text="none",
+    )
     chat_template_kwargs: str | None = setting(
-        None, "Arguments for the chat template at every rendering (prompts, --turns, answers), as a JSON object, "
-              "e.g. '{\"enable_thinking\": false}'. Recorded in the store (part of its fingerprint).",
-        default_text="none")
+        None,
+        "Arguments for the chat template at every rendering (prompts, --turns, answers), as a JSON object, "
+        "e.g. '{\"enable_thinking\": false}'. Recorded in the store (part of its fingerprint).",
+        default_text="none",
+    )
     template_kwargs_field: str | None = setting(
-        None, "Field holding a row's own chat-template arguments (an object or its JSON text), applied over "
-              "--chat-template-kwargs, so one store can mix modes (thinking on and off); the summary counts rows per "
-              "mode.", default_text="none")
-    server_url: str | None = setting(None, "OpenAI-compatible server (vLLM, SGLang) serving the target, for "
-                                           "--responses server, e.g. http://127.0.0.1:8000 (or the OpenAI "
-                                           "clients' form, http://127.0.0.1:8000/v1).")
+        None,
+        "Field holding a row's own chat-template arguments (an object or its JSON text), applied over "
+        "--chat-template-kwargs, so one store can mix modes (thinking on and off); the summary counts rows per "
+        "mode.",
+        default_text="none",
+    )
+    server_url: str | None = setting(
+        None,
+        "OpenAI-compatible server (vLLM, SGLang) serving the target, for "
+        "--responses server, e.g. http://127.0.0.1:8000 (or the OpenAI "
+        "clients' form, http://127.0.0.1:8000/v1).",
+    )
     server_model: str | None = setting(None, "The served model to ask.", default_text="the only one served")
     concurrency: int = setting(64, "Requests in flight to the server (it batches them).")
     server_timeout_s: float = setting(600.0, "Seconds one request may take; transient failures are retried.")
@@ -75,76 +109,134 @@ class ExtractConfig:
     max_length: int = setting(1024, "Prompt + completion limit; longer prompts are skipped and counted.")
     batch_size: int = setting(16, "Prompts per generate/capture batch.")
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
-    dtype: str = setting("bf16", "Dtype the target runs in (states are stored as bf16 either way).",
-                         choices=devices.DTYPE_NAMES)
+    dtype: str = setting(
+        "bf16", "Dtype the target runs in (states are stored as bf16 either way).", choices=devices.DTYPE_NAMES
+    )
     linear_attention: str = setting(
-        "auto", "Gated DeltaNet kernels: auto = fla on CUDA when installed, else the PyTorch fallback (always the "
-                "fallback without CUDA); fla = the fla kernels, on CUDA, or on CPU under Triton's interpreter "
-                "(TRITON_INTERPRET=1: their code, slowly, for parity checks; docs/performance.md). What actually ran "
-                "is recorded in the store.", choices=("auto", "fla", "torch"))
-    taps: str | None = setting(None, "Tap layers: '1,16,31' (layer ids, 0-based; tap k = output of layer k) or 'n=5'.",
-                               default_text=f"the DFlash formula with {DEFAULT_NUM_TAPS} taps")
+        "auto",
+        "Gated DeltaNet kernels: auto = fla on CUDA when installed, else the PyTorch fallback (always the "
+        "fallback without CUDA); fla = the fla kernels, on CUDA, or on CPU under Triton's interpreter "
+        "(TRITON_INTERPRET=1: their code, slowly, for parity checks; docs/performance.md). What actually ran "
+        "is recorded in the store.",
+        choices=("auto", "fla", "torch"),
+    )
+    taps: str | None = setting(
+        None,
+        "Tap layers: '1,16,31' (layer ids, 0-based; tap k = output of layer k) or 'n=5'.",
+        default_text=f"the DFlash formula with {DEFAULT_NUM_TAPS} taps",
+    )
     mask_token_id: int | None = setting(None, "Drafter mask token.", default_text="the tokenizer's mask token")
     chunk_tokens: int = setting(256, "Tokens per compressed chunk.")
-    shard_tokens: int = setting(16384, "Tokens per zarr shard file (a multiple of --chunk-tokens; before format "
-                                       "revision 5 the default was 4096).")
-    compression_level: int = setting(layout.DEFAULT_LEVEL, "zstd level of the states' high bytes (bf16; the low bytes "
-                                                           "are LZ4) or of their e4m3 bytes (fp8), %d to %d; every "
-                                                           "chunk ends in a crc32c."
-                                     % layout.LEVELS)
+    shard_tokens: int = setting(
+        16384,
+        "Tokens per zarr shard file (a multiple of --chunk-tokens; before format revision 5 the default was 4096).",
+    )
+    compression_level: int = setting(
+        layout.DEFAULT_LEVEL,
+        "zstd level of the states' high bytes (bf16; the low bytes "
+        "are LZ4) or of their e4m3 bytes (fp8), %d to %d; every "
+        "chunk ends in a crc32c." % layout.LEVELS,
+    )
     hidden_format: str = setting(
-        "bf16", "How the states are stored: bf16, the target's states bit for bit (byte-plane coded, about 0.65x raw "
-                "at 27B width), or fp8: each rounded to e4m3 times a power of two per token and tap (the largest value "
-                "never saturates; relative RMS error 2.7%) and coded losslessly from there, 0.35-0.41x raw at 27B "
-                "width. Read back as bf16 either way; fixed when the store is created and part of its conditioning "
-                "(docs/store.md).",
-        choices=hidden_formats.NAMES)
-    agreement: bool = setting(True, "Run the capture forward on to the target's lm_head along each completion and "
-                                    "record how often the completion token is the target's own argmax (per shard and "
-                                    "in `pipeline info`; ~100% for regenerated references, lower for another engine "
-                                    "on near-ties; low means a wrong server, template or tokenizer).")
-    writer_threads: int = setting(2, "Threads that compress states, each about one core: at 27B width one writes "
-                                     "400-600 MB/s of raw states (bf16 or fp8), and a GPU captures ~500 MB/s.")
-    writer_memory_gb: float = setting(4.0, "Host memory, in GiB, for states captured but not yet written; the "
-                                           "capture waits beyond it, except while the writer waits to fill a shard file.")
-    skip_nonfinite: bool = setting(False, "Leave out rows whose captured states hold NaN or Inf and count them (skipped "
-                                          "rows 'nonfinite', per shard and in the summary). Without it such a row "
-                                          "stops the run, naming the shard and the dataset row, and that shard is not "
-                                          "committed.")
-    lease_s: float = setting(LEASE_S, "Seconds a process's claim on a shard, or on creating the store, outlives its "
-                                      "last renewal (every 30 s, or every quarter of the lease when shorter): a dead "
-                                      "node's shards are taken over by the next process that wants them after this "
-                                      "long. POSIX file systems and S3; on S3 the longer of this and the holder's own "
-                                      "applies (docs/reliability.md).")
-    ignore_free_space: bool = setting(False, "Start even when the store's file system has less free space than the "
-                                             "estimate printed at the start (measured from the store's committed "
-                                             "shards, else from the length limits). Not checked for object stores. "
-                                             "A disk that fills up stops the run with one line either way; committed "
-                                             "shards are kept and a rerun completes the store.")
+        "bf16",
+        "How the states are stored: bf16, the target's states bit for bit (byte-plane coded, about 0.65x raw "
+        "at 27B width), or fp8: each rounded to e4m3 times a power of two per token and tap (the largest value "
+        "never saturates; relative RMS error 2.7%) and coded losslessly from there, 0.35-0.41x raw at 27B "
+        "width. Read back as bf16 either way; fixed when the store is created and part of its conditioning "
+        "(docs/store.md).",
+        choices=hidden_formats.NAMES,
+    )
+    agreement: bool = setting(
+        True,
+        "Run the capture forward on to the target's lm_head along each completion and "
+        "record how often the completion token is the target's own argmax (per shard and "
+        "in `pipeline info`; ~100% for regenerated references, lower for another engine "
+        "on near-ties; low means a wrong server, template or tokenizer).",
+    )
+    writer_threads: int = setting(
+        2,
+        "Threads that compress states, each about one core: at 27B width one writes "
+        "400-600 MB/s of raw states (bf16 or fp8), and a GPU captures ~500 MB/s.",
+    )
+    writer_memory_gb: float = setting(
+        4.0,
+        "Host memory, in GiB, for states captured but not yet written; the "
+        "capture waits beyond it, except while the writer waits to fill a shard file.",
+    )
+    skip_nonfinite: bool = setting(
+        False,
+        "Leave out rows whose captured states hold NaN or Inf and count them (skipped "
+        "rows 'nonfinite', per shard and in the summary). Without it such a row "
+        "stops the run, naming the shard and the dataset row, and that shard is not "
+        "committed.",
+    )
+    lease_s: float = setting(
+        LEASE_S,
+        "Seconds a process's claim on a shard, or on creating the store, outlives its "
+        "last renewal (every 30 s, or every quarter of the lease when shorter): a dead "
+        "node's shards are taken over by the next process that wants them after this "
+        "long. POSIX file systems and S3; on S3 the longer of this and the holder's own "
+        "applies (docs/reliability.md).",
+    )
+    ignore_free_space: bool = setting(
+        False,
+        "Start even when the store's file system has less free space than the "
+        "estimate printed at the start (measured from the store's committed "
+        "shards, else from the length limits). Not checked for object stores. "
+        "A disk that fills up stops the run with one line either way; committed "
+        "shards are kept and a rerun completes the store.",
+    )
 
     def __post_init__(self) -> None:
         fill(self, "target", self.target or str(TINY_TARGET))
         fill(self, "dataset", self.dataset or str(DEFAULT_PROMPTS))
         check_choices(self)
-        require(self, "server_url", bool(self.server_url) == (self.responses == "server"),
-                "goes with --responses server, and it needs one")
-        at_least(self, 1, "max_new_tokens", "max_length", "batch_size", "chunk_tokens", "shard_tokens", "num_shards",
-                 "concurrency", "writer_threads")
-        require(self, "turns", self.turns == "last" or self.responses == "dataset",
-                f"{self.turns} goes with --responses dataset (regenerated answers exist only for the last turn)")
+        require(
+            self,
+            "server_url",
+            bool(self.server_url) == (self.responses == "server"),
+            "goes with --responses server, and it needs one",
+        )
+        at_least(
+            self,
+            1,
+            "max_new_tokens",
+            "max_length",
+            "batch_size",
+            "chunk_tokens",
+            "shard_tokens",
+            "num_shards",
+            "concurrency",
+            "writer_threads",
+        )
+        require(
+            self,
+            "turns",
+            self.turns == "last" or self.responses == "dataset",
+            f"{self.turns} goes with --responses dataset (regenerated answers exist only for the last turn)",
+        )
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         require(self, "lease_s", self.lease_s >= 2, "must be at least 2 seconds (S3 times leases to the second)")
         lo, hi = layout.LEVELS
         require(self, "compression_level", lo <= self.compression_level <= hi, f"levels run {lo} to {hi}")
-        require(self, "shard_tokens", self.shard_tokens % self.chunk_tokens == 0,
-                f"must be a multiple of --chunk-tokens {self.chunk_tokens}")
+        require(
+            self,
+            "shard_tokens",
+            self.shard_tokens % self.chunk_tokens == 0,
+            f"must be a multiple of --chunk-tokens {self.chunk_tokens}",
+        )
         try:
             args = json.loads(self.chat_template_kwargs or "{}")
         except ValueError as e:
-            raise ConfigError(flag_of(self, "chat_template_kwargs"), self.chat_template_kwargs,
-                              f"is not JSON ({e})") from None
-        require(self, "chat_template_kwargs", isinstance(args, dict),
-                "must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+            raise ConfigError(
+                flag_of(self, "chat_template_kwargs"), self.chat_template_kwargs, f"is not JSON ({e})"
+            ) from None
+        require(
+            self,
+            "chat_template_kwargs",
+            isinstance(args, dict),
+            "must be a JSON object, e.g. '{\"enable_thinking\": false}'",
+        )
         fill(self, "device", self.device or devices.default_device())  # last: it imports torch, the checks need none
 
     def template_args(self) -> dict:

@@ -50,8 +50,11 @@ SMALL_BYTES_PER_ROW = 32  # offsets, prompt_lens, row_ids, first_pairs
 HEADROOM = 1.2  # on the bytes per row measured from committed shards
 SAMPLED_ROWS = 64  # rows whose prompts are rendered to estimate a new store's size
 # no space left; disk quota exceeded; a file past the file-size limit (`ulimit -f`, or the file system's) -> the way on
-FULL = {errno.ENOSPC: "free space", errno.EDQUOT: "free space within the quota",
-        errno.EFBIG: "raise the file-size limit (`ulimit -f`)"}
+FULL = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space within the quota",
+    errno.EFBIG: "raise the file-size limit (`ulimit -f`)",
+}
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,15 @@ class Need:
         return sum(n for s, n in self.shards.items() if s not in committed)
 
 
-def needed(config: ExtractConfig, store: HiddenStore, target: Target, attrs: StoreAttrs,
-           prompt_set: prompt_sets.PromptSet, rows: dict[int, range], done: dict[int, ShardCommit]) -> Need:
+def needed(
+    config: ExtractConfig,
+    store: HiddenStore,
+    target: Target,
+    attrs: StoreAttrs,
+    prompt_set: prompt_sets.PromptSet,
+    rows: dict[int, range],
+    done: dict[int, ShardCommit],
+) -> Need:
     """The bytes the shards of `rows` (shard -> its dataset rows) will take: measured from the store's
     committed shards when it has some, else from the settings (the module docstring)."""
     counts = {s: len(r) for s, r in rows.items()}
@@ -91,21 +101,32 @@ def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Nee
     if not seen:
         return None
     per_row = sum(r.bytes["shard"] for r in measured) / seen
-    return Need({s: ceil(per_row * n * HEADROOM) for s, n in rows.items()}, 0,
-                f"{human_bytes(round(per_row))} per row measured over {len(measured)} committed shard(s), "
-                f"+{HEADROOM - 1:.0%}")
+    return Need(
+        {s: ceil(per_row * n * HEADROOM) for s, n in rows.items()},
+        0,
+        f"{human_bytes(round(per_row))} per row measured over {len(measured)} committed shard(s), +{HEADROOM - 1:.0%}",
+    )
 
 
-def from_limits(rows: dict[int, int], tokens_per_row: float, n_taps: int, hidden_size: int, root_raw: int,
-                hidden_format: HiddenFormat = hidden_formats.BF16) -> Need:
+def from_limits(
+    rows: dict[int, int],
+    tokens_per_row: float,
+    n_taps: int,
+    hidden_size: int,
+    root_raw: int,
+    hidden_format: HiddenFormat = hidden_formats.BF16,
+) -> Need:
     """rows: shard to write -> its dataset rows; tokens_per_row: prompt + completion at its limit, a
     mean; root_raw: raw bytes of the embedding and lm_head of a store this run creates (else 0)."""
     frac = hidden_format.stored_fraction
     per_token = n_taps * hidden_size * 2 * frac + SMALL_BYTES_PER_TOKEN
     per_row = tokens_per_row * per_token + SMALL_BYTES_PER_ROW
-    return Need({s: ceil(per_row * n) for s, n in rows.items()}, ceil(root_raw * STORED_FRACTION),
-                f"{tokens_per_row:.0f} tokens per row at the length limits x {n_taps} taps x {hidden_size} x 2 bytes, "
-                f"stored at {frac:.2f} of raw bf16")
+    return Need(
+        {s: ceil(per_row * n) for s, n in rows.items()},
+        ceil(root_raw * STORED_FRACTION),
+        f"{tokens_per_row:.0f} tokens per row at the length limits x {n_taps} taps x {hidden_size} x 2 bytes, "
+        f"stored at {frac:.2f} of raw bf16",
+    )
 
 
 def tokens_per_row(config: ExtractConfig, target: Target, prompt_set: prompt_sets.PromptSet, rows: list[int]) -> float:
@@ -116,8 +137,15 @@ def tokens_per_row(config: ExtractConfig, target: Target, prompt_set: prompt_set
         row = prompt_set.row(i)
         if not prompt_sets.has_prompt(row):
             continue
-        n = len(row.prompt_ids) if row.prompt_ids is not None else len(chat_template.for_row(
-            target.tokenizer, row, config.template_args(), prompt_set.source).ids(row.messages, generation_prompt=True))
+        n = (
+            len(row.prompt_ids)
+            if row.prompt_ids is not None
+            else len(
+                chat_template.for_row(target.tokenizer, row, config.template_args(), prompt_set.source).ids(
+                    row.messages, generation_prompt=True
+                )
+            )
+        )
         if n < config.max_length:
             total += n + completion_limit(config.max_new_tokens, config.max_length, n)
     return total / len(rows) if rows else 0.0
@@ -156,12 +184,16 @@ def check(store: HiddenStore, need: Need, ignore: bool, say) -> None:
         return
     where, free = free_at(store.root)
     short = free < need.total
-    say(f"space: {what}; {human_bytes(free)} free at {where}"
-        + ("; less than the estimate, going on (--ignore-free-space)" if short and ignore else ""))
+    say(
+        f"space: {what}; {human_bytes(free)} free at {where}"
+        + ("; less than the estimate, going on (--ignore-free-space)" if short and ignore else "")
+    )
     if short and not ignore:
-        raise StoreError(f"{store.location}: not enough free space: {len(need.shards)} shard(s) to write need about "
-                         f"{human_bytes(need.total)} and {human_bytes(free)} is free at {where}; free space or choose "
-                         "another --store, or pass --ignore-free-space to start anyway")
+        raise StoreError(
+            f"{store.location}: not enough free space: {len(need.shards)} shard(s) to write need about "
+            f"{human_bytes(need.total)} and {human_bytes(free)} is free at {where}; free space or choose "
+            "another --store, or pass --ignore-free-space to start anyway"
+        )
 
 
 @contextmanager
@@ -176,6 +208,8 @@ def stop_when_full(store: HiddenStore, need: Need) -> Iterator[None]:
         if err is None:
             raise
         left = need.left(store.committed())
-        raise StoreError(f"{store.location}: {os.strerror(err.errno).lower()}; the shards still to write need "
-                         f"about {human_bytes(left)}: committed shards are kept, the shard in progress is left "
-                         f"uncommitted; {FULL[err.errno]} and rerun the same command to complete the store") from e
+        raise StoreError(
+            f"{store.location}: {os.strerror(err.errno).lower()}; the shards still to write need "
+            f"about {human_bytes(left)}: committed shards are kept, the shard in progress is left "
+            f"uncommitted; {FULL[err.errno]} and rerun the same command to complete the store"
+        ) from e

@@ -72,16 +72,32 @@ class Extractor:
     With a server, the completions of the next batches (of this shard or the next) are in flight
     while one is captured."""
 
-    def __init__(self, config: ExtractConfig, store: StoreWriter, target: Target, taps: list[int],
-                 prompt_set: prompt_sets.PromptSet, num_shards: int, engine: ReferenceServer | None = None) -> None:
+    def __init__(
+        self,
+        config: ExtractConfig,
+        store: StoreWriter,
+        target: Target,
+        taps: list[int],
+        prompt_set: prompt_sets.PromptSet,
+        num_shards: int,
+        engine: ReferenceServer | None = None,
+    ) -> None:
         self.config, self.store, self.target, self.taps = config, store, target, taps
         self.format = store.layout.format  # the store's, as created or opened (store/format/hidden_formats.py)
         self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
         self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight
         self.summary = {
-            "store": config.store, "shards_written": [], "shards_skipped": [], "shards_left": {}, "samples": 0,
-            "tokens": 0, "records": [],
-            "batches": 0, "skipped": {r: 0 for r in layout.SKIP_REASONS}, "truncated": 0, "template_modes": Counter(),
+            "store": config.store,
+            "shards_written": [],
+            "shards_skipped": [],
+            "shards_left": {},
+            "samples": 0,
+            "tokens": 0,
+            "records": [],
+            "batches": 0,
+            "skipped": {r: 0 for r in layout.SKIP_REASONS},
+            "truncated": 0,
+            "template_modes": Counter(),
             "timing": {"prepare_s": 0.0, "generate_s": 0.0, "capture_s": 0.0, "stall_s": 0.0, "writer_busy_s": 0.0},
         }
 
@@ -122,7 +138,7 @@ class Extractor:
             if not job.left:
                 self.commit(job, open_shards, say)
             for start in range(0, len(ordered), size):
-                yield job, ordered[start:start + size]
+                yield job, ordered[start : start + size]
 
     def claim(self, shard: int) -> OpenShard | None:
         """The shard under its lock, with its writer; None when another live process holds it or it
@@ -139,9 +155,17 @@ class Extractor:
                 job.release()
                 return None
             c = self.config
-            job.writer = ShardWriter(self.store, shard, len(self.taps), self.target.hidden_size, c.chunk_tokens,
-                                     c.shard_tokens, c.compression_level,
-                                     max_held_bytes=int(c.writer_memory_gb * 2**30), threads=c.writer_threads)
+            job.writer = ShardWriter(
+                self.store,
+                shard,
+                len(self.taps),
+                self.target.hidden_size,
+                c.chunk_tokens,
+                c.shard_tokens,
+                c.compression_level,
+                max_held_bytes=int(c.writer_memory_gb * 2**30),
+                threads=c.writer_threads,
+            )
         except BaseException:
             job.release()
             raise
@@ -156,10 +180,18 @@ class Extractor:
 
     def commit(self, job: OpenShard, open_shards: list, say) -> ShardCommit:
         c, writer = self.config, job.writer
-        record = writer.commit(job.lock, run={
-            "wall_s": time.perf_counter() - job.t0, "host": os.uname().nodename, "pid": os.getpid(),
-            "batch_size": c.batch_size, "device": str(self.target.device),
-            "backends": self.target.check_backends(), "committed_at": time.time()})
+        record = writer.commit(
+            job.lock,
+            run={
+                "wall_s": time.perf_counter() - job.t0,
+                "host": os.uname().nodename,
+                "pid": os.getpid(),
+                "batch_size": c.batch_size,
+                "device": str(self.target.device),
+                "backends": self.target.check_backends(),
+                "committed_at": time.time(),
+            },
+        )
         open_shards.remove(job)
         job.release()
         s, timing = self.summary, self.summary["timing"]
@@ -171,8 +203,10 @@ class Extractor:
         s["truncated"] += record.truncated
         for reason, n in record.skipped.items():
             s["skipped"][reason] += n
-        say(f"shard {job.shard}: {record.samples} samples, {record.tokens} tokens, "
-            f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s")
+        say(
+            f"shard {job.shard}: {record.samples} samples, {record.tokens} tokens, "
+            f"skipped {sum(record.skipped.values())}, {record.run['wall_s']:.1f}s"
+        )
         return record
 
     def start(self, rows: list[prompt_sets.Row], writer: ShardWriter) -> Batch:
@@ -206,8 +240,9 @@ class Extractor:
             seqs = [r.prompt + c for r, c in ready]
             rounding = self.format.rounding
             if self.config.agreement:
-                hidden, agreement = self.target.capture(seqs, self.taps, [len(r.prompt) for r, _ in ready],
-                                                        rounding=rounding)
+                hidden, agreement = self.target.capture(
+                    seqs, self.taps, [len(r.prompt) for r, _ in ready], rounding=rounding
+                )
             else:
                 hidden, agreement = self.target.capture(seqs, self.taps, rounding=rounding), None  # [T, n_taps, H] bf16
             timing["capture_s"] += time.perf_counter() - t
@@ -216,8 +251,9 @@ class Extractor:
                 writer.agree(*agreement)
             for r, completion in kept:
                 ended = bool(completion) and completion[-1] in self.target.eos_ids
-                writer.add(r.row_id, r.prompt, completion, truncated=not ended, answers=r.answers,
-                           category=r.row.category)
+                writer.add(
+                    r.row_id, r.prompt, completion, truncated=not ended, answers=r.answers, category=r.row.category
+                )
             if kept:
                 writer.add_hidden(hidden)
             self.summary["tokens"] += len(hidden)
@@ -239,9 +275,11 @@ class Extractor:
             return ready, hidden
         rows = ", ".join(str(ready[i][0].row_id) for i in bad)
         if not self.config.skip_nonfinite:
-            raise TargetError(f"{self.store.location}: shard {shard}: the target's hidden states hold NaN or Inf for "
-                              f"dataset row(s) {rows}; the shard is not committed (pass --skip-nonfinite to leave such "
-                              "rows out and count them)")
+            raise TargetError(
+                f"{self.store.location}: shard {shard}: the target's hidden states hold NaN or Inf for "
+                f"dataset row(s) {rows}; the shard is not committed (pass --skip-nonfinite to leave such "
+                "rows out and count them)"
+            )
         for _ in bad:
             writer.skip("nonfinite")
         keep = [i for i in range(len(ready)) if i not in bad]
@@ -253,7 +291,9 @@ class Extractor:
         c, ready = self.config, []
         for row in rows:
             chat = chat_template.for_row(self.target.tokenizer, row, c.template_args(), self.prompt_set.source)
-            self.summary["template_modes"][chat_template.mode(chat.kwargs) if row.prompt_ids is None else TOKEN_ROWS] += 1
+            self.summary["template_modes"][
+                chat_template.mode(chat.kwargs) if row.prompt_ids is None else TOKEN_ROWS
+            ] += 1
             for sample in row.per_turn() if c.turns == "split" else [row]:
                 prepared = self.prepared(sample, chat, writer)
                 if prepared is not None:
@@ -273,19 +313,24 @@ class Extractor:
         else:
             chat_template.check(chat, row.conversation())
             prompt = chat.ids(row.messages, generation_prompt=True)
-            answers = tuple(turns.answer_spans(chat, row.messages, prompt, self.target.eos_ids)) if c.turns == "all" else ()
+            answers = (
+                tuple(turns.answer_spans(chat, row.messages, prompt, self.target.eos_ids)) if c.turns == "all" else ()
+            )
         if len(prompt) >= c.max_length:
             writer.skip("prompt_too_long")
             return None
-        return Prepared(row.index, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row, answers,
-                        chat)
+        return Prepared(
+            row.index, prompt, completion_limit(c.max_new_tokens, c.max_length, len(prompt)), row, answers, chat
+        )
 
     def in_vocabulary(self, ids: list[int], row: prompt_sets.Row, what: str) -> list[int]:
         """ids, refused naming the row when one lies outside the target's vocabulary."""
         bad = [t for t in ids if t >= self.target.vocab_size]
         if bad:
-            raise DatasetError(f"dataset {self.prompt_set.source}: row {row.index} {what} ids hold {bad[0]}, "
-                               f"outside the target's vocabulary (0-{self.target.vocab_size - 1})")
+            raise DatasetError(
+                f"dataset {self.prompt_set.source}: row {row.index} {what} ids hold {bad[0]}, "
+                f"outside the target's vocabulary (0-{self.target.vocab_size - 1})"
+            )
         return ids
 
     def complete(self, ready, shard: int) -> list[list[int]]:
@@ -294,8 +339,11 @@ class Extractor:
         tokenized, plus EOS."""
         if self.config.responses == "regenerate":
             limit = max(r.limit for r in ready)
-            return self.target.generate([r.prompt for r in ready], [r.limit for r in ready],
-                                        lambda k: self.progress.generating(shard, k, limit, len(ready)))
+            return self.target.generate(
+                [r.prompt for r in ready],
+                [r.limit for r in ready],
+                lambda k: self.progress.generating(shard, k, limit, len(ready)),
+            )
         return [self.dataset_response(r.row, r.limit, r.chat) for r in ready]
 
     def dataset_response(self, row: prompt_sets.Row, limit: int, chat: Chat) -> list[int]:

@@ -24,8 +24,9 @@ class Progress:
         self.step = ""  # what the batch in progress is at, while the target generates it
         self.t0 = time.perf_counter()
         self.shown = float("-inf")  # when the bar was last redrawn, or the last line said
-        self.bar = tqdm(total=total, unit="row", desc=f"{label}extract", disable=None, dynamic_ncols=True,
-                        file=sys.stderr)
+        self.bar = tqdm(
+            total=total, unit="row", desc=f"{label}extract", disable=None, dynamic_ncols=True, file=sys.stderr
+        )
 
     def __enter__(self) -> Progress:
         return self

@@ -26,34 +26,78 @@ from store.format.schema import (
 PACKAGES = ("torch", "transformers", "flash-linear-attention", "triton", "zarr", "numcodecs", "dflash-pipeline")
 
 
-def store_attrs(config: ExtractConfig, target: Target, taps: list[int], mask_id: int, num_shards: int,
-                prompt_set: PromptSet, backends: Backends, engine: ServerInfo | None) -> StoreAttrs:
+def store_attrs(
+    config: ExtractConfig,
+    target: Target,
+    taps: list[int],
+    mask_id: int,
+    num_shards: int,
+    prompt_set: PromptSet,
+    backends: Backends,
+    engine: ServerInfo | None,
+) -> StoreAttrs:
     described = prompt_set.describe()
     hidden_format = hidden_formats.of(config.hidden_format)
     compat = Compat(
-        schema_version=SCHEMA_VERSION, target_fingerprint=target.record.fingerprint,
-        model_class=target.record.model_class, tokenizer_sha256=target.record.tokenizer_sha256,
-        chat_template_sha256=target.record.chat_template_sha256, taps=tuple(taps), mask_token_id=mask_id,
-        dataset_sha256=prompt_set.sha256, dataset_rows=len(prompt_set), dataset_fields=described["fields"],
-        responses=config.responses, max_new_tokens=config.max_new_tokens, max_length=config.max_length,
-        dtype=config.dtype, device_type=target.device.type, linear_attention=backends.linear_attention,
-        attention=backends.attention, num_shards=num_shards, chunk_tokens=config.chunk_tokens,
-        shard_tokens=config.shard_tokens, compression_level=config.compression_level,
-        codec=hidden_format.codec, hidden_format=hidden_format.recorded, conv1d=backends.conv1d,
-        references=engine.identity if engine else None, turns=None if config.turns == "last" else config.turns,
-        chat_template_kwargs=config.template_args() or None)
+        schema_version=SCHEMA_VERSION,
+        target_fingerprint=target.record.fingerprint,
+        model_class=target.record.model_class,
+        tokenizer_sha256=target.record.tokenizer_sha256,
+        chat_template_sha256=target.record.chat_template_sha256,
+        taps=tuple(taps),
+        mask_token_id=mask_id,
+        dataset_sha256=prompt_set.sha256,
+        dataset_rows=len(prompt_set),
+        dataset_fields=described["fields"],
+        responses=config.responses,
+        max_new_tokens=config.max_new_tokens,
+        max_length=config.max_length,
+        dtype=config.dtype,
+        device_type=target.device.type,
+        linear_attention=backends.linear_attention,
+        attention=backends.attention,
+        num_shards=num_shards,
+        chunk_tokens=config.chunk_tokens,
+        shard_tokens=config.shard_tokens,
+        compression_level=config.compression_level,
+        codec=hidden_format.codec,
+        hidden_format=hidden_format.recorded,
+        conv1d=backends.conv1d,
+        references=engine.identity if engine else None,
+        turns=None if config.turns == "last" else config.turns,
+        chat_template_kwargs=config.template_args() or None,
+    )
     return StoreAttrs(
-        fingerprint=fingerprint.sha256_json(to_json(compat)), compat=compat,
-        extract={**asdict(config), "server_url": redact(config.server_url) if config.server_url else None,
-                 "num_shards": num_shards}, taps=tuple(taps), num_layers=target.num_layers,
-        hidden_size=target.hidden_size, vocab_size=target.vocab_size, mask_token_id=mask_id,
-        eos_token_ids=tuple(target.eos_ids), pad_token_id=target.pad_id, num_shards=num_shards,
-        hidden_dtype=layout.HIDDEN_DTYPE, target=target.record,
-        dataset=DatasetRecord(**described, split=config.split), backends=backends, device=str(target.device),
-        dtype=config.dtype, layout=LayoutRecord(chunk_tokens=config.chunk_tokens, shard_tokens=config.shard_tokens,
-                                                compressor=[c.to_dict() for c in hidden_format.codecs(
-                                                    config.compression_level, target.hidden_size)]),
-        versions=versions(), engine=asdict(engine) if engine else None, format_revision=FORMAT_REVISION)
+        fingerprint=fingerprint.sha256_json(to_json(compat)),
+        compat=compat,
+        extract={
+            **asdict(config),
+            "server_url": redact(config.server_url) if config.server_url else None,
+            "num_shards": num_shards,
+        },
+        taps=tuple(taps),
+        num_layers=target.num_layers,
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
+        mask_token_id=mask_id,
+        eos_token_ids=tuple(target.eos_ids),
+        pad_token_id=target.pad_id,
+        num_shards=num_shards,
+        hidden_dtype=layout.HIDDEN_DTYPE,
+        target=target.record,
+        dataset=DatasetRecord(**described, split=config.split),
+        backends=backends,
+        device=str(target.device),
+        dtype=config.dtype,
+        layout=LayoutRecord(
+            chunk_tokens=config.chunk_tokens,
+            shard_tokens=config.shard_tokens,
+            compressor=[c.to_dict() for c in hidden_format.codecs(config.compression_level, target.hidden_size)],
+        ),
+        versions=versions(),
+        engine=asdict(engine) if engine else None,
+        format_revision=FORMAT_REVISION,
+    )
 
 
 def versions() -> dict:

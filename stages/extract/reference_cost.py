@@ -54,8 +54,10 @@ def notice(config: ExtractConfig) -> str | None:
         return None
     if n <= LARGE:
         return None
-    return (f"--responses regenerate (the default) generates every reference in this process with Hugging Face "
-            f"generate: for this {n / 1e9:.1f}B-parameter target that costs ~10x the GPU time of a serving engine (at "
-            f"27B, ~2.5M prompts: ~2,000-4,000 GPU-h of references against ~210-350). To use one, serve the target "
-            f"(`vllm serve {config.target} --port 8000`, or SGLang) and add `--responses server --server-url "
-            f"http://127.0.0.1:8000` to this command (docs/usage.md, \"Where the greedy references come from\").")
+    return (
+        f"--responses regenerate (the default) generates every reference in this process with Hugging Face "
+        f"generate: for this {n / 1e9:.1f}B-parameter target that costs ~10x the GPU time of a serving engine (at "
+        f"27B, ~2.5M prompts: ~2,000-4,000 GPU-h of references against ~210-350). To use one, serve the target "
+        f"(`vllm serve {config.target} --port 8000`, or SGLang) and add `--responses server --server-url "
+        f'http://127.0.0.1:8000` to this command (docs/usage.md, "Where the greedy references come from").'
+    )

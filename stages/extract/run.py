@@ -35,8 +35,10 @@ from store.format.schema import StoreAttrs
 from store.store_writer import StoreWriter
 from store.verify import verify
 
-INTERRUPTED = ("interrupted: committed shards are kept, the shard in progress is left uncommitted; "
-               "rerun the same command to resume")
+INTERRUPTED = (
+    "interrupted: committed shards are kept, the shard in progress is left uncommitted; "
+    "rerun the same command to resume"
+)
 
 
 def resolve_shards(config: ExtractConfig, store: HiddenStore, rows: int) -> tuple[list[int], int]:
@@ -57,10 +59,17 @@ def run(config: ExtractConfig, log=print) -> dict:
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
     store = StoreWriter(config.store, config.lease_s)
     store.check_reachable()  # an object store: before the dataset and the target load
-    prompt_set = prompt_sets.load(config.dataset, prompt_sets.Fields(config.messages_field, config.prompt_field,
-                                                                     config.response_field, config.template_kwargs_field,
-                                                                     config.category_field),
-                                  config.split)
+    prompt_set = prompt_sets.load(
+        config.dataset,
+        prompt_sets.Fields(
+            config.messages_field,
+            config.prompt_field,
+            config.response_field,
+            config.template_kwargs_field,
+            config.category_field,
+        ),
+        config.split,
+    )
     shard_ids, num_shards = resolve_shards(config, store, len(prompt_set))
     check_rows(prompt_set, shard_ids, num_shards)
     cost = reference_cost.notice(config)
@@ -73,15 +82,28 @@ def run(config: ExtractConfig, log=print) -> dict:
         damaged = {s: e for s, e in damaged.items() if s in shard_ids}
         if damaged and not config.redo:
             raise next(iter(damaged.values()))
-        need = disk_space.needed(config, store, target, attrs, prompt_set,
-                            {s: prompt_set.shard_rows(s, num_shards) for s in shard_ids if s not in done}, done)
+        need = disk_space.needed(
+            config,
+            store,
+            target,
+            attrs,
+            prompt_set,
+            {s: prompt_set.shard_rows(s, num_shards) for s in shard_ids if s not in done},
+            done,
+        )
         disk_space.check(store, need, config.ignore_free_space, say)
         with disk_space.stop_when_full(store, need):
-            state = store.create_or_check(attrs, target.model.get_input_embeddings().weight,
-                                          target.model.get_output_embeddings().weight, repair=config.redo)
-            say(f"store {config.store}: {state}; target {target.record.model_class} on {target.device} "
+            state = store.create_or_check(
+                attrs,
+                target.model.get_input_embeddings().weight,
+                target.model.get_output_embeddings().weight,
+                repair=config.redo,
+            )
+            say(
+                f"store {config.store}: {state}; target {target.record.model_class} on {target.device} "
                 f"({config.dtype}), linear attention: {attrs.backends.linear_attention}, attention: "
-                f"{attrs.backends.attention}, taps {taps}")
+                f"{attrs.backends.attention}, taps {taps}"
+            )
             if config.redo:
                 redone = redo_corrupt(store, [s for s in shard_ids if s in done or s in damaged], say)
                 done = {s: r for s, r in done.items() if s not in redone}
@@ -105,8 +127,14 @@ def run(config: ExtractConfig, log=print) -> dict:
     return summary
 
 
-def check_stored(config: ExtractConfig, store: HiddenStore, summary: dict, shard_ids: list[int],
-                 prompt_set: prompt_sets.PromptSet, num_shards: int) -> None:
+def check_stored(
+    config: ExtractConfig,
+    store: HiddenStore,
+    summary: dict,
+    shard_ids: list[int],
+    prompt_set: prompt_sets.PromptSet,
+    num_shards: int,
+) -> None:
     """A run that wrote shards of --shards, all of them now committed without a sample, fails
     naming why (the skip counts of their commit files): it would otherwise end well and leave
     training to fail on an empty store. Its shards stay committed, as any others. Judged over all
@@ -141,8 +169,14 @@ def server_use(engine: ReferenceServer, timing: dict) -> dict:
     waited, loop = timing["generate_s"], timing["loop_s"]
     mean = engine.request_s / engine.requests if engine.requests else 0.0
     rate = engine.requests / (loop - waited) if loop > waited else 0.0
-    return {"requests": engine.requests, "mean_request_s": round(mean, 3), "concurrency": engine.concurrency,
-            "waited_s": round(waited, 2), "loop_s": round(loop, 2), "needed_in_flight": math.ceil(mean * rate)}
+    return {
+        "requests": engine.requests,
+        "mean_request_s": round(mean, 3),
+        "concurrency": engine.concurrency,
+        "waited_s": round(waited, 2),
+        "loop_s": round(loop, 2),
+        "needed_in_flight": math.ceil(mean * rate),
+    }
 
 
 def redo_corrupt(store: StoreWriter, shards: list[int], say) -> list[int]:
@@ -169,8 +203,10 @@ def check_rows(prompt_set: prompt_sets.PromptSet, shard_ids: list[int], num_shar
     """Every row of this run's shards parsed now: a bad row in the last shard fails in seconds,
     before any model loads; so does a dataset without rows."""
     if not len(prompt_set):
-        raise DatasetError(f"dataset {prompt_set.source}: no rows (an empty file, or a filter or split that left "
-                           "none); nothing to extract")
+        raise DatasetError(
+            f"dataset {prompt_set.source}: no rows (an empty file, or a filter or split that left "
+            "none); nothing to extract"
+        )
     for shard in shard_ids:
         prompt_set.check(prompt_set.shard_rows(shard, num_shards))
 
@@ -185,8 +221,13 @@ def connect(config: ExtractConfig, say) -> ReferenceServer | None:
     return engine
 
 
-def open_target(config: ExtractConfig, process: devices.Process, prompt_set: prompt_sets.PromptSet,
-                num_shards: int, engine: ReferenceServer | None) -> tuple[Target, list[int], StoreAttrs]:
+def open_target(
+    config: ExtractConfig,
+    process: devices.Process,
+    prompt_set: prompt_sets.PromptSet,
+    num_shards: int,
+    engine: ReferenceServer | None,
+) -> tuple[Target, list[int], StoreAttrs]:
     """The target on this process's device, its taps and mask token checked, the kernels probed,
     and the store attributes this run writes or must match."""
     target = loading.load(config.target, process.device(config.device), config.dtype, config.linear_attention)
@@ -210,8 +251,6 @@ def shard_order(store: StoreWriter, shards: list[int], process: devices.Process)
     fast process takes more, and a rerun with any number of processes resumes. Without (other
     object stores) each process takes a fixed, disjoint share."""
     if not store.leased:
-        return shards[process.rank::process.world]
+        return shards[process.rank :: process.world]
     start = process.rank * len(shards) // process.world
     return shards[start:] + shards[:start]
-
-

@@ -46,8 +46,9 @@ class StoreBatches(torch.utils.data.Dataset):
     (indexes, edge chunks) and its connections are made once per run, not once per epoch. Read in
     the process that made it (--workers 0), it reads through the store it was given."""
 
-    def __init__(self, store: HiddenStore | str, batches: Batches | list[list[Row]] = (),
-                 node_cache: NodeCache | None = None) -> None:
+    def __init__(
+        self, store: HiddenStore | str, batches: Batches | list[list[Row]] = (), node_cache: NodeCache | None = None
+    ) -> None:
         """store: the process's open store (the run's one: stages/train/setup.py), or its location,
         opened at the first read. A loader worker opens its own at the same location and node cache:
         a forked copy of the parent's file system (an object store's sessions, bound to the parent's
@@ -77,8 +78,11 @@ class StoreBatches(torch.utils.data.Dataset):
         return self._readers[shard]
 
     def _gone(self, shard: int) -> StoreCorrupt:
-        return StoreCorrupt(f"{self.store.path(layout.commit_key(shard))}: gone since the run started (shard {shard} "
-                            "was deleted or cleared under it)", redo_hint(self.location, shard))
+        return StoreCorrupt(
+            f"{self.store.path(layout.commit_key(shard))}: gone since the run started (shard {shard} "
+            "was deleted or cleared under it)",
+            redo_hint(self.location, shard),
+        )
 
     def _why(self, shard: int, e: StoreError) -> StoreError:
         """A failed read's error; a shard deleted whole under a reader kept from an earlier batch
@@ -106,10 +110,14 @@ class StoreBatches(torch.utils.data.Dataset):
         lengths = [sum(r.length for r in row) for row in rows]
         T, b = max(lengths), len(rows)
         states = (len(self.store.attrs.taps), self.store.attrs.hidden_size)
-        out = Batch(tokens=torch.zeros(b, T, dtype=torch.long), loss_mask=torch.zeros(b, T, dtype=torch.bool),
-                    hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16), lengths=torch.tensor(lengths),
-                    refs=torch.tensor([[r.shard, r.index] for row in rows for r in row]),
-                    starts=torch.zeros(b, T, dtype=torch.long))
+        out = Batch(
+            tokens=torch.zeros(b, T, dtype=torch.long),
+            loss_mask=torch.zeros(b, T, dtype=torch.bool),
+            hidden=torch.zeros(b, T, *states, dtype=torch.bfloat16),
+            lengths=torch.tensor(lengths),
+            refs=torch.tensor([[r.shard, r.index] for row in rows for r in row]),
+            starts=torch.zeros(b, T, dtype=torch.long),
+        )
         corrupt, places, items = [], [], []
         for j, row in enumerate(rows):
             at = 0

@@ -53,9 +53,9 @@ class Batches:
         if not isinstance(i, (int, np.integer)):
             return dataclasses.replace(self, order=self.order[i])
         lo = int(self.order[i]) * self.batch_size
-        bounds = self.row_starts[lo:lo + self.batch_size + 1].tolist()  # the rows' edges in samples
-        refs = list(self.refs[self.samples[bounds[0]:bounds[-1]]])
-        return [tuple(refs[a - bounds[0]:b - bounds[0]]) for a, b in zip(bounds, bounds[1:])]
+        bounds = self.row_starts[lo : lo + self.batch_size + 1].tolist()  # the rows' edges in samples
+        refs = list(self.refs[self.samples[bounds[0] : bounds[-1]]])
+        return [tuple(refs[a - bounds[0] : b - bounds[0]]) for a, b in zip(bounds, bounds[1:])]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -66,9 +66,17 @@ class Batches:
     __hash__ = None
 
 
-def epoch_batches(refs: Refs, batch_size: int, seed: int, epoch: int, rank: int = 0, world: int = 1,
-                  batching: str = "bucketed", row_tokens: int | None = None,
-                  order: NodeOrder | None = None) -> Batches:
+def epoch_batches(
+    refs: Refs,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world: int = 1,
+    batching: str = "bucketed",
+    row_tokens: int | None = None,
+    order: NodeOrder | None = None,
+) -> Batches:
     """This rank's batches of `batch_size` rows for one epoch; every rank gets the same number (the
     tail is dropped). bucketed: one sample a row, rows of similar length batched together (within
     windows of BUCKET batches, a stable sort by length), the batches shuffled; random: one sample a
@@ -82,7 +90,7 @@ def epoch_batches(refs: Refs, batch_size: int, seed: int, epoch: int, rank: int 
         refs._counts[key] = len(every)
     every = refs._last[key]
     per_rank = len(every) // world
-    return every[rank * per_rank:(rank + 1) * per_rank]
+    return every[rank * per_rank : (rank + 1) * per_rank]
 
 
 def _every_batch(refs: Refs, batch_size: int, seed: int, epoch: int, batching: str, row_tokens: int | None) -> Batches:
@@ -94,12 +102,18 @@ def _every_batch(refs: Refs, batch_size: int, seed: int, epoch: int, batching: s
     rows = _rows(refs, order, batching, row_tokens)
     n = -(-(len(rows) - 1) // batch_size)
     batch_order = g.permutation(n) if batching == "bucketed" else np.arange(n, dtype=np.int32)
-    return Batches(refs, order.astype(np.int32), rows.astype(np.int32, copy=False), batch_size,
-                   batch_order.astype(np.int32, copy=False))
+    return Batches(
+        refs,
+        order.astype(np.int32),
+        rows.astype(np.int32, copy=False),
+        batch_size,
+        batch_order.astype(np.int32, copy=False),
+    )
 
 
-def _node_batches(refs: Refs, batch_size: int, seed: int, epoch: int, batching: str, row_tokens: int | None,
-                  order: NodeOrder) -> Batches:
+def _node_batches(
+    refs: Refs, batch_size: int, seed: int, epoch: int, batching: str, row_tokens: int | None, order: NodeOrder
+) -> Batches:
     """The epoch's batches in the node-affine order: each node's samples in its order
     (node_samples), made into rows and full batches as the global order makes them, but bucketed
     batches are shuffled only within their bucket (BUCKET batches), so that a rank's consecutive
@@ -114,16 +128,21 @@ def _node_batches(refs: Refs, batch_size: int, seed: int, epoch: int, batching: 
     per = min((len(rows) - 1) // batch_size for _, rows in sections) // order.local * order.local
     samples, row_starts, batch_order, at = [], [np.zeros(1, np.int64)], [], 0
     for n, (mine, rows) in enumerate(sections):
-        rows = rows[:per * batch_size + 1]  # [per * batch_size + 1]
-        samples.append(mine[:rows[-1]])
+        rows = rows[: per * batch_size + 1]  # [per * batch_size + 1]
+        samples.append(mine[: rows[-1]])
         row_starts.append(rows[1:] + at)
         at += int(rows[-1])
         in_order = np.arange(per, dtype=np.int64)
         if batching == "bucketed":  # batches shuffled within their bucket
             in_order = shuffled_within(in_order // BUCKET, np.random.default_rng([seed, 4, epoch, n]))
         batch_order.append(n * per + in_order)
-    return Batches(refs, np.concatenate(samples).astype(np.int32), np.concatenate(row_starts).astype(np.int32),
-                   batch_size, np.concatenate(batch_order).astype(np.int32))
+    return Batches(
+        refs,
+        np.concatenate(samples).astype(np.int32),
+        np.concatenate(row_starts).astype(np.int32),
+        batch_size,
+        np.concatenate(batch_order).astype(np.int32),
+    )
 
 
 def _bucket_sorted(order: np.ndarray, length: np.ndarray, batch_size: int) -> np.ndarray:
@@ -146,12 +165,22 @@ def node_order(config: DataConfig, layout: tuple[int, int]) -> NodeOrder | None:
     return NodeOrder(nodes=layout[0], local=layout[1], window=config.shuffle_window, redeal_every=config.redeal_every)
 
 
-def train_batches(config: DataConfig, refs: Refs, epoch: int, rank: int = 0, world: int = 1,
-                  layout: tuple[int, int] = (1, 1)) -> Batches:
+def train_batches(
+    config: DataConfig, refs: Refs, epoch: int, rank: int = 0, world: int = 1, layout: tuple[int, int] = (1, 1)
+) -> Batches:
     """This rank's batches of one epoch under the run's --batching (packed rows hold --max-length
     tokens) and --data-order, its nodes and processes a node given by layout (node_order.node_layout)."""
-    return epoch_batches(refs, config.batch_size, config.seed, epoch, rank, world, config.batching, config.max_length,
-                         node_order(config, layout))
+    return epoch_batches(
+        refs,
+        config.batch_size,
+        config.seed,
+        epoch,
+        rank,
+        world,
+        config.batching,
+        config.max_length,
+        node_order(config, layout),
+    )
 
 
 def epoch_length(config: DataConfig, refs: Refs, epoch: int, layout: tuple[int, int] = (1, 1)) -> int:

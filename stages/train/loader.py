@@ -25,8 +25,16 @@ PREFETCH = 4  # batches each loader worker keeps ready (in shared memory until t
 SHM = "/dev/shm"  # where DataLoader workers hand batches over (Linux)
 
 
-def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped: set, warn=None, *,
-           store: HiddenStore, node_cache: NodeCache | None):
+def loader(
+    config: DataConfig,
+    batches: Iterable[list[Row]],
+    pin: bool,
+    skipped: set,
+    warn=None,
+    *,
+    store: HiddenStore,
+    node_cache: NodeCache | None,
+):
     """Batches read and padded by --workers worker processes, in order. `batches` may be endless
     (every epoch's, formed as they are reached): its batches go to the workers as they are taken,
     and the workers live as long as this loader. A sample whose read failed (damaged or missing)
@@ -35,9 +43,15 @@ def loader(config: DataConfig, batches: Iterable[list[Row]], pin: bool, skipped:
     store: the process's open store, opened with node_cache (the run's: stages/train/setup.py),
     read through with --workers 0; each worker opens its own (dataset.py)."""
     dataset = StoreBatches(store, node_cache=node_cache)
-    workers = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None, num_workers=config.workers,
-                                          pin_memory=pin, prefetch_factor=PREFETCH if config.workers else None,
-                                          worker_init_fn=quiet_inherited_sessions)
+    workers = torch.utils.data.DataLoader(
+        dataset,
+        sampler=batches,
+        batch_size=None,
+        num_workers=config.workers,
+        pin_memory=pin,
+        prefetch_factor=PREFETCH if config.workers else None,
+        worker_init_fn=quiet_inherited_sessions,
+    )
     said = False
     for batch in workers:
         if batch.cache_trouble and warn is not None and not said:
@@ -57,7 +71,8 @@ def quiet_inherited_sessions(_worker: int) -> None:
     garbage collector frees the copy aiohttp printed "Unclosed client session" at every loader
     start. The worker's own sessions end with the process."""
     logging.getLogger("asyncio").addFilter(
-        lambda r: not str(r.msg).startswith(("Unclosed client session", "Unclosed connector")))
+        lambda r: not str(r.msg).startswith(("Unclosed client session", "Unclosed connector"))
+    )
 
 
 def shared_memory_need(config: DataConfig, refs: Refs, n_taps: int, hidden_size: int, local_processes: int) -> int:
@@ -79,7 +94,10 @@ def check_shared_memory(config: DataConfig, need: int, path: str = SHM) -> None:
     free = shutil.disk_usage(path).free
     if need > free:
         gib = math.ceil(need / 2**30)
-        raise ConfigError("--workers", config.workers,
-                          f"the loader workers on this node may hold {need / 2**30:.1f} GiB of batches in {path}, "
-                          f"which has {free / 2**30:.1f} GiB free; give it more (docker run --shm-size={gib + 1}g, "
-                          "or a larger tmpfs) or use --workers 0 (read in the training process)")
+        raise ConfigError(
+            "--workers",
+            config.workers,
+            f"the loader workers on this node may hold {need / 2**30:.1f} GiB of batches in {path}, "
+            f"which has {free / 2**30:.1f} GiB free; give it more (docker run --shm-size={gib + 1}g, "
+            "or a larger tmpfs) or use --workers 0 (read in the training process)",
+        )

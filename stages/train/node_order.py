@@ -36,8 +36,9 @@ class NodeOrder:
     redeal_every: int  # epochs a deal of shards to nodes lasts; 0: the whole run
 
     def __post_init__(self) -> None:
-        assert self.nodes >= 1 and self.local >= 1 and (self.window is None or self.window >= 1) \
-            and self.redeal_every >= 0, self
+        assert (
+            self.nodes >= 1 and self.local >= 1 and (self.window is None or self.window >= 1) and self.redeal_every >= 0
+        ), self
 
     def deal_round(self, epoch: int) -> int:
         return epoch // self.redeal_every if self.redeal_every else 0
@@ -48,8 +49,11 @@ def check_shards(config: DataConfig, shard: np.ndarray, layout: tuple[int, int])
     a shard would leave every node's section empty)."""
     shards = len(shard_counts(shard))
     if config.data_order == "node" and layout[0] > shards:
-        raise ConfigError("--data-order", config.data_order, f"{layout[0]} nodes need at least as many training shards; "
-                          f"the run has {shards} (use --data-order global)")
+        raise ConfigError(
+            "--data-order",
+            config.data_order,
+            f"{layout[0]} nodes need at least as many training shards; the run has {shards} (use --data-order global)",
+        )
 
 
 def node_layout(world: int, local: int) -> tuple[int, int]:
@@ -106,8 +110,9 @@ def shard_counts(shard: np.ndarray) -> np.ndarray:
 def node_counts(shard: np.ndarray, seed: int, epoch: int, order: NodeOrder) -> np.ndarray:
     """[nodes] samples dealt to each node in `epoch` (what node_samples gives each, without forming the order)."""
     counts = shard_counts(shard)
-    return np.bincount(deal_shards(counts, order.nodes, seed, order.deal_round(epoch)), weights=counts,
-                       minlength=order.nodes).astype(np.int64)
+    return np.bincount(
+        deal_shards(counts, order.nodes, seed, order.deal_round(epoch)), weights=counts, minlength=order.nodes
+    ).astype(np.int64)
 
 
 def shuffled_within(group: np.ndarray, g: np.random.Generator) -> np.ndarray:

@@ -123,8 +123,13 @@ def build_optimizers(config: OptimConfig, model: torch.nn.Module) -> list[torch.
         return [torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)]
     matrices, rest = muon_split(model)
     ns_dtype = torch.bfloat16 if matrices and matrices[0].device.type == "cuda" else torch.float32
-    muon = Muon(matrices, lr=muon_lr(config), weight_decay=config.muon_weight_decay, adjust_lr_fn="match_rms_adamw",
-                ns_dtype=ns_dtype)
+    muon = Muon(
+        matrices,
+        lr=muon_lr(config),
+        weight_decay=config.muon_weight_decay,
+        adjust_lr_fn="match_rms_adamw",
+        ns_dtype=ns_dtype,
+    )
     return [muon] + ([torch.optim.AdamW(rest, lr=config.lr, weight_decay=config.weight_decay)] if rest else [])
 
 

@@ -40,14 +40,21 @@ class Position:
 
     def to_json(self) -> dict:
         out = {"epoch": self.epoch, "remaining": None if self.remaining is None else [list(r) for r in self.remaining]}
-        return (out | ({} if self.layout is None else {"layout": list(self.layout)})
-                | ({} if self.schedule is None else {"schedule": list(self.schedule)}))
+        return (
+            out
+            | ({} if self.layout is None else {"layout": list(self.layout)})
+            | ({} if self.schedule is None else {"schedule": list(self.schedule)})
+        )
 
     @classmethod
     def from_json(cls, d: dict) -> Position:
         layout = tuple(int(n) for n in d["layout"]) if d.get("layout") else None
-        return cls(d["epoch"], None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]),
-                   layout, None if d.get("schedule") is None else tuple(d["schedule"]))
+        return cls(
+            d["epoch"],
+            None if d["remaining"] is None else tuple((int(a), int(b)) for a, b in d["remaining"]),
+            layout,
+            None if d.get("schedule") is None else tuple(d["schedule"]),
+        )
 
     def layout_of(self, config: DataConfig, epoch: int, world: int, local: int) -> tuple[int, int]:
         """The (nodes, processes a node) epoch `epoch` is formed with under a launch of `world`
@@ -74,19 +81,21 @@ def epoch_indices(position: Position, epoch: int, n_batches: int) -> np.ndarray:
 def deal(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
     """Rank's contiguous block of indices; every rank gets the same number (the tail is dropped)."""
     per = len(indices) // world
-    return indices[rank * per:(rank + 1) * per]
+    return indices[rank * per : (rank + 1) * per]
 
 
-def rank_batches(config: DataConfig, refs: Refs, position: Position, epoch: int, rank: int, world: int,
-                 local: int = 1) -> Batches:
+def rank_batches(
+    config: DataConfig, refs: Refs, position: Position, epoch: int, rank: int, world: int, local: int = 1
+) -> Batches:
     """This rank's batches of `epoch` (at or after the position's), in order; refs: that epoch's
     samples; local: the launch's processes a node (LOCAL_WORLD_SIZE)."""
     every = train_batches(config, refs, epoch, layout=position.layout_of(config, epoch, world, local))
     return every[deal(epoch_indices(position, epoch, len(every)), rank, world)]
 
 
-def advance(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
-            local: int = 1) -> Position:
+def advance(
+    config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int, local: int = 1
+) -> Position:
     """The position after each of `world` ranks (`local` a node) read `micro` more micro-batches
     from `position`. refs: the samples of every epoch, or epoch -> that epoch's (a run whose shards
     change between epochs: stages/train/shard_schedule.py)."""
@@ -97,7 +106,7 @@ def advance(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Po
         indices = epoch_indices(position, epoch, epoch_length(config, refs_at(epoch), epoch, layout))
         per = len(indices) // world
         if micro < per:
-            left = indices[:per * world].reshape(world, per)[:, micro:]  # what each rank has still to read
+            left = indices[: per * world].reshape(world, per)[:, micro:]  # what each rank has still to read
             return Position(epoch, to_ranges(left.reshape(-1)), layout if config.data_order == "node" else None)
         micro -= per
         epoch += 1
@@ -105,8 +114,9 @@ def advance(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Po
             return Position(epoch, None)
 
 
-def last_epoch_read(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int,
-                    world: int, local: int = 1) -> int:
+def last_epoch_read(
+    config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int, local: int = 1
+) -> int:
     """The epoch the last of `micro` more micro-batches a rank read from `position` came from: the
     last epoch a run read from (an epoch its loader formed ahead and never handed out is not one);
     -1 when it read nothing."""
@@ -115,8 +125,9 @@ def last_epoch_read(config: DataConfig, refs: Refs | Callable[[int], Refs], posi
     return advance(config, refs, position, micro - 1, world, local).epoch
 
 
-def epochs_walked(config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int,
-                  local: int = 1) -> float:
+def epochs_walked(
+    config: DataConfig, refs: Refs | Callable[[int], Refs], position: Position, micro: int, world: int, local: int = 1
+) -> float:
     """Epochs a run has made once each rank read `micro` more micro-batches from `position`, to 3
     decimals, the epoch under way counted by the share of its batches read: for runs whose epochs
     differ in size (--follow, --shard-schedule), where epochs_done's count of epoch 0's batches

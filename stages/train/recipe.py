@@ -18,8 +18,10 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear")
 NOISES = ("gaussian", "uniform")
 INTERRUPTED = "interrupted; rerun with --resume to continue from the last step-N"
-NOTHING_SAVED = ("interrupted before the first checkpoint (step-N) was saved: nothing to resume; rerun the same "
-                 "command to start again")
+NOTHING_SAVED = (
+    "interrupted before the first checkpoint (step-N) was saved: nothing to resume; rerun the same "
+    "command to start again"
+)
 
 
 def slot_gamma(config: LossConfig, block_size: int) -> float | None:

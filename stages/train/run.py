@@ -55,8 +55,14 @@ def _run(setup: Setup, config: TrainConfig, log) -> dict:
     if setup.eval_refs and setup.start_step == 0:
         # a fresh drafter drafts nothing yet: replaying it would cost the most rounds (one a token) to show tau ~1
         metrics.write({"split": "eval", "step": 0, **validate(setup, config, replay=bool(config.drafter.init_from))})
-    bar = tqdm(total=setup.total_steps, initial=setup.start_step, unit="step", desc="train", dynamic_ncols=True,
-               disable=not acc.is_main_process)
+    bar = tqdm(
+        total=setup.total_steps,
+        initial=setup.start_step,
+        unit="step",
+        desc="train",
+        dynamic_ncols=True,
+        disable=not acc.is_main_process,
+    )
     window, seen = Window(setup, config), []
     batches = micro_batches(setup, config.data, lambda line: under_bar(bar, log, line))
     try:
@@ -118,9 +124,11 @@ def check_finite(loss: torch.Tensor, step: int, micro: int, batch) -> None:
     its token count is read back), naming the step and the samples."""
     if not bool(torch.isfinite(loss.detach())):
         refs = ", ".join(f"shard {a} sample {b}" for a, b in batch.refs.tolist())
-        raise TrainingError(f"step {step + 1}, micro-batch {micro}: the loss is {float(loss):.4g}, not finite; the "
-                            f"batch held {refs} (check them with `pipeline verify`; lower --lr, or --resume from "
-                            "the last step-N)")
+        raise TrainingError(
+            f"step {step + 1}, micro-batch {micro}: the loss is {float(loss):.4g}, not finite; the "
+            f"batch held {refs} (check them with `pipeline verify`; lower --lr, or --resume from "
+            "the last step-N)"
+        )
 
 
 class Window:
@@ -135,8 +143,14 @@ class Window:
     def sent(self) -> dict[str, int]:
         """This process's bytes between processes so far: the gradients' all-reduce, Muon's broadcast."""
         muon = [o for o in (getattr(o, "optimizer", o) for o in self.setup.optimizers) if isinstance(o, Muon)]
-        return {"grad_comm_bytes_per_step": self.setup.grad_comm.bytes,
-                "muon_broadcast_bytes_per_step": sum(o.broadcast_bytes for o in muon)} if self.setup.grad_comm else {}
+        return (
+            {
+                "grad_comm_bytes_per_step": self.setup.grad_comm.bytes,
+                "muon_broadcast_bytes_per_step": sum(o.broadcast_bytes for o in muon),
+            }
+            if self.setup.grad_comm
+            else {}
+        )
 
     def add(self, sums: torch.Tensor, tokens: int) -> None:
         self.sums += sums
@@ -148,10 +162,17 @@ class Window:
         m = summarize(acc.reduce(self.sums, reduction="sum"))
         tokens = int(acc.reduce(torch.tensor(self.tokens, device=acc.device), reduction="sum"))
         epoch = epochs_at(setup, self.config, step)
-        record = {"split": "train", "step": step, "epoch": epoch, "lr": setup.schedulers[-1].get_last_lr()[0],
-                  **({"muon_lr": setup.schedulers[0].get_last_lr()[0]} if len(setup.schedulers) > 1 else {}), **m,
-                  "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1), "time": time.time(),
-                  "corrupt_skipped": corrupt_skipped(setup)}
+        record = {
+            "split": "train",
+            "step": step,
+            "epoch": epoch,
+            "lr": setup.schedulers[-1].get_last_lr()[0],
+            **({"muon_lr": setup.schedulers[0].get_last_lr()[0]} if len(setup.schedulers) > 1 else {}),
+            **m,
+            "tokens_per_s": round(tokens / (time.perf_counter() - self.t0), 1),
+            "time": time.time(),
+            "corrupt_skipped": corrupt_skipped(setup),
+        }
         now = self.sent()
         record.update({k: (v - self.sent0[k]) // max(1, self.steps) for k, v in now.items()})
         self.sums.zero_()
@@ -162,7 +183,9 @@ class Window:
 
 def corrupt_skipped(setup: Setup) -> int:
     """Samples left out by --on-corrupt skip so far, summed over processes (a collective: every rank calls it)."""
-    return int(setup.accelerator.reduce(torch.tensor(len(setup.skipped), device=setup.accelerator.device), reduction="sum"))
+    return int(
+        setup.accelerator.reduce(torch.tensor(len(setup.skipped), device=setup.accelerator.device), reduction="sum")
+    )
 
 
 def finish(setup: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -> dict:
@@ -180,37 +203,49 @@ def finish(setup: Setup, config: TrainConfig, metrics: MetricsLog, seen: list) -
         except ImportError:  # matplotlib is a dependency, but a bare GPU image may lack it
             learning_curve = None
         if learning_curve is not None:
-            learning_curve(metrics.path, out / "curve.png",
-                           title=f"{config.data.store} shards {setup.train_shards_text}")
+            learning_curve(
+                metrics.path, out / "curve.png", title=f"{config.data.store} shards {setup.train_shards_text}"
+            )
     if config.run.audit:
         write_audit(setup, out, seen)
     skipped = corrupt_skipped(setup)
     acc.wait_for_everyone()
     acc.end_training()
-    return {"out": str(out), "steps": setup.total_steps, "final_eval": final, "world_size": acc.num_processes,
-            "main_process": acc.is_main_process, "corrupt_skipped": skipped,
-            "never_read": never_read(setup, config) if acc.is_main_process else ""}
+    return {
+        "out": str(out),
+        "steps": setup.total_steps,
+        "final_eval": final,
+        "world_size": acc.num_processes,
+        "main_process": acc.is_main_process,
+        "corrupt_skipped": skipped,
+        "never_read": never_read(setup, config) if acc.is_main_process else "",
+    }
 
 
 def never_read(setup: Setup, config: TrainConfig) -> str:
     """The shards of --shards no epoch the run read from trains on, and why (--follow, --shard-schedule)."""
     acc = setup.accelerator
     micro = (setup.total_steps - setup.start_step) * config.optim.grad_accum
-    last = last_epoch_read(config.data, setup.schedule.refs, setup.position, micro, acc.num_processes,
-                           setup.local_processes)
+    last = last_epoch_read(
+        config.data, setup.schedule.refs, setup.position, micro, acc.num_processes, setup.local_processes
+    )
     return setup.schedule.unread(last)
 
 
 def done_line(summary: dict) -> str:
     """The last line a run prints: steps, where the drafter is, the held-out figures."""
     ev = summary["final_eval"]
-    return (f"done: {summary['steps']} steps, checkpoint {summary['out']}/final"
-            + (f"; held-out loss {ev['loss']:.4f}, streak tau {ev['tau_streak']:.3f}" if ev else "")
-            + (f", replay tau {ev['tau_replay']:.3f} ({ev['replay_prompts']} prompts)" if ev and "tau_replay" in ev
-               else "")
-            + (f"; {summary['corrupt_skipped']} corrupt sample(s) left out (--on-corrupt skip; run `pipeline verify`)"
-               if summary.get("corrupt_skipped") else "")
-            + (f"; {summary['never_read']}" if summary.get("never_read") else ""))
+    return (
+        f"done: {summary['steps']} steps, checkpoint {summary['out']}/final"
+        + (f"; held-out loss {ev['loss']:.4f}, streak tau {ev['tau_streak']:.3f}" if ev else "")
+        + (f", replay tau {ev['tau_replay']:.3f} ({ev['replay_prompts']} prompts)" if ev and "tau_replay" in ev else "")
+        + (
+            f"; {summary['corrupt_skipped']} corrupt sample(s) left out (--on-corrupt skip; run `pipeline verify`)"
+            if summary.get("corrupt_skipped")
+            else ""
+        )
+        + (f"; {summary['never_read']}" if summary.get("never_read") else "")
+    )
 
 
 def micro_batches(setup: Setup, config: DataConfig, log=None):
@@ -222,9 +257,23 @@ def micro_batches(setup: Setup, config: DataConfig, log=None):
         epoch = setup.position.epoch
         while True:
             setup.schedule.decide(epoch, acc)
-            yield from rank_batches(config, setup.schedule.refs(epoch), setup.position, epoch, acc.process_index,
-                                    acc.num_processes, setup.local_processes)
+            yield from rank_batches(
+                config,
+                setup.schedule.refs(epoch),
+                setup.position,
+                epoch,
+                acc.process_index,
+                acc.num_processes,
+                setup.local_processes,
+            )
             epoch += 1
 
-    yield from loader(config, every_epoch(), acc.device.type == "cuda", setup.skipped, log, store=setup.store,
-                      node_cache=setup.node_cache)
+    yield from loader(
+        config,
+        every_epoch(),
+        acc.device.type == "cuda",
+        setup.skipped,
+        log,
+        store=setup.store,
+        node_cache=setup.node_cache,
+    )

@@ -35,8 +35,15 @@ from store.io.locks import LockFile
 # Fields that fix the data order and the model: a resumed run must keep them.
 RESUME_FIXED = tuple(with_role(TrainConfig, "resume"))  # what a resumed run must keep: setting(..., resume="fixed")
 # What a run saved before a field existed did, where that is not the field's default today.
-BEFORE_THE_FIELD = {"slot_weights": "exp", "batching": "bucketed", "anchor_rule": "pair", "loss_norm": "weights",
-                    "noise": "gaussian", "optimizer": "adamw", "schedule": "cosine"}
+BEFORE_THE_FIELD = {
+    "slot_weights": "exp",
+    "batching": "bucketed",
+    "anchor_rule": "pair",
+    "loss_norm": "weights",
+    "noise": "gaussian",
+    "optimizer": "adamw",
+    "schedule": "cosine",
+}
 
 
 class MetricsLog:
@@ -55,8 +62,10 @@ class MetricsLog:
         if self.acc.is_main_process:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
-            self.acc.log({f"{record['split']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))},
-                         step=record["step"])
+            self.acc.log(
+                {f"{record['split']}/{k}": v for k, v in record.items() if isinstance(v, (int, float))},
+                step=record["step"],
+            )
 
 
 def claim(out: Path) -> LockFile | None:
@@ -67,8 +76,9 @@ def claim(out: Path) -> LockFile | None:
         return None
     lock = out_dir.claim(out / RUN_LOCK, "--out", out, "training run")
     try:
-        refuse_other_kinds(out, RUN, "--out", "train.py writes a run into an empty directory or its own run",
-                           mine=(RUN_LOCK,))
+        refuse_other_kinds(
+            out, RUN, "--out", "train.py writes a run into an empty directory or its own run", mine=(RUN_LOCK,)
+        )
     except BaseException:
         lock.release()
         raise
@@ -85,12 +95,18 @@ def kept(record: dict, start: int, total: int) -> bool:
 
 
 def training_record(setup, config: TrainConfig, step: int) -> TrainingRecord:
-    return TrainingRecord(store_fingerprint=setup.store_fingerprint, store_conditioning=setup.store_conditioning,
-                          store_placement=setup.store_placement,
-                          store=config.data.store, store_taps=setup.store_taps,
-                          train_shards=setup.train_shards_text, eval_shards=setup.eval_shards_text, step=step,
-                          epochs=epochs_at(setup, config, step),
-                          train_config=config.record())
+    return TrainingRecord(
+        store_fingerprint=setup.store_fingerprint,
+        store_conditioning=setup.store_conditioning,
+        store_placement=setup.store_placement,
+        store=config.data.store,
+        store_taps=setup.store_taps,
+        train_shards=setup.train_shards_text,
+        eval_shards=setup.eval_shards_text,
+        step=step,
+        epochs=epochs_at(setup, config, step),
+        train_config=config.record(),
+    )
 
 
 def epochs_at(setup, config: TrainConfig, step: int) -> float:
@@ -98,9 +114,14 @@ def epochs_at(setup, config: TrainConfig, step: int) -> float:
     epochs differ in size (--follow, --shard-schedule), walked epoch by epoch (epochs_walked)."""
     if setup.schedule.mode == "fixed":
         return epochs_done(step, config.optim.grad_accum, setup.micro_per_epoch)
-    return epochs_walked(config.data, setup.schedule.refs, setup.position,
-                         (step - setup.start_step) * config.optim.grad_accum,
-                         setup.accelerator.num_processes, setup.local_processes)
+    return epochs_walked(
+        config.data,
+        setup.schedule.refs,
+        setup.position,
+        (step - setup.start_step) * config.optim.grad_accum,
+        setup.accelerator.num_processes,
+        setup.local_processes,
+    )
 
 
 def write_drafter(setup, config: TrainConfig, directory: Path, step: int, atomic: bool = True) -> None:
@@ -109,8 +130,10 @@ def write_drafter(setup, config: TrainConfig, directory: Path, step: int, atomic
     state = setup.accelerator.get_state_dict(setup.model)
     if setup.accelerator.is_main_process:
         if atomic:  # what a killed run left of an earlier write of DIRECTORY (this run holds OUT's lock)
-            for stale in [*directory.parent.glob(f".{directory.name}.tmp*"),
-                          *directory.parent.glob(f".{directory.name}.old*")]:
+            for stale in [
+                *directory.parent.glob(f".{directory.name}.tmp*"),
+                *directory.parent.glob(f".{directory.name}.old*"),
+            ]:
                 shutil.rmtree(stale, ignore_errors=True)
         record = training_record(setup, config, step)
         if atomic:  # checkpoint.save leaves no temporary directory when it fails
@@ -153,13 +176,18 @@ def not_saved_when_full(where: Path, remove: Path | None, step: int):
             shutil.rmtree(remove, ignore_errors=True)
         if full is None:
             raise
-        raise TrainingError(f"{where}: {os.strerror(full.errno).lower()} while saving the checkpoint of step {step}; "
-                            f"nothing of it is kept; {FULL_FIX[full.errno].format(where.parent)}, then rerun the "
-                            "same command with --resume (it continues from the newest step-N there)") from e
+        raise TrainingError(
+            f"{where}: {os.strerror(full.errno).lower()} while saving the checkpoint of step {step}; "
+            f"nothing of it is kept; {FULL_FIX[full.errno].format(where.parent)}, then rerun the "
+            "same command with --resume (it continues from the newest step-N there)"
+        ) from e
 
 
-FULL_FIX = {errno.ENOSPC: "free space on {}'s file system", errno.EDQUOT: "free space within your quota on {}'s file "
-            "system", errno.EFBIG: "raise the file-size limit (`ulimit -f`)"}
+FULL_FIX = {
+    errno.ENOSPC: "free space on {}'s file system",
+    errno.EDQUOT: "free space within your quota on {}'s file system",
+    errno.EFBIG: "raise the file-size limit (`ulimit -f`)",
+}
 
 
 def _finish_step(setup, config: TrainConfig, step: int, tmp: Path, final: Path) -> None:
@@ -167,13 +195,25 @@ def _finish_step(setup, config: TrainConfig, step: int, tmp: Path, final: Path) 
     acc = setup.accelerator
     if acc.is_main_process:
         file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
-        at = advance(config.data, setup.schedule.refs, setup.position, (step - setup.start_step) * config.optim.grad_accum,
-                     acc.num_processes, setup.local_processes)
+        at = advance(
+            config.data,
+            setup.schedule.refs,
+            setup.position,
+            (step - setup.start_step) * config.optim.grad_accum,
+            acc.num_processes,
+            setup.local_processes,
+        )
         epochs = setup.schedule.to_json()  # --follow, --shard-schedule: each epoch's shards so far
         at = dataclasses.replace(at, schedule=None if epochs is None else tuple(epochs))
-        state = {"step": step, "total_steps": setup.total_steps, "world_size": acc.num_processes,
-                 "micro_per_epoch": setup.micro_per_epoch, "position": at.to_json(), "train_config": config.record(),
-                 "store_fingerprint": setup.store_fingerprint}
+        state = {
+            "step": step,
+            "total_steps": setup.total_steps,
+            "world_size": acc.num_processes,
+            "micro_per_epoch": setup.micro_per_epoch,
+            "position": at.to_json(),
+            "train_config": config.record(),
+            "store_fingerprint": setup.store_fingerprint,
+        }
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
         checkpoint.publish(tmp, final)
         prune_steps(Path(config.run.out), step, config.run.keep_last)
@@ -201,7 +241,7 @@ def prune_steps(out: Path, newest: int, keep: int) -> list[Path]:
     if keep == 0:
         return []
     older = [p for n, p in complete_steps(out) if n < newest]
-    doomed = older[:max(0, len(older) - (keep - 1))]
+    doomed = older[: max(0, len(older) - (keep - 1))]
     for p in doomed:  # hidden first, so a crash mid-delete leaves no step-M that looks complete
         hidden = p.with_name(f".{p.name}.tmp")
         shutil.rmtree(hidden, ignore_errors=True)
@@ -221,8 +261,12 @@ def write_audit(setup, out: Path, seen: list[list[int]]) -> None:
         digest.update(p.detach().float().cpu().numpy().tobytes())
     d = out / "audit"
     d.mkdir(parents=True, exist_ok=True)
-    rec = {"rank": setup.accelerator.process_index, "world_size": setup.accelerator.num_processes,
-           "samples": seen, "param_sha256": digest.hexdigest()}
+    rec = {
+        "rank": setup.accelerator.process_index,
+        "world_size": setup.accelerator.num_processes,
+        "samples": seen,
+        "param_sha256": digest.hexdigest(),
+    }
     (d / f"rank-{setup.accelerator.process_index}.json").write_text(json.dumps(rec) + "\n")
 
 
@@ -251,17 +295,26 @@ def resume_point(config: TrainConfig, fingerprint: str) -> tuple[Path | None, di
     if rdir is None and config.run.resume:
         return None, None  # nothing complete to continue: from step 0 (metrics.jsonl is started over)
     if rdir is None:
-        used = sorted(p.name for p in Path(config.run.out).glob("*")
-                      if p.name in ("metrics.jsonl", "final") or p.name.startswith("step-"))
+        used = sorted(
+            p.name
+            for p in Path(config.run.out).glob("*")
+            if p.name in ("metrics.jsonl", "final") or p.name.startswith("step-")
+        )
         if used:
-            raise ConfigError("--out", config.run.out, f"already holds a run ({', '.join(used[:3])}); "
-                                                   "pass --resume to continue it, or choose another --out")
+            raise ConfigError(
+                "--out",
+                config.run.out,
+                f"already holds a run ({', '.join(used[:3])}); pass --resume to continue it, or choose another --out",
+            )
         return None, None
     previous = json.loads((rdir / "trainer_state.json").read_text())
     resumable(config, previous["train_config"])
     if previous["store_fingerprint"] != fingerprint:
-        raise ConfigError("--resume", rdir, f"trained on store {previous['store_fingerprint'][:12]}, "
-                                            f"{config.data.store} is {fingerprint[:12]}")
+        raise ConfigError(
+            "--resume",
+            rdir,
+            f"trained on store {previous['store_fingerprint'][:12]}, {config.data.store} is {fingerprint[:12]}",
+        )
     return rdir, previous
 
 
@@ -270,7 +323,10 @@ def resumable(config: TrainConfig, previous: dict) -> None:
     behaviour then: BEFORE_THE_FIELD, else its default."""
     defaults = {name: f.default for name, f in leaves(TrainConfig).items()} | BEFORE_THE_FIELD
     now = config.record()
-    diff = [f"{flag_of(config, k)} was {previous.get(k, defaults[k])!r}, now {now[k]!r}"
-            for k in RESUME_FIXED if previous.get(k, defaults[k]) != now[k]]
+    diff = [
+        f"{flag_of(config, k)} was {previous.get(k, defaults[k])!r}, now {now[k]!r}"
+        for k in RESUME_FIXED
+        if previous.get(k, defaults[k]) != now[k]
+    ]
     if diff:
         raise ConfigError("--resume", None, "the run's settings changed (" + "; ".join(diff) + ")")

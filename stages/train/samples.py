@@ -42,8 +42,9 @@ class Refs:
     _counts: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        assert all(a.dtype == np.int32 and a.shape == self.length.shape for a in self._arrays()), \
+        assert all(a.dtype == np.int32 and a.shape == self.length.shape for a in self._arrays()), (
             "Refs: three int32 arrays of one length"
+        )
 
     @classmethod
     def of(cls, shard, index, length) -> Refs:
@@ -72,8 +73,9 @@ class Refs:
         return self.shard, self.index, self.length
 
 
-def index_samples(store: HiddenStore, shards: list[int], max_length: int,
-                  records: dict[int, ShardCommit] | None = None) -> Refs:
+def index_samples(
+    store: HiddenStore, shards: list[int], max_length: int, records: dict[int, ShardCommit] | None = None
+) -> Refs:
     """Samples with at least one anchor (pipeline/drafter/blocks.py) within max_length, from the
     per-sample index: O(samples) bytes read, not the per-token mask. The first anchor of a sample
     is its first pair of loss tokens (the anchor rule, checked against `anchor_mask` in the tests),
@@ -102,8 +104,11 @@ def refs_of(arrays: dict[int, dict[str, np.ndarray]], shards: list[int], max_len
         index.append(keep)
         length.append(n[keep])
     counts = [len(k) for k in index]
-    return Refs.of(np.repeat(np.asarray(shards, dtype=np.int64), counts), np.concatenate(index or [[]]),
-                   np.concatenate(length or [[]]))
+    return Refs.of(
+        np.repeat(np.asarray(shards, dtype=np.int64), counts),
+        np.concatenate(index or [[]]),
+        np.concatenate(length or [[]]),
+    )
 
 
 def sample_refs(refs: Refs, n: int | None, seed: int) -> Refs:

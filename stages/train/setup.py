@@ -87,10 +87,14 @@ def make_accelerator(config: RunConfig, grad_accum: int):
     # Frozen embedding/lm_head buffers are identical on every rank: never re-broadcast them per step.
     # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets (one copy, not two).
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
-    acc = Accelerator(cpu=not cuda, mixed_precision=precision, gradient_accumulation_steps=grad_accum,
-                      log_with=trackers or None, project_dir=config.out,
-                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False,
-                                                                     gradient_as_bucket_view=True)])
+    acc = Accelerator(
+        cpu=not cuda,
+        mixed_precision=precision,
+        gradient_accumulation_steps=grad_accum,
+        log_with=trackers or None,
+        project_dir=config.out,
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)],
+    )
     if not cuda:
         devices.prepare_cpu(config.threads or devices.default_threads(acc.num_processes))
     if trackers:
@@ -111,16 +115,23 @@ def select_shards(store: HiddenStore, config: DataConfig, records: dict) -> tupl
     overlap = sorted(set(train_ids) & set(eval_ids))
     if overlap:  # held-out figures of prompts the drafter trains on would not be held out
         what = f"shard {format_ranges(overlap)} is" if len(overlap) == 1 else f"shards {format_ranges(overlap)} are"
-        raise ConfigError(flag_of(config, "shards"), config.shards,
-                          f"{what} also in {flag_of(config, 'eval_shards')} {config.eval_shards}: a held-out shard "
-                          "cannot be trained on (leave --shards out to train on every committed shard not held out)")
+        raise ConfigError(
+            flag_of(config, "shards"),
+            config.shards,
+            f"{what} also in {flag_of(config, 'eval_shards')} {config.eval_shards}: a held-out shard "
+            "cannot be trained on (leave --shards out to train on every committed shard not held out)",
+        )
     if not train_ids:
-        raise StoreError(f"{store.location}: no training shards (committed: {format_ranges(committed) or 'none'}, "
-                         f"--eval-shards {config.eval_shards or 'none'})")
+        raise StoreError(
+            f"{store.location}: no training shards (committed: {format_ranges(committed) or 'none'}, "
+            f"--eval-shards {config.eval_shards or 'none'})"
+        )
     return train_ids, eval_ids
 
 
-def drafter_config(config: TrainConfig, attrs: StoreAttrs, resume_dir: Path | None) -> tuple[DrafterConfig, dict | None]:
+def drafter_config(
+    config: TrainConfig, attrs: StoreAttrs, resume_dir: Path | None
+) -> tuple[DrafterConfig, dict | None]:
     """The drafter config and, for --init-from, its tensors; checked against the store."""
     tensors, arch = None, config.drafter
     if resume_dir is not None:
@@ -162,12 +173,19 @@ def fresh_config(config: DrafterArchConfig, block_size: int, attrs: StoreAttrs) 
     if config.layer_types is not None or len(arch["layer_types"]) != arch["num_hidden_layers"]:
         arch["layer_types"] = layer_types(config.layer_types or "full", arch["num_hidden_layers"])
     if config.rope_theta is not None:
-        arch["rope_parameters"] = {**arch.get("rope_parameters", DrafterConfig.default_rope()),
-                                   "rope_theta": config.rope_theta}
+        arch["rope_parameters"] = {
+            **arch.get("rope_parameters", DrafterConfig.default_rope()),
+            "rope_theta": config.rope_theta,
+        }
     dc = DrafterConfig(
-        hidden_size=attrs.hidden_size, vocab_size=attrs.vocab_size, block_size=block_size,
+        hidden_size=attrs.hidden_size,
+        vocab_size=attrs.vocab_size,
+        block_size=block_size,
         mask_token_id=config.mask_token_id if config.mask_token_id is not None else attrs.mask_token_id,
-        target_layer_ids=attrs.taps, num_target_layers=attrs.num_layers, **arch)
+        target_layer_ids=attrs.taps,
+        num_target_layers=attrs.num_layers,
+        **arch,
+    )
     sized = (config.num_heads, config.num_kv_heads, config.head_dim)
     chosen = config.drafter_config or any(v is not None for v in sized)
     return dc if chosen else servable_in_vllm(dc, attrs.target)
@@ -229,33 +247,48 @@ def _prepare(config: TrainConfig, log) -> Setup:
     records = index.records
     if acc.is_main_process:
         log(where)
-    for line in [*serving_warnings(dc, attrs.target), *filter(None, [store.read_checks(records).warning(),
-                                                                     cache_flags.warning(data, store)])]:
+    for line in [
+        *serving_warnings(dc, attrs.target),
+        *filter(None, [store.read_checks(records).warning(), cache_flags.warning(data, store)]),
+    ]:
         log(f"warning: {line}")
     train_ids, eval_ids = select_shards(store, data, records)
-    store.require_committed([s for s in eval_ids + ([] if config.shard_schedule.follow else train_ids) if s not in records])
+    store.require_committed(
+        [s for s in eval_ids + ([] if config.shard_schedule.follow else train_ids) if s not in records]
+    )
     position = resume_position(config, lambda e: refs_of(index.arrays, train_ids, data.max_length), previous)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this node's training processes (torchrun, accelerate)
     layout = node_layout(acc.num_processes, local)
     schedule = schedule_of(config, store, train_ids, index, position.schedule)
-    schedule.wait_for_start(acc, lambda refs: (epoch_length(data, refs, 0, layout) // acc.num_processes
-                                               >= optim.grad_accum and len(shard_counts(refs.shard)) >= layout[0]),
-                            log)
+    schedule.wait_for_start(
+        acc,
+        lambda refs: (
+            epoch_length(data, refs, 0, layout) // acc.num_processes >= optim.grad_accum
+            and len(shard_counts(refs.shard)) >= layout[0]
+        ),
+        log,
+    )
     if schedule.mode == "replay" and acc.is_main_process:
         schedule.write(out / FILE)
     train_refs, eval_refs = schedule.refs(position.epoch), refs_of(index.arrays, eval_ids, data.max_length)
     if not train_refs:
         raise StoreError(f"{data.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
-    check_shared_memory(data, shared_memory_need(data, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size,
-                                                   local))
+    check_shared_memory(
+        data, shared_memory_need(data, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size, local)
+    )
     check_shards(data, train_refs.shard, layout)
     micro = epoch_length(data, train_refs, 0, layout) // acc.num_processes  # each rank's batches of epoch 0
     if micro < optim.grad_accum:
-        raise ConfigError(flag_of(optim, "grad_accum"), optim.grad_accum,
-                          f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
-                          f"{data.batch_size}, {acc.num_processes} ranks)")
+        raise ConfigError(
+            flag_of(optim, "grad_accum"),
+            optim.grad_accum,
+            f"{len(train_refs)} training samples make only {micro} batch(es) per rank (batch size "
+            f"{data.batch_size}, {acc.num_processes} ranks)",
+        )
     # a resumed run keeps its step count (its schedule was built for it), on any number of processes
-    total = previous["total_steps"] if previous else config.run.max_steps or config.run.epochs * (micro // optim.grad_accum)
+    total = (
+        previous["total_steps"] if previous else config.run.max_steps or config.run.epochs * (micro // optim.grad_accum)
+    )
     embed, lm_head = frozen_tensors(store, acc.device)  # [V, H] each, on the device
     raw, model, opts, scheds = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
@@ -267,29 +300,67 @@ def _prepare(config: TrainConfig, log) -> Setup:
             raise ConfigError("--resume", rdir, f"already at step {start} of {total}")
     if acc.is_main_process:
         n_params = sum(p.numel() for p in raw.parameters())
-        log((f"resumed from {rdir} at step {start}" + (f" (saved on {previous['world_size']} processes)" if
-                                                       previous["world_size"] != acc.num_processes else "") + "\n"
-             if rdir else "")
-            + (f"--resume: no complete step-N in {config.run.out} yet, starting from step 0\n"
-               if config.run.resume and not rdir else "")
+        log(
+            (
+                f"resumed from {rdir} at step {start}"
+                + (
+                    f" (saved on {previous['world_size']} processes)"
+                    if previous["world_size"] != acc.num_processes
+                    else ""
+                )
+                + "\n"
+                if rdir
+                else ""
+            )
+            + (
+                f"--resume: no complete step-N in {config.run.out} yet, starting from step 0\n"
+                if config.run.resume and not rdir
+                else ""
+            )
             + f"drafter: {dc.num_hidden_layers} layers, hidden {dc.hidden_size}, {n_params / 1e6:.2f}M trainable "
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(list(schedule.shards(position.epoch)))}"
-            + (f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_schedule.follow else 'scheduled'} "
-               f"epoch by epoch, recorded in {out / FILE})" if schedule.mode != "fixed" else "")
+            + (
+                f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_schedule.follow else 'scheduled'} "
+                f"epoch by epoch, recorded in {out / FILE})"
+                if schedule.mode != "fixed"
+                else ""
+            )
             + (f", {len(eval_refs)} held out in {format_ranges(eval_ids)}" if eval_ids else "")
             + f"; {total} steps on {acc.num_processes} process(es), {acc.device}"
-            + (f"; gradients all-reduced in {optim.grad_comm}, {step_bytes(raw, optim.grad_comm) / 1e9:.3g} GB a "
-               "step per process" if acc.num_processes > 1 else ""))
-    return Setup(accelerator=acc, model=model, raw=raw, optimizers=opts, schedulers=scheds, drafter_config=dc,
-                 store=store, node_cache=cache,
-                 train_refs=train_refs, schedule=schedule, eval_refs=eval_refs, train_shards_text=format_ranges(train_ids),
-                 eval_shards_text=format_ranges(eval_ids), store_fingerprint=attrs.fingerprint,
-                 store_conditioning=attrs.compat.conditioning(), store_placement=attrs.compat.placement(),
-                 store_taps=attrs.taps,
-                 micro_per_epoch=micro, total_steps=total, start_step=start, position=position, local_processes=local,
-                 plan=LossPlan.of(config.loss, dc, acc.device.type == "cuda", data.batching == "packed"),
-                 grad_comm=install(model, optim.grad_comm))
+            + (
+                f"; gradients all-reduced in {optim.grad_comm}, {step_bytes(raw, optim.grad_comm) / 1e9:.3g} GB a "
+                "step per process"
+                if acc.num_processes > 1
+                else ""
+            )
+        )
+    return Setup(
+        accelerator=acc,
+        model=model,
+        raw=raw,
+        optimizers=opts,
+        schedulers=scheds,
+        drafter_config=dc,
+        store=store,
+        node_cache=cache,
+        train_refs=train_refs,
+        schedule=schedule,
+        eval_refs=eval_refs,
+        train_shards_text=format_ranges(train_ids),
+        eval_shards_text=format_ranges(eval_ids),
+        store_fingerprint=attrs.fingerprint,
+        store_conditioning=attrs.compat.conditioning(),
+        store_placement=attrs.compat.placement(),
+        store_taps=attrs.taps,
+        micro_per_epoch=micro,
+        total_steps=total,
+        start_step=start,
+        position=position,
+        local_processes=local,
+        plan=LossPlan.of(config.loss, dc, acc.device.type == "cuda", data.batching == "packed"),
+        grad_comm=install(model, optim.grad_comm),
+    )
 
 
 def resume_position(config: TrainConfig, refs, previous: dict | None) -> Position:
@@ -320,8 +391,12 @@ def shared_out(acc, out: Path) -> None:
     seen = mark.read_text() if mark.exists() else None
     blind = [r for r, ok in enumerate(gather(acc, seen == token)) if not ok]
     if blind:
-        raise ConfigError("--out", out, f"is not shared by every process: rank(s) {blind} do not see {mark} that the "
-                                        "main process wrote; put --out on a file system every node mounts")
+        raise ConfigError(
+            "--out",
+            out,
+            f"is not shared by every process: rank(s) {blind} do not see {mark} that the "
+            "main process wrote; put --out on a file system every node mounts",
+        )
 
 
 def frozen_tensors(store: HiddenStore, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

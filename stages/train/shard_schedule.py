@@ -40,8 +40,15 @@ class ShardSchedule:
     shard known so far (shard -> {offsets, first_pairs}); `epochs`: the shard lists decided so far,
     epoch after epoch (empty for a run fixed at launch, whose every epoch is `shards`)."""
 
-    def __init__(self, config: TrainConfig, store: HiddenStore, shards: list[int], arrays: dict, epochs: list[tuple[int, ...]],
-                 mode: str) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        store: HiddenStore,
+        shards: list[int],
+        arrays: dict,
+        epochs: list[tuple[int, ...]],
+        mode: str,
+    ) -> None:
         assert mode in ("fixed", "follow", "replay"), mode
         self.config, self.store, self.range, self.arrays = config, store, shards, arrays
         self.epochs, self.mode = list(epochs), mode
@@ -75,7 +82,9 @@ class ShardSchedule:
     def _append(self, acc) -> None:
         """The next epoch's shards: those of the last epoch and every shard of the range committed since."""
         known = set(self.epochs[-1]) if self.epochs else set()
-        fresh = time.monotonic() - self._looked >= self.config.shard_schedule.follow_poll  # the main process's clock decides
+        fresh = (
+            time.monotonic() - self._looked >= self.config.shard_schedule.follow_poll
+        )  # the main process's clock decides
         new, arrays = on_main(acc, lambda: self._look(known) if fresh else ([], {}))
         self._looked = time.monotonic() if fresh else self._looked
         self.arrays.update(arrays)
@@ -104,9 +113,11 @@ class ShardSchedule:
                     self.write(Path(self.config.run.out) / FILE)
                 return
             if acc.is_main_process:
-                log(f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "
+                log(
+                    f"--follow: {len(self.epochs[0])} of the {len(self.range)} shards of --shards "
                     f"{format_ranges(self.range)} committed ({format_ranges(list(self.epochs[0])) or 'none'}), too few "
-                    f"to begin; looking again in {self.config.shard_schedule.follow_poll:g} s")
+                    f"to begin; looking again in {self.config.shard_schedule.follow_poll:g} s"
+                )
             self.epochs.clear()
             time.sleep(self.config.shard_schedule.follow_poll)
 
@@ -115,20 +126,23 @@ class ShardSchedule:
         and why, as the run's last line says it; '' when there are none. Following: committed after
         that epoch began (its shards decided), or not committed when the run ended; replaying: listed
         only in epochs of the schedule the run did not reach, or in none."""
-        read = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs[:last + 1]))
+        read = set(self.range) if self.mode == "fixed" else set().union(*map(set, self.epochs[: last + 1]))
         unread = [s for s in self.range if s not in read or last < 0]
         if not unread:
             return ""
-        later = set().union(*map(set, self.epochs[last + 1:]))
+        later = set().union(*map(set, self.epochs[last + 1 :]))
         if self.mode == "follow":
             later |= set(self.store.commit_ids(fresh=True))
             why = (f"committed after the last epoch run (epoch {last}) began", "not committed when the run ended")
         else:
             why = ("listed by --shard-schedule only in epochs this run did not reach", "in none of its epochs")
-        parts = [(format_ranges([s for s in unread if (s in later) == first]), text)
-                 for first, text in zip((True, False), why)]
-        return (f"shards {format_ranges(unread)} of --shards never trained on: "
-                + ", ".join(f"{shards} {text}" for shards, text in parts if shards))
+        parts = [
+            (format_ranges([s for s in unread if (s in later) == first]), text)
+            for first, text in zip((True, False), why)
+        ]
+        return f"shards {format_ranges(unread)} of --shards never trained on: " + ", ".join(
+            f"{shards} {text}" for shards, text in parts if shards
+        )
 
     def to_json(self) -> list[str] | None:
         return None if self.mode == "fixed" else [format_ranges(list(e)) for e in self.epochs]
@@ -140,7 +154,9 @@ class ShardSchedule:
         os.replace(tmp, path)
 
 
-def schedule_of(config: TrainConfig, store: HiddenStore, shards: list[int], index, saved: list[str] | None) -> ShardSchedule:
+def schedule_of(
+    config: TrainConfig, store: HiddenStore, shards: list[int], index, saved: list[str] | None
+) -> ShardSchedule:
     """The run's schedule: fixed at launch, following the store (--follow), or replayed
     (--shard-schedule); a resumed run continues from its saved epochs. index: the store's sample
     index at launch (records, arrays)."""
@@ -150,8 +166,11 @@ def schedule_of(config: TrainConfig, store: HiddenStore, shards: list[int], inde
     listed = sorted(set(shards).union(*map(set, epochs)))
     outside = [s for s in listed if s not in set(shards)]
     if outside:
-        raise ConfigError(flag_of_schedule(config.shard_schedule), config.shard_schedule.shard_schedule or config.run.resume,
-                          f"lists shards {format_ranges(outside)}, outside --shards {config.data.shards}")
+        raise ConfigError(
+            flag_of_schedule(config.shard_schedule),
+            config.shard_schedule.shard_schedule or config.run.resume,
+            f"lists shards {format_ranges(outside)}, outside --shards {config.data.shards}",
+        )
     needed = shards if mode == "fixed" else sorted(set().union(*map(set, epochs)))
     missing = [s for s in needed if s not in index.records]
     if missing:
@@ -176,4 +195,3 @@ def read_schedule(config: ShardScheduleConfig) -> list[str]:
 
 def flag_of_schedule(config: ShardScheduleConfig) -> str:
     return "--shard-schedule" if config.shard_schedule else "--resume"
-

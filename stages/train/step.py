@@ -42,8 +42,21 @@ class LossPlan:
         packed: --batching packed."""
         gamma = slot_gamma(config, drafter.block_size)
         alpha = None if config.slot_weights == "exp" else config.dpace_alpha
-        return cls(config.anchors, drafter.block_size, drafter.mask_token_id, gamma, config.noise_std, flex, alpha,
-                   config.anchor_budget, config.anchor_rule, config.loss_norm, config.noise, packed, config.acceptance_weight)
+        return cls(
+            config.anchors,
+            drafter.block_size,
+            drafter.mask_token_id,
+            gamma,
+            config.noise_std,
+            flex,
+            alpha,
+            config.anchor_budget,
+            config.anchor_rule,
+            config.loss_norm,
+            config.noise,
+            packed,
+            config.acceptance_weight,
+        )
 
     @property
     def width(self) -> int:
@@ -62,8 +75,14 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
     """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
     batch tensors are on the model's device."""
     starts = batch.starts if plan.packed else None  # [b, T] packed rows; None: one document per row
-    anchors, valid = sample_anchors(batch.loss_mask.cpu(), plan.anchors, generator=_cpu(gen), budget=plan.anchor_budget,
-                                    starts=None if starts is None else starts.cpu(), rule=plan.anchor_rule)
+    anchors, valid = sample_anchors(
+        batch.loss_mask.cpu(),
+        plan.anchors,
+        generator=_cpu(gen),
+        budget=plan.anchor_budget,
+        starts=None if starts is None else starts.cpu(),
+        rule=plan.anchor_rule,
+    )
     ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
     if plan.flex:  # few distinct shapes, so the compiled kernel is not rebuilt for every batch
         anchors, valid, ctx_len = pad_for_compile(anchors, valid, ctx_len, plan.width)
@@ -74,11 +93,25 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, 0, 0, ctx_len - hidden.shape[1]))
     ctx_pos = context_positions(batch.starts, ctx_len)  # [b, S]: restarting at each document
     noise = make_noise(plan, hidden.shape, gen, hidden.device) if plan.noise_std > 0 and model.training else None
-    mask = masks.build(raw.rules, anchors, valid, ctx_len, plan.block_size, "flex" if plan.flex else "local",
-                       None if starts is None else blocks.starts)
+    mask = masks.build(
+        raw.rules,
+        anchors,
+        valid,
+        ctx_len,
+        plan.block_size,
+        "flex" if plan.flex else "local",
+        None if starts is None else blocks.starts,
+    )
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
-    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, dpace=plan.dpace_alpha, norm=plan.loss_norm,
-                       acceptance=plan.acceptance)
+    return dflash_loss(
+        h,
+        blocks.labels,
+        raw.lm_head,
+        plan.gamma,
+        dpace=plan.dpace_alpha,
+        norm=plan.loss_norm,
+        acceptance=plan.acceptance,
+    )
 
 
 def make_noise(plan: LossPlan, shape, gen: torch.Generator, device) -> torch.Tensor:

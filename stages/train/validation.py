@@ -35,10 +35,18 @@ def validate(setup, config: TrainConfig, replay: bool = True) -> dict:
     acc = setup.accelerator
     setup.model.eval()
     refs = sample_refs(setup.eval_refs, config.run.eval_samples, config.data.seed)
-    batches = epoch_batches(refs, config.data.batch_size, config.data.seed, 0)[acc.process_index::acc.num_processes]
+    batches = epoch_batches(refs, config.data.batch_size, config.data.seed, 0)[acc.process_index :: acc.num_processes]
     total = zero_sums(setup.drafter_config.block_size, acc.device)
-    for i, batch in enumerate(loader(config.data, batches, acc.device.type == "cuda", setup.skipped,
-                                      store=setup.store, node_cache=setup.node_cache)):
+    for i, batch in enumerate(
+        loader(
+            config.data,
+            batches,
+            acc.device.type == "cuda",
+            setup.skipped,
+            store=setup.store,
+            node_cache=setup.node_cache,
+        )
+    ):
         batch = batch.to(acc.device)
         gen = step_generator(config.data.seed, -1, i, acc.process_index, acc.device)
         with acc.autocast():
@@ -53,10 +61,13 @@ def replayed(setup, config: TrainConfig) -> dict:
     replaying every world-th of them."""
     acc = setup.accelerator
     refs = sample_refs(setup.eval_refs, config.run.eval_replay_prompts, config.data.seed)
-    sums = replay_sums(setup.raw, setup.store, refs[acc.process_index::acc.num_processes])
+    sums = replay_sums(setup.raw, setup.store, refs[acc.process_index :: acc.num_processes])
     tau_sum, prompts, tokens, rounds = acc.reduce(sums.to(acc.device), reduction="sum").tolist()
-    return {"tau_replay": tau_sum / prompts if prompts else float("nan"),
-            "tau_replay_pooled": tokens / rounds if rounds else float("nan"), "replay_prompts": int(prompts)}
+    return {
+        "tau_replay": tau_sum / prompts if prompts else float("nan"),
+        "tau_replay_pooled": tokens / rounds if rounds else float("nan"),
+        "replay_prompts": int(prompts),
+    }
 
 
 def replay_sums(m, store: HiddenStore, refs: list) -> torch.Tensor:

@@ -80,7 +80,7 @@ class Bf16Planes(PackedCodec):
         [2, values] uint8 array to decode them into, which a reader reuses from chunk to chunk:
         fresh buffers of a 13 MB chunk cost more in page faults than the decoding."""
         n_high = int(data[:4].view(HEADER)[0])
-        frame, low = data[4:4 + n_high], data[4 + n_high:]
+        frame, low = data[4 : 4 + n_high], data[4 + n_high :]
         if into is None:
             high = np.frombuffer(self._high.decode(frame), np.uint8)
             low = np.frombuffer(self._low.decode(low), np.uint8) if self._low is not None else low
@@ -96,7 +96,7 @@ class Bf16Planes(PackedCodec):
         first..first + out.size into out (uint16, C-contiguous). buffer(slot, nbytes): a reusable
         uint8 buffer (store/span_reader.py); the planes are decoded into it, then interleaved."""
         high, low = self.planes(body, into=buffer("planes", 2 * values).reshape(2, -1))
-        interleave(high[first:first + out.size], low[first:first + out.size], out)
+        interleave(high[first : first + out.size], low[first : first + out.size], out)
 
 
 def interleave(high: np.ndarray, low: np.ndarray, out: np.ndarray) -> None:

@@ -124,8 +124,10 @@ class Fp8E4m3(PackedCodec):
         codes = e4m3.view(torch.uint8).numpy()
         ks = k.to(torch.int8).numpy().reshape(-1)
         if not np.array_equal(self.decode_codes(codes, ks), bits.numpy().view(np.uint16)):
-            raise ValueError(f"{NAME}: values that are not e4m3 x 2^k per group of {self.group} (store.format.fp8_codec."
-                             "quantize them first)")
+            raise ValueError(
+                f"{NAME}: values that are not e4m3 x 2^k per group of {self.group} (store.format.fp8_codec."
+                "quantize them first)"
+            )
         return [np.array([len(ks)], HEADER).tobytes(), ks.tobytes(), self._zstd.encode(codes)]
 
     def decode_codes(self, codes: np.ndarray, ks: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -146,10 +148,11 @@ class Fp8E4m3(PackedCodec):
         """An encoded chunk (uint8) -> its e4m3 bytes [G, group] and exponents [G]. into: a uint8
         array of the chunk's values to decode the bytes into (a reader reuses it from chunk to chunk)."""
         groups = int(data[:4].view(HEADER)[0])
-        ks = data[4:4 + groups].view(np.int8)
-        frame = data[4 + groups:]
-        codes = (np.frombuffer(self._zstd.decode(frame), np.uint8) if into is None
-                 else self._zstd.decode(frame, out=into))
+        ks = data[4 : 4 + groups].view(np.int8)
+        frame = data[4 + groups :]
+        codes = (
+            np.frombuffer(self._zstd.decode(frame), np.uint8) if into is None else self._zstd.decode(frame, out=into)
+        )
         if len(codes) != groups * self.group:
             raise ValueError(f"{NAME}: {len(codes)} bytes for {groups} groups of {self.group}")
         return codes.reshape(groups, self.group), ks
@@ -164,7 +167,7 @@ class Fp8E4m3(PackedCodec):
         buffer(slot, nbytes): a reusable uint8 buffer (store/span_reader.py) the e4m3 bytes go to."""
         codes, ks = self.codes(body, into=buffer("codes", values))
         g, n = first // self.group, out.size // self.group
-        self.decode_codes(codes[g:g + n], ks[g:g + n], out=out.reshape(n, -1))
+        self.decode_codes(codes[g : g + n], ks[g : g + n], out=out.reshape(n, -1))
 
 
 register(Fp8E4m3)

@@ -52,10 +52,12 @@ class HiddenFormat:
         return states if self.rounding is None else self.rounding(states)
 
 
-BF16 = HiddenFormat(name="bf16", recorded=None, codec="planes", codec_class=Bf16Planes, rounding=None,
-                    stored_fraction=0.70)
-FP8 = HiddenFormat(name="fp8", recorded="fp8", codec="fp8", codec_class=Fp8E4m3, rounding=fp8_codec.quantize,
-                   stored_fraction=0.45)
+BF16 = HiddenFormat(
+    name="bf16", recorded=None, codec="planes", codec_class=Bf16Planes, rounding=None, stored_fraction=0.70
+)
+FP8 = HiddenFormat(
+    name="fp8", recorded="fp8", codec="fp8", codec_class=Fp8E4m3, rounding=fp8_codec.quantize, stored_fraction=0.45
+)
 FORMATS = {f.name: f for f in (BF16, FP8)}
 NAMES = tuple(FORMATS)  # --hidden-format's choices
 CODECS = tuple(f.codec for f in FORMATS.values())  # the compat.codec values this version writes
@@ -74,5 +76,7 @@ def of_recorded(recorded: str | None, where: str) -> HiddenFormat:
     for f in FORMATS.values():
         if f.recorded == recorded:
             return f
-    raise NotAStore(f"{where}: compat.hidden_format {recorded!r} is not a hidden format this version knows "
-                    f"({', '.join(NAMES)}); upgrade dflash-pipeline")
+    raise NotAStore(
+        f"{where}: compat.hidden_format {recorded!r} is not a hidden format this version knows "
+        f"({', '.join(NAMES)}); upgrade dflash-pipeline"
+    )

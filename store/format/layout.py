@@ -44,8 +44,15 @@ SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_
 # position of sample i whose token and the next both carry the loss (-1: none), so an index of
 # samples is built from O(samples) bytes, never the per-token mask.
 INDEX_ARRAYS = ("first_pairs",)
-ARRAY_DTYPES = {"hidden": np.uint16, "tokens": np.int32, "loss_mask": np.uint8, "offsets": np.int64,
-                "prompt_lens": np.int32, "row_ids": np.int64, "first_pairs": np.int32}
+ARRAY_DTYPES = {
+    "hidden": np.uint16,
+    "tokens": np.int32,
+    "loss_mask": np.uint8,
+    "offsets": np.int64,
+    "prompt_lens": np.int32,
+    "row_ids": np.int64,
+    "first_pairs": np.int32,
+}
 TOKEN_CHUNK = 1 << 16  # elements per chunk of the per-token arrays: a sample's span decodes little
 SKIP_REASONS = ("empty_prompt", "prompt_too_long", "missing_response", "server_rejected", "nonfinite")
 # A store's states come in one hidden format, fixed when it is created, each with its codec, each chunk

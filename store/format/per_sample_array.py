@@ -37,11 +37,14 @@ def decoded(rec: ShardCommit, name: str, meta, chunk) -> np.ndarray:
     try:
         m = json.loads(meta)
         shape = m["shape"]
-        plain = (m.get("zarr_format") == 3 and len(shape) == 1 and m["chunk_grid"]["configuration"]["chunk_shape"] == shape
-                 and m["chunk_key_encoding"] == {"name": "default",
-                                                 "configuration": {"separator": chunk_separator(rec)}}
-                 and [c["name"] for c in m["codecs"]] == ["bytes", "blosc", "crc32c"]
-                 and m["codecs"][0]["configuration"]["endian"] == "little")
+        plain = (
+            m.get("zarr_format") == 3
+            and len(shape) == 1
+            and m["chunk_grid"]["configuration"]["chunk_shape"] == shape
+            and m["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": chunk_separator(rec)}}
+            and [c["name"] for c in m["codecs"]] == ["bytes", "blosc", "crc32c"]
+            and m["codecs"][0]["configuration"]["endian"] == "little"
+        )
         dtype = np.dtype(m["data_type"]).newbyteorder("<")
     except (ValueError, KeyError, TypeError, IndexError):
         raise NotDirect from None

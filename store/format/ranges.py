@@ -20,15 +20,19 @@ def parse_ranges(text: str, limit: int | None = None, flag: str = "--shards") ->
     for part in str(text).replace(" ", "").split(","):
         m = _PART.match(part)
         if not m:
-            raise ConfigError(flag, repr(text), f"invalid shard range: expected e.g. '0-63', '0-3,8,10-12' or 'all', "
-                                                f"got part {part!r}")
+            raise ConfigError(
+                flag,
+                repr(text),
+                f"invalid shard range: expected e.g. '0-63', '0-3,8,10-12' or 'all', got part {part!r}",
+            )
         lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
         if hi < lo:
             raise ConfigError(flag, repr(text), f"invalid shard range: {lo}-{hi} runs backwards")
         ids.update(range(lo, hi + 1))
     if limit is not None and ids and max(ids) >= limit:
-        raise ConfigError(flag, repr(text), f"reaches shard {max(ids)}, but the store has {limit} shards "
-                                            f"(0-{limit - 1})")
+        raise ConfigError(
+            flag, repr(text), f"reaches shard {max(ids)}, but the store has {limit} shards (0-{limit - 1})"
+        )
     return sorted(ids)
 
 

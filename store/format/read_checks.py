@@ -63,8 +63,12 @@ class Layout:
 
 def layout_of(attrs: StoreAttrs, root: RootCommit) -> Layout:
     """The layout the root's attributes and commit record say."""
-    return Layout(schema=attrs.schema_version, revision=revision_of(attrs, root), format=attrs.compat.format,
-                  codec=attrs.compat.codec or "blosc")
+    return Layout(
+        schema=attrs.schema_version,
+        revision=revision_of(attrs, root),
+        format=attrs.compat.format,
+        codec=attrs.compat.codec or "blosc",
+    )
 
 
 @dataclass(frozen=True)
@@ -92,18 +96,25 @@ class ReadChecks:
     def warning(self) -> str | None:
         """What reading cannot check, as a warning for the reader to print; None when everything is."""
         if not self.chunk_checksums:
-            layout = (f"a schema-{self.schema} store" if self.schema < 2
-                      else f"a format-revision-{self.revision} store written with --codec blosc")
-            return (f"{self.location} is {layout}: its chunks carry no checksums, so damage inside a state or token "
-                    f"chunk is not seen while reading (its metadata and per-sample arrays still are); run "
-                    f"`pipeline verify {self.location}` before using it, or extract it again into a new store")
+            layout = (
+                f"a schema-{self.schema} store"
+                if self.schema < 2
+                else f"a format-revision-{self.revision} store written with --codec blosc"
+            )
+            return (
+                f"{self.location} is {layout}: its chunks carry no checksums, so damage inside a state or token "
+                f"chunk is not seen while reading (its metadata and per-sample arrays still are); run "
+                f"`pipeline verify {self.location}` before using it, or extract it again into a new store"
+            )
         if not self.zero_filled:
             return None
         shards = format_ranges(self.zero_filled)
-        return (f"{self.location}: shards {shards} were committed before format revision 3 wrote every chunk: a chunk "
-                f"file deleted from them reads as zeros, not as an error; run `pipeline verify {self.location} --shards "
-                f"{shards}` before using them, or extract them again (delete their commit files, then run `pipeline "
-                f"extract` with the store's settings)")
+        return (
+            f"{self.location}: shards {shards} were committed before format revision 3 wrote every chunk: a chunk "
+            f"file deleted from them reads as zeros, not as an error; run `pipeline verify {self.location} --shards "
+            f"{shards}` before using them, or extract them again (delete their commit files, then run `pipeline "
+            f"extract` with the store's settings)"
+        )
 
 
 def chunk_separator(record: ShardCommit) -> str:
@@ -128,6 +139,11 @@ def revision_of(attrs: StoreAttrs, root: RootCommit) -> int:
 def read_checks(location: str, shape: Layout, records: dict[int, ShardCommit]) -> ReadChecks:
     """What reading the shards of `records` checks, for the store at `location` laid out as `shape`."""
     coded = shape.format_coded
-    return ReadChecks(location=location, revision=shape.revision, schema=shape.schema, chunk_checksums=coded,
-                      direct_reads=coded,
-                      zero_filled=tuple(s for s, r in sorted(records.items()) if coded and not r.every_chunk))
+    return ReadChecks(
+        location=location,
+        revision=shape.revision,
+        schema=shape.schema,
+        chunk_checksums=coded,
+        direct_reads=coded,
+        zero_filled=tuple(s for s, r in sorted(records.items()) if coded and not r.every_chunk),
+    )

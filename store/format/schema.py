@@ -23,7 +23,9 @@ from store.format.hidden_formats import HiddenFormat
 
 KIND = "dflash-hidden-states"
 SCHEMA_VERSION = 2  # 2: byte-plane codec with a checksum per chunk (1: blosc, read-only now)
-FORMAT_REVISION = 5  # what this version writes; the revisions, and what each lets a reader check: store/format/read_checks.py
+FORMAT_REVISION = (
+    5  # what this version writes; the revisions, and what each lets a reader check: store/format/read_checks.py
+)
 TAP_MEANING = "tap k = output of decoder layer k (0-based) = Hugging Face hidden_states[k+1]"
 
 
@@ -82,7 +84,9 @@ class Compat:
     shard_tokens: int
     compression_level: int
     references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
-    turns: str | None = None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
+    turns: str | None = (
+        None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
+    )
     codec: str | None = None  # the states' codec (store/format/hidden_formats.py); None in schema 1: blosc
     chat_template_kwargs: dict | None = None  # --chat-template-kwargs (None: none given)
     # "fp8": states rounded to e4m3 x 2^k per token and tap (None: bf16, as captured; store/format/hidden_formats.py)
@@ -221,8 +225,10 @@ class StoreAttrs:
         if d.get("kind") != KIND:
             raise NotAStore(f"{where}: not a hidden-state store (root kind {d.get('kind')!r}, expected {KIND!r})")
         if d.get("schema_version", 0) > SCHEMA_VERSION:
-            raise NotAStore(f"{where}: store schema {d['schema_version']} is newer than this tool's "
-                            f"({SCHEMA_VERSION}); upgrade dflash-pipeline")
+            raise NotAStore(
+                f"{where}: store schema {d['schema_version']} is newer than this tool's "
+                f"({SCHEMA_VERSION}); upgrade dflash-pipeline"
+            )
         attrs = from_json(cls, d, f"{where}: root attributes", NotAStore)
         hidden_formats.of_recorded(attrs.compat.hidden_format, f"{where}: root attributes")  # one this version reads
         return attrs
@@ -275,8 +281,12 @@ class ShardCommit:
     @classmethod
     def from_json(cls, d: dict, where: str) -> ShardCommit:
         names = {f.name for f in dataclasses.fields(cls)} - {"run"}
-        return from_json(cls, {**{k: v for k, v in d.items() if k in names},
-                               "run": {k: v for k, v in d.items() if k not in names}}, where, StoreCorrupt)
+        return from_json(
+            cls,
+            {**{k: v for k, v in d.items() if k in names}, "run": {k: v for k, v in d.items() if k not in names}},
+            where,
+            StoreCorrupt,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,8 +307,11 @@ class RootCommit:
 def to_json(record) -> dict:
     """A record as plain JSON types (tuples become lists); fields that are None where None is their
     default (added after revision 1, not recorded) are left out."""
-    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)
-            if not (f.default is None and getattr(record, f.name) is None)}
+    return {
+        f.name: _plain(getattr(record, f.name))
+        for f in dataclasses.fields(record)
+        if not (f.default is None and getattr(record, f.name) is None)
+    }
 
 
 def _plain(v):

@@ -38,5 +38,7 @@ def assemble(chunks: list[list]) -> list:
         index[k] = (start, n)
         start += n
     index_bytes = index.tobytes()
-    return [p for parts in chunks for p in parts] + [index_bytes, np.array([google_crc32c.value(index_bytes)],
-                                                                          _CRC).tobytes()]
+    return [p for parts in chunks for p in parts] + [
+        index_bytes,
+        np.array([google_crc32c.value(index_bytes)], _CRC).tobytes(),
+    ]

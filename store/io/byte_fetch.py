@@ -25,8 +25,7 @@ def fetch(fs, local: bool, ranges: list[Range]) -> list:
     if not ranges:
         return []
     if not local:
-        return fs.cat_ranges([r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges],
-                             on_error="return")
+        return fs.cat_ranges([r[0] for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges], on_error="return")
     sized = sum(r[2] - r[1] for r in ranges if r[1] >= 0 and r[2] is not None)
     held = getattr(_arena, "buf", None)
     if held is None or len(held) < sized:
@@ -35,7 +34,7 @@ def fetch(fs, local: bool, ranges: list[Range]) -> list:
     for path, start, end in ranges:
         try:
             if start >= 0 and end is not None:
-                out.append(_read_into(path, start, held[at:at + end - start]))
+                out.append(_read_into(path, start, held[at : at + end - start]))
                 at += end - start
             else:
                 out.append(fs.cat_file(path, start=start, end=end))

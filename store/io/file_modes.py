@@ -51,5 +51,4 @@ def tree_as_umask(directory: str | Path) -> None:
     """Every file under DIRECTORY that this user owns (just written) as_umask. Files of another owner
     (another node's process writing a shared directory under its own uid) are left as they are."""
     me = os.geteuid()
-    as_umask(*(p for p in Path(directory).rglob("*")
-               if p.is_file() and not p.is_symlink() and p.stat().st_uid == me))
+    as_umask(*(p for p in Path(directory).rglob("*") if p.is_file() and not p.is_symlink() and p.stat().st_uid == me))

@@ -159,8 +159,7 @@ class LockFile:
     def still_held(self) -> bool:
         """True while the file on disk is still this process's lock (checked before committing)."""
         owner = self.owner()
-        return (self.held and owner is not None and owner.get("identity") == IDENTITY
-                and owner.get("pid") == os.getpid())
+        return self.held and owner is not None and owner.get("identity") == IDENTITY and owner.get("pid") == os.getpid()
 
     def acquire(self, timeout: float, poll: float = 0.2) -> None:
         wait_for(self, timeout, poll)

@@ -97,11 +97,14 @@ class NodeCache:
         if self.trouble is None and getattr(self._local, "db", None) is None:
             try:
                 with self._db() as db:
-                    db.execute("CREATE TABLE IF NOT EXISTS files (key TEXT PRIMARY KEY, bytes INTEGER NOT NULL, "
-                               "last_used REAL NOT NULL)")
+                    db.execute(
+                        "CREATE TABLE IF NOT EXISTS files (key TEXT PRIMARY KEY, bytes INTEGER NOT NULL, "
+                        "last_used REAL NOT NULL)"
+                    )
                     db.execute("CREATE INDEX IF NOT EXISTS by_use ON files (last_used)")
-                    db.execute("CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), "
-                               "bytes INTEGER)")
+                    db.execute(
+                        "CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER)"
+                    )
                     db.execute("INSERT OR IGNORE INTO total VALUES (0, 0)")
             except UNWRITABLE as e:
                 self._give_up(e)
@@ -111,9 +114,11 @@ class NodeCache:
         """The cache cannot be written: this process reads on without it; said once."""
         if self.trouble is None:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            self.trouble = (f"--cache-dir {self.root} cannot be written ({reason}): reading on from the object "
-                            "store without the node cache, nothing lost but its speed; free space there or point "
-                            "--cache-dir at another disk")
+            self.trouble = (
+                f"--cache-dir {self.root} cannot be written ({reason}): reading on from the object "
+                "store without the node cache, nothing lost but its speed; free space there or point "
+                "--cache-dir at another disk"
+            )
             if self.warn is not None:
                 self.warn(self.trouble)
 
@@ -187,7 +192,7 @@ class NodeCache:
             (mine if self._claim(p) else theirs).append(p)
         try:
             got = _ranges(fs, [(misses[p], 0, None) for p in mine] + direct)
-            whole = dict(zip(mine, got[:len(mine)]))
+            whole = dict(zip(mine, got[: len(mine)]))
             self._put({p: d for p, d in whole.items() if isinstance(d, bytes)})
         finally:
             for p in mine:
@@ -197,7 +202,7 @@ class NodeCache:
             got2 = _ranges(fs, [(misses[p], 0, None) for p in late])
             whole.update(zip(late, got2))
             self._put({p: d for p, d in zip(late, got2) if isinstance(d, bytes)})
-        whole[None] = got[len(mine):]
+        whole[None] = got[len(mine) :]
         return whole
 
     def _claim(self, path: str) -> bool:
@@ -356,7 +361,7 @@ class StoreFiles:
         """The cache path of a store file, or None when it is not cached (not a shard's, or its shard not admitted)."""
         if not path.startswith(self.store_root + "/"):
             return None
-        parts = path[len(self.store_root) + 1:].split("/")
+        parts = path[len(self.store_root) + 1 :].split("/")
         folder = self._folders.get("/".join(parts[:2]))
         return None if folder is None or len(parts) < 3 else os.path.join(folder, *parts[2:])
 

@@ -36,8 +36,9 @@ UNREADABLE = {"host": "?", "pid": -1}  # a record that does not parse: held, unt
 
 
 class ObjectLease:
-    def __init__(self, objects: S3Objects, path: str, lease_s: float = LEASE_S,
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(
+        self, objects: S3Objects, path: str, lease_s: float = LEASE_S, heartbeat_s: float = HEARTBEAT_S
+    ) -> None:
         self.objects, self.path = objects, path
         self.lease_s, self.heartbeat_s = lease_s, heartbeat_s
         self.held = False
@@ -89,15 +90,21 @@ class ObjectLease:
 
     # -- inside ----------------------------------------------------------------------------
     def _new_record(self) -> dict:
-        return {"host": HOST, "pid": os.getpid(), "identity": IDENTITY, "since": time.time(),
-                "token": uuid.uuid4().hex, "lease_s": self.lease_s, "beat": 0}
+        return {
+            "host": HOST,
+            "pid": os.getpid(),
+            "identity": IDENTITY,
+            "since": time.time(),
+            "token": uuid.uuid4().hex,
+            "lease_s": self.lease_s,
+            "beat": 0,
+        }
 
     def _won(self, record: dict, etag: str) -> None:
         self._record, self._etag, self.held = record, etag, True
         self.objects.refresh()  # what others committed before is seen now
         self._stop.clear()
-        self._beat = threading.Thread(target=self._heartbeat, name=f"lease {self.path.rsplit('/', 1)[-1]}",
-                                      daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, name=f"lease {self.path.rsplit('/', 1)[-1]}", daemon=True)
         self._beat.start()
         return None
 

@@ -20,9 +20,17 @@ from store.errors import StoreError
 
 S3_EXTRA = "pip install s3fs (in a checkout: pip install -e '.[s3]')"
 # botocore's, aiohttp's and asyncio's names for an endpoint that does not answer
-UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
-               "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-               "ConnectionRefusedError", "gaierror"}
+UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ConnectionRefusedError",
+    "gaierror",
+}
 NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
 
 
@@ -34,8 +42,10 @@ def file_system(location: str, **options):
         protocol = location.split("://", 1)[0]
         wanted = re.search(r"[Ii]nstall (\S+)", str(e))
         how = S3_EXTRA if protocol in ("s3", "s3a") else f"pip install {wanted[1]}" if wanted else str(e)
-        raise StoreError(f"{location}: fsspec's {protocol}:// file system needs {wanted[1] if wanted else 'a package'}, "
-                         f"which is not installed; {how}") from None
+        raise StoreError(
+            f"{location}: fsspec's {protocol}:// file system needs {wanted[1] if wanted else 'a package'}, "
+            f"which is not installed; {how}"
+        ) from None
 
 
 def endpoint(fs) -> str:
@@ -59,8 +69,10 @@ def reachable(location: str, fs, root: str) -> None:
         try:
             fs.info(bucket)
         except FileNotFoundError:
-            raise StoreError(f"{location}: bucket {bucket} does not exist at {endpoint(fs)}; check the bucket in "
-                             "the store's URL, or create the bucket first") from None
+            raise StoreError(
+                f"{location}: bucket {bucket} does not exist at {endpoint(fs)}; check the bucket in "
+                "the store's URL, or create the bucket first"
+            ) from None
         except PermissionError:
             pass
 
@@ -73,13 +85,17 @@ def failures(location: str, fs) -> Iterator[None]:
     except Exception as e:
         names = {type(c).__name__ for c in _chain(e)}
         if names & NO_CREDENTIALS:
-            raise StoreError(f"{location}: no credentials for the object store at {endpoint(fs)}; set "
-                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment, as "
-                             "for any S3 client") from None
+            raise StoreError(
+                f"{location}: no credentials for the object store at {endpoint(fs)}; set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment, as "
+                "for any S3 client"
+            ) from None
         if names & UNREACHABLE:
-            raise StoreError(f"{location}: cannot reach the object store at {endpoint(fs)} ({_first_line(e)}); "
-                             "check that it runs and the endpoint (FSSPEC_S3_ENDPOINT_URL for an S3-compatible "
-                             "server), or the network") from None
+            raise StoreError(
+                f"{location}: cannot reach the object store at {endpoint(fs)} ({_first_line(e)}); "
+                "check that it runs and the endpoint (FSSPEC_S3_ENDPOINT_URL for an S3-compatible "
+                "server), or the network"
+            ) from None
         raise
 
 

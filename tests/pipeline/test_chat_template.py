@@ -9,11 +9,16 @@ from pipeline.chat_template import Chat
 from pipeline.errors import DatasetError
 from pipeline.prompts import Row
 
-PLAIN_CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+PLAIN_CHATML = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 TOOLS = ({"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},)
-CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-    "name": "add", "arguments": {"a": 2, "b": 2}}}]}
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +36,15 @@ def plain_tok():
 def test_the_rows_own_arguments_go_over_the_runs_and_tools_join_them(tok):
     row = Row(4, ({"role": "user", "content": "Hi"},), None, tools=TOOLS, template_kwargs={"enable_thinking": False})
     chat = chat_template.for_row(tok, row, {"enable_thinking": True, "x": 1}, "d.jsonl")
-    assert chat.kwargs == {"enable_thinking": False, "x": 1, "tools": list(TOOLS)} and chat.where == "dataset d.jsonl: row 4"
+    assert (
+        chat.kwargs == {"enable_thinking": False, "x": 1, "tools": list(TOOLS)}
+        and chat.where == "dataset d.jsonl: row 4"
+    )
     assert chat_template.mode(chat.kwargs) == '{"enable_thinking": false, "x": 1}'
     text = chat.text(row.messages, True)
-    assert text.startswith("<|im_start|>system\n# Tools\n<tools>\n{") and text.endswith("assistant\n<think>\n\n</think>\n\n")
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>\n{") and text.endswith(
+        "assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 def test_tools_or_calls_the_template_leaves_out_are_refused_naming_the_row(tok, plain_tok):
@@ -68,11 +78,20 @@ def test_an_answer_is_its_text_plus_eos_or_the_templates_rendering(tok):
 
 
 def test_per_turn_gives_each_answer_with_the_turns_before_it():
-    turns = ({"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "A"},
-             {"role": "user", "content": "b"})
+    turns = (
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "b"},
+    )
     last = {"role": "assistant", "content": "B", "reasoning_content": "r"}
     row = Row(2, turns, "B", (5, 6), last, TOOLS, {"enable_thinking": True})
     first, second = row.per_turn()
-    assert first.messages == turns[:2] and first.answer == turns[2] and first.response == "A" and first.response_ids is None
+    assert (
+        first.messages == turns[:2]
+        and first.answer == turns[2]
+        and first.response == "A"
+        and first.response_ids is None
+    )
     assert second.messages == turns and second.answer == last and second.response_ids == (5, 6)
     assert first.tools == second.tools == TOOLS and first.index == second.index == 2

@@ -35,8 +35,16 @@ def test_four_processes_hash_a_file_once(tmp_path):
     counter = tmp_path / "hashed"
     env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache")}
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(big), str(counter), str(go)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(big), str(counter), str(go)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     deadline = time.time() + 60
     while len(list(tmp_path.glob("go.*"))) < 4 and time.time() < deadline:
         time.sleep(0.01)

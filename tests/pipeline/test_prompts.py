@@ -16,20 +16,33 @@ def prompt_set(tmp_path, rows: list[dict]) -> prompts.PromptSet:
 
 
 def test_sharegpt_rows_read_as_the_same_chat_as_messages(tmp_path):
-    share = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
-                               {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Add 1+1"},
-                               {"from": "gpt", "value": "2"}]}
-    openai = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                           {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Add 1+1"},
-                           {"role": "assistant", "content": "2"}]}
+    share = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "human", "value": "Add 1+1"},
+            {"from": "gpt", "value": "2"},
+        ]
+    }
+    openai = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Add 1+1"},
+            {"role": "assistant", "content": "2"},
+        ]
+    }
     a, b = prompt_set(tmp_path, [share]).row(0), prompt_set(tmp_path, [openai]).row(0)
     assert a == b
     assert a.response == "2" and [m["role"] for m in a.messages] == ["system", "user", "assistant", "user"]
 
 
 def test_plain_prompts_and_rows_without_an_answer(tmp_path):
-    ps = prompt_set(tmp_path, [{"prompt": "def f():", "response": "  pass"}, {"messages": [{"role": "user",
-                                                                                            "content": "q"}]}])
+    ps = prompt_set(
+        tmp_path, [{"prompt": "def f():", "response": "  pass"}, {"messages": [{"role": "user", "content": "q"}]}]
+    )
     assert ps.row(0).messages == ({"role": "user", "content": "def f():"},) and ps.row(0).response == "  pass"
     assert ps.row(1).response is None
 
@@ -37,14 +50,36 @@ def test_plain_prompts_and_rows_without_an_answer(tmp_path):
 def test_roles_of_both_styles_come_from_one_table_case_ignored(tmp_path):
     """`User`/`Assistant` and ShareGPT's `human`/`gpt` name the same roles in either style, so the
     last assistant turn is the answer, not part of the prompt."""
-    plain = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": "Hello"}]}
-    variants = [{"messages": [{"role": "System", "content": "Be brief."}, {"role": "User", "content": "Hi"},
-                              {"role": "Assistant", "content": "Hello"}]},
-                {"messages": [{"role": "system", "content": "Be brief."}, {"role": "human", "content": "Hi"},
-                              {"role": "GPT", "content": "Hello"}]},
-                {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "Human", "value": "Hi"},
-                                   {"from": "assistant", "value": "Hello"}]}]
+    plain = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+        ]
+    }
+    variants = [
+        {
+            "messages": [
+                {"role": "System", "content": "Be brief."},
+                {"role": "User", "content": "Hi"},
+                {"role": "Assistant", "content": "Hello"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "human", "content": "Hi"},
+                {"role": "GPT", "content": "Hello"},
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "Human", "value": "Hi"},
+                {"from": "assistant", "value": "Hello"},
+            ]
+        },
+    ]
     ps = prompt_set(tmp_path, [plain, *variants])
     want = ps.row(0)
     assert want.response == "Hello" and [m["role"] for m in want.messages] == ["system", "user"]
@@ -53,39 +88,74 @@ def test_roles_of_both_styles_come_from_one_table_case_ignored(tmp_path):
 
 
 def test_text_content_parts_are_joined_with_no_separator(tmp_path):
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "def f(x):"},
-                                                       {"type": "text", "text": " return"}]},
-                          {"role": "assistant", "content": [{"type": "text", "text": " x + 1"}]}]}
+    parts = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "def f(x):"}, {"type": "text", "text": " return"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": " x + 1"}]},
+        ]
+    }
     text = {"messages": [{"role": "user", "content": "def f(x): return"}, {"role": "assistant", "content": " x + 1"}]}
-    plain = {"prompt": "def f(x): return", "response": [{"type": "text", "text": " x"}, {"type": "text", "text": " + 1"}]}
+    plain = {
+        "prompt": "def f(x): return",
+        "response": [{"type": "text", "text": " x"}, {"type": "text", "text": " + 1"}],
+    }
     ps = prompt_set(tmp_path, [parts, text, plain])
     assert ps.row(0) == replace(ps.row(1), index=0)
     assert ps.row(2).response == " x + 1" and ps.row(2).messages == ps.row(1).messages
 
 
 def test_a_blank_answer_is_no_response(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
-            for answer in ("", "  \n ", None, [], "a")]
-    rows += [{"prompt": "q", "response": " "}, {"prompt_ids": [1, 2], "response_ids": []},
-             {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-                 {"type": "function", "function": {"name": "f", "arguments": {}}}]}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+        for answer in ("", "  \n ", None, [], "a")
+    ]
+    rows += [
+        {"prompt": "q", "response": " "},
+        {"prompt_ids": [1, 2], "response_ids": []},
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+                },
+            ]
+        },
+    ]
     ps = prompt_set(tmp_path, rows)
     assert [prompts.has_response(ps.row(i)) for i in range(len(rows))] == [False] * 4 + [True, False, False, True]
 
 
-@pytest.mark.parametrize("row,needle", [
-    ({"conversations": [{"from": "bot", "value": "x"}]}, "row 1 field 'conversations' turn 0: 'from' is 'bot'"),
-    ({"conversations": [{"speaker": "human", "text": "x"}]}, "row 1 field 'conversations' turn 0: expected"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]},
-     "row 1 field 'messages' turn 1: 'role' is 'bot', expected one of system, user, assistant, tool, human, gpt"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "image_url",
-                                                                                        "image_url": {"url": "x"}}]}]},
-     "row 1 field 'messages' turn 0: content part 1 is of type 'image_url'; only text parts"),
-    ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "row 1 field 'messages' turn 0: content is dict"),
-    ({"messages": "hello"}, "row 1 field 'messages' is not a list of turns"),
-    ({"prompt": 5}, "row 1 field 'prompt' is int, expected text"),
-    ({"question": "x"}, "row 1 has neither field 'messages' ('conversations') nor 'prompt'"),
-])
+@pytest.mark.parametrize(
+    "row,needle",
+    [
+        ({"conversations": [{"from": "bot", "value": "x"}]}, "row 1 field 'conversations' turn 0: 'from' is 'bot'"),
+        ({"conversations": [{"speaker": "human", "text": "x"}]}, "row 1 field 'conversations' turn 0: expected"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]},
+            "row 1 field 'messages' turn 1: 'role' is 'bot', expected one of system, user, assistant, tool, human, gpt",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Describe"},
+                            {"type": "image_url", "image_url": {"url": "x"}},
+                        ],
+                    }
+                ]
+            },
+            "row 1 field 'messages' turn 0: content part 1 is of type 'image_url'; only text parts",
+        ),
+        ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "row 1 field 'messages' turn 0: content is dict"),
+        ({"messages": "hello"}, "row 1 field 'messages' is not a list of turns"),
+        ({"prompt": 5}, "row 1 field 'prompt' is int, expected text"),
+        ({"question": "x"}, "row 1 has neither field 'messages' ('conversations') nor 'prompt'"),
+    ],
+)
 def test_a_bad_row_is_named_by_the_early_check(tmp_path, row, needle):
     ps = prompt_set(tmp_path, [{"prompt": "fine"}, row, {"prompt": "fine"}])
     with pytest.raises(DatasetError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -7,9 +7,14 @@ from pipeline import TINY_TARGET, turns
 from pipeline.chat_template import Chat
 from pipeline.errors import DatasetError
 
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Add 1+1"},
-        {"role": "assistant", "content": "It is 2."}, {"role": "user", "content": "And 2+2?"}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello there"},
+    {"role": "user", "content": "Add 1+1"},
+    {"role": "assistant", "content": "It is 2."},
+    {"role": "user", "content": "And 2+2?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +41,12 @@ def test_a_template_that_rewrites_history_is_refused(tok):
     """A template that renders an answer differently once later turns follow (as templates that
     drop reasoning from history do) cannot be masked honestly: refused, naming the row."""
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    tok.chat_template = ("{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
-                         "{{- '<|im_start|>assistant\n(earlier)<|im_end|>\n' }}{%- else %}"
-                         "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif %}"
-                         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+    tok.chat_template = (
+        "{%- for m in messages %}{%- if m['role'] == 'assistant' and not loop.last %}"
+        "{{- '<|im_start|>assistant\n(earlier)<|im_end|>\n' }}{%- else %}"
+        "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+    )
     chat, messages = Chat(tok, {}, "row 7"), CHAT[:5] + [{"role": "user", "content": "More"}]
     with pytest.raises(DatasetError, match="row 7: the chat template renders assistant turn 2 differently"):
         turns.answer_spans(chat, messages, chat.ids(messages, True), [2])

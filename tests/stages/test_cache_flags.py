@@ -39,15 +39,30 @@ def test_sizes_parse_and_a_size_goes_with_a_directory(config_cls, extra, tmp_pat
 
 
 @pytest.mark.parametrize("program, extra", [("train.py", []), ("evaluate.py", ["--checkpoint", "ck"])])
-@pytest.mark.parametrize("size, cache_dir, line", [
-    ("inf", True, "error: --cache-size inf: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0"),
-    ("nan", True, "error: --cache-size nan: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0"),
-    ("-1G", True, "error: --cache-size -1G: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0"),
-    ("0.5", True, "error: --cache-size 0.5: is 0.5 bytes: expected a whole number of bytes"),
-    ("0", True, "error: --cache-size 0: must be positive"),
-    ("1G", False, "error: --cache-size 1G: is only used with --cache-dir"),
-    ("1.5TiB", False, "error: --cache-size 1.5T: is only used with --cache-dir"),
-])
+@pytest.mark.parametrize(
+    "size, cache_dir, line",
+    [
+        (
+            "inf",
+            True,
+            "error: --cache-size inf: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0",
+        ),
+        (
+            "nan",
+            True,
+            "error: --cache-size nan: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0",
+        ),
+        (
+            "-1G",
+            True,
+            "error: --cache-size -1G: expected a size such as '500G', '2T' or a number of bytes, finite and at least 0",
+        ),
+        ("0.5", True, "error: --cache-size 0.5: is 0.5 bytes: expected a whole number of bytes"),
+        ("0", True, "error: --cache-size 0: must be positive"),
+        ("1G", False, "error: --cache-size 1G: is only used with --cache-dir"),
+        ("1.5TiB", False, "error: --cache-size 1.5T: is only used with --cache-dir"),
+    ],
+)
 def test_a_bad_size_is_one_line_echoed_as_written(program, extra, size, cache_dir, line, tmp_path):
     """As a user runs it: exit code 2, one line, the size as it was written (or in its unit, not in
     bytes), and no cache directory made."""
@@ -67,12 +82,13 @@ def test_follow_poll_without_follow_is_one_line(tmp_path):
 
 def run_script(program: str, args: list) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, program, *map(str, args)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, program, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_loader_reads_an_object_store_through_the_cache(small_store, tmp_path):
-    rows = [[(r,) for r in index_samples(HiddenStore(str(small_store)), [0, 1], 200)[k:k + 3]] for k in (0, 3)]
+    rows = [[(r,) for r in index_samples(HiddenStore(str(small_store)), [0, 1], 200)[k : k + 3]] for k in (0, 3)]
     location = upload(small_store)
     cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
     want = [StoreBatches(str(small_store), rows)[k] for k in range(2)]

@@ -21,8 +21,23 @@ STEPS = {"step-2": ["--save-every", 2], "final": ["--save-every", 0]}  # the che
 
 
 def args(store, out, which: str) -> list[str]:
-    return ["train.py", "--store", str(store), "--out", str(out), "--shards", "0-2", "--max-steps", "2",
-            "--threads", "1", *map(str, STEPS[which]), *TINY, "--workers", "0"]  # workers: shared memory is
+    return [
+        "train.py",
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        "--shards",
+        "0-2",
+        "--max-steps",
+        "2",
+        "--threads",
+        "1",
+        *map(str, STEPS[which]),
+        *TINY,
+        "--workers",
+        "0",
+    ]  # workers: shared memory is
     # written as files, which the file-size limit would refuse too
 
 
@@ -54,9 +69,11 @@ def where(out, which: str) -> str:
 def test_a_file_size_limit_while_saving_is_one_line_and_leaves_nothing(which, small_store, tmp_path):
     out = tmp_path / "run"
     line = one_line(run([sys.executable, *args(small_store, out, which)], limit=300_000))  # a drafter file: ~590 kB
-    assert line.startswith(f"error: {where(out, which)}: file too large while saving the checkpoint of step 2; "
-                           "nothing of it is kept; raise the file-size limit (`ulimit -f`), then rerun the same command "
-                           "with --resume"), line
+    assert line.startswith(
+        f"error: {where(out, which)}: file too large while saving the checkpoint of step 2; "
+        "nothing of it is kept; raise the file-size limit (`ulimit -f`), then rerun the same command "
+        "with --resume"
+    ), line
     assert hidden(out) == []
     again = run([sys.executable, *args(small_store, out, which), "--resume"])
     assert again.returncode == 0 and (out / "final" / "model.safetensors").exists(), again.stderr[-3000:]
@@ -70,11 +87,15 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(small_store, tm
     disk.mkdir()
     out = disk / "run"
     for which in STEPS:
-        script = (f"mount -t tmpfs -o size=400k tmpfs {disk} && {{ {sys.executable} \"$@\"; rc=$?; "
-                  f"echo LEFT: $(ls -A {out} 2>/dev/null); exit $rc; }}")  # the disk goes with the namespace
+        script = (
+            f'mount -t tmpfs -o size=400k tmpfs {disk} && {{ {sys.executable} "$@"; rc=$?; '
+            f"echo LEFT: $(ls -A {out} 2>/dev/null); exit $rc; }}"
+        )  # the disk goes with the namespace
         r = run(["unshare", "-rm", "sh", "-c", script, "sh", *args(small_store, out, which)])
         line = one_line(r)
-        assert line.startswith(f"error: {where(out, which)}: no space left on device while saving the checkpoint of "
-                               f"step 2; nothing of it is kept; free space on {out}'s file system"), line
+        assert line.startswith(
+            f"error: {where(out, which)}: no space left on device while saving the checkpoint of "
+            f"step 2; nothing of it is kept; free space on {out}'s file system"
+        ), line
         left = r.stdout.splitlines()[-1].split()[1:]
         assert not [name for name in left if name.startswith(".")], left

@@ -63,17 +63,24 @@ def test_configs_are_frozen_and_keyword_only(config_cls):
             type(part)("hs.zarr")
 
 
-@pytest.mark.parametrize("config_cls,over,message", [
-    (ExtractConfig, {"chunk_tokens": 0}, "--chunk-tokens 0: must be at least 1"),
-    (ExtractConfig, {"shard_tokens": 100, "chunk_tokens": 32}, "--shard-tokens 100: must be a multiple of --chunk-tokens 32"),
-    (ExtractConfig, {"compression_level": 23}, "--compression-level 23: levels run -7 to 22"),
-    (ExtractConfig, {"turns": "all"}, "--turns all: all goes with --responses dataset"),
-    (TrainConfig, {"warmup_ratio": 1.5}, "--warmup-ratio 1.5: expected 0 <= ratio < 1"),
-    (TrainConfig, {"lr": 0.0}, "--lr 0.0: must be positive"),
-    (TrainConfig, {"block_size": 12, "slot_weights": "exp"}, "--block-size 12: no default loss decay"),
-    (EvalConfig, {"checkpoints": ("ck",), "ddtree": (8, 0)}, "--ddtree (8, 0): budgets must be at least 1"),
-    (EvalConfig, {"checkpoints": ("ck",), "max_prompts": 0}, "--max-prompts 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "config_cls,over,message",
+    [
+        (ExtractConfig, {"chunk_tokens": 0}, "--chunk-tokens 0: must be at least 1"),
+        (
+            ExtractConfig,
+            {"shard_tokens": 100, "chunk_tokens": 32},
+            "--shard-tokens 100: must be a multiple of --chunk-tokens 32",
+        ),
+        (ExtractConfig, {"compression_level": 23}, "--compression-level 23: levels run -7 to 22"),
+        (ExtractConfig, {"turns": "all"}, "--turns all: all goes with --responses dataset"),
+        (TrainConfig, {"warmup_ratio": 1.5}, "--warmup-ratio 1.5: expected 0 <= ratio < 1"),
+        (TrainConfig, {"lr": 0.0}, "--lr 0.0: must be positive"),
+        (TrainConfig, {"block_size": 12, "slot_weights": "exp"}, "--block-size 12: no default loss decay"),
+        (EvalConfig, {"checkpoints": ("ck",), "ddtree": (8, 0)}, "--ddtree (8, 0): budgets must be at least 1"),
+        (EvalConfig, {"checkpoints": ("ck",), "max_prompts": 0}, "--max-prompts 0: must be at least 1"),
+    ],
+)
 def test_a_bad_value_names_its_flag_from_python_and_the_command_line(config_cls, over, message):
     with pytest.raises(ConfigError) as e:
         build(config_cls, over)

@@ -6,7 +6,7 @@ import torch
 from pipeline.errors import EngineError
 from stages.evaluate.engine_device import EngineDevice, choose, default_share, node_gpu
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def test_a_gpu_is_named_as_the_node_numbers_it():

@@ -12,6 +12,7 @@ from tests.stages.test_samples import refs, synthetic_arrays
 # The algorithm as it was written with a Python object a sample (before the arrays): the arrays
 # must give exactly its batches, so that a seed trains on what it always did.
 
+
 def reference_batches(refs, batch_size, seed, epoch, rank=0, world=1, batching="bucketed", row_tokens=None):
     g = np.random.default_rng([seed, epoch])
     order = g.permutation(len(refs))
@@ -29,12 +30,12 @@ def reference_batches(refs, batch_size, seed, epoch, rank=0, world=1, batching="
     else:
         rows = []
         for lo in range(0, len(order), batch_size * BUCKET):
-            rows += [(refs[i],) for i in sorted(order[lo:lo + batch_size * BUCKET], key=lambda i: refs[i].length)]
-    batches = [rows[j:j + batch_size] for j in range(0, len(rows), batch_size)]
+            rows += [(refs[i],) for i in sorted(order[lo : lo + batch_size * BUCKET], key=lambda i: refs[i].length)]
+    batches = [rows[j : j + batch_size] for j in range(0, len(rows), batch_size)]
     if batching == "bucketed":
         batches = [batches[i] for i in g.permutation(len(batches))]
     per_rank = len(batches) // world
-    return batches[rank * per_rank:(rank + 1) * per_rank]
+    return batches[rank * per_rank : (rank + 1) * per_rank]
 
 
 @pytest.mark.parametrize("batching", BATCHINGS)
@@ -61,15 +62,24 @@ def test_batches_formed_again_with_other_arguments_are_those_arguments_batches()
 
     r = refs_of(synthetic_arrays(5, shards=4, most=400), list(range(4)), 2048)
     listed = list(r)
-    asks = [(2, 0, 0, 0, 1, "packed", 2048), (2, 0, 0, 0, 1, "packed", 4096), (3, 0, 0, 0, 1, "packed", 4096),
-            (3, 1, 0, 0, 1, "packed", 4096), (3, 1, 1, 0, 1, "packed", 4096), (3, 1, 1, 1, 2, "packed", 4096),
-            (3, 1, 1, 1, 2, "bucketed", 4096), (3, 1, 1, 1, 2, "random", 4096), (2, 0, 0, 0, 1, "packed", 2048)]
+    asks = [
+        (2, 0, 0, 0, 1, "packed", 2048),
+        (2, 0, 0, 0, 1, "packed", 4096),
+        (3, 0, 0, 0, 1, "packed", 4096),
+        (3, 1, 0, 0, 1, "packed", 4096),
+        (3, 1, 1, 0, 1, "packed", 4096),
+        (3, 1, 1, 1, 2, "packed", 4096),
+        (3, 1, 1, 1, 2, "bucketed", 4096),
+        (3, 1, 1, 1, 2, "random", 4096),
+        (2, 0, 0, 0, 1, "packed", 2048),
+    ]
     for args in asks + asks[::-1]:
         assert list(epoch_batches(r, *args)) == reference_batches(listed, *args), args
     for bs, seed, epoch, _, _, batching, row_tokens in asks:
         config = DataConfig(batch_size=bs, seed=seed, batching=batching, max_length=row_tokens)
-        assert epoch_length(config, r, epoch) == len(reference_batches(listed, bs, seed, epoch, 0, 1, batching,
-                                                                       row_tokens))
+        assert epoch_length(config, r, epoch) == len(
+            reference_batches(listed, bs, seed, epoch, 0, 1, batching, row_tokens)
+        )
 
 
 def batches_of(batching, r, *args):
@@ -118,5 +128,6 @@ def test_an_epochs_length_is_the_number_of_its_batches(batching):
 
     for n in (1, 3, 4, 103):
         config = DataConfig(batch_size=4, batching=batching, max_length=400)
-        assert [epoch_length(config, refs(n), e) for e in range(3)] == [len(train_batches(config, refs(n), e))
-                                                                        for e in range(3)]
+        assert [epoch_length(config, refs(n), e) for e in range(3)] == [
+            len(train_batches(config, refs(n), e)) for e in range(3)
+        ]

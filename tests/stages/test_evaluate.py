@@ -34,8 +34,12 @@ def our_checkpoint(store_path, directory, **record):
 
 
 def evaluate(store, tmp_path, *cks, **over):
-    return run(EvalConfig(store=str(store), checkpoints=tuple(map(str, cks)), out=str(tmp_path / "rep"),
-                          ddtree=(1, 8), **over), log=lambda m: None)
+    return run(
+        EvalConfig(
+            store=str(store), checkpoints=tuple(map(str, cks)), out=str(tmp_path / "rep"), ddtree=(1, 8), **over
+        ),
+        log=lambda m: None,
+    )
 
 
 def test_report_schema_and_files(small_store, tmp_path):
@@ -68,8 +72,9 @@ def test_another_stores_data_of_the_same_conditioning_is_replayed(small_store, t
     """A checkpoint trained on another store: accepted when that store's conditioning (target,
     kernels, dtype, taps, tokenizer) is this one's, refused when it is not."""
     same = HiddenStore(str(small_store)).attrs.compat.conditioning()
-    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same,
-                        store_placement="2" * 64)
+    ck = our_checkpoint(
+        small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same, store_placement="2" * 64
+    )
     rep = evaluate(small_store, tmp_path, ck)
     assert rep["warnings"] == [] and rep["checkpoints"][0]["check"].startswith("conditioning matches")
     other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64, store_conditioning="1" * 64)
@@ -83,11 +88,19 @@ def test_another_store_replays_its_own_shards_not_the_training_stores_numbers(sm
     shards, --shards when given, else every committed one, and says which and why; the training
     store's shard numbers are neither applied nor checked against this store's."""
     same = HiddenStore(str(small_store)).attrs.compat.conditioning()
-    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64, store_conditioning=same,
-                        train_shards="0-5", eval_shards="6-7")
+    ck = our_checkpoint(
+        small_store,
+        tmp_path / "ck",
+        store_fingerprint="0" * 64,
+        store_conditioning=same,
+        train_shards="0-5",
+        eval_shards="6-7",
+    )
     lines = []
-    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "rep"), ddtree=(1,)),
-              log=lines.append)
+    rep = run(
+        EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "rep"), ddtree=(1,)),
+        log=lines.append,
+    )
     assert (rep["shards"], rep["shards_chosen_by"], rep["warnings"]) == ("0-3", "committed", [])
     assert rep["shards_reason"].startswith("every committed shard of this store; ")
     assert "trained on another store (fingerprint 000000000000), whose held-out shards 6-7" in rep["shards_reason"]
@@ -98,8 +111,9 @@ def test_another_store_replays_its_own_shards_not_the_training_stores_numbers(sm
     assert rep["warnings"] == []  # its training shards 0-5 number the other store's prompts: no overlap claimed
 
 
-def test_a_checkpoint_of_a_store_that_did_not_record_its_conv1d_kernel_is_replayed_with_a_warning(small_store,
-                                                                                                  tmp_path):
+def test_a_checkpoint_of_a_store_that_did_not_record_its_conv1d_kernel_is_replayed_with_a_warning(
+    small_store, tmp_path
+):
     """Trained on a store made before compat.conv1d was recorded, otherwise of this conditioning:
     replayed, the kernel named in a warning; this store's own digest, or the unrecorded one with
     another difference, as before."""
@@ -108,14 +122,23 @@ def test_a_checkpoint_of_a_store_that_did_not_record_its_conv1d_kernel_is_replay
     compat = HiddenStore(str(small_store)).attrs.compat
     assert compat.conv1d == "torch"
     old = dataclasses.replace(compat, conv1d=None)
-    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64,
-                        store_conditioning=old.conditioning(), store_placement=compat.placement())
+    ck = our_checkpoint(
+        small_store,
+        tmp_path / "ck",
+        store_fingerprint="0" * 64,
+        store_conditioning=old.conditioning(),
+        store_placement=compat.placement(),
+    )
     rep = evaluate(small_store, tmp_path, ck)
     assert rep["checkpoints"][0]["check"].startswith("conditioning matches")
     assert len(rep["warnings"]) == 1 and "did not record its conv1d kernel" in rep["warnings"][0]
     assert "made with torch" in rep["warnings"][0]
-    other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64,
-                           store_conditioning=dataclasses.replace(old, taps=(1, 2)).conditioning())
+    other = our_checkpoint(
+        small_store,
+        tmp_path / "other",
+        store_fingerprint="0" * 64,
+        store_conditioning=dataclasses.replace(old, taps=(1, 2)).conditioning(),
+    )
     with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
         evaluate(small_store, tmp_path, other)
 
@@ -132,7 +155,8 @@ def test_a_store_of_the_same_prompts_replays_the_held_out_shards(small_store, tm
     assert "that holds the same prompts under the same shard numbers" in rep["shards_reason"]
     rep = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "own"), force=True)
     assert (rep["shards"], rep["shards_chosen_by"]) == ("3", "held-out") and rep["shards_reason"].endswith(
-        "trained on this store")
+        "trained on this store"
+    )
     old = evaluate(small_store, tmp_path, our_checkpoint(small_store, tmp_path / "old", **same), force=True)
     assert old["shards"] == "0-3" and "pass --shards 3 to replay only its held-out ones" in old["warnings"][0]
 
@@ -144,16 +168,22 @@ def test_a_drafter_trained_on_fp8_states_is_replayed_on_bf16_ones_with_a_warning
     import dataclasses
 
     compat = HiddenStore(str(small_store)).attrs.compat
-    ck = our_checkpoint(small_store, tmp_path / "ck", store_fingerprint="0" * 64,
-                        store_conditioning=compat.as_format("fp8").conditioning(), store_placement=compat.placement())
+    ck = our_checkpoint(
+        small_store,
+        tmp_path / "ck",
+        store_fingerprint="0" * 64,
+        store_conditioning=compat.as_format("fp8").conditioning(),
+        store_placement=compat.placement(),
+    )
     rep = evaluate(small_store, tmp_path, ck)
     assert rep["checkpoints"][0]["check"].startswith("cross-format: trained on fp8 states")
     assert rep["shards"] == "3"  # the fp8 store's held-out shard holds the prompts this store's shard 3 holds
     assert len(rep["warnings"]) == 1 and "trained on fp8 states and is replayed on bf16 states" in rep["warnings"][0]
     assert "cross-format evaluation" in (tmp_path / "rep" / "report.md").read_text()
     taps = dataclasses.replace(compat.as_format("fp8"), taps=(1, 2))
-    other = our_checkpoint(small_store, tmp_path / "other", store_fingerprint="0" * 64,
-                           store_conditioning=taps.conditioning())
+    other = our_checkpoint(
+        small_store, tmp_path / "other", store_fingerprint="0" * 64, store_conditioning=taps.conditioning()
+    )
     with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
         evaluate(small_store, tmp_path, other)
 
@@ -166,7 +196,9 @@ def test_overlap_with_training_shards_warns(small_store, tmp_path):
 
 def test_released_checkpoint_loads_strictly_and_evaluates(small_store, tmp_path):
     attrs = HiddenStore(str(small_store)).attrs
-    written = write_released(tmp_path / "released", attrs.hidden_size, attrs.vocab_size, attrs.taps, attrs.mask_token_id)
+    written = write_released(
+        tmp_path / "released", attrs.hidden_size, attrs.vocab_size, attrs.taps, attrs.mask_token_id
+    )
     config, tensors, record = checkpoint.load(tmp_path / "released")
     assert record is None and all(torch.equal(tensors[k], v) for k, v in written.items())
     assert config.layer_rule(0) == (True, 64) and config.layer_rule(1) == (False, None)
@@ -185,8 +217,13 @@ def test_released_checkpoint_with_other_taps_is_refused(small_store, tmp_path):
 
 
 def test_cli_one_line_error(tmp_path, small_store):
-    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(tmp_path / "no")],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(tmp_path / "no")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
 
 
@@ -196,13 +233,29 @@ def test_an_earlier_report_is_replaced_only_with_force(small_store, tmp_path):
     ck = our_checkpoint(small_store, tmp_path / "ck")
     evaluate(small_store, tmp_path, ck, max_prompts=2)
     before = (tmp_path / "rep" / "report.json").read_bytes()
-    needle = (f"--out {tmp_path / 'rep'}: already holds a report (report.json, report.md, histogram.png, "
-              "per_slot.png); pass --force to replace it, or choose another --out")
+    needle = (
+        f"--out {tmp_path / 'rep'}: already holds a report (report.json, report.md, histogram.png, "
+        "per_slot.png); pass --force to replace it, or choose another --out"
+    )
     with pytest.raises(ConfigError) as e:
         evaluate(small_store, tmp_path, ck, max_prompts=3)
     assert str(e.value) == needle
-    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(ck), "--out",
-                        str(tmp_path / "rep")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--store",
+            str(small_store),
+            "--checkpoint",
+            str(ck),
+            "--out",
+            str(tmp_path / "rep"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr == f"error: {needle}\n"
     assert (tmp_path / "rep" / "report.json").read_bytes() == before
     evaluate(small_store, tmp_path, ck, max_prompts=3, force=True)
@@ -221,17 +274,38 @@ def test_a_second_evaluate_on_one_out_is_refused_naming_the_first(small_store, t
     (tmp_path / "rep").mkdir()
     first = LockFile(tmp_path / "rep" / ".evaluate.lock")  # where a running evaluate.py holds its --out
     assert first.try_acquire() is None
-    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(ck), "--out",
-                        str(tmp_path / "rep"), "--max-prompts", "2", "--force"], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--store",
+            str(small_store),
+            "--checkpoint",
+            str(ck),
+            "--out",
+            str(tmp_path / "rep"),
+            "--max-prompts",
+            "2",
+            "--force",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"error: --out {tmp_path / 'rep'}: another evaluate.py is writing it (host {HOST}, "
-                               f"pid {os.getpid()}, since ")
+    assert r.stderr.startswith(
+        f"error: --out {tmp_path / 'rep'}: another evaluate.py is writing it (host {HOST}, pid {os.getpid()}, since "
+    )
     assert r.stderr.endswith("); wait for it, or choose another --out\n")
     first.release()
     evaluate(small_store, tmp_path, ck, max_prompts=2)
-    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["histogram.png", "per_slot.png", "report.json",
-                                                                     "report.md"]  # the lock released
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == [
+        "histogram.png",
+        "per_slot.png",
+        "report.json",
+        "report.md",
+    ]  # the lock released
 
 
 def test_force_replaces_a_report_and_nothing_else(small_store, store_copy, tmp_path):
@@ -240,26 +314,49 @@ def test_force_replaces_a_report_and_nothing_else(small_store, store_copy, tmp_p
     from tests.stages.test_export import a_run, tree
 
     ck = our_checkpoint(small_store, tmp_path / "ck")
-    writes = "evaluate.py writes its report into an empty directory or one holding an earlier report; choose another --out"
+    writes = (
+        "evaluate.py writes its report into an empty directory or one holding an earlier report; choose another --out"
+    )
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "report.json").write_text("{}")
     (notes / "todo.txt").write_text("mine")
     into_a_store = "no command writes its output into a store; choose a directory outside it"
-    cases = {store_copy: f"is a hidden-state store (zarr.json, shards/, _commits/, ...): {into_a_store}",
-             a_run(tmp_path / "run"): f"is a training run (metrics.jsonl, final/, curve.png, ...): {writes}",
-             notes: f"holds files evaluate.py did not write (todo.txt): {writes}",
-             store_copy / "report": f"lies inside the hidden-state store {store_copy}: {into_a_store}"}
+    cases = {
+        store_copy: f"is a hidden-state store (zarr.json, shards/, _commits/, ...): {into_a_store}",
+        a_run(tmp_path / "run"): f"is a training run (metrics.jsonl, final/, curve.png, ...): {writes}",
+        notes: f"holds files evaluate.py did not write (todo.txt): {writes}",
+        store_copy / "report": f"lies inside the hidden-state store {store_copy}: {into_a_store}",
+    }
     before = {d: tree(d) for d in (store_copy, tmp_path / "run", notes)}
     for out, why in cases.items():
         for force in (False, True):
             with pytest.raises(ConfigError) as e:
-                run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(out), max_prompts=2,
-                               force=force), log=lambda m: None)
+                run(
+                    EvalConfig(
+                        store=str(small_store), checkpoints=(str(ck),), out=str(out), max_prompts=2, force=force
+                    ),
+                    log=lambda m: None,
+                )
             assert str(e.value) == f"--out {out}: {why}"
     assert {d: tree(d) for d in before} == before
-    r = subprocess.run([sys.executable, "evaluate.py", "--store", str(small_store), "--checkpoint", str(ck), "--out",
-                        str(tmp_path / "run"), "--force"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--store",
+            str(small_store),
+            "--checkpoint",
+            str(ck),
+            "--out",
+            str(tmp_path / "run"),
+            "--force",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr == f"error: --out {tmp_path / 'run'}: {cases[tmp_path / 'run']}\n"
 
 
@@ -272,14 +369,31 @@ def test_a_failed_report_write_leaves_no_directory_it_created(small_store, tmp_p
     monkeypatch.setattr(report, "_atomic", full)
     ck = our_checkpoint(small_store, tmp_path / "ck")
     with pytest.raises(OSError, match="No space left"):
-        run(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(tmp_path / "new" / "rep"),
-                       max_prompts=2, ddtree=()), log=lambda m: None)
+        run(
+            EvalConfig(
+                store=str(small_store),
+                checkpoints=(str(ck),),
+                out=str(tmp_path / "new" / "rep"),
+                max_prompts=2,
+                ddtree=(),
+            ),
+            log=lambda m: None,
+        )
     assert not (tmp_path / "new").exists()
 
 
 def replayed(store, tmp_path, ck, name="rep", **over) -> dict:
-    rep = run(EvalConfig(store=str(store), checkpoints=(str(ck),), shards="0-3", out=str(tmp_path / name),
-                         ddtree=(4, 16), **{"max_prompts": None, **over}), log=lambda m: None)
+    rep = run(
+        EvalConfig(
+            store=str(store),
+            checkpoints=(str(ck),),
+            shards="0-3",
+            out=str(tmp_path / name),
+            ddtree=(4, 16),
+            **{"max_prompts": None, **over},
+        ),
+        log=lambda m: None,
+    )
     return rep
 
 
@@ -291,8 +405,13 @@ def test_batched_replay_gives_every_prompt_the_serial_rounds(small_store, traine
 
     rep = replayed(small_store, tmp_path, trained_drafter, dtype="fp32", batch_prompts=5)
     store = HiddenStore(str(small_store))
-    m = build(check_checkpoint(str(trained_drafter), store, False, []), store.embedding("embed_tokens"),
-              store.embedding("lm_head"), "cpu", "fp32")
+    m = build(
+        check_checkpoint(str(trained_drafter), store, False, []),
+        store.embedding("embed_tokens"),
+        store.embedding("lm_head"),
+        "cpu",
+        "fp32",
+    )
     prompts = Prompts(store, [0, 1, 2, 3], None, seed=0)
     got = {(p["shard"], p["index"]): p for p in rep["checkpoints"][0]["per_prompt"]}
     assert len(got) == len(prompts) == rep["sample"]["available"] > 5
@@ -319,8 +438,15 @@ def test_a_seeded_sample_with_its_interval(small_store, trained_drafter, tmp_pat
     again = replayed(small_store, tmp_path, trained_drafter, "b", max_prompts=6)
     other = replayed(small_store, tmp_path, trained_drafter, "c", max_prompts=6, seed=1)
     n = everything["sample"]["available"]
-    assert a["sample"] == {"prompts": 6, "available": n, "seed": 0, "live_prompts": None, "processes": 1,
-                           "devices": ["cpu"], "dtype": "bf16"}
+    assert a["sample"] == {
+        "prompts": 6,
+        "available": n,
+        "seed": 0,
+        "live_prompts": None,
+        "processes": 1,
+        "devices": ["cpu"],
+        "dtype": "bf16",
+    }
     picked = [[(p["shard"], p["index"]) for p in r["checkpoints"][0]["per_prompt"]] for r in (a, again, other)]
     assert picked[0] == picked[1] != picked[2] and len(set(picked[0])) == 6
     r = a["checkpoints"][0]
@@ -354,11 +480,37 @@ def test_tau_interval_is_over_prompts_when_every_prompt_was_replayed(small_store
 def test_two_processes_give_the_report_of_one(small_store, trained_drafter, tmp_path):
     one = replayed(small_store, tmp_path, trained_drafter, "one", dtype="fp32")
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_port", "29573",
-                        "evaluate.py", "--store", str(small_store), "--checkpoint", str(trained_drafter), "--shards",
-                        "0-3", "--ddtree", "4,16", "--max-prompts", "all", "--dtype", "fp32", "--out",
-                        str(tmp_path / "two")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29573",
+            "evaluate.py",
+            "--store",
+            str(small_store),
+            "--checkpoint",
+            str(trained_drafter),
+            "--shards",
+            "0-3",
+            "--ddtree",
+            "4,16",
+            "--max-prompts",
+            "all",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("tau pooled") == 1  # rank 0 alone prints the table
     two = json.loads((tmp_path / "two" / "report.json").read_text())
@@ -387,8 +539,11 @@ def test_a_corrupt_chunk_is_never_replayed(store_copy, tmp_path):
 
     ck = our_checkpoint(store_copy, tmp_path / "ck")
     damage_states(store_copy, 3)
-    with pytest.raises(StoreCorrupt, match=r"shards/00003/hidden.* fails its crc32c checksum .*\(shard 3, sample \d+\); "
-                                           r"run `pipeline verify .* --shards 3`"):
+    with pytest.raises(
+        StoreCorrupt,
+        match=r"shards/00003/hidden.* fails its crc32c checksum .*\(shard 3, sample \d+\); "
+        r"run `pipeline verify .* --shards 3`",
+    ):
         evaluate(store_copy, tmp_path, ck, shards="3")
     assert not (tmp_path / "rep" / "report.json").exists()
 
@@ -408,12 +563,45 @@ def test_rank_0s_extra_work_holds_no_other_process_in_a_collective(small_store, 
     from pipeline import TINY_TARGET
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAKE_VLLM_SECONDS": "15"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "tests.short_timeout", "6", "--store", str(small_store), "--checkpoint",
-                        str(trained_drafter), "--shards", "0-3", "--ddtree", "none", "--max-prompts", "all", "--live",
-                        "--live-prompts", "4", "--target", str(TINY_TARGET), "--served", "vllm", "--served-python",
-                        fake_vllm_python(tmp_path), "--out", str(tmp_path / "rep")], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "tests.short_timeout",
+            "6",
+            "--store",
+            str(small_store),
+            "--checkpoint",
+            str(trained_drafter),
+            "--shards",
+            "0-3",
+            "--ddtree",
+            "none",
+            "--max-prompts",
+            "all",
+            "--live",
+            "--live-prompts",
+            "4",
+            "--target",
+            str(TINY_TARGET),
+            "--served",
+            "vllm",
+            "--served-python",
+            fake_vllm_python(tmp_path),
+            "--out",
+            str(tmp_path / "rep"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["sample"]["processes"] == 2 and rep["sample"]["devices"] == ["cpu", "cpu"]
@@ -445,7 +633,16 @@ def test_one_checkpoint_at_a_time_is_in_memory(small_store, trained_drafter, tmp
 
     monkeypatch.setattr(evaluation, "build", build)
     monkeypatch.setattr(ck, "load", lambda path: loads.append(path) or real_load(path))
-    rep = evaluate(small_store, tmp_path, trained_drafter, trained_drafter, trained_drafter, shards="0-3",
-                   live=True, live_prompts=2, target=str(TINY_TARGET))
+    rep = evaluate(
+        small_store,
+        tmp_path,
+        trained_drafter,
+        trained_drafter,
+        trained_drafter,
+        shards="0-3",
+        live=True,
+        live_prompts=2,
+        target=str(TINY_TARGET),
+    )
     assert len(built) == 6 and len(loads) == 6  # replay then live, each reading its weights then
     assert [c["live"]["prompts_equal_to_replay"] for c in rep["checkpoints"]] == [2, 2, 2]

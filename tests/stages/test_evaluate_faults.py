@@ -17,8 +17,9 @@ VOLATILE = ("time", "replay_seconds", "rounds_per_s")  # wall-clock figures
 def evaluate(args, point=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     program = ["evaluate.py"] if point is None else ["-m", "tests.killed", "evaluate", point]
-    return subprocess.run([sys.executable, *program, *map(str, args)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *program, *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def stable(report_dir) -> dict:
@@ -70,8 +71,10 @@ def test_train_and_evaluate_name_a_damaged_file_in_one_line(small_store, tmp_pat
     path = store / key
     bad = damaged(path.read_bytes(), DAMAGE[key])
     path.unlink() if bad is None else path.write_bytes(bad)
-    for r in (train(["--store", store, "--out", tmp_path / "run", "--max-steps", 2, "--eval-shards", 3, *TINY]),
-              evaluate(["--store", store, "--checkpoint", ck, "--shards", 3, "--out", tmp_path / "rep"])):
+    for r in (
+        train(["--store", store, "--out", tmp_path / "run", "--max-steps", 2, "--eval-shards", 3, *TINY]),
+        evaluate(["--store", store, "--checkpoint", ck, "--shards", 3, "--out", tmp_path / "rep"]),
+    ):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and lines[-1].startswith("error: ") and names(lines[-1], key), r.stderr[-2000:]
         assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -24,8 +24,12 @@ def labelled_store(tmp_path_factory):
     rows = [{**r, "source": "even" if i % 2 == 0 else "odd"} for i, r in enumerate(small_rows())]
     data = tmp / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extract(ExtractConfig(store=str(tmp / "hs.zarr"), dataset=str(data), shards="3", num_shards=4,
-                          category_field="source", **SMALL), log=lambda m: None)
+    extract(
+        ExtractConfig(
+            store=str(tmp / "hs.zarr"), dataset=str(data), shards="3", num_shards=4, category_field="source", **SMALL
+        ),
+        log=lambda m: None,
+    )
     return tmp / "hs.zarr"
 
 
@@ -42,8 +46,16 @@ def test_every_sample_keeps_its_rows_label(labelled_store):
 def test_tau_per_category_and_context_is_the_mean_over_exactly_those_prompts(labelled_store, trained_drafter, tmp_path):
     """The drafter was trained on the small store: another store of the same conditioning (its data
     differs: labels added) is replayed without --allow-mismatch, and the report says so."""
-    rep = run(EvalConfig(store=str(labelled_store), checkpoints=(str(trained_drafter),), shards="3", ddtree=(1, 8),
-                         out=str(tmp_path / "rep")), log=lambda m: None)
+    rep = run(
+        EvalConfig(
+            store=str(labelled_store),
+            checkpoints=(str(trained_drafter),),
+            shards="3",
+            ddtree=(1, 8),
+            out=str(tmp_path / "rep"),
+        ),
+        log=lambda m: None,
+    )
     r = rep["checkpoints"][0]
     assert r["check"].startswith("conditioning matches") and rep["warnings"] == []
     assert set(r["per_category"]) == {"even", "odd"}
@@ -66,13 +78,21 @@ def test_tau_per_category_and_context_is_the_mean_over_exactly_those_prompts(lab
 
 
 def test_a_store_without_labels_reports_no_categories(small_store, trained_drafter, tmp_path):
-    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained_drafter),), ddtree=(8,), max_prompts=4,
-                         out=str(tmp_path / "rep")), log=lambda m: None)
+    rep = run(
+        EvalConfig(
+            store=str(small_store),
+            checkpoints=(str(trained_drafter),),
+            ddtree=(8,),
+            max_prompts=4,
+            out=str(tmp_path / "rep"),
+        ),
+        log=lambda m: None,
+    )
     assert rep["checkpoints"][0]["per_category"] == {} and "tau by category" not in console(rep)
 
 
 def test_context_buckets_by_the_rounds_context():
-    assert [context_bucket(s) for s in (0, 1022, 1023, 4094, 4095, 16382, 16383, 10 ** 6)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [context_bucket(s) for s in (0, 1022, 1023, 4094, 4095, 16382, 16383, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert len(CONTEXT_LABELS) == 4
 
     def prompt(rounds, tokens):  # one policy; rounds and tokens per bucket

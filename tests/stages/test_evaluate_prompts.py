@@ -32,8 +32,9 @@ def by_shard_readers(store, shards, limit, seed):
     return [refs[i] for i in pick], max(lengths[i] for i in pick)
 
 
-@pytest.mark.parametrize("shards,limit,seed", [([0, 1, 2, 3], None, 0), ([0, 1, 2, 3], 7, 0), ([0, 1, 2, 3], 7, 5),
-                                                ([3, 1], 4, 2)])
+@pytest.mark.parametrize(
+    "shards,limit,seed", [([0, 1, 2, 3], None, 0), ([0, 1, 2, 3], 7, 0), ([0, 1, 2, 3], 7, 5), ([3, 1], 4, 2)]
+)
 def test_the_index_gives_the_sample_every_shard_gave(small_store, shards, limit, seed):
     store = HiddenStore(str(small_store))
     got = Prompts(store, shards, limit, seed)
@@ -72,7 +73,9 @@ def test_threaded_read_gives_each_sample_in_order(small_store, threads, ahead):
     assert [(s.shard, s.index) for s in got] == refs
     for s in got[::5]:
         want = ShardReader(store, s.shard)[s.index]
-        assert torch.equal(s.tokens, want.tokens) and torch.equal(s.hidden.view(torch.int16), want.hidden.view(torch.int16))
+        assert torch.equal(s.tokens, want.tokens) and torch.equal(
+            s.hidden.view(torch.int16), want.hidden.view(torch.int16)
+        )
         assert s.prompt_len == want.prompt_len and s.row_id == want.row_id
 
 
@@ -93,8 +96,9 @@ def test_a_failed_read_is_raised_where_the_samples_are_taken(small_store, tmp_pa
 def test_shards_committed_after_the_index_are_read_from_their_files(small_store):
     store = HiddenStore(str(small_store))
     full, _ = index_file.load(store)
-    older = index_file.StoreIndex({s: r for s, r in full.records.items() if s != 2},
-                                  {s: a for s, a in full.arrays.items() if s != 2})
+    older = index_file.StoreIndex(
+        {s: r for s, r in full.records.items() if s != 2}, {s: a for s, a in full.arrays.items() if s != 2}
+    )
     config = EvalConfig(store=str(small_store), checkpoints=("x",), shards="1-2")
     chosen = choose_shards(config, store, [], [], older.records)
     assert chosen.ids == [1, 2]

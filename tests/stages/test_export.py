@@ -33,10 +33,21 @@ def drafter_checkpoint(store_path, directory, train: dict | None = None, **recor
     dc, _ = drafter_config(TrainConfig.of(num_layers=2, **(train or {})), store.attrs, None)
     m = Drafter(dc, store.embedding("embed_tokens"), store.embedding("lm_head"))
     m.init_weights(torch.Generator().manual_seed(0))
-    info = {"store_fingerprint": store.attrs.fingerprint, "store": str(store_path), "train_shards": "0-2",
-            "eval_shards": "3", "step": 7,
-            "train_config": {"lr": 0.0031, "batch_size": 2, "anchors": 16, "gamma": 7.0, "optimizer": "muon",
-                             "acceptance_weight": 0.5}}
+    info = {
+        "store_fingerprint": store.attrs.fingerprint,
+        "store": str(store_path),
+        "train_shards": "0-2",
+        "eval_shards": "3",
+        "step": 7,
+        "train_config": {
+            "lr": 0.0031,
+            "batch_size": 2,
+            "anchors": 16,
+            "gamma": 7.0,
+            "optimizer": "muon",
+            "acceptance_weight": 0.5,
+        },
+    }
     checkpoint.save(directory, dc, m.state_dict(), TrainingRecord(**{**info, **record}))
     return directory
 
@@ -46,8 +57,17 @@ def measured(small_store, tmp_path_factory):
     """(checkpoint, its replay report directory): evaluate.py run on a few held-out prompts."""
     root = tmp_path_factory.mktemp("export")
     ck = drafter_checkpoint(small_store, root / "run" / "step-7")
-    rep = evaluate(EvalConfig(store=str(small_store), checkpoints=(str(ck),), out=str(root / "report"),
-                              ddtree=(4, 8), max_prompts=3, device="cpu"), log=lambda m: None)
+    rep = evaluate(
+        EvalConfig(
+            store=str(small_store),
+            checkpoints=(str(ck),),
+            out=str(root / "report"),
+            ddtree=(4, 8),
+            max_prompts=3,
+            device="cpu",
+        ),
+        log=lambda m: None,
+    )
     assert rep["checkpoints"][0]["tau"] >= 1
     return ck, root / "report"
 
@@ -132,8 +152,13 @@ def test_a_served_report_puts_served_tau_beside_replay_tau(measured, tmp_path):
     ck, report = measured
     rep = json.loads((report / "report.json").read_text())
     side = {"prompts": 5, "served_tau": 2.5, "replay_tau": 2.4, "difference": 2.5 / 2.4 - 1}
-    rep["checkpoints"][0]["served"] = {"engine": "vllm 0.32.0", "prompts": 6, "identical_completions": 5,
-                                       "agreeing": side, "all": {**side, "prompts": 6}}
+    rep["checkpoints"][0]["served"] = {
+        "engine": "vllm 0.32.0",
+        "prompts": 6,
+        "identical_completions": 5,
+        "agreeing": side,
+        "all": {**side, "prompts": 6},
+    }
     (tmp_path / "served.json").write_text(json.dumps(rep))
     run(ck, tmp_path / "out", report=str(tmp_path / "served.json"))
     text = (tmp_path / "out" / "README.md").read_text()
@@ -162,8 +187,11 @@ def test_report_on_another_store_is_refused_unless_allowed(measured, tmp_path):
     rep = json.loads((report / "report.json").read_text())
     rep["store_fingerprint"] = "f" * 64
     (tmp_path / "report.json").write_text(json.dumps(rep))
-    with pytest.raises(ConfigError, match=r"--report .*not a report on this checkpoint's store: "
-                                          r"it replayed store f{12},"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--report .*not a report on this checkpoint's store: "
+        r"it replayed store f{12},",
+    ):
         run(ck, tmp_path / "out", report=str(tmp_path))
     assert not (tmp_path / "out").exists()
     _, lines = run(ck, tmp_path / "out", report=str(tmp_path), allow_mismatch=True)
@@ -186,7 +214,7 @@ def test_sliding_window_drafter_warns_and_the_card_lists_it(small_store, monkeyp
     assert code == 0 and len(sliding) == 1 and "reference DFlash" in sliding[0]
     assert "serving caveat(s): see stderr" in out
     text = (tmp_path / "out" / "README.md").read_text()
-    caveats = text[text.index("## Serving caveats"):]
+    caveats = text[text.index("## Serving caveats") :]
     assert f"- {sliding[0].removeprefix('warning: ')}" in caveats
     assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in text and "| sliding window | 8 |" in text
 
@@ -204,7 +232,7 @@ def test_unopenable_store_skips_the_target_checks(measured, tmp_path):
     assert result["target"] is None and any("target checks skipped" in w and "gone.zarr" in w for w in lines)
     text = (tmp_path / "out" / "README.md").read_text()
     assert "## Target\n\nNot checked: store" in text and "base_model" not in text
-    assert "target checks skipped" in text[text.index("## Serving caveats"):]
+    assert "target checks skipped" in text[text.index("## Serving caveats") :]
 
 
 def test_only_an_earlier_export_is_replaced_and_only_with_force(measured, tmp_path):
@@ -214,8 +242,10 @@ def test_only_an_earlier_export_is_replaced_and_only_with_force(measured, tmp_pa
     before = (out / "README.md").read_text()
     with pytest.raises(ConfigError) as e:
         run(ck, out)
-    assert str(e.value) == (f"OUT_DIR {out}: already holds an earlier export (config.json, model.safetensors, "
-                            "modeling_dflash.py, README.md); pass --force to replace it, or choose another OUT_DIR")
+    assert str(e.value) == (
+        f"OUT_DIR {out}: already holds an earlier export (config.json, model.safetensors, "
+        "modeling_dflash.py, README.md); pass --force to replace it, or choose another OUT_DIR"
+    )
     (out / "README.md").write_text("edited")
     run(ck, out, force=True)
     assert {p.name for p in out.iterdir()} == FILES and (out / "README.md").read_text() == before
@@ -223,9 +253,11 @@ def test_only_an_earlier_export_is_replaced_and_only_with_force(measured, tmp_pa
     for force in (False, True):
         with pytest.raises(ConfigError) as e:
             run(ck, out, force=force)
-        assert str(e.value) == (f"OUT_DIR {out}: holds files pipeline export did not write (keep.txt): export writes "
-                                "a serving checkpoint into an empty directory or one holding an earlier export; choose "
-                                "another OUT_DIR")
+        assert str(e.value) == (
+            f"OUT_DIR {out}: holds files pipeline export did not write (keep.txt): export writes "
+            "a serving checkpoint into an empty directory or one holding an earlier export; choose "
+            "another OUT_DIR"
+        )
     assert (out / "keep.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="holds the checkpoint"):
         run(ck, ck, force=True)
@@ -258,16 +290,21 @@ def test_force_never_replaces_a_store_a_run_or_a_checkpoint(measured, store_copy
     DIR is left as it was; --force is not offered where it would not help."""
     ck, _ = measured
     run_dir = a_run(tmp_path / "runs" / "tiny")
-    cases = {store_copy: "is a hidden-state store (zarr.json, shards/, _commits/, ...)",
-             run_dir: "is a training run (metrics.jsonl, final/, curve.png, ...)",
-             run_dir / "final": "is a drafter checkpoint (config.json)",
-             store_copy / "shards" / "drafter": f"lies inside the hidden-state store {store_copy}"}
+    cases = {
+        store_copy: "is a hidden-state store (zarr.json, shards/, _commits/, ...)",
+        run_dir: "is a training run (metrics.jsonl, final/, curve.png, ...)",
+        run_dir / "final": "is a drafter checkpoint (config.json)",
+        store_copy / "shards" / "drafter": f"lies inside the hidden-state store {store_copy}",
+    }
     before = {d: tree(d) for d in (store_copy, run_dir)}
     for out, what in cases.items():
         for force in ([], ["--force"]):
             code, stdout, err = run_main(monkeypatch, capsys, ["export", str(ck), str(out), *force])
-            end = ("no command writes its output into a store; choose a directory outside it" if "store" in what
-                   else f"{WRITES}; choose another OUT_DIR")
+            end = (
+                "no command writes its output into a store; choose a directory outside it"
+                if "store" in what
+                else f"{WRITES}; choose another OUT_DIR"
+            )
             assert (code, stdout, err) == (2, "", f"error: OUT_DIR {out}: {what}: {end}\n")
     assert {d: tree(d) for d in (store_copy, run_dir)} == before
 
@@ -278,8 +315,10 @@ def test_the_current_directory_is_one_line_not_a_traceback(measured, monkeypatch
     here.mkdir()
     monkeypatch.chdir(here)
     code, out, err = run_main(monkeypatch, capsys, ["export", str(ck), ".", "--force"])
-    assert (code, out) == (2, "") and err == ("error: OUT_DIR .: is the current directory, which export cannot replace "
-                                              "(it publishes OUT_DIR by a rename); run it from another directory\n")
+    assert (code, out) == (2, "") and err == (
+        "error: OUT_DIR .: is the current directory, which export cannot replace "
+        "(it publishes OUT_DIR by a rename); run it from another directory\n"
+    )
     (here / "notes.txt").write_text("mine")
     code, out, err = run_main(monkeypatch, capsys, ["export", str(ck), ".", "--force"])
     assert code == 2 and err.startswith("error: OUT_DIR .: holds files pipeline export did not write (notes.txt)")
@@ -299,8 +338,9 @@ def test_a_second_export_to_one_out_dir_is_refused_naming_the_first(measured, tm
     assert first.try_acquire() is None
     with pytest.raises(ConfigError) as e:
         run(ck, tmp_path / "out")
-    assert str(e.value).startswith(f"OUT_DIR {tmp_path / 'out'}: another pipeline export is writing it (host {HOST}, "
-                                   f"pid {os.getpid()}, since ")
+    assert str(e.value).startswith(
+        f"OUT_DIR {tmp_path / 'out'}: another pipeline export is writing it (host {HOST}, pid {os.getpid()}, since "
+    )
     assert str(e.value).endswith("); wait for it, or choose another OUT_DIR") and not (tmp_path / "out").exists()
     first.release()
 
@@ -350,9 +390,16 @@ def test_a_failed_export_leaves_no_directory_it_created(measured, tmp_path, monk
 def test_card_names_a_hub_target_by_its_id():
     from store.format.schema import TargetRecord
 
-    t = TargetRecord(path="/h/.cache/huggingface/hub/models--Qwen--Qwen3.6-27B/snapshots/abc123", model_class="x",
-                     model_type="qwen3_5", fingerprint="f", config_sha256="c", weights_sha256={}, tokenizer_sha256="t",
-                     chat_template_sha256="c")
+    t = TargetRecord(
+        path="/h/.cache/huggingface/hub/models--Qwen--Qwen3.6-27B/snapshots/abc123",
+        model_class="x",
+        model_type="qwen3_5",
+        fingerprint="f",
+        config_sha256="c",
+        weights_sha256={},
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+    )
     assert card.base_model(t) == card.served_as(t) == "Qwen/Qwen3.6-27B"
     assert card.base_model(None) is None and card.served_as(None) == "TARGET"
 
@@ -360,8 +407,9 @@ def test_card_names_a_hub_target_by_its_id():
 def test_cli_one_line_error_for_a_missing_checkpoint(monkeypatch, capsys, tmp_path):
     code, out, err = run_main(monkeypatch, capsys, ["export", str(tmp_path / "nope"), str(tmp_path / "out")])
     assert code == 2 and out == "" and "Traceback" not in err
-    assert err.splitlines() == [f"error: {tmp_path / 'nope' / 'config.json'}: no such file (not a drafter checkpoint "
-                                "directory)"]
+    assert err.splitlines() == [
+        f"error: {tmp_path / 'nope' / 'config.json'}: no such file (not a drafter checkpoint directory)"
+    ]
 
 
 def test_cli_prints_the_summary(measured, monkeypatch, capsys, tmp_path):

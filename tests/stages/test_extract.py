@@ -41,7 +41,7 @@ def test_loss_mask_is_exactly_the_completion(small_store, target):
     for s in samples(small_store):
         prompt = chat_prompt(tok, rows[s.row_id]["messages"][:1])
         assert s.tokens[: s.prompt_len].tolist() == prompt
-        assert not s.loss_mask[: s.prompt_len].any() and s.loss_mask[s.prompt_len:].all()
+        assert not s.loss_mask[: s.prompt_len].any() and s.loss_mask[s.prompt_len :].all()
         assert len(s.tokens) > s.prompt_len
 
 
@@ -50,8 +50,8 @@ def test_stored_completions_are_the_targets_greedy_generate(small_store, target)
         prompt = s.tokens[: s.prompt_len]
         limit = min(SMALL["max_new_tokens"], SMALL["max_length"] - s.prompt_len)
         with torch.inference_mode():
-            out = target.model.generate(prompt[None], max_new_tokens=limit, do_sample=False)[0, s.prompt_len:].tolist()
-        stored = s.tokens[s.prompt_len:].tolist()
+            out = target.model.generate(prompt[None], max_new_tokens=limit, do_sample=False)[0, s.prompt_len :].tolist()
+        stored = s.tokens[s.prompt_len :].tolist()
         eos = target.eos_ids[0]
         expected = out[: out.index(eos) + 1] if eos in out else out
         assert stored == expected, s.row_id
@@ -88,8 +88,14 @@ def test_agreement_is_recorded_per_shard(small_store, tmp_path, small_dataset):
 
     s = summarize(HiddenStore(str(small_store)))["agreement"]
     assert s["shards_checked"] == 4 and s["tokens"] > 50 and s["rate"] == 1.0
-    config = ExtractConfig(store=str(tmp_path / "ds.zarr"), dataset=str(small_dataset), shards="0", num_shards=4,
-                           responses="dataset", **SMALL)
+    config = ExtractConfig(
+        store=str(tmp_path / "ds.zarr"),
+        dataset=str(small_dataset),
+        shards="0",
+        num_shards=4,
+        responses="dataset",
+        **SMALL,
+    )
     assert run(config, log=lambda m: None)["agreement"]["rate"] < 0.9
 
 
@@ -111,7 +117,10 @@ def test_an_fp8_store_holds_the_bf16_states_rounded_and_is_checked_alike(small_s
 
     bf16, fp8 = HiddenStore(str(small_store)), HiddenStore(str(fp8_store))
     assert (fp8.attrs.compat.hidden_format, fp8.attrs.compat.codec) == ("fp8", "fp8")
-    assert fp8.attrs.compat.differences(bf16.attrs.compat) == {"codec": ("fp8", "planes"), "hidden_format": ("fp8", None)}
+    assert fp8.attrs.compat.differences(bf16.attrs.compat) == {
+        "codec": ("fp8", "planes"),
+        "hidden_format": ("fp8", None),
+    }
     assert fp8.attrs.compat.conditioning() != bf16.attrs.compat.conditioning()
     assert fp8.attrs.compat.as_format("bf16").conditioning() == bf16.attrs.compat.conditioning()
     assert fp8.attrs.layout.compressor[0] == {"name": "dflash.fp8_e4m3", "configuration": {"group": 128, "level": 1}}
@@ -128,16 +137,18 @@ def test_a_store_keeps_the_hidden_format_it_was_made_with(fp8_store, tmp_path, s
     import shutil
 
     shutil.copytree(fp8_store, tmp_path / "s.zarr")
-    bf16 = ExtractConfig(store=str(tmp_path / "s.zarr"), dataset=str(small_dataset), shards="0-3", num_shards=4,
-                         **SMALL)
-    refused = "hidden_format: store has \"fp8\", this run has null.*pass --hidden-format fp8"
+    bf16 = ExtractConfig(
+        store=str(tmp_path / "s.zarr"), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL
+    )
+    refused = 'hidden_format: store has "fp8", this run has null.*pass --hidden-format fp8'
     with pytest.raises(StoreMismatch, match=refused):
         run(bf16, log=lambda m: None)
     assert run(dataclasses.replace(bf16, hidden_format="fp8"), log=lambda m: None)["shards_skipped"] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("damage,hidden_format", [("states", "bf16"), ("commit file", "bf16"),
-                                                  ("array metadata", "bf16"), ("states", "fp8")])
+@pytest.mark.parametrize(
+    "damage,hidden_format", [("states", "bf16"), ("commit file", "bf16"), ("array metadata", "bf16"), ("states", "fp8")]
+)
 def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(request, tmp_path, small_dataset, damage, hidden_format):
     import shutil
 
@@ -147,13 +158,23 @@ def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(request, tmp_path, smal
     if damage == "states":
         damage_states(store_copy, 1)
     else:
-        path, old, new = ((store_copy / "_commits/00001.json", '"samples": ', '"samples": 1') if damage == "commit file"
-                          else (store_copy / "shards/00001/offsets/zarr.json", "int64", "int32"))
+        path, old, new = (
+            (store_copy / "_commits/00001.json", '"samples": ', '"samples": 1')
+            if damage == "commit file"
+            else (store_copy / "shards/00001/offsets/zarr.json", "int64", "int32")
+        )
         assert old in path.read_text()
         path.write_text(path.read_text().replace(old, new, 1))  # still JSON
     untouched = (store_copy / "_commits/00002.json").stat().st_mtime_ns
-    config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, redo=True,
-                           hidden_format=hidden_format, **SMALL)
+    config = ExtractConfig(
+        store=str(store_copy),
+        dataset=str(small_dataset),
+        shards="0-3",
+        num_shards=4,
+        redo=True,
+        hidden_format=hidden_format,
+        **SMALL,
+    )
     if damage == "commit file":  # without --redo: one line naming the file and the fix
         with pytest.raises(StoreCorrupt, match=r"_commits/00001.json: damaged commit file .*--shards 1 --redo"):
             run(dataclasses.replace(config, redo=False), log=lambda m: None)
@@ -169,8 +190,14 @@ def test_redo_extracts_a_corrupt_shard_again_bit_for_bit(request, tmp_path, smal
 
 
 def test_dataset_responses_are_stored_verbatim(tmp_path, small_dataset, target):
-    config = ExtractConfig(store=str(tmp_path / "ds.zarr"), dataset=str(small_dataset), shards="0", num_shards=4,
-                           responses="dataset", **{**SMALL, "max_new_tokens": 400, "max_length": 600})
+    config = ExtractConfig(
+        store=str(tmp_path / "ds.zarr"),
+        dataset=str(small_dataset),
+        shards="0",
+        num_shards=4,
+        responses="dataset",
+        **{**SMALL, "max_new_tokens": 400, "max_length": 600},
+    )
     run(config, log=lambda m: None)
     rows = small_rows()
     tok = target.tokenizer
@@ -178,17 +205,25 @@ def test_dataset_responses_are_stored_verbatim(tmp_path, small_dataset, target):
     assert got
     for s in got:
         response = rows[s.row_id]["messages"][1]["content"]
-        assert s.tokens[s.prompt_len:].tolist() == tok(response, add_special_tokens=False).input_ids + [target.eos_ids[0]]
+        assert s.tokens[s.prompt_len :].tolist() == tok(response, add_special_tokens=False).input_ids + [
+            target.eos_ids[0]
+        ]
 
 
 def test_plain_prompt_rows_and_missing_responses(tmp_path, target):
     data = tmp_path / "p.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"", "response": "    return a + b"},
-        {"prompt": "def sub(a, b):"},
-    ]))
-    config = ExtractConfig(store=str(tmp_path / "p.zarr"), dataset=str(data), shards="0", num_shards=1,
-                           responses="dataset", **SMALL)
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": 'def add(a, b):\n    """Add."""', "response": "    return a + b"},
+                {"prompt": "def sub(a, b):"},
+            ]
+        )
+    )
+    config = ExtractConfig(
+        store=str(tmp_path / "p.zarr"), dataset=str(data), shards="0", num_shards=1, responses="dataset", **SMALL
+    )
     summary = run(config, log=lambda m: None)
     assert summary["samples"] == 1 and summary["skipped"]["missing_response"] == 1
 
@@ -197,18 +232,30 @@ def test_response_ids_from_an_engine_are_stored_verbatim(tmp_path, target):
     from pipeline.errors import DatasetError
 
     data = tmp_path / "ids.jsonl"
-    rows = [{"prompt": "def add(a, b):", "response_ids": [17, 300, 42, 9, 2]},
-            {"messages": [{"role": "user", "content": "def sub(a, b):"}], "response_ids": [5, 6, 7]}]
+    rows = [
+        {"prompt": "def add(a, b):", "response_ids": [17, 300, 42, 9, 2]},
+        {"messages": [{"role": "user", "content": "def sub(a, b):"}], "response_ids": [5, 6, 7]},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = ExtractConfig(store=str(tmp_path / "ids.zarr"), dataset=str(data), shards="0", num_shards=1,
-                           responses="dataset", **SMALL)
+    config = ExtractConfig(
+        store=str(tmp_path / "ids.zarr"), dataset=str(data), shards="0", num_shards=1, responses="dataset", **SMALL
+    )
     run(config, log=lambda m: None)
-    got = {s.row_id: s.tokens[s.prompt_len:].tolist() for s in samples(tmp_path / "ids.zarr")}
+    got = {s.row_id: s.tokens[s.prompt_len :].tolist() for s in samples(tmp_path / "ids.zarr")}
     assert got == {0: [17, 300, 42, 9, 2], 1: [5, 6, 7]}
     data.write_text(json.dumps({"prompt": "x", "response_ids": [1, 99999]}) + "\n")
     with pytest.raises(DatasetError, match="row 0 response ids hold 99999, outside the target's vocabulary"):
-        run(ExtractConfig(store=str(tmp_path / "bad.zarr"), dataset=str(data), shards="0", num_shards=1,
-                          responses="dataset", **SMALL), log=lambda m: None)
+        run(
+            ExtractConfig(
+                store=str(tmp_path / "bad.zarr"),
+                dataset=str(data),
+                shards="0",
+                num_shards=1,
+                responses="dataset",
+                **SMALL,
+            ),
+            log=lambda m: None,
+        )
 
 
 def test_token_rows_are_stored_exactly_as_given(tmp_path, target):
@@ -218,7 +265,9 @@ def test_token_rows_are_stored_exactly_as_given(tmp_path, target):
     from pipeline.errors import DatasetError
 
     tok = target.tokenizer
-    chat = tok("<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    chat = tok(
+        "<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    ).input_ids
     answer = tok("    return a + b<|im_end|>", add_special_tokens=False).input_ids
     tool = tok("\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
     ids = chat + answer + tool + answer + [7, 8]  # two answers, then tokens after the last one
@@ -226,21 +275,45 @@ def test_token_rows_are_stored_exactly_as_given(tmp_path, target):
     rows = [{"input_ids": ids, "loss_mask": mask}, {"prompt_ids": chat, "response_ids": answer}]
     data = tmp_path / "tokens.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = run(ExtractConfig(store=str(tmp_path / "t.zarr"), dataset=str(data), shards="0", num_shards=1,
-                                responses="dataset", **{**SMALL, "max_length": 400}), log=lambda m: None)
+    summary = run(
+        ExtractConfig(
+            store=str(tmp_path / "t.zarr"),
+            dataset=str(data),
+            shards="0",
+            num_shards=1,
+            responses="dataset",
+            **{**SMALL, "max_length": 400},
+        ),
+        log=lambda m: None,
+    )
     got = {s.row_id: s for s in samples(tmp_path / "t.zarr")}
     assert got[0].tokens.tolist() == ids[:-2] and got[0].loss_mask.tolist() == mask[:-2]
     assert got[0].prompt_len == len(chat) + len(answer) + len(tool)
     assert got[1].tokens.tolist() == chat + answer and got[1].prompt_len == len(chat)
     assert got[1].loss_mask.tolist() == [0] * len(chat) + [1] * len(answer)
-    assert summary["template_modes"] == {"token ids (no template)": 2} and summary["agreement"]["tokens"] == 2 * len(answer)
-    for bad, problem in [({"prompt_ids": [1, 99999], "response_ids": [5]}, "row 0 prompt ids hold 99999, outside"),
-                         ({"input_ids": [5, 6, 7], "loss_mask": [0, 1]}, "row 0 field 'loss_mask' must be a list of 0 "
-                                                                        "and 1 as long as 'input_ids' \\(3 ids\\)")]:
+    assert summary["template_modes"] == {"token ids (no template)": 2} and summary["agreement"]["tokens"] == 2 * len(
+        answer
+    )
+    for bad, problem in [
+        ({"prompt_ids": [1, 99999], "response_ids": [5]}, "row 0 prompt ids hold 99999, outside"),
+        (
+            {"input_ids": [5, 6, 7], "loss_mask": [0, 1]},
+            "row 0 field 'loss_mask' must be a list of 0 and 1 as long as 'input_ids' \\(3 ids\\)",
+        ),
+    ]:
         data.write_text(json.dumps(bad) + "\n")
         with pytest.raises(DatasetError, match=problem):
-            run(ExtractConfig(store=str(tmp_path / "bad.zarr"), dataset=str(data), shards="0", num_shards=1,
-                              responses="dataset", **SMALL), log=lambda m: None)
+            run(
+                ExtractConfig(
+                    store=str(tmp_path / "bad.zarr"),
+                    dataset=str(data),
+                    shards="0",
+                    num_shards=1,
+                    responses="dataset",
+                    **SMALL,
+                ),
+                log=lambda m: None,
+            )
 
 
 def multi_turn_rows() -> list[dict]:
@@ -248,7 +321,7 @@ def multi_turn_rows() -> list[dict]:
     rows = []
     base = [r for r in small_rows() if len(r["messages"]) == 2 and r["messages"][1]["content"].strip()][:9]
     for k in range(0, len(base) - 2, 3):
-        a, b, c = base[k:k + 3]
+        a, b, c = base[k : k + 3]
         chat = [{"role": "system", "content": "You write Python."}] + a["messages"] + b["messages"]
         rows.append({"messages": chat + (c["messages"] if k == 3 else [])})
     return rows
@@ -263,8 +336,13 @@ def test_every_assistant_turn_carries_the_loss_with_turns_all(tmp_path, target):
     data = tmp_path / "chats.jsonl"
     rows = multi_turn_rows()
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = dict(dataset=str(data), shards="0", num_shards=1, responses="dataset",
-                  **{**SMALL, "max_new_tokens": 400, "max_length": 1500})
+    common = dict(
+        dataset=str(data),
+        shards="0",
+        num_shards=1,
+        responses="dataset",
+        **{**SMALL, "max_new_tokens": 400, "max_length": 1500},
+    )
     run(ExtractConfig(store=str(tmp_path / "all.zarr"), turns="all", **common), log=lambda m: None)
     run(ExtractConfig(store=str(tmp_path / "last.zarr"), **common), log=lambda m: None)
     every, last = list(samples(tmp_path / "all.zarr")), list(samples(tmp_path / "last.zarr"))
@@ -272,16 +350,19 @@ def test_every_assistant_turn_carries_the_loss_with_turns_all(tmp_path, target):
     tok = target.tokenizer
     for a, b in zip(every, last):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.hidden, b.hidden) and a.prompt_len == b.prompt_len
-        assert torch.equal(a.loss_mask[a.prompt_len:], b.loss_mask[b.prompt_len:]) and not b.loss_mask[:b.prompt_len].any()
+        assert (
+            torch.equal(a.loss_mask[a.prompt_len :], b.loss_mask[b.prompt_len :])
+            and not b.loss_mask[: b.prompt_len].any()
+        )
         earlier = [m["content"] + "<|im_end|>" for m in rows[a.row_id]["messages"][:-1] if m["role"] == "assistant"]
         extra = (a.loss_mask & ~b.loss_mask).nonzero().flatten().tolist()
         runs = [[extra[0]]] if extra else []
         for k in extra[1:]:
             runs[-1].append(k) if k == runs[-1][-1] + 1 else runs.append([k])
-        decoded = [tok.decode(a.tokens[r[0]:r[-1] + 1]) for r in runs]
+        decoded = [tok.decode(a.tokens[r[0] : r[-1] + 1]) for r in runs]
         assert len(decoded) == len(earlier) > 0
         for d, e in zip(decoded, earlier):  # a token may hold the header's newline and the answer's indent
-            assert d.endswith(e) and d[:-len(e)] in ("", "\n"), (d, e)
+            assert d.endswith(e) and d[: -len(e)] in ("", "\n"), (d, e)
     store = HiddenStore(str(tmp_path / "all.zarr"))
     assert store.attrs.compat.turns == "all" and HiddenStore(str(tmp_path / "last.zarr")).attrs.compat.turns is None
     assert verify(store).ok and verify(HiddenStore(str(tmp_path / "last.zarr"))).ok
@@ -333,13 +414,20 @@ def test_a_run_that_stores_no_sample_fails_naming_why_and_keeps_its_shards(tmp_p
     counts and the fix, its shards committed (empty); a rerun that finds them committed passes."""
     from pipeline.errors import DatasetError
 
-    config = ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), num_shards=4, shards="0-1",
-                           **{**SMALL, "max_length": 8})
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        dataset=str(small_dataset),
+        num_shards=4,
+        shards="0-1",
+        **{**SMALL, "max_length": 8},
+    )
     with pytest.raises(DatasetError) as e:
         run(config, log=lambda m: None)
-    assert str(e.value).startswith(f"{config.store}: 0 samples stored in shard(s) 0-1 (dataset {small_dataset}): "
-                                   "of their 8 rows, 7 with a prompt of --max-length 8 tokens or more, 1 with an "
-                                   "empty prompt. Fix: raise --max-length")
+    assert str(e.value).startswith(
+        f"{config.store}: 0 samples stored in shard(s) 0-1 (dataset {small_dataset}): "
+        "of their 8 rows, 7 with a prompt of --max-length 8 tokens or more, 1 with an "
+        "empty prompt. Fix: raise --max-length"
+    )
     committed = HiddenStore(config.store).committed()
     assert list(committed) == [0, 1] and not any(r.samples for r in committed.values())
     again = run(config, log=lambda m: None)  # nothing written: not judged
@@ -356,8 +444,11 @@ def test_a_run_judges_all_its_shards_not_each(tmp_path, small_dataset):
     config = ExtractConfig(store=path, dataset=str(small_dataset), num_shards=32, shards="0-5", **SMALL)
     summary = run(config, log=lambda m: None)  # 16 rows over 32 shards: 1, 3 and 5 hold one each, 0, 2 and 4 none
     assert summary["samples"] == 3 and [HiddenStore(path).commit_record(s).samples for s in (0, 2, 4)] == [0, 0, 0]
-    with pytest.raises(DatasetError, match=r"0 samples stored in shard\(s\) 6 .*: they hold none of its 16 rows; "
-                                           "choose --shards that hold rows"):
+    with pytest.raises(
+        DatasetError,
+        match=r"0 samples stored in shard\(s\) 6 .*: they hold none of its 16 rows; "
+        "choose --shards that hold rows",
+    ):
         run(dataclasses.replace(config, shards="6"), log=lambda m: None)
     early = {"shards_written": [6], "samples": 0}  # shard 6 written empty, shard 8 still at another process
     check_stored(dataclasses.replace(config, shards="6,8"), HiddenStore(path), early, [6, 8], None, 32)
@@ -369,8 +460,10 @@ def test_a_dataset_without_rows_fails_before_the_target_loads(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
     with pytest.raises(DatasetError, match="empty.jsonl: no rows"):
-        run(ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(data), target="/nonexistent", **SMALL),
-            log=lambda m: None)
+        run(
+            ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(data), target="/nonexistent", **SMALL),
+            log=lambda m: None,
+        )
     assert not (tmp_path / "hs.zarr").exists()
 
 
@@ -381,8 +474,10 @@ def test_progress_reaches_the_log_inside_a_shard(tmp_path, small_dataset, monkey
 
     monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
     lines = []
-    run(ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), num_shards=4, shards="0", **SMALL),
-        log=lines.append)
+    run(
+        ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), num_shards=4, shards="0", **SMALL),
+        log=lines.append,
+    )
     commit = next(i for i, m in enumerate(lines) if m.startswith("shard 0: "))
     inside = [m for m in lines[:commit] if m.startswith("progress: ")]
     assert inside[0].startswith("progress: 0/4 rows, 0 tokens") and "shard 0: generating token 1/" in inside[0]

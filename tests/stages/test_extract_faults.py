@@ -108,7 +108,8 @@ def without_shard(store: Path, shard: int) -> StoreWriter:
 
 @pytest.mark.parametrize("point", FAULTS)
 def test_a_full_disk_stops_with_one_line_and_a_rerun_completes_the_store(
-        point, small_store, store_copy, small_dataset, monkeypatch, capsys):
+    point, small_store, store_copy, small_dataset, monkeypatch, capsys
+):
     """Shard 1 is extracted again into a copy of the small store whose other shards are committed;
     the disk fills up at `point`. One line names the store, the space still needed and the way on;
     no shard without all its data has a commit file; verify passes; a rerun without the fault gives
@@ -122,15 +123,19 @@ def test_a_full_disk_stops_with_one_line_and_a_rerun_completes_the_store(
     line = one_error_line(err)
     assert line.startswith(f"error: {store_copy}: no space left on device; the shards still to write need about ")
     assert "KiB: committed" in line
-    assert line.endswith("committed shards are kept, the shard in progress is left uncommitted; free space and "
-                         "rerun the same command to complete the store")
+    assert line.endswith(
+        "committed shards are kept, the shard in progress is left uncommitted; free space and "
+        "rerun the same command to complete the store"
+    )
     assert "space: 1 shard(s) to write need about" in err  # the estimate, printed before the run
     assert list(store.committed()) == [0, 2, 3] and store.has_data(SHARD)
     assert verify(store).ok
     assert not list((store_copy / "_locks").glob("*.lock"))
 
-    summary = run(ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4,
-                                **SMALL), log=lambda m: None)
+    summary = run(
+        ExtractConfig(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL),
+        log=lambda m: None,
+    )
     assert summary["shards_written"] == [SHARD]
     assert_stores_equal(store_copy, small_store)
     for f in (p for p in (small_store / f"shards/0000{SHARD}").rglob("*") if p.is_file()):
@@ -173,13 +178,18 @@ def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path, s
     lines = []
     summary = run(ExtractConfig(**config, ignore_free_space=True), log=lines.append)
     assert summary["shards_written"] == [0]
-    assert any(line.startswith("space: 1 shard(s) to write need about ") and
-               line.endswith("2.9 KiB free at " + str(tmp_path) + "; less than the estimate, going on "
-                             "(--ignore-free-space)") for line in lines), lines
+    assert any(
+        line.startswith("space: 1 shard(s) to write need about ")
+        and line.endswith(
+            "2.9 KiB free at " + str(tmp_path) + "; less than the estimate, going on (--ignore-free-space)"
+        )
+        for line in lines
+    ), lines
 
 
 def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_shards(
-        small_store, fp8_store, small_dataset, target, tmp_path):
+    small_store, fp8_store, small_dataset, target, tmp_path
+):
     """A new store is estimated from the length limits, a store with committed shards from their
     recorded bytes; both lie above what the shards really took, and within a small factor of it
     (an fp8 store's states at their own, smaller fraction)."""
@@ -194,13 +204,15 @@ def test_the_estimate_bounds_the_real_size_from_the_limits_and_from_committed_sh
     fresh = disk_space.needed(config, HiddenStore(config.store), target, store.attrs, prompt_set, rows, {})
     assert real < sum(fresh.shards.values()) < 3 * real, (fresh, real)
     assert fresh.root == int(2 * 4096 * 128 * 2 * disk_space.STORED_FRACTION) + 1
-    assert fresh.basis.endswith("tokens per row at the length limits x 5 taps x 128 x 2 bytes, stored at 0.70 of "
-                                "raw bf16")
+    assert fresh.basis.endswith(
+        "tokens per row at the length limits x 5 taps x 128 x 2 bytes, stored at 0.70 of raw bf16"
+    )
     measured = disk_space.needed(config, store, target, store.attrs, prompt_set, rows, committed)
     assert real < measured.total < 1.5 * real and measured.root == 0
     assert "per row measured over 4 committed shard(s), +20%" in measured.basis
-    fp8 = disk_space.needed(config, HiddenStore(config.store), target, HiddenStore(str(fp8_store)).attrs, prompt_set,
-                            rows, {})
+    fp8 = disk_space.needed(
+        config, HiddenStore(config.store), target, HiddenStore(str(fp8_store)).attrs, prompt_set, rows, {}
+    )
     real_fp8 = sum(r.bytes["shard"] for r in HiddenStore(str(fp8_store)).committed().values())
     assert real_fp8 < sum(fp8.shards.values()) < sum(fresh.shards.values()) and fp8.root == fresh.root
     assert fp8.basis.endswith("stored at 0.45 of raw bf16")
@@ -211,8 +223,12 @@ def test_free_space_is_checked_only_on_local_paths():
     lines = []
     need = disk_space.Need({0: 5 << 30}, 0, "a test")
     disk_space.check(HiddenStore("memory://nowhere/hs.zarr"), need, False, lines.append)
-    assert lines == [("space: 1 shard(s) to write need about 5.0 GiB (a test); memory://nowhere/hs.zarr is not a "
-                      "local path, free space not checked")]
+    assert lines == [
+        (
+            "space: 1 shard(s) to write need about 5.0 GiB (a test); memory://nowhere/hs.zarr is not a "
+            "local path, free space not checked"
+        )
+    ]
 
 
 NAN_ROW = 5  # in shard 1 of the small store (rows 4-7)
@@ -241,14 +257,17 @@ def nan_capture(monkeypatch, target):
 
 
 def test_nonfinite_states_stop_the_shard_naming_the_row_or_are_skipped_and_counted(
-        nan_capture, small_store, store_copy, small_dataset):
+    nan_capture, small_store, store_copy, small_dataset
+):
     store = without_shard(store_copy, SHARD)
     config = dict(store=str(store_copy), dataset=str(small_dataset), shards="0-3", num_shards=4, **SMALL)
     with pytest.raises(TargetError) as e:
         run(ExtractConfig(**config), log=lambda m: None)
-    assert str(e.value) == (f"{store_copy}: shard {SHARD}: the target's hidden states hold NaN or Inf for dataset "
-                            f"row(s) {NAN_ROW}; the shard is not committed (pass --skip-nonfinite to leave such "
-                            "rows out and count them)")
+    assert str(e.value) == (
+        f"{store_copy}: shard {SHARD}: the target's hidden states hold NaN or Inf for dataset "
+        f"row(s) {NAN_ROW}; the shard is not committed (pass --skip-nonfinite to leave such "
+        "rows out and count them)"
+    )
     assert list(store.committed()) == [0, 2, 3]
 
     summary = run(ExtractConfig(**config, skip_nonfinite=True), log=lambda m: None)

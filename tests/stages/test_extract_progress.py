@@ -37,5 +37,6 @@ def test_without_a_terminal_a_line_comes_every_period_and_not_before(monkeypatch
         p.done(6, 900, 4)
     assert sys.stderr.getvalue() == ""
     assert lines[0].startswith("progress: 4/10 rows, 500 tokens, ") and lines[0].endswith(
-        "tokens/s; shard 4: generating token 7/256 for 6 rows")
+        "tokens/s; shard 4: generating token 7/256 for 6 rows"
+    )
     assert lines[1].startswith("progress: 10/10 rows, 900 tokens, ") and lines[1].endswith("tokens/s; shard 4")

@@ -83,8 +83,9 @@ def test_one_loader_keeps_its_workers_and_their_shard_readers_through_the_epochs
     assert len(got) == len(want)
     for batch, rows in list(zip(got, want))[::7]:
         alone = StoreBatches(str(small_store), [rows])[0]
-        assert torch.equal(batch.tokens, alone.tokens) and torch.equal(batch.hidden.view(torch.int16),
-                                                                       alone.hidden.view(torch.int16))
+        assert torch.equal(batch.tokens, alone.tokens) and torch.equal(
+            batch.hidden.view(torch.int16), alone.hidden.view(torch.int16)
+        )
 
 
 def test_without_workers_the_loader_reads_through_the_store_it_was_given(small_store, monkeypatch):
@@ -108,5 +109,6 @@ def test_without_workers_the_loader_reads_through_the_store_it_was_given(small_s
     monkeypatch.undo()
     for batch, batch_rows in zip(got, rows):
         alone = StoreBatches(str(small_store), [batch_rows])[0]
-        assert torch.equal(batch.tokens, alone.tokens) and torch.equal(batch.hidden.view(torch.int16),
-                                                                       alone.hidden.view(torch.int16))
+        assert torch.equal(batch.tokens, alone.tokens) and torch.equal(
+            batch.hidden.view(torch.int16), alone.hidden.view(torch.int16)
+        )

@@ -56,8 +56,8 @@ def test_each_nodes_ranks_read_only_its_shards_and_each_sample_at_most_once(batc
         per_rank = read(c, REFS, Position(), epoch, world, local)
         assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) > 0
         shards = [{s for s, _ in samples(per_rank[r])} for r in range(world)]
-        node_shards = [set().union(*shards[n * local:(n + 1) * local]) for n in range(nodes)]
-        assert all(a.isdisjoint(b) for i, a in enumerate(node_shards) for b in node_shards[i + 1:])
+        node_shards = [set().union(*shards[n * local : (n + 1) * local]) for n in range(nodes)]
+        assert all(a.isdisjoint(b) for i, a in enumerate(node_shards) for b in node_shards[i + 1 :])
         seen = [s for b in per_rank for s in samples(b)]
         assert len(seen) == len(set(seen))  # at most once
         # all but the trimmed tail: per node at most the gap to the smallest node (under the largest
@@ -77,8 +77,10 @@ def test_the_deal_balances_the_nodes_sample_counts_within_the_largest_shard():
 
 def node_sets(c, epoch, world=6, local=2):
     per_rank = read(c, REFS, Position(), epoch, world, local)
-    return [frozenset(s for r in range(n * local, (n + 1) * local) for s, _ in samples(per_rank[r]))
-            for n in range(world // local)]
+    return [
+        frozenset(s for r in range(n * local, (n + 1) * local) for s, _ in samples(per_rank[r]))
+        for n in range(world // local)
+    ]
 
 
 @pytest.mark.parametrize("batching", BATCHINGS)
@@ -131,15 +133,15 @@ def test_a_rank_has_at_most_a_windows_shards_in_use_at_once(batching, window):
         for r in range(world):
             assert most_open([s for s, _ in samples(per_rank[r])]) <= bound
         for n in range(world // local):
-            assert most_open([s for r in range(n * local, (n + 1) * local)
-                              for s, _ in samples(per_rank[r])]) <= bound
+            assert most_open([s for r in range(n * local, (n + 1) * local) for s, _ in samples(per_rank[r])]) <= bound
     whole = read(dataclasses.replace(c, shuffle_window=None), refs, Position(), 0, 1, 1)[0]
     assert most_open([s for s, _ in samples(whole)]) > 20  # the measure sees a global shuffle
 
 
 @pytest.mark.parametrize("batching", BATCHINGS)
-@pytest.mark.parametrize("before,after", [((4, 2), (4, 2)), ((4, 2), (2, 1)), ((4, 2), (6, 2)), ((2, 1), (3, 3)),
-                                          ((1, 1), (4, 2))])
+@pytest.mark.parametrize(
+    "before,after", [((4, 2), (4, 2)), ((4, 2), (2, 1)), ((4, 2), (6, 2)), ((2, 1), (3, 3)), ((1, 1), (4, 2))]
+)
 def test_a_run_resumed_mid_epoch_continues_with_exactly_the_batches_still_to_come(batching, before, after):
     """Saved after 3 batches a rank on `before` = (world, local), resumed on `after`: the epoch is
     formed with the saved layout (the position records it), no batch of it read twice, none lost

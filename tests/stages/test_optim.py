@@ -32,7 +32,10 @@ def test_optimizers_and_their_rates():
     muon, _ = build_optimizers(OptimConfig(optimizer="muon", muon_lr=0.02), m)
     assert muon.param_groups[0]["lr"] == 0.02
     scheds = build_schedules(OptimConfig(optimizer="muon", warmup_ratio=0.2, schedule="linear"), [muon, rest], 10)
-    assert [s.get_last_lr()[0] for s in scheds] == [pytest.approx(0.01), pytest.approx(1.5e-4)]  # x (0 + 1) / 2, warming up
+    assert [s.get_last_lr()[0] for s in scheds] == [
+        pytest.approx(0.01),
+        pytest.approx(1.5e-4),
+    ]  # x (0 + 1) / 2, warming up
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
@@ -62,9 +65,11 @@ def test_our_muon_in_bf16_is_torchs_and_in_fp32_close_to_it(nesterov):
     start = [torch.randn(s, generator=g) for s in shapes]
     grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
     runs = {}
-    for name, make in (("torch", lambda ps: torch.optim.Muon(ps, **kw)),
-                       ("bf16", lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw)),
-                       ("fp32", lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))):
+    for name, make in (
+        ("torch", lambda ps: torch.optim.Muon(ps, **kw)),
+        ("bf16", lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw)),
+        ("fp32", lambda ps: Muon(ps, ns_dtype=torch.float32, **kw)),
+    ):
         kw = {"lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw", "nesterov": nesterov}
         ps = [torch.nn.Parameter(x.clone()) for x in start]
         opt = make(ps)
@@ -74,8 +79,10 @@ def test_our_muon_in_bf16_is_torchs_and_in_fp32_close_to_it(nesterov):
             opt.step()
         runs[name] = (ps, opt.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(runs["torch"][0], runs["bf16"][0]))
-    assert all(torch.equal(runs["torch"][1]["state"][i]["momentum_buffer"], runs["bf16"][1]["state"][i]["momentum_buffer"])
-               for i in range(len(shapes)))
+    assert all(
+        torch.equal(runs["torch"][1]["state"][i]["momentum_buffer"], runs["bf16"][1]["state"][i]["momentum_buffer"])
+        for i in range(len(shapes))
+    )
     moved = [float((b - a).abs().max()) for a, b in zip(start, runs["torch"][0])]
     off = [float((b - a).abs().max()) for a, b in zip(runs["torch"][0], runs["fp32"][0])]
     assert all(o < 0.05 * m for o, m in zip(off, moved)) and any(o > 0 for o in off)

@@ -3,10 +3,22 @@
 from stages.out_contents import REPORT, RUN, Output, described, enclosing_store, entries
 from store.errors import ConfigError
 
-EXPORT = Output(command="export", flag="OUT_DIR", files=("config.json", "model.safetensors", "README.md"),
-                earlier="an earlier export", writes="export writes here", whole=True)
-REPORTS = Output(command="evaluate.py", flag="--out", files=("report.json", "report.md"), earlier="a report",
-                 writes="evaluate.py writes here", scratch=REPORT)
+EXPORT = Output(
+    command="export",
+    flag="OUT_DIR",
+    files=("config.json", "model.safetensors", "README.md"),
+    earlier="an earlier export",
+    writes="export writes here",
+    whole=True,
+)
+REPORTS = Output(
+    command="evaluate.py",
+    flag="--out",
+    files=("report.json", "report.md"),
+    earlier="a report",
+    writes="evaluate.py writes here",
+    scratch=REPORT,
+)
 
 
 def make(directory, *names):
@@ -39,16 +51,20 @@ def test_a_directory_is_named_by_the_kind_its_entries_show(tmp_path):
 def test_only_the_commands_own_earlier_output_is_replaced_and_only_with_force(tmp_path):
     assert refusal(EXPORT, tmp_path / "absent", False) is None and refusal(EXPORT, make(tmp_path / "e"), False) is None
     whole = make(tmp_path / "whole", "config.json", "model.safetensors", "README.md")
-    assert refusal(EXPORT, whole, False).startswith("already holds an earlier export (config.json, model.safetensors, "
-                                                    "README.md); pass --force")
+    assert refusal(EXPORT, whole, False).startswith(
+        "already holds an earlier export (config.json, model.safetensors, README.md); pass --force"
+    )
     assert refusal(EXPORT, whole, True) is None
     partial = make(tmp_path / "partial", "config.json", "model.safetensors")  # a training checkpoint: no card
     for force in (False, True):
-        assert refusal(EXPORT, partial, force) == ("is a drafter checkpoint (config.json, model.safetensors): export "
-                                                   "writes here; choose another OUT_DIR")
+        assert refusal(EXPORT, partial, force) == (
+            "is a drafter checkpoint (config.json, model.safetensors): export writes here; choose another OUT_DIR"
+        )
     make(whole, "keep.txt")
-    assert refusal(EXPORT, whole, True) == "holds files export did not write (keep.txt): export writes here; choose " \
-                                           "another OUT_DIR"
+    assert (
+        refusal(EXPORT, whole, True) == "holds files export did not write (keep.txt): export writes here; choose "
+        "another OUT_DIR"
+    )
     killed = make(tmp_path / "killed", "report.json", ".report.md.tmp123", ".evaluate.lock")  # its own leftovers
     assert refusal(REPORTS, killed, True) is None and "pass --force" in refusal(REPORTS, killed, False)
 
@@ -57,4 +73,3 @@ def test_a_store_is_found_from_any_path_inside_it(tmp_path):
     store = make(tmp_path / "hs.zarr", "zarr.json", "_commits/", "shards/")
     assert enclosing_store(store) == store == enclosing_store(store / "shards" / "new" / "deeper")
     assert enclosing_store(tmp_path) is None and enclosing_store(make(tmp_path / "z", "zarr.json")) is None
-

@@ -25,6 +25,6 @@ def test_packed_rows_hold_whole_samples_within_the_row_budget_in_shuffled_order(
     assert any(len(row) > 2 for row in rows)
     order = np.random.default_rng([5, 0]).permutation(200).tolist()
     flat = [x.index for row in rows for x in row]
-    assert flat == order[:len(flat)]  # consecutive samples of the shuffled order, none split or reordered
+    assert flat == order[: len(flat)]  # consecutive samples of the shuffled order, none split or reordered
     for a, b in zip(rows, rows[1:]):  # a row is closed only when the next sample does not fit
         assert sum(x.length for x in a) + b[0].length > 500

@@ -17,13 +17,17 @@ def test_an_output_directory_is_made_with_its_parents_and_left_clean(tmp_path):
     assert output_dir(out, "--out") == out  # an existing one is fine
 
 
-@pytest.mark.parametrize("code,said", [
-    (errno.EACCES, "permission denied; choose a path you may write, or change its permissions"),
-    (errno.EROFS, "read-only file system; choose a path on a writable file system"),
-    (errno.EDQUOT, "disk quota exceeded; free space within your quota, or choose another file system"),
-])
+@pytest.mark.parametrize(
+    "code,said",
+    [
+        (errno.EACCES, "permission denied; choose a path you may write, or change its permissions"),
+        (errno.EROFS, "read-only file system; choose a path on a writable file system"),
+        (errno.EDQUOT, "disk quota exceeded; free space within your quota, or choose another file system"),
+    ],
+)
 def test_a_directory_it_may_not_write_is_refused_naming_the_flag(monkeypatch, tmp_path, code, said):
     """What root cannot see with chmod (tests/test_errors.py runs that for real when not root)."""
+
     def refuse(self, *a, **k):
         raise OSError(code, os.strerror(code), str(self))
 
@@ -37,8 +41,9 @@ def test_a_directory_it_may_not_write_is_refused_naming_the_flag(monkeypatch, tm
 def test_a_file_in_the_way_is_named(tmp_path):
     blocker = tmp_path / "f"
     blocker.write_text("")
-    with pytest.raises(ConfigError, match=f"^OUT_DIR {blocker}/x: {blocker} is a file, not a directory; choose "
-                                          "another OUT_DIR$"):
+    with pytest.raises(
+        ConfigError, match=f"^OUT_DIR {blocker}/x: {blocker} is a file, not a directory; choose another OUT_DIR$"
+    ):
         output_dir(blocker, "OUT_DIR", shown=blocker / "x")
     with pytest.raises(ConfigError, match=f"cannot be written: {blocker} is a file, not a directory"):
         output_dir(blocker / "x" / "y", "--out")

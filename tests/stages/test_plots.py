@@ -11,9 +11,16 @@ def records(evals: int, replayed: int) -> list[dict]:
     """metrics.jsonl records: 10 training windows, `evals` held-out points, the last `replayed` with replay tau."""
     train = [{"split": "train", "step": s, "loss": 5 - s / 10, "tau_streak": 1 + s / 10} for s in range(10, 110, 10)]
     steps = [round(100 * i / max(1, evals - 1)) for i in range(evals)]
-    held = [{"split": "eval", "step": s, "loss": 5 - s / 50, "tau_streak": 1 + s / 50,
-             **({"tau_replay": 1 + s / 60, "replay_prompts": 8} if i >= evals - replayed else {})}
-            for i, s in enumerate(steps)]
+    held = [
+        {
+            "split": "eval",
+            "step": s,
+            "loss": 5 - s / 50,
+            "tau_streak": 1 + s / 50,
+            **({"tau_replay": 1 + s / 60, "replay_prompts": 8} if i >= evals - replayed else {}),
+        }
+        for i, s in enumerate(steps)
+    ]
     return train + held
 
 

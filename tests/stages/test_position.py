@@ -78,12 +78,16 @@ def test_a_saved_position_is_what_the_per_object_walk_gave(batching):
         epoch = position.epoch
         while True:
             n = len(rank_batches(c, REFS, Position(), epoch, 0, 1))
-            indices = list(range(n)) if epoch > position.epoch or position.remaining is None else [
-                i for lo, hi in position.remaining for i in range(lo, hi)]
+            indices = (
+                list(range(n))
+                if epoch > position.epoch or position.remaining is None
+                else [i for lo, hi in position.remaining for i in range(lo, hi)]
+            )
             per = len(indices) // world
             if micro < per:
-                return Position(epoch, reference_ranges([i for r in range(world)
-                                                         for i in indices[r * per + micro:(r + 1) * per]]))
+                return Position(
+                    epoch, reference_ranges([i for r in range(world) for i in indices[r * per + micro : (r + 1) * per]])
+                )
             micro, epoch = micro - per, epoch + 1
             if micro == 0:
                 return Position(epoch, None)

@@ -19,8 +19,9 @@ def large_target(path, rows=65_536, cols=65_536):
     path.mkdir()
     shutil.copy(TINY_TARGET / "config.json", path / "config.json")
     size = rows * cols * 2
-    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, cols],
-                                                       "data_offsets": [0, size]}}).encode()
+    header = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, size]}}
+    ).encode()
     with open(path / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         f.truncate(8 + len(header) + size)
@@ -35,8 +36,13 @@ def test_a_large_target_is_told_the_cost_of_regenerate_and_the_server_flags(tmp_
         run(ExtractConfig(store=str(tmp_path / "hs.zarr"), target=str(big), shards="0", num_shards=4), log=said.append)
     notice = [m for m in said if m.startswith("--responses regenerate")]
     assert len(notice) == 1
-    for part in ("4.3B-parameter", "2,000-4,000 GPU-h", "210-350", f"vllm serve {big} --port 8000",
-                 "--responses server --server-url http://127.0.0.1:8000"):
+    for part in (
+        "4.3B-parameter",
+        "2,000-4,000 GPU-h",
+        "210-350",
+        f"vllm serve {big} --port 8000",
+        "--responses server --server-url http://127.0.0.1:8000",
+    ):
         assert part in notice[0], part
     assert not (tmp_path / "hs.zarr").exists()
     server = ExtractConfig(target=str(big), responses="server", server_url="http://127.0.0.1:8000")

@@ -37,8 +37,16 @@ def test_prune_keeps_the_newest_and_everything_not_an_older_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     deleted = prune_steps(tmp_path, 5, keep=2)
     assert sorted(p.name for p in deleted) == ["step-1", "step-2", "step-3"]
-    assert names(tmp_path) == {"step-0", "step-4", "step-5", "step-7", "final", "step-best", ".step-9.tmp",
-                               "metrics.jsonl"}  # .step-3.tmp: a crashed save of an older step
+    assert names(tmp_path) == {
+        "step-0",
+        "step-4",
+        "step-5",
+        "step-7",
+        "final",
+        "step-best",
+        ".step-9.tmp",
+        "metrics.jsonl",
+    }  # .step-3.tmp: a crashed save of an older step
 
 
 def test_keep_last_zero_deletes_nothing(tmp_path):
@@ -138,12 +146,29 @@ def test_every_file_of_a_run_is_as_readable_as_the_umask_makes_files(small_store
     """step-N/ (its training state too: Accelerate saves the model through safetensors, owner-only) and
     final/ are readable by a teammate or a serving engine exactly as far as the user's umask allows."""
     with umask(mask):  # the training process inherits it
-        r = train(["--store", small_store, "--out", tmp_path / "run", "--max-steps", 2, "--save-every", 2,
-                   "--eval-shards", "3", *TINY])
+        r = train(
+            [
+                "--store",
+                small_store,
+                "--out",
+                tmp_path / "run",
+                "--max-steps",
+                2,
+                "--save-every",
+                2,
+                "--eval-shards",
+                "3",
+                *TINY,
+            ]
+        )
     assert r.returncode == 0, r.stderr
     modes = file_modes(tmp_path / "run")
-    assert {"step-2/model.safetensors", "step-2/training/model.safetensors", "final/model.safetensors",
-            "metrics.jsonl"} <= set(modes)
+    assert {
+        "step-2/model.safetensors",
+        "step-2/training/model.safetensors",
+        "final/model.safetensors",
+        "metrics.jsonl",
+    } <= set(modes)
     assert {f: m for f, m in modes.items() if m != mode} == {}
 
 

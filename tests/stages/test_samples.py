@@ -16,6 +16,7 @@ def refs(n=103):
 # must give exactly its refs, so that a seed trains on what it always did (the batches' algorithm:
 # tests/stages/test_epoch_order.py).
 
+
 def reference_refs(arrays, shards, max_length):
     out = []
     for shard in shards:
@@ -36,8 +37,10 @@ def synthetic_arrays(seed, shards=7, most=300):
         n = int(rng.integers(0, most))
         lengths = np.where(rng.random(n) < 0.3, rng.integers(1, 40, n), rng.integers(1, 4096, n))
         first = np.where(rng.random(n) < 0.1, -1, (rng.random(n) * lengths).astype(np.int64))
-        out[s] = {"offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                  "first_pairs": first.astype(np.int32)}
+        out[s] = {
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "first_pairs": first.astype(np.int32),
+        }
     return out
 
 
@@ -45,7 +48,7 @@ def synthetic_arrays(seed, shards=7, most=300):
 @pytest.mark.parametrize("max_length", [16, 512, 8192])
 def test_the_refs_are_the_reference_algorithms(seed, max_length):
     arrays = synthetic_arrays(seed)
-    shards = [5, 0, 3, 6, 1, 2, 4][:4 + seed % 4]
+    shards = [5, 0, 3, 6, 1, 2, 4][: 4 + seed % 4]
     got = refs_of(arrays, shards, max_length)
     assert got.shard.dtype == got.index.dtype == got.length.dtype == np.int32
     expected = reference_refs(arrays, shards, max_length)
@@ -90,7 +93,7 @@ def test_the_index_reads_no_per_token_array_and_equals_a_scan_of_the_masks(small
         off, mask = g["offsets"][:], g["loss_mask"][:].astype(bool)
         for i in range(len(off) - 1):
             n = min(int(off[i + 1] - off[i]), max_length)
-            if n >= 2 and anchor_mask(mask[off[i]:off[i] + n]).any():
+            if n >= 2 and anchor_mask(mask[off[i] : off[i] + n]).any():
                 expected.append((shard, i, n))
     read = []
     real = ShardReader._array

@@ -27,8 +27,10 @@ def test_a_one_token_completion_has_no_round():
 
 def test_compare_splits_agreeing_prompts_from_the_rest():
     stored = [[1, 2, 3, 4], [5, 6, 7]]
-    served = [{"token_ids": [1, 2, 3, 4], "accepted": [2], "drafted": [3]},  # agrees: 1 round of 3 tokens
-              {"token_ids": [5, 9, 9, 9], "accepted": [0, 1], "drafted": [3, 3]}]  # differs from the store
+    served = [
+        {"token_ids": [1, 2, 3, 4], "accepted": [2], "drafted": [3]},  # agrees: 1 round of 3 tokens
+        {"token_ids": [5, 9, 9, 9], "accepted": [0, 1], "drafted": [3, 3]},
+    ]  # differs from the store
     replayed = [[(2, 3)], [(0, 1), (0, 1)]]
     out = compare(stored, served, replayed, block_size=4)
     assert out["identical_completions"] == 1 and out["identical_rounds"] == 1
@@ -74,10 +76,13 @@ def test_a_worker_that_dies_names_its_log(tmp_path):
 def test_the_engines_root_cause_is_named_not_its_generic_exception():
     from stages.evaluate.served import first_error
 
-    log = ["INFO starting", "(VllmWorker-0 pid=8032) ERROR [multiproc_executor.py:953]     raise ValueError(",
-           "(VllmWorker-0 pid=8032) ERROR [multiproc_executor.py:953] ValueError: Available memory on node 0 "
-           "(7.81/11.84 GiB) on startup is less than desired CPU memory utilization (0.92, 10.89 GiB).",
-           "Exception: WorkerProc initialization failed due to an exception in a background process.",
-           "RuntimeError: Engine core initialization failed. See root cause above."]
+    log = [
+        "INFO starting",
+        "(VllmWorker-0 pid=8032) ERROR [multiproc_executor.py:953]     raise ValueError(",
+        "(VllmWorker-0 pid=8032) ERROR [multiproc_executor.py:953] ValueError: Available memory on node 0 "
+        "(7.81/11.84 GiB) on startup is less than desired CPU memory utilization (0.92, 10.89 GiB).",
+        "Exception: WorkerProc initialization failed due to an exception in a background process.",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
     assert first_error(log) == [log[2].split("] ")[1]]
     assert first_error(log[3:4]) == log[3:4] and first_error(["no trace here"]) == []

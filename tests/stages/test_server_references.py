@@ -25,8 +25,16 @@ def quick_retries(monkeypatch):
 
 
 def server_config(path, dataset, url, shards="0-3", **over):
-    return ExtractConfig(store=str(path), dataset=str(dataset), shards=shards, num_shards=4, responses="server",
-                         server_url=url, concurrency=4, **{**SMALL, **over})
+    return ExtractConfig(
+        store=str(path),
+        dataset=str(dataset),
+        shards=shards,
+        num_shards=4,
+        responses="server",
+        server_url=url,
+        concurrency=4,
+        **{**SMALL, **over},
+    )
 
 
 def arrays(path, shard, name):
@@ -56,22 +64,33 @@ def test_a_store_does_not_mix_reference_sources(tmp_path, target, small_dataset)
     with FakeEngine(target, model="other") as engine, pytest.raises(StoreMismatch, match="references"):
         run(server_config(tmp_path / "hs.zarr", small_dataset, engine.url, shards="1"), log=lambda m: None)
     with pytest.raises(StoreMismatch, match="responses"):
-        run(ExtractConfig(store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), shards="1", num_shards=4,
-                          **SMALL), log=lambda m: None)
+        run(
+            ExtractConfig(
+                store=str(tmp_path / "hs.zarr"), dataset=str(small_dataset), shards="1", num_shards=4, **SMALL
+            ),
+            log=lambda m: None,
+        )
 
 
 def test_transient_failures_are_retried_and_rejected_rows_counted(tmp_path, target, small_dataset):
     with FakeEngine(target, fail_first=3, reject_longer_than=40) as engine:
         summary = run(server_config(tmp_path / "hs.zarr", small_dataset, engine.url), log=lambda m: None)
     assert summary["skipped"]["server_rejected"] > 0 and summary["samples"] > 0
-    kept = [len(s.tokens[:s.prompt_len]) for shard in range(4) for s in ShardReader(HiddenStore(str(tmp_path / "hs.zarr")), shard)]
+    kept = [
+        len(s.tokens[: s.prompt_len])
+        for shard in range(4)
+        for s in ShardReader(HiddenStore(str(tmp_path / "hs.zarr")), shard)
+    ]
     assert max(kept) <= 40
 
 
-@pytest.mark.parametrize("over,engine_args,needle", [
-    ({"server_model": "other"}, {}, "--server-model other: http://127.0.0.1:"),
-    ({}, {"vocab_shift": 1}, "has another vocabulary"),
-])
+@pytest.mark.parametrize(
+    "over,engine_args,needle",
+    [
+        ({"server_model": "other"}, {}, "--server-model other: http://127.0.0.1:"),
+        ({}, {"vocab_shift": 1}, "has another vocabulary"),
+    ],
+)
 def test_a_wrong_server_is_named_before_anything_is_written(tmp_path, target, small_dataset, over, engine_args, needle):
     with FakeEngine(target, **engine_args) as engine, pytest.raises(EngineError, match=needle):
         run(server_config(tmp_path / "hs.zarr", small_dataset, engine.url, **over), log=lambda m: None)
@@ -81,16 +100,22 @@ def test_a_wrong_server_is_named_before_anything_is_written(tmp_path, target, sm
 def test_an_unreachable_server_is_one_line(tmp_path, small_dataset):
     from tests.processes import cli_args, run_pipeline
 
-    p = run_pipeline(cli_args(tmp_path / "hs.zarr", small_dataset, "0-3") + ["--responses", "server", "--server-url",
-                                                                            "http://127.0.0.1:9"])
+    p = run_pipeline(
+        cli_args(tmp_path / "hs.zarr", small_dataset, "0-3")
+        + ["--responses", "server", "--server-url", "http://127.0.0.1:9"]
+    )
     assert p.returncode == 2
     line = p.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: --server-url http://127.0.0.1:9: /v1/models failed after 5 tries") and "Connection" in line
+    assert (
+        line.startswith("error: --server-url http://127.0.0.1:9: /v1/models failed after 5 tries")
+        and "Connection" in line
+    )
     assert not (tmp_path / "hs.zarr").exists()
 
 
-def test_a_server_dying_mid_run_leaves_committed_shards_and_a_rerun_completes(tmp_path, target, small_dataset,
-                                                                                small_store):
+def test_a_server_dying_mid_run_leaves_committed_shards_and_a_rerun_completes(
+    tmp_path, target, small_dataset, small_store
+):
     path = tmp_path / "hs.zarr"
     with FakeEngine(target, die_after=4) as engine, pytest.raises(EngineError, match="failed after 5 tries"):
         run(server_config(path, small_dataset, engine.url), log=lambda m: None)
@@ -112,10 +137,16 @@ def test_requests_stay_in_flight_across_shard_boundaries(tmp_path, target, small
     from stages.extract.extractor import Extractor
 
     events, start, finish = [], Extractor.start, Extractor.finish
-    monkeypatch.setattr(Extractor, "start", lambda self, rows, writer: events.append(("start", writer.shard))
-                        or start(self, rows, writer))
-    monkeypatch.setattr(Extractor, "finish", lambda self, batch, writer, shard: events.append(("finish", shard))
-                        or finish(self, batch, writer, shard))
+    monkeypatch.setattr(
+        Extractor,
+        "start",
+        lambda self, rows, writer: events.append(("start", writer.shard)) or start(self, rows, writer),
+    )
+    monkeypatch.setattr(
+        Extractor,
+        "finish",
+        lambda self, batch, writer, shard: events.append(("finish", shard)) or finish(self, batch, writer, shard),
+    )
     with FakeEngine(target) as engine:
         run(server_config(tmp_path / "hs.zarr", small_dataset, engine.url), log=lambda m: None)  # concurrency 4
     ahead = -(-4 // SMALL["batch_size"])  # batches kept in flight beyond the one being captured
@@ -140,8 +171,14 @@ def test_the_summary_sizes_concurrency_to_the_capture_rate():
 
     engine = SimpleNamespace(requests=100, request_s=50.0, concurrency=4)  # 0.5 s a request
     use = server_use(engine, {"generate_s": 10.0, "loop_s": 20.0})  # 100 references in 10 s of not waiting
-    assert use == {"requests": 100, "mean_request_s": 0.5, "concurrency": 4, "waited_s": 10.0, "loop_s": 20.0,
-                   "needed_in_flight": 5}  # 0.5 s x 10 a second
+    assert use == {
+        "requests": 100,
+        "mean_request_s": 0.5,
+        "concurrency": 4,
+        "waited_s": 10.0,
+        "loop_s": 20.0,
+        "needed_in_flight": 5,
+    }  # 0.5 s x 10 a second
     assert "keeping it busy needs about 5 in flight: --concurrency 5" in server_line(use)
     calm = server_use(engine, {"generate_s": 0.1, "loop_s": 20.0})
     assert "keeping it busy" not in server_line(calm) and "waited 0.1s of 20.0s" in server_line(calm)

@@ -25,6 +25,7 @@ from tests.processes import TINY, losses, train
 
 class OneProcess:
     """What decide() needs of an Accelerator on one process."""
+
     num_processes, is_main_process = 1, True
 
 
@@ -69,8 +70,9 @@ def test_follow_takes_shards_at_epoch_starts_and_records_them(small_store, tmp_p
     assert set(sched.refs(1).shard.tolist()) == {0, 1, 2}
     assert json.loads((tmp_path / "out" / FILE).read_text())["epochs"] == ["0-1", "0-2", "0-3"]
     assert sched.unread(2) == ""
-    assert sched.unread(1) == ("shards 3 of --shards never trained on: 3 committed after the last epoch run (epoch 1) "
-                               "began")
+    assert sched.unread(1) == (
+        "shards 3 of --shards never trained on: 3 committed after the last epoch run (epoch 1) began"
+    )
     with pytest.raises(IndexError):  # an epoch is never formed before its shards are decided
         sched.shards(3)
 
@@ -82,8 +84,9 @@ def test_a_saved_schedule_is_replayed_not_looked_up(small_store, tmp_path):
     saved = Position(1, ((3, 8),), schedule=("0-1", "0-2")).to_json()
     position = Position.from_json(json.loads(json.dumps(saved)))
     (tmp_path / "out").mkdir()
-    sched = schedule_of(config(small_store, tmp_path / "out", follow=True), store, [0, 1, 2, 3], index,
-                        position.schedule)
+    sched = schedule_of(
+        config(small_store, tmp_path / "out", follow=True), store, [0, 1, 2, 3], index, position.schedule
+    )
     for e in (0, 1, 2):
         sched.decide(e, OneProcess())
     assert [sched.shards(e) for e in range(3)] == [(0, 1), (0, 1, 2), (0, 1, 2, 3)]
@@ -118,12 +121,22 @@ def test_schedule_mistakes_are_refused(small_store, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"epochs": ["0-1", "2-3"]}))
     with pytest.raises(ConfigError, match="outside --shards 0-1"):
-        schedule_of(TrainConfig.of(store=str(small_store), shards="0-1", max_steps=3, shard_schedule=str(bad)), store,
-                    [0, 1], index, None)
+        schedule_of(
+            TrainConfig.of(store=str(small_store), shards="0-1", max_steps=3, shard_schedule=str(bad)),
+            store,
+            [0, 1],
+            index,
+            None,
+        )
     partial = growing(small_store, tmp_path / "grow.zarr")
     with pytest.raises(NotCommitted, match="shards 2-3"):
-        schedule_of(TrainConfig.of(store=str(partial), shards="0-3", max_steps=3, shard_schedule=str(bad)),
-                    HiddenStore(str(partial)), [0, 1, 2, 3], index_file.load(HiddenStore(str(partial)))[0], None)
+        schedule_of(
+            TrainConfig.of(store=str(partial), shards="0-3", max_steps=3, shard_schedule=str(bad)),
+            HiddenStore(str(partial)),
+            [0, 1, 2, 3],
+            index_file.load(HiddenStore(str(partial)))[0],
+            None,
+        )
 
 
 def test_a_followed_run_equals_its_schedule_replayed(small_store, tmp_path):
@@ -155,7 +168,7 @@ def test_a_followed_run_equals_its_schedule_replayed(small_store, tmp_path):
     schedule = json.loads((followed / FILE).read_text())["epochs"]
     assert schedule[0] == "0-1" and "0-3" in schedule, schedule  # it trained while the store grew
     saved = json.loads((followed / "step-40" / "trainer_state.json").read_text())["position"]["schedule"]
-    assert schedule[:len(saved)] == saved
+    assert schedule[: len(saved)] == saved
 
     records = [json.loads(x) for x in (followed / "metrics.jsonl").read_text().splitlines()]
     walked = [x["epoch"] for x in records if x["split"] == "train"]  # epochs of their own sizes, walked
@@ -194,10 +207,14 @@ def test_the_last_line_names_exactly_the_shards_no_epoch_run_read_and_why(small_
     thread.join(timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads((followed / FILE).read_text())["epochs"][:2] == ["0-1", "0-2"]  # epoch 1 decided, never run
-    assert last_line(r).endswith("; shards 2-3 of --shards never trained on: 2 committed after the last epoch run "
-                                 "(epoch 0) began, 3 not committed when the run ended"), last_line(r)
+    assert last_line(r).endswith(
+        "; shards 2-3 of --shards never trained on: 2 committed after the last epoch run "
+        "(epoch 0) began, 3 not committed when the run ended"
+    ), last_line(r)
 
     r = train(["--store", small_store, "--out", replayed, "--shard-schedule", followed / FILE, *common])
     assert r.returncode == 0, r.stderr
-    assert last_line(r).endswith(f"; shards 2-3 of --shards never trained on: 2 listed by --shard-schedule only in "
-                                 f"epochs this run did not reach, 3 in none of its epochs"), last_line(r)
+    assert last_line(r).endswith(
+        f"; shards 2-3 of --shards never trained on: 2 listed by --shard-schedule only in "
+        f"epochs this run did not reach, 3 in none of its epochs"
+    ), last_line(r)

@@ -13,23 +13,37 @@ from store.errors import ConfigError
 def test_defaults_are_the_recipe_benchs_choice():
     """docs/training.md, "Choosing the defaults": Muon, D-PACE, random batches; the rest as SPEC."""
     c = TrainConfig()
-    assert (c.optim.optimizer, c.loss.slot_weights, c.data.batching, c.loss.anchor_budget) == ("muon", "dpace", "random", None)
-    assert (c.optim.lr, c.optim.muon_lr, c.optim.schedule, c.optim.warmup_ratio, c.loss.loss_norm, c.loss.anchor_rule,
-            c.loss.noise_std) == \
-        (6e-4, None, "cosine", 0.04, "weights", "pair", 0.0)
+    assert (c.optim.optimizer, c.loss.slot_weights, c.data.batching, c.loss.anchor_budget) == (
+        "muon",
+        "dpace",
+        "random",
+        None,
+    )
+    assert (
+        c.optim.lr,
+        c.optim.muon_lr,
+        c.optim.schedule,
+        c.optim.warmup_ratio,
+        c.loss.loss_norm,
+        c.loss.anchor_rule,
+        c.loss.noise_std,
+    ) == (6e-4, None, "cosine", 0.04, "weights", "pair", 0.0)
 
 
-@pytest.mark.parametrize("over,needle", [
-    ({"slot_weights": "uniform"}, "--slot-weights uniform: expected one of dpace, exp"),
-    ({"gamma": 7.0}, "--gamma 7.0: is only used by --slot-weights exp"),
-    ({"batching": "sorted"}, "--batching sorted: expected one of bucketed, random, packed"),
-    ({"optimizer": "sgd"}, "--optimizer sgd: expected one of adamw, muon"),
-    ({"loss_norm": "tokens"}, "--loss-norm tokens: expected one of weights, labels"),
-    ({"dpace_alpha": 0.0}, "--dpace-alpha 0.0: expected 0 < alpha <= 1"),
-    ({"dpace_alpha": 1.5}, "--dpace-alpha 1.5: expected 0 < alpha <= 1"),
-    ({"anchor_budget": 0}, "--anchor-budget 0: must be at least 1"),
-    ({"acceptance_weight": 2.0}, "--acceptance-weight 2.0: expected 0 <= weight <= 1"),
-])
+@pytest.mark.parametrize(
+    "over,needle",
+    [
+        ({"slot_weights": "uniform"}, "--slot-weights uniform: expected one of dpace, exp"),
+        ({"gamma": 7.0}, "--gamma 7.0: is only used by --slot-weights exp"),
+        ({"batching": "sorted"}, "--batching sorted: expected one of bucketed, random, packed"),
+        ({"optimizer": "sgd"}, "--optimizer sgd: expected one of adamw, muon"),
+        ({"loss_norm": "tokens"}, "--loss-norm tokens: expected one of weights, labels"),
+        ({"dpace_alpha": 0.0}, "--dpace-alpha 0.0: expected 0 < alpha <= 1"),
+        ({"dpace_alpha": 1.5}, "--dpace-alpha 1.5: expected 0 < alpha <= 1"),
+        ({"anchor_budget": 0}, "--anchor-budget 0: must be at least 1"),
+        ({"acceptance_weight": 2.0}, "--acceptance-weight 2.0: expected 0 <= weight <= 1"),
+    ],
+)
 def test_bad_values_are_named(over, needle):
     with pytest.raises(ConfigError) as e:
         TrainConfig.of(**over)
@@ -69,18 +83,42 @@ def test_resume_refuses_changed_options():
     from stages.train.run_dir import resumable
 
     before = TrainConfig().record()
-    for over in ({"slot_weights": "exp"}, {"dpace_alpha": 0.7}, {"anchor_budget": 64}, {"batching": "packed"},
-                 {"optimizer": "adamw"}, {"muon_lr": 0.01}, {"schedule": "linear"}, {"noise": "uniform"},
-                 {"loss_norm": "labels"}, {"anchor_rule": "single"}, {"muon_weight_decay": 0.0}):
+    for over in (
+        {"slot_weights": "exp"},
+        {"dpace_alpha": 0.7},
+        {"anchor_budget": 64},
+        {"batching": "packed"},
+        {"optimizer": "adamw"},
+        {"muon_lr": 0.01},
+        {"schedule": "linear"},
+        {"noise": "uniform"},
+        {"loss_norm": "labels"},
+        {"anchor_rule": "single"},
+        {"muon_weight_decay": 0.0},
+    ):
         with pytest.raises(ConfigError, match="--" + next(iter(over)).replace("_", "-")):
             resumable(TrainConfig.of(**over), before)
-    new = ("slot_weights", "dpace_alpha", "anchor_budget", "batching", "optimizer", "muon_lr", "muon_weight_decay",
-           "schedule", "noise", "loss_norm", "anchor_rule")
+    new = (
+        "slot_weights",
+        "dpace_alpha",
+        "anchor_budget",
+        "batching",
+        "optimizer",
+        "muon_lr",
+        "muon_weight_decay",
+        "schedule",
+        "noise",
+        "loss_norm",
+        "anchor_rule",
+    )
     older = {k: v for k, v in before.items() if k not in new}
     then = {"slot_weights": "exp", "batching": "bucketed", "optimizer": "adamw"}
     resumable(TrainConfig.of(**then), older)  # a run saved before the options existed: what training did then
-    with pytest.raises(ConfigError, match="--batching was 'bucketed', now 'random'.*--optimizer was 'adamw', now "
-                                          "'muon'.*--slot-weights was 'exp', now 'dpace'"):  # in field order
+    with pytest.raises(
+        ConfigError,
+        match="--batching was 'bucketed', now 'random'.*--optimizer was 'adamw', now "
+        "'muon'.*--slot-weights was 'exp', now 'dpace'",
+    ):  # in field order
         resumable(TrainConfig.of(), older)
 
 
@@ -89,24 +127,45 @@ def test_run_with_dpace_and_a_budget_trains_and_records_them(small_store, tmp_pa
     from stages.train.run import run
 
     out = tmp_path / "run"
-    run(TrainConfig.of(store=str(small_store), out=str(out), max_steps=16, save_every=0, log_every=1, workers=0,
-                    threads=1, num_layers=1, anchors=16, batch_size=2, slot_weights="dpace", dpace_alpha=0.4,
-                    anchor_budget=12), log=lambda m: None)
+    run(
+        TrainConfig.of(
+            store=str(small_store),
+            out=str(out),
+            max_steps=16,
+            save_every=0,
+            log_every=1,
+            workers=0,
+            threads=1,
+            num_layers=1,
+            anchors=16,
+            batch_size=2,
+            slot_weights="dpace",
+            dpace_alpha=0.4,
+            anchor_budget=12,
+        ),
+        log=lambda m: None,
+    )
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
     assert len(train) == 16 and all(r["blocks"] <= 12 for r in train) and max(r["blocks"] for r in train) == 12
     assert train[-1]["loss"] < train[0]["loss"] - 0.5  # it learns
     _, _, record = checkpoint.load(out / "final")
-    assert {k: record.train_config[k] for k in ("slot_weights", "dpace_alpha", "anchor_budget")} == \
-        {"slot_weights": "dpace", "dpace_alpha": 0.4, "anchor_budget": 12}
+    assert {k: record.train_config[k] for k in ("slot_weights", "dpace_alpha", "anchor_budget")} == {
+        "slot_weights": "dpace",
+        "dpace_alpha": 0.4,
+        "anchor_budget": 12,
+    }
     written = json.loads((out / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"]
     assert (written["slot_weights"], written["anchor_budget"]) == ("dpace", 12)
 
 
-@pytest.mark.parametrize("over,blocks", [
-    ({"num_layers": 2, "layer_types": "sliding,full", "sliding_window": 5}, None),
-    ({"num_layers": 1, "anchor_budget": 20, "slot_weights": "dpace"}, 20),  # rows padded to min(anchors, budget)
-])
+@pytest.mark.parametrize(
+    "over,blocks",
+    [
+        ({"num_layers": 2, "layer_types": "sliding,full", "sliding_window": 5}, None),
+        ({"num_layers": 1, "anchor_budget": 20, "slot_weights": "dpace"}, 20),  # rows padded to min(anchors, budget)
+    ],
+)
 def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, over, blocks):
     """The CUDA path pads anchors and buckets the context for the compiled kernel, then runs flex;
     run eagerly on CPU (forward only) it gives the CPU path's loss and statistics."""
@@ -134,8 +193,15 @@ def test_cuda_path_padding_and_flex_give_the_cpu_loss(small_store, monkeypatch, 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for flex in (False, True):
-            outs.append(forward_loss(model, model, batch, LossPlan.of(config.loss, dc, flex),
-                                     step_generator(0, 1, 0, 0, torch.device("cpu"))))
+            outs.append(
+                forward_loss(
+                    model,
+                    model,
+                    batch,
+                    LossPlan.of(config.loss, dc, flex),
+                    step_generator(0, 1, 0, 0, torch.device("cpu")),
+                )
+            )
     assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
     assert torch.equal(outs[0].sums[2:4], outs[1].sums[2:4])  # same blocks and streaks
     assert torch.equal(outs[0].sums[5:], outs[1].sums[5:])  # same labels and per-slot counts
@@ -158,8 +224,9 @@ def recorded_forward(model, batch, plan, monkeypatch, anchors=None):
         return seen["anchors"]
 
     monkeypatch.setattr(st, "sample_anchors", sample)
-    monkeypatch.setattr(st, "dflash_loss", lambda h, labels, *a, **k: seen.update(h=h, labels=labels)
-                        or loss(h, labels, *a, **k))
+    monkeypatch.setattr(
+        st, "dflash_loss", lambda h, labels, *a, **k: seen.update(h=h, labels=labels) or loss(h, labels, *a, **k)
+    )
     with torch.no_grad():
         out = st.forward_loss(model, model, batch, plan, st.step_generator(0, 1, 0, 0, torch.device("cpu")))
     return out, seen
@@ -230,10 +297,18 @@ def test_label_normalisation_divides_by_the_number_of_labels(small_store):
     model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
     model.init_weights(torch.Generator().manual_seed(0))
     batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0], 200)[:2]]])[0]
-    outs = {norm: forward_loss(model, model, batch, LossPlan.of(LossConfig(anchors=8, loss_norm=norm), dc, False),
-                               step_generator(0, 1, 0, 0, torch.device("cpu"))) for norm in ("weights", "labels")}
+    outs = {
+        norm: forward_loss(
+            model,
+            model,
+            batch,
+            LossPlan.of(LossConfig(anchors=8, loss_norm=norm), dc, False),
+            step_generator(0, 1, 0, 0, torch.device("cpu")),
+        )
+        for norm in ("weights", "labels")
+    }
     sums = outs["weights"].sums
-    labels = float(sums[5 + dc.block_size:].sum())
+    labels = float(sums[5 + dc.block_size :].sum())
     assert torch.equal(sums, outs["labels"].sums)  # same anchors, same statistics
     assert torch.allclose(outs["weights"].loss, sums[0] / sums[1])
     assert torch.allclose(outs["labels"].loss, sums[0] / labels)
@@ -247,7 +322,7 @@ def test_uniform_noise_is_bounded_by_its_half_width():
     g = torch.Generator().manual_seed(0)
     plan = LossPlan(8, 16, 0, 7.0, 0.05, False, noise="uniform")
     x = make_noise(plan, (4000,), g, "cpu")
-    assert 0.049 < float(x.abs().max()) <= 0.05 and abs(float(x.std()) - 0.05 / 3 ** 0.5) < 2e-3
+    assert 0.049 < float(x.abs().max()) <= 0.05 and abs(float(x.std()) - 0.05 / 3**0.5) < 2e-3
     y = make_noise(LossPlan(8, 16, 0, 7.0, 0.05, False), (4000,), g, "cpu")
     assert abs(float(y.std()) - 0.05) < 3e-3 and float(y.abs().max()) > 0.1  # Gaussian: sd 0.05, tails beyond it
 
@@ -271,8 +346,10 @@ def test_the_acceptance_weight_reaches_the_loss_and_leaves_the_metrics(small_sto
     batch = StoreBatches(str(small_store), [[(r,) for r in index_samples(store, [0], 200)[:2]]])[0]
     plans = {lam: LossPlan.of(LossConfig(anchors=8, acceptance_weight=lam), dc, False) for lam in (0.0, 0.5, 1.0)}
     assert [p.acceptance for p in plans.values()] == [0.0, 0.5, 1.0]
-    outs = {lam: forward_loss(model, model, batch, plan, step_generator(0, 1, 0, 0, torch.device("cpu")))
-            for lam, plan in plans.items()}
+    outs = {
+        lam: forward_loss(model, model, batch, plan, step_generator(0, 1, 0, 0, torch.device("cpu")))
+        for lam, plan in plans.items()
+    }
     sums = outs[0.0].sums
     assert all(torch.equal(out.sums, sums) for out in outs.values())
     assert torch.allclose(outs[0.0].loss, sums[0] / sums[1])

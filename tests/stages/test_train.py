@@ -13,11 +13,29 @@ from pipeline.drafter import checkpoint
 from store.errors import UserError
 from tests.processes import TINY, losses, train
 
-OPTIONS = ["--optimizer", "adamw", "--schedule", "linear", "--batching", "packed", "--max-length", 160, "--noise",
-           "uniform", "--slot-weights", "exp", "--loss-norm", "labels", "--anchor-rule", "single"]
+OPTIONS = [
+    "--optimizer",
+    "adamw",
+    "--schedule",
+    "linear",
+    "--batching",
+    "packed",
+    "--max-length",
+    160,
+    "--noise",
+    "uniform",
+    "--slot-weights",
+    "exp",
+    "--loss-norm",
+    "labels",
+    "--anchor-rule",
+    "single",
+]
 
 
-@pytest.mark.parametrize("recipe", [[], OPTIONS, ["--acceptance-weight", 0.5]], ids=["defaults", "options", "acceptance"])
+@pytest.mark.parametrize(
+    "recipe", [[], OPTIONS, ["--acceptance-weight", 0.5]], ids=["defaults", "options", "acceptance"]
+)
 def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     """The defaults (Muon's and AdamW's states, random batches, D-PACE) and every other option (AdamW alone, the
     linear schedule, packed epochs, uniform noise, exp weights, label normalisation, single anchors, the
@@ -42,8 +60,23 @@ def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
 def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
     from store.hidden_store import HiddenStore
 
-    r = train(["--store", small_store, "--out", tmp_path / "run", "--max-steps", 4, "--save-every", 2,
-               "--shards", "0-2", "--eval-shards", "3", *TINY])
+    r = train(
+        [
+            "--store",
+            small_store,
+            "--out",
+            tmp_path / "run",
+            "--max-steps",
+            4,
+            "--save-every",
+            2,
+            "--shards",
+            "0-2",
+            "--eval-shards",
+            "3",
+            *TINY,
+        ]
+    )
     assert r.returncode == 0, r.stderr
     for d in ("step-2", "step-4", "final"):
         config, tensors, record = checkpoint.load(tmp_path / "run" / d)
@@ -64,13 +97,44 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
     optimizer step all-reduces every trainable gradient once (not once per micro-batch), 4 or 2
     bytes each, and broadcasts Muon's updates, as the metrics log counts them; both processes end
     with the same parameters."""
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29571"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29571",
+    ]
     hashes = {}
     for comm, size in (("fp32", 4), ("bf16", 2)):
         out = tmp_path / comm
-        r = train(["--store", small_store, "--out", out, "--max-steps", 3, "--audit", "--grad-comm", comm, *TINY,
-                   "--grad-accum", 2, "--batch-size", 1], launcher=launcher)  # 12 of the 14 samples: one epoch
+        r = train(
+            [
+                "--store",
+                small_store,
+                "--out",
+                out,
+                "--max-steps",
+                3,
+                "--audit",
+                "--grad-comm",
+                comm,
+                *TINY,
+                "--grad-accum",
+                2,
+                "--batch-size",
+                1,
+            ],
+            launcher=launcher,
+        )  # 12 of the 14 samples: one epoch
         assert r.returncode == 0, r.stderr
         ranks = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in (0, 1)]
         assert [x["world_size"] for x in ranks] == [2, 2]
@@ -78,8 +142,10 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
         seen = [{tuple(s) for s in x["samples"]} for x in ranks]
         assert seen[0] and seen[1] and not seen[0] & seen[1]  # each rank read its own part
         tensors = checkpoint.load(out / "final")[1]
-        trainable, matrices = sum(v.numel() for v in tensors.values()), sum(v.numel() for v in tensors.values()
-                                                                            if v.dim() == 2)
+        trainable, matrices = (
+            sum(v.numel() for v in tensors.values()),
+            sum(v.numel() for v in tensors.values() if v.dim() == 2),
+        )
         steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [m["grad_comm_bytes_per_step"] for m in steps if m["split"] == "train"] == [trainable * size] * 3
         # Muon's updates of the matrices (Newton-Schulz in fp32 on CPU), each broadcast by its owner
@@ -91,9 +157,26 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
 
 def launch(n: int, port: int) -> list:
     """accelerate launch with n CPU processes (n > 1: --multi_gpu, real DDP); none for one."""
-    return [] if n == 1 else [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                              str(n), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                              "--main_process_port", str(port)]
+    return (
+        []
+        if n == 1
+        else [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(n),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(port),
+        ]
+    )
 
 
 def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
@@ -161,17 +244,22 @@ def test_store_without_lm_head(small_store, tmp_path):
     assert f"{broken}/target/lm_head/zarr.json: missing" in setup_error(broken, tmp_path)
 
 
-@pytest.mark.parametrize("over,needle", [
-    ({"shards": "0-9"}, "reaches shard 9, but the store has 4 shards"),
-    ({"eval_shards": "0-3"}, "no training shards"),
-    ({"shards": "0-2", "eval_shards": "2-3"}, "--shards 0-2: shard 2 is also in --eval-shards 2-3: a held-out shard "
-                                              "cannot be trained on"),
-    ({"shards": "all", "eval_shards": "2-3"}, "--shards all: shards 2-3 are also in --eval-shards 2-3"),
-    ({"shards": " "}, "--shards ' ': is empty"),
-    ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
-    ({"block_size": 12, "slot_weights": "exp"}, "no default loss decay"),
-    ({"layer_types": "full,sliding"}, "--layer-types"),
-])
+@pytest.mark.parametrize(
+    "over,needle",
+    [
+        ({"shards": "0-9"}, "reaches shard 9, but the store has 4 shards"),
+        ({"eval_shards": "0-3"}, "no training shards"),
+        (
+            {"shards": "0-2", "eval_shards": "2-3"},
+            "--shards 0-2: shard 2 is also in --eval-shards 2-3: a held-out shard cannot be trained on",
+        ),
+        ({"shards": "all", "eval_shards": "2-3"}, "--shards all: shards 2-3 are also in --eval-shards 2-3"),
+        ({"shards": " "}, "--shards ' ': is empty"),
+        ({"mask_token_id": 99999}, "mask_token_id 99999 is outside the vocabulary"),
+        ({"block_size": 12, "slot_weights": "exp"}, "no default loss decay"),
+        ({"layer_types": "full,sliding"}, "--layer-types"),
+    ],
+)
 def test_bad_input_is_named(small_store, tmp_path, over, needle):
     assert needle in setup_error(small_store, tmp_path, **over)
 
@@ -201,9 +289,11 @@ def test_a_failed_run_removes_the_out_it_created_and_only_that(small_store, tmp_
     from stages.train.run import run
 
     (tmp_path / "there").mkdir()
-    for store, out, over in [(small_store, tmp_path / "runs" / "a", {"eval_shards": "60-63"}),
-                             (tmp_path / "nope.zarr", tmp_path / "runs" / "b", {}),
-                             (small_store, tmp_path / "there", {"eval_shards": "60-63"})]:
+    for store, out, over in [
+        (small_store, tmp_path / "runs" / "a", {"eval_shards": "60-63"}),
+        (tmp_path / "nope.zarr", tmp_path / "runs" / "b", {}),
+        (small_store, tmp_path / "there", {"eval_shards": "60-63"}),
+    ]:
         with pytest.raises(UserError):
             run(TrainConfig.of(store=str(store), out=str(out), **over), log=lambda m: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any((tmp_path / "there").iterdir())
@@ -227,12 +317,24 @@ def test_noise_touches_only_the_fc_input(small_store, monkeypatch):
     hidden_before = batch.hidden.clone()
     seen = {}
     real_loss = st.dflash_loss
-    monkeypatch.setattr(st, "dflash_loss", lambda h, labels, *a, **k: seen.setdefault("labels", []).append(labels)
-                        or real_loss(h, labels, *a, **k), raising=True)
+    monkeypatch.setattr(
+        st,
+        "dflash_loss",
+        lambda h, labels, *a, **k: seen.setdefault("labels", []).append(labels) or real_loss(h, labels, *a, **k),
+        raising=True,
+    )
     model.fc.register_forward_pre_hook(lambda m, a: seen.setdefault("fc_in", []).append(a[0].clone()))
     model.layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("x", []).append(a[0].clone()))
-    losses_ = [forward_loss(model, model, batch, LossPlan.of(LossConfig(noise_std=std, anchors=8), dc, flex=False),
-                            step_generator(0, 3, 0, 0, torch.device("cpu"))).loss for std in (0.0, 0.5)]
+    losses_ = [
+        forward_loss(
+            model,
+            model,
+            batch,
+            LossPlan.of(LossConfig(noise_std=std, anchors=8), dc, flex=False),
+            step_generator(0, 3, 0, 0, torch.device("cpu")),
+        ).loss
+        for std in (0.0, 0.5)
+    ]
     assert torch.equal(seen["labels"][0], seen["labels"][1])  # labels: from tokens, untouched
     assert torch.equal(seen["x"][0], seen["x"][1])  # block inputs (target embeddings of tokens): untouched
     assert torch.equal(batch.hidden, hidden_before)  # no in-place change of the stored states
@@ -258,9 +360,19 @@ def test_drafter_config_gives_the_whole_architecture(small_store, tmp_path):
     assert c.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and c.sliding_window == 2048
     assert c.rope_parameters["rope_theta"] == 1e7 and (c.num_attention_heads, c.num_key_value_heads) == (32, 8)
     assert c.hidden_size == 128 and c.target_layer_ids == attrs.taps and c.mask_token_id == attrs.mask_token_id
-    c2 = fresh_config(DrafterArchConfig(drafter_config=str(tmp_path / "config.json"), num_layers=2, num_heads=4,
-                                        head_dim=32, intermediate_size=256, layer_types="sliding,full", rope_theta=1e4),
-                      16, attrs)
+    c2 = fresh_config(
+        DrafterArchConfig(
+            drafter_config=str(tmp_path / "config.json"),
+            num_layers=2,
+            num_heads=4,
+            head_dim=32,
+            intermediate_size=256,
+            layer_types="sliding,full",
+            rope_theta=1e4,
+        ),
+        16,
+        attrs,
+    )
     assert c2.layer_types == ("sliding_attention", "full_attention") and c2.rope_parameters["rope_theta"] == 1e4
 
 
@@ -303,8 +415,23 @@ def test_validation_checks_a_fixed_sample_through_the_loader(small_store, tmp_pa
     assert len(set(sample_refs(held_out, 3, 0))) == 3 and sample_refs(held_out, None, 0) == held_out
     for n, want in (("3", 3), ("all", len(held_out))):
         out = tmp_path / n
-        r = train(["--store", small_store, "--out", out, "--max-steps", 2, "--eval-shards", "2-3", "--eval-samples", n,
-                   "--eval-every", 1, *TINY])
+        r = train(
+            [
+                "--store",
+                small_store,
+                "--out",
+                out,
+                "--max-steps",
+                2,
+                "--eval-shards",
+                "2-3",
+                "--eval-samples",
+                n,
+                "--eval-every",
+                1,
+                *TINY,
+            ]
+        )
         assert r.returncode == 0, r.stderr
         evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [e["samples"] for e in evals if e["split"] == "eval"] == [want] * 3
@@ -337,8 +464,9 @@ def test_a_fresh_drafter_takes_the_targets_context_length(small_store):
     attrs = HiddenStore(str(small_store)).attrs
     dc, _ = drafter_config(TrainConfig.of(), attrs, None)
     assert dc.max_position_embeddings == 4096 and dc.num_target_layers == attrs.num_layers
-    yarn = dataclasses.replace(dc, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0},
-                               max_position_embeddings=40960)
+    yarn = dataclasses.replace(
+        dc, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}, max_position_embeddings=40960
+    )
     assert with_target_facts(yarn, attrs).max_position_embeddings == 40960  # a scaled RoPE keeps its own
 
 
@@ -354,8 +482,12 @@ def test_a_drafter_with_an_embedding_scale_is_warned_about(small_store, tmp_path
     d["dflash_config"]["input_embedding_scale"] = 0.5
     (tmp_path / "rel" / "config.json").write_text(json.dumps(d))
     lines = []
-    prepare(TrainConfig.of(store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"),
-                        workers=0), log=lines.append)
+    prepare(
+        TrainConfig.of(
+            store=str(small_store), out=str(tmp_path / "x"), drafter_config=str(tmp_path / "rel"), workers=0
+        ),
+        log=lines.append,
+    )
     assert any("input_embedding_scale 0.5: no serving consumer applies it" in x for x in lines)
 
 
@@ -398,8 +530,12 @@ def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_sto
     dead = subprocess.Popen(["true"])
     dead.wait()  # a killed run's lock: its pid is gone, so the next run takes it over
     lock.write_text(json.dumps({"host": HOST, "pid": dead.pid, "identity": IDENTITY, "since": 0}))
-    summary = train_run(TrainConfig.of(store=str(small_store), out=str(tmp_path / "x"), max_steps=1, batch_size=2,
-                                    anchors=4, workers=0), log=lambda m: None)
+    summary = train_run(
+        TrainConfig.of(
+            store=str(small_store), out=str(tmp_path / "x"), max_steps=1, batch_size=2, anchors=4, workers=0
+        ),
+        log=lambda m: None,
+    )
     assert summary["steps"] == 1 and not lock.exists()  # released at the end
 
 
@@ -419,12 +555,15 @@ def test_a_non_finite_loss_stops_before_the_weights_naming_step_and_samples(smal
         return out
 
     monkeypatch.setattr(train_module, "forward_loss", poisoned)
-    config = TrainConfig.of(store=str(small_store), out=str(tmp_path / "run"), max_steps=5, save_every=2, batch_size=2,
-                         anchors=4, workers=0)
+    config = TrainConfig.of(
+        store=str(small_store), out=str(tmp_path / "run"), max_steps=5, save_every=2, batch_size=2, anchors=4, workers=0
+    )
     with pytest.raises(TrainingError) as e:
         train_module.run(config, log=lambda m: None)
     shard, index = calls[2][0]
-    assert f"step 3, micro-batch 0: the loss is nan, not finite; the batch held shard {shard} sample {index}" in str(e.value)
+    assert f"step 3, micro-batch 0: the loss is nan, not finite; the batch held shard {shard} sample {index}" in str(
+        e.value
+    )
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-2"]  # nothing saved after it
 
 
@@ -434,12 +573,14 @@ def test_grad_checkpoint_trains_the_same_drafter(small_store, tmp_path):
     hashes = []
     for extra in ([], ["--grad-checkpoint"]):
         out = tmp_path / ("ckpt" if extra else "kept")
-        r = train(["--store", small_store, "--out", out, "--max-steps", 3, "--audit", "--eval-shards", "3", *TINY,
-                   *extra])
+        r = train(
+            ["--store", small_store, "--out", out, "--max-steps", 3, "--audit", "--eval-shards", "3", *TINY, *extra]
+        )
         assert r.returncode == 0, r.stderr
         hashes.append(json.loads((out / "audit" / "rank-0.json").read_text())["param_sha256"])
         assert json.loads((out / "final" / "config.json").read_text())["dflash_pipeline"]["train_config"][
-            "grad_checkpoint"] == bool(extra)
+            "grad_checkpoint"
+        ] == bool(extra)
     assert hashes[0] == hashes[1]
 
 
@@ -454,17 +595,39 @@ def test_an_interrupt_before_the_first_checkpoint_does_not_offer_resume(small_st
     from tests.stages.test_shard_schedule import growing
 
     store = growing(small_store, tmp_path / "grow.zarr", first=0)  # no shard committed: the run waits
-    p = subprocess.Popen([sys.executable, "train.py", "--store", str(store), "--out", str(tmp_path / "run"), "--shards",
-                          "0-3", "--max-steps", "4", "--follow", "--follow-poll", "0.2", *map(str, TINY)], cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "--store",
+            str(store),
+            "--out",
+            str(tmp_path / "run"),
+            "--shards",
+            "0-3",
+            "--max-steps",
+            "4",
+            "--follow",
+            "--follow-poll",
+            "0.2",
+            *map(str, TINY),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
     said = [p.stderr.readline()]
     while "too few to begin" not in said[-1] and said[-1]:
         said.append(p.stderr.readline())
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, "".join(said) + err
-    assert err.splitlines()[-1] == ("error: interrupted before the first checkpoint (step-N) was saved: nothing to "
-                                    "resume; rerun the same command to start again")
+    assert err.splitlines()[-1] == (
+        "error: interrupted before the first checkpoint (step-N) was saved: nothing to "
+        "resume; rerun the same command to start again"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -475,8 +638,10 @@ def test_an_out_in_a_store_or_holding_another_commands_output_is_refused(small_s
 
     before = tree(store_copy)
     into_a_store = "no command writes its output into a store; choose a directory outside it"
-    for out, what in ((store_copy / "runs" / "a", f"lies inside the hidden-state store {store_copy}"),
-                      (store_copy, "is a hidden-state store (zarr.json, shards/, _commits/, ...)")):
+    for out, what in (
+        (store_copy / "runs" / "a", f"lies inside the hidden-state store {store_copy}"),
+        (store_copy, "is a hidden-state store (zarr.json, shards/, _commits/, ...)"),
+    ):
         r = train(["--store", small_store, "--out", out, "--max-steps", 1, *TINY])
         assert (r.returncode, r.stdout, r.stderr) == (2, "", f"error: --out {out}: {what}: {into_a_store}\n")
     assert tree(store_copy) == before
@@ -484,7 +649,8 @@ def test_an_out_in_a_store_or_holding_another_commands_output_is_refused(small_s
     (tmp_path / "x" / "report.json").write_text("{}")
     assert setup_error(small_store, tmp_path, max_steps=1) == (
         f"--out {tmp_path / 'x'}: is an evaluate.py report (report.json): train.py writes a run into an empty "
-        "directory or its own run; choose another --out")
+        "directory or its own run; choose another --out"
+    )
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["report.json"]  # its lock released
 
 
@@ -506,9 +672,24 @@ def test_a_run_opens_the_store_once_per_process(small_store, tmp_path, monkeypat
         real(self, *args, **kw)
 
     monkeypatch.setattr(HiddenStore, "__init__", counting)
-    run(TrainConfig.of(store=str(small_store), out=str(tmp_path / "run"), shards="0-2", eval_shards="3",
-                       eval_replay_prompts=2, eval_every=1, max_steps=2, save_every=0, workers=1, threads=1,
-                       num_layers=1, anchors=16, batch_size=2), log=lambda m: None)
+    run(
+        TrainConfig.of(
+            store=str(small_store),
+            out=str(tmp_path / "run"),
+            shards="0-2",
+            eval_shards="3",
+            eval_replay_prompts=2,
+            eval_every=1,
+            max_steps=2,
+            save_every=0,
+            workers=1,
+            threads=1,
+            num_layers=1,
+            anchors=16,
+            batch_size=2,
+        ),
+        log=lambda m: None,
+    )
     pids = opened.read_text().split()
     assert pids.count(str(os.getpid())) == 1, pids  # validated at steps 0, 1 and 2, replayed at 1 and 2
     assert len(pids) == len(set(pids)) >= 2, pids  # the workers of the three loaders: each its own, once

@@ -14,18 +14,69 @@ from store.errors import ConfigError
 
 # TrainConfig().record() as the flat TrainConfig wrote it (dataclasses.asdict) before the components: keys and defaults.
 FLAT_DEFAULTS = {
-    "store": "hs.zarr", "out": "runs/drafter", "shards": None, "eval_shards": None, "max_steps": None, "follow": False,
-    "follow_poll": 30.0, "shard_schedule": None, "epochs": 6, "lr": 0.0006, "warmup_ratio": 0.04, "schedule": "cosine",
-    "optimizer": "muon", "muon_lr": None, "muon_weight_decay": 0.1, "grad_clip": 1.0, "weight_decay": 0.0,
-    "block_size": 16, "gamma": None, "anchors": 512, "anchor_rule": "pair", "max_length": 4096, "batch_size": 1,
-    "batching": "random", "grad_accum": 1, "data_order": "global", "shuffle_window": None, "redeal_every": 0, "seed": 0,
-    "noise_std": 0.0, "noise": "gaussian", "slot_weights": "dpace", "dpace_alpha": 0.5, "anchor_budget": None,
-    "loss_norm": "weights", "save_every": 1000, "keep_last": 2, "eval_every": 0, "eval_samples": 2000,
-    "eval_replay_prompts": 256, "log_every": 10, "workers": 2, "cache_dir": None, "cache_size": None,
-    "on_corrupt": "stop", "threads": None, "num_layers": None, "num_heads": None, "num_kv_heads": None, "head_dim": None,
-    "intermediate_size": None, "layer_types": None, "sliding_window": None, "rope_theta": None, "mask_token_id": None,
-    "drafter_config": None, "init_from": None, "resume": None, "grad_comm": "fp32", "grad_checkpoint": False,
-    "mixed_precision": "auto", "audit": False}
+    "store": "hs.zarr",
+    "out": "runs/drafter",
+    "shards": None,
+    "eval_shards": None,
+    "max_steps": None,
+    "follow": False,
+    "follow_poll": 30.0,
+    "shard_schedule": None,
+    "epochs": 6,
+    "lr": 0.0006,
+    "warmup_ratio": 0.04,
+    "schedule": "cosine",
+    "optimizer": "muon",
+    "muon_lr": None,
+    "muon_weight_decay": 0.1,
+    "grad_clip": 1.0,
+    "weight_decay": 0.0,
+    "block_size": 16,
+    "gamma": None,
+    "anchors": 512,
+    "anchor_rule": "pair",
+    "max_length": 4096,
+    "batch_size": 1,
+    "batching": "random",
+    "grad_accum": 1,
+    "data_order": "global",
+    "shuffle_window": None,
+    "redeal_every": 0,
+    "seed": 0,
+    "noise_std": 0.0,
+    "noise": "gaussian",
+    "slot_weights": "dpace",
+    "dpace_alpha": 0.5,
+    "anchor_budget": None,
+    "loss_norm": "weights",
+    "save_every": 1000,
+    "keep_last": 2,
+    "eval_every": 0,
+    "eval_samples": 2000,
+    "eval_replay_prompts": 256,
+    "log_every": 10,
+    "workers": 2,
+    "cache_dir": None,
+    "cache_size": None,
+    "on_corrupt": "stop",
+    "threads": None,
+    "num_layers": None,
+    "num_heads": None,
+    "num_kv_heads": None,
+    "head_dim": None,
+    "intermediate_size": None,
+    "layer_types": None,
+    "sliding_window": None,
+    "rope_theta": None,
+    "mask_token_id": None,
+    "drafter_config": None,
+    "init_from": None,
+    "resume": None,
+    "grad_comm": "fp32",
+    "grad_checkpoint": False,
+    "mixed_precision": "auto",
+    "audit": False,
+}
 LATER = {"acceptance_weight": 0.0}  # settings added since, each at a default that trains as before it existed
 UNSET = {"follow_poll": None}  # defaults now unset: --follow-poll's 30 s is filled in only with --follow
 RECORD = FLAT_DEFAULTS | LATER | UNSET
@@ -46,8 +97,14 @@ def test_a_config_round_trips_through_its_record():
     record = json.loads(json.dumps(config.record()))
     assert record == RECORD | given | followed
     assert TrainConfig.of(**record) == config
-    assert (config.data.eval_shards, config.shard_schedule.follow_poll, config.optim.muon_lr, config.loss.anchors,
-            config.drafter.num_layers, config.run.keep_last) == tuple(given.values())
+    assert (
+        config.data.eval_shards,
+        config.shard_schedule.follow_poll,
+        config.optim.muon_lr,
+        config.loss.anchors,
+        config.drafter.num_layers,
+        config.run.keep_last,
+    ) == tuple(given.values())
 
 
 def test_an_old_record_still_loads_and_resumes():
@@ -90,16 +147,19 @@ def test_a_component_named_as_its_setting_keeps_the_settings_option():
     assert config.shard_schedule.shard_schedule == "runs/a/shards.json"
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: OptimConfig(optimizer="adamw", muon_lr=0.01), "--muon-lr 0.01: is only used by --optimizer muon"),
-    (lambda: LossConfig(gamma=7.0), "--gamma 7.0: is only used by --slot-weights exp"),
-    (lambda: LossConfig(acceptance_weight=1.5), "--acceptance-weight 1.5: expected 0 <= weight <= 1"),
-    (lambda: LossConfig(acceptance_weight=-0.1), "--acceptance-weight -0.1: expected 0 <= weight <= 1"),
-    (lambda: DataConfig(shuffle_window=4), "--shuffle-window 4: is only used by --data-order node"),
-    (lambda: TrainConfig.of(follow=True, shards="0-3"), "--follow True: needs --max-steps"),
-    (lambda: TrainConfig.of(shard_schedule="s.json", max_steps=3), "--shard-schedule s.json: needs --shards"),
-    (lambda: TrainConfig.of(block_size=12, slot_weights="exp"), "--block-size 12: no default loss decay"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: OptimConfig(optimizer="adamw", muon_lr=0.01), "--muon-lr 0.01: is only used by --optimizer muon"),
+        (lambda: LossConfig(gamma=7.0), "--gamma 7.0: is only used by --slot-weights exp"),
+        (lambda: LossConfig(acceptance_weight=1.5), "--acceptance-weight 1.5: expected 0 <= weight <= 1"),
+        (lambda: LossConfig(acceptance_weight=-0.1), "--acceptance-weight -0.1: expected 0 <= weight <= 1"),
+        (lambda: DataConfig(shuffle_window=4), "--shuffle-window 4: is only used by --data-order node"),
+        (lambda: TrainConfig.of(follow=True, shards="0-3"), "--follow True: needs --max-steps"),
+        (lambda: TrainConfig.of(shard_schedule="s.json", max_steps=3), "--shard-schedule s.json: needs --shards"),
+        (lambda: TrainConfig.of(block_size=12, slot_weights="exp"), "--block-size 12: no default loss decay"),
+    ],
+)
 def test_each_check_is_made_where_its_settings_are(make, message):
     """A component checks its own settings as it is made; TrainConfig those of two components."""
     with pytest.raises(ConfigError) as e:

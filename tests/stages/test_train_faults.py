@@ -26,8 +26,14 @@ def evals(out) -> list[tuple[int, float]]:
 
 def killed(args, point) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tests.killed", "train", point, *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.killed", "train", point, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,9 @@ def test_sigkill_then_resume_equals_uninterrupted(small_store, straight, tmp_pat
 
 
 @pytest.mark.parametrize("gone", ["states", "shard"])
-def test_a_shard_deleted_under_a_running_trainer_stops_it_naming_the_shard_or_is_skipped(small_store, tmp_path,
-                                                                                        monkeypatch, gone):
+def test_a_shard_deleted_under_a_running_trainer_stops_it_naming_the_shard_or_is_skipped(
+    small_store, tmp_path, monkeypatch, gone
+):
     """At step 3 of 14, shard 1's state file (or the whole shard, commit file first) is deleted while a
     DataLoader worker reads ahead: no batch is built from what is missing."""
     import shutil
@@ -83,8 +90,17 @@ def test_a_shard_deleted_under_a_running_trainer_stops_it_naming_the_shard_or_is
         step_at.clear()
         store = tmp_path / f"{on_corrupt}.zarr"
         shutil.copytree(small_store, store)
-        config = TrainConfig.of(store=str(store), out=str(tmp_path / on_corrupt), shards="0-2", eval_shards="3",
-                             max_steps=14, batch_size=2, anchors=4, workers=1, on_corrupt=on_corrupt)
+        config = TrainConfig.of(
+            store=str(store),
+            out=str(tmp_path / on_corrupt),
+            shards="0-2",
+            eval_shards="3",
+            max_steps=14,
+            batch_size=2,
+            anchors=4,
+            workers=1,
+            on_corrupt=on_corrupt,
+        )
         if on_corrupt == "stop":
             with pytest.raises(StoreError) as e:
                 train_module.run(config, log=lambda m: None)

@@ -13,8 +13,20 @@ def test_a_node_ordered_run_resumes_exactly_and_reads_one_shard_at_a_time(small_
     """One process is one node: with windows of one shard it reads the 4 shards one after another
     (each epoch: 7 batches of 2 of the 14 samples, every shard's samples in one run), and a run
     stopped after step 10 (mid-epoch) and resumed gives the losses and weights of the straight run."""
-    common = ["--store", small_store, "--max-steps", 20, "--save-every", 10, "--audit", *TINY,
-              "--data-order", "node", "--shuffle-window", 1]
+    common = [
+        "--store",
+        small_store,
+        "--max-steps",
+        20,
+        "--save-every",
+        10,
+        "--audit",
+        *TINY,
+        "--data-order",
+        "node",
+        "--shuffle-window",
+        1,
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = train([*common, "--out", straight])
     assert r.returncode == 0, r.stderr

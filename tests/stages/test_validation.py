@@ -22,8 +22,18 @@ def test_replayed_tau_is_what_evaluate_reports(small_store, trained_drafter, tmp
     checkpoint.load_into(m, {k: v.float() for k, v in tensors.items()})
     m.eval()
     tau_sum, prompts, tokens, rounds = replay_sums(m, store, index_samples(store, [3], 4096)).tolist()
-    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained_drafter),), shards="3", max_prompts=None,
-                         ddtree=(), dtype="fp32", out=str(tmp_path / "rep")), log=lambda line: None)
+    rep = run(
+        EvalConfig(
+            store=str(small_store),
+            checkpoints=(str(trained_drafter),),
+            shards="3",
+            max_prompts=None,
+            ddtree=(),
+            dtype="fp32",
+            out=str(tmp_path / "rep"),
+        ),
+        log=lambda line: None,
+    )
     r = rep["checkpoints"][0]
     assert prompts == r["prompts"] > 1 and rounds == r["rounds"] and tokens == r["tokens"]
     assert abs(tau_sum / prompts - r["tau"]) < 1e-12 and abs(tokens / rounds - r["tau_pooled"]) < 1e-12
@@ -32,16 +42,42 @@ def test_replayed_tau_is_what_evaluate_reports(small_store, trained_drafter, tmp
 
 def test_eval_records_carry_the_replayed_tau(small_store, tmp_path):
     out = tmp_path / "run"
-    r = train(["--store", small_store, "--out", out, "--max-steps", 2, "--eval-shards", "3", "--eval-replay-prompts",
-               "3", *TINY])
+    r = train(
+        [
+            "--store",
+            small_store,
+            "--out",
+            out,
+            "--max-steps",
+            2,
+            "--eval-shards",
+            "3",
+            "--eval-replay-prompts",
+            "3",
+            *TINY,
+        ]
+    )
     assert r.returncode == 0, r.stderr
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
     assert "tau_replay" not in evals[0]  # step 0 of a fresh drafter: not replayed (tau ~1 at the most rounds)
     assert evals[1]["replay_prompts"] == 3 and 1 <= evals[1]["tau_replay"] <= 16
     assert "replay tau" in r.stdout
     off = tmp_path / "off"
-    r = train(["--store", small_store, "--out", off, "--max-steps", 1, "--eval-shards", "3", "--eval-replay-prompts",
-               "0", *TINY])
+    r = train(
+        [
+            "--store",
+            small_store,
+            "--out",
+            off,
+            "--max-steps",
+            1,
+            "--eval-shards",
+            "3",
+            "--eval-replay-prompts",
+            "0",
+            *TINY,
+        ]
+    )
     assert r.returncode == 0 and "tau_replay" not in (off / "metrics.jsonl").read_text()
 
 
@@ -70,8 +106,23 @@ def test_validation_replays_through_the_runs_node_cache(small_store, tmp_path, m
 
     monkeypatch.setattr(NodeCache, "fetch", fetch)
     monkeypatch.setattr(validation, "replay_sums", replay_sums)
-    run(TrainConfig.of(store=upload(small_store), out=str(tmp_path / "run"), shards="0-2", eval_shards="3",
-                       eval_replay_prompts=2, max_steps=1, save_every=0, workers=0, threads=1, num_layers=1,
-                       anchors=16, batch_size=2, cache_dir=str(tmp_path / "cache"), cache_size=1 << 30),
-        log=lambda m: None)
+    run(
+        TrainConfig.of(
+            store=upload(small_store),
+            out=str(tmp_path / "run"),
+            shards="0-2",
+            eval_shards="3",
+            eval_replay_prompts=2,
+            max_steps=1,
+            save_every=0,
+            workers=0,
+            threads=1,
+            num_layers=1,
+            anchors=16,
+            batch_size=2,
+            cache_dir=str(tmp_path / "cache"),
+            cache_size=1 << 30,
+        ),
+        log=lambda m: None,
+    )
     assert False in fetched and True in fetched  # the loader's reads and the replay's, both through the cache

@@ -27,8 +27,9 @@ from store.verify import verify
 from tests.store.test_damage import equal, read_everything
 
 DATA_REV4 = Path(__file__).parents[1] / "data" / "rev4_store"
-FIXTURE = dict(shards="0-1", max_new_tokens=16, max_length=128, chunk_tokens=32, shard_tokens=64, dtype="fp32",
-               device="cpu")
+FIXTURE = dict(
+    shards="0-1", max_new_tokens=16, max_length=128, chunk_tokens=32, shard_tokens=64, dtype="fp32", device="cpu"
+)
 
 
 def extract(path: Path, **over) -> None:
@@ -76,7 +77,7 @@ def alike(a, b) -> bool:
         return False
     x, y = x.float(), y.float()
     off = x != y
-    step = 2.0 ** -7 * torch.maximum(x.abs(), y.abs())
+    step = 2.0**-7 * torch.maximum(x.abs(), y.abs())
     return bool(off.float().mean() <= 1e-2 and ((x - y).abs() <= step + 1e-4)[off].all())  # 1e-4: values near 0
 
 
@@ -103,7 +104,9 @@ def test_a_new_store_names_chunks_with_dots_and_takes_fewer_inodes(rev4_store, r
             meta = json.loads((array / "zarr.json").read_text())
             assert meta["chunk_key_encoding"] == {"name": "default", "configuration": {"separator": "."}}, array
             assert not [p for p in array.iterdir() if p.is_dir()], array  # every chunk a file beside the metadata
-            assert sorted(p.name for p in array.iterdir()) == sorted(["zarr.json", *(p.name for p in array.glob("c.*"))])
+            assert sorted(p.name for p in array.iterdir()) == sorted(
+                ["zarr.json", *(p.name for p in array.glob("c.*"))]
+            )
         new, old = inodes(rev5_store / "shards" / f"{shard:05d}"), inodes(REV4 / "shards" / f"{shard:05d}")
         assert new[0] == old[0]  # the same chunk files, named otherwise
         assert new[1] == 1 + len(arrays_of(rev5_store, shard)) < old[1]  # the shard's and its arrays' folders only
@@ -125,8 +128,11 @@ def test_the_old_layout_holds_the_same_values_and_reads_alike_through_every_path
         got.pop("attrs")
         got.pop("index")  # its records hold the runs' notes (hosts, times), compared below without them
         for s in (0, 1):
-            got[s][0] = {k: v for k, v in got[s][0].to_json().items() if k in ("samples", "tokens", "shapes",
-                                                                            "completion_tokens", "categories")}
+            got[s][0] = {
+                k: v
+                for k, v in got[s][0].to_json().items()
+                if k in ("samples", "tokens", "shapes", "completion_tokens", "categories")
+            }
     assert alike(a, b)  # the checksums (of the states) left out above
     for s in (0, 1):
         ro, rn = ShardReader(old, s), ShardReader(new, s)

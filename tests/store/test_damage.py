@@ -45,8 +45,10 @@ def equal(a, b) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
-                                                  b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+        return a.dtype == b.dtype and torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+            b.view(torch.uint8) if b.dtype == torch.bfloat16 else b,
+        )
     if isinstance(a, np.ndarray):
         return a.dtype == b.dtype and np.array_equal(a, b)
     return a == b
@@ -60,23 +62,23 @@ def damaged(data: bytes, kind: str) -> bytes | None:
     """data damaged one way (None: the file deleted)."""
     if kind == "flip":
         mid = len(data) // 2
-        return data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 8]) + data[mid + 8:]
+        return data[:mid] + bytes(b ^ 0x5A for b in data[mid : mid + 8]) + data[mid + 8 :]
     if kind == "digit":  # JSON that stays JSON: a count, a shape, a checksum changed
         digits = [i for i, b in enumerate(data) if 48 <= b <= 57]
         if not digits:
             return data
         i = digits[len(digits) // 2]
-        return data[:i] + bytes([48 + (data[i] - 47) % 10]) + data[i + 1:]
+        return data[:i] + bytes([48 + (data[i] - 47) % 10]) + data[i + 1 :]
     if kind == "flip-end":  # a shard file's index, a chunk's checksum, a JSON file's closing brace
         return data[:-6] + bytes(b ^ 0x5A for b in data[-6:])
-    return {"cut": data[:len(data) // 2], "empty": b"", "delete": None}[kind]
+    return {"cut": data[: len(data) // 2], "empty": b"", "delete": None}[kind]
 
 
 def names(message: str, key: str) -> bool:
     """The message names the damaged file, or the array it is a chunk or the metadata of (a deleted
     commit file leaves its shard uncommitted, which is how a crash leaves it: named as such)."""
     array = re.split(r"/c[./]", key)[0]  # a chunk key: c/K/0/0 (before revision 5) or c.K.0.0
-    if array.endswith("/zarr.json") and array[:-len("/zarr.json")] in message:
+    if array.endswith("/zarr.json") and array[: -len("/zarr.json")] in message:
         return True
     uncommitted = key.startswith("_commits/0") and f"shard {int(key[9:14])} is not committed" in message
     return array in message or uncommitted
@@ -94,8 +96,11 @@ def unchecked_in_schema1(key: str) -> bool:
     per-token chunk changed or gone (the readers' warning says so: `ReadChecks.warning`),
     a root attribute or a commit file's note (a time, a host) changed into another valid value (a
     change to the counts, shapes or checksums contradicts the arrays, and is seen)."""
-    return (key == "zarr.json" or key.startswith("_commits/")
-            or any(f"/{name}/c/" in key or f"/{name}/c." in key for name in ("hidden", "tokens", "loss_mask")))
+    return (
+        key == "zarr.json"
+        or key.startswith("_commits/")
+        or any(f"/{name}/c/" in key or f"/{name}/c." in key for name in ("hidden", "tokens", "loss_mask"))
+    )
 
 
 @pytest.mark.parametrize("schema", [2, 1, "2, fp8", "2, revision 4"])
@@ -103,8 +108,12 @@ def test_damage_to_any_file_is_an_error_naming_it_or_changes_nothing(request, tm
     """schema 2 in the layout this revision writes (chunk keys c.K.0.0), and in revision 4's (c/K/0/0)."""
     store = tmp_path / "hs.zarr"
     fixture = {1: SCHEMA1, "2, revision 4": REV4}
-    shutil.copytree(fixture[schema] if schema in fixture else request.getfixturevalue(
-        "fp8_store" if schema == "2, fp8" else "small_store"), store)
+    shutil.copytree(
+        fixture[schema]
+        if schema in fixture
+        else request.getfixturevalue("fp8_store" if schema == "2, fp8" else "small_store"),
+        store,
+    )
     shards = [0, 1] if schema in fixture else [0, 1, 2, 3]
     clean = read_everything(str(store), shards)
     kept, errors, wrong, unseen = [], [], [], []

@@ -16,8 +16,14 @@ from tests.conftest import SMALL
 
 
 def test_store_refuses_shards_from_another_config(store_copy, small_dataset):
-    config = ExtractConfig(store=str(store_copy), dataset=str(small_dataset), taps="1,3", shards="0", num_shards=4,
-                           **{**SMALL, "max_new_tokens": 30})
+    config = ExtractConfig(
+        store=str(store_copy),
+        dataset=str(small_dataset),
+        taps="1,3",
+        shards="0",
+        num_shards=4,
+        **{**SMALL, "max_new_tokens": 30},
+    )
     with pytest.raises(StoreMismatch) as e:
         run(config, log=lambda m: None)
     msg = str(e.value)

@@ -15,10 +15,18 @@ from store.store_writer import StoreWriter
 
 
 def _equal(a: index_file.StoreIndex, b: index_file.StoreIndex) -> bool:
-    return a.records == b.records and a.arrays.keys() == b.arrays.keys() and all(
-        a.arrays[s].keys() == b.arrays[s].keys() and all(
-            a.arrays[s][n].dtype == b.arrays[s][n].dtype and np.array_equal(a.arrays[s][n], b.arrays[s][n])
-            for n in a.arrays[s]) for s in a.arrays)
+    return (
+        a.records == b.records
+        and a.arrays.keys() == b.arrays.keys()
+        and all(
+            a.arrays[s].keys() == b.arrays[s].keys()
+            and all(
+                a.arrays[s][n].dtype == b.arrays[s][n].dtype and np.array_equal(a.arrays[s][n], b.arrays[s][n])
+                for n in a.arrays[s]
+            )
+            for s in a.arrays
+        )
+    )
 
 
 @pytest.fixture
@@ -30,8 +38,10 @@ def store_copy(store_copy):
 
 def _reads_no_shard(monkeypatch):
     """From here on reading a commit file or a shard's per-sample arrays fails the test."""
+
     def fail(*a, **k):
         raise AssertionError("a shard's own files were read")
+
     monkeypatch.setattr(HiddenStore, "committed", fail)
     monkeypatch.setattr(index_file, "per_sample", fail)
 
@@ -96,7 +106,9 @@ def test_a_sealed_file_whose_arrays_disagree_with_the_commit_records_is_not_used
     key = index_file.state(store)
     wrong = {s: dict(a) for s, a in good.arrays.items()}
     wrong[1]["first_pairs"] = wrong[1]["first_pairs"] + 1
-    (store_copy / index_file.file_key(key)).write_bytes(index_file.encode(key, index_file.StoreIndex(good.records, wrong)))
+    (store_copy / index_file.file_key(key)).write_bytes(
+        index_file.encode(key, index_file.StoreIndex(good.records, wrong))
+    )
     assert index_file.read(store, key) is None
     again, note = index_file.load(store)
     assert "built" in note and _equal(again, good)

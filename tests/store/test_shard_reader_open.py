@@ -52,8 +52,10 @@ class CountedFS(MemoryFileSystem):
 
 
 for _name in ("cat_file", "cat", "_open", "info", "ls", "exists", "isfile", "isdir", "find", "du"):
+
     def _wrapped(self, *args, _name=_name, **kwargs):
         return self._counted(_name, 1, getattr(MemoryFileSystem, _name).__get__(self), *args, **kwargs)
+
     setattr(CountedFS, _name, _wrapped)
 fsspec.register_implementation("counted", CountedFS, clobber=True)
 
@@ -99,7 +101,9 @@ def test_a_shard_opens_in_one_round_and_its_first_sample_in_two_more(served, sma
         opened, reader = rounds(lambda: ShardReader(store, shard, record))
         assert opened == [("cat_ranges", 12)], opened  # 8 metadata files, 4 per-sample chunks
         first, sample = rounds(lambda: reader[0])
-        assert [r[0] for r in first] == ["cat_ranges", "cat_ranges"], first  # chunk indexes and token chunks, then states
+        assert [r[0] for r in first] == ["cat_ranges", "cat_ranges"], (
+            first
+        )  # chunk indexes and token chunks, then states
         group = want[f"shards/{shard:05d}"]
         offsets = group["offsets"][:]
         for i in range(len(reader)):  # bit for bit what zarr reads
@@ -156,16 +160,20 @@ def test_old_layouts_are_read_through_zarr_as_before(served):
         offsets = group["offsets"][:]
         for i in range(len(reader)):
             s = reader[i]
-            assert np.array_equal(s.tokens.numpy(), group["tokens"][offsets[i]:offsets[i + 1]])
+            assert np.array_equal(s.tokens.numpy(), group["tokens"][offsets[i] : offsets[i + 1]])
 
 
 def test_arrays_read_whole_in_batches_equal_one_batch(small_store):
     """read_whole's batches (a bound on what is held at once) change nothing in what it reads."""
     store = HiddenStore(str(small_store))
     store.attrs
-    arrays = [(store.path(f"target/{n}"), zarr_files.parse(store._root_files[f"target/{n}/zarr.json"],
-                                                           store.path(f"target/{n}/zarr.json")))
-              for n in ("embed_tokens", "lm_head")]
+    arrays = [
+        (
+            store.path(f"target/{n}"),
+            zarr_files.parse(store._root_files[f"target/{n}/zarr.json"], store.path(f"target/{n}/zarr.json")),
+        )
+        for n in ("embed_tokens", "lm_head")
+    ]
     whole = zarr_files.read_whole(store.fs, arrays)
     rows = arrays[0][1].chunk_grid.chunk_shape[0]
     for bound in (1, rows * 128 * 2, 10**12):

@@ -124,9 +124,16 @@ def test_whole_shard_files_are_byte_for_byte_what_zarr_writes(tmp_path, request,
     write(writer, parts)
     writer.commit(None, run={})
     bits = layout.to_bits(torch.cat(parts))
-    ref = zarr.create_array(str(tmp_path / "ref.zarr"), shape=bits.shape, dtype=np.uint16, chunks=(8, TAPS, H),
-                            shards=(32, TAPS, H), compressors=hidden_formats.of(hidden_format).codecs(1, H), fill_value=0,
-                            chunk_key_encoding=layout.chunk_key_encoding())
+    ref = zarr.create_array(
+        str(tmp_path / "ref.zarr"),
+        shape=bits.shape,
+        dtype=np.uint16,
+        chunks=(8, TAPS, H),
+        shards=(32, TAPS, H),
+        compressors=hidden_formats.of(hidden_format).codecs(1, H),
+        fill_value=0,
+        chunk_key_encoding=layout.chunk_key_encoding(),
+    )
     ref[:] = bits
     ours = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden"
     files = sorted(p.name for p in ours.glob("c.*"))
@@ -144,8 +151,9 @@ def test_a_bound_smaller_than_a_shard_file_never_deadlocks(tmp_path, small_store
     store = fresh_store(tmp_path, small_store)
     writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=64, max_held_bytes=30 * TOKEN_BYTES)
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (write(writer, batches(10)), writer.commit(None, run={}), done.set()),
-                              daemon=True)
+    worker = threading.Thread(
+        target=lambda: (write(writer, batches(10)), writer.commit(None, run={}), done.set()), daemon=True
+    )
     worker.start()
     worker.join(timeout=60)
     assert done.is_set() and store.commit_record(1).tokens == 200

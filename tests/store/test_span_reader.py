@@ -32,14 +32,19 @@ def written(tmp_path, request, hidden_format: str = "bf16") -> HiddenStore:
 
 def readers(store: HiddenStore, missing_is_damage: bool = True) -> dict:
     group = store.shard_arrays(1)
-    return {name: (span_reader.for_array(store.fs, store.path(f"shards/00001/{name}"), group[name], missing_is_damage),
-                   group[name]) for name in ARRAYS}
+    return {
+        name: (
+            span_reader.for_array(store.fs, store.path(f"shards/00001/{name}"), group[name], missing_is_damage),
+            group[name],
+        )
+        for name in ARRAYS
+    }
 
 
 def partial_file_index(tmp_path) -> np.ndarray:
     """[4, 2] (offset, length) of the partial shard file's chunks."""
     path = tmp_path / "copy.zarr" / "shards" / "00001" / "hidden" / "c.6.0.0"
-    return np.frombuffer(path.read_bytes()[-(16 * 4 + 4):-4], "<u8").reshape(4, 2)
+    return np.frombuffer(path.read_bytes()[-(16 * 4 + 4) : -4], "<u8").reshape(4, 2)
 
 
 def assert_spans_equal_zarr(store: HiddenStore, missing_is_damage: bool) -> None:
@@ -149,8 +154,8 @@ def test_samples_read_in_one_batch_are_bit_identical_to_zarr(tmp_path, request, 
     whole = {name: group[name][:] for name in ARRAYS}
     order = list(range(len(reader))) + list(np.random.default_rng(1).permutation(len(reader)))
     for lo in range(0, len(order), 4):
-        got = read_samples([(reader, i, None, None) for i in order[lo:lo + 4]])
-        for i, s in zip(order[lo:lo + 4], got):
+        got = read_samples([(reader, i, None, None) for i in order[lo : lo + 4]])
+        for i, s in zip(order[lo : lo + 4], got):
             a, b = int(reader.offsets[i]), int(reader.offsets[i + 1])
             assert np.array_equal(layout.to_bits(s.hidden), whole["hidden"][a:b]), (i, a, b)
             assert np.array_equal(s.tokens.numpy(), whole["tokens"][a:b])
@@ -169,7 +174,7 @@ def test_a_damaged_chunk_fails_only_its_samples_in_a_batch(tmp_path, request, hi
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    index = np.frombuffer(bytes(data[-(16 * 4 + 4):-4]), "<u8").reshape(4, 2)
+    index = np.frombuffer(bytes(data[-(16 * 4 + 4) : -4]), "<u8").reshape(4, 2)
     k = next(k for k in range(4) if index[k, 0] <= len(data) // 2 < index[k, 0] + index[k, 1])
     lo, hi = 64 + 8 * k, 72 + 8 * k  # the damaged chunk's tokens
     got = read_samples([(reader, i, None, None) for i in range(len(reader))])

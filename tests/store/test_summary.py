@@ -17,9 +17,10 @@ def test_sizes_come_from_the_commit_files_not_a_walk(small_store, monkeypatch):
     """At scale a walk is millions of metadata calls: info reads each shard's bytes, recorded at
     commit, and walks only the root's two arrays; the figures equal what a walk finds."""
     store = HiddenStore(str(small_store))
-    walked = {"hidden": sum(store.bytes_on_disk(f"shards/{s:05d}/hidden") for s in store.committed()),
-              "all": store.bytes_on_disk("target") + sum(store.bytes_on_disk(f"shards/{s:05d}")
-                                                          for s in store.committed())}
+    walked = {
+        "hidden": sum(store.bytes_on_disk(f"shards/{s:05d}/hidden") for s in store.committed()),
+        "all": store.bytes_on_disk("target") + sum(store.bytes_on_disk(f"shards/{s:05d}") for s in store.committed()),
+    }
     calls = []
     real = HiddenStore._file_sizes  # every walk goes through it
     monkeypatch.setattr(HiddenStore, "_file_sizes", lambda self, key: calls.append(key) or real(self, key))

@@ -1,6 +1,5 @@
 """`pipeline verify`: every committed shard re-read and checked against its commit record."""
 
-
 from store.hidden_store import HiddenStore
 from store.verify import verify
 
@@ -44,8 +43,12 @@ def test_verify_checks_the_frozen_embedding(store_copy):
     embed = zarr.open_array(str(store_copy / "target/embed_tokens"), mode="r+")
     embed[0, 0] = embed[0, 0] ^ 1
     report = verify(HiddenStore(str(store_copy)))
-    assert report.problems == {-1: [f"{store_copy}/target/embed_tokens: its CRC-32 is not the one _commits/root.json "
-                                    "records (a chunk file is damaged, missing or replaced)"]}
+    assert report.problems == {
+        -1: [
+            f"{store_copy}/target/embed_tokens: its CRC-32 is not the one _commits/root.json "
+            "records (a chunk file is damaged, missing or replaced)"
+        ]
+    }
 
 
 def test_chosen_shards_in_parallel_processes(store_copy):

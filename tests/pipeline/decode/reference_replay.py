@@ -56,8 +56,9 @@ class PromptRounds:
         return sum(t for _, t in self.rounds) / len(self.rounds) if self.rounds else float("nan")
 
 
-def replay(drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds: int | None = None,
-           keep_drafts: bool = False) -> PromptRounds:
+def replay(
+    drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds: int | None = None, keep_drafts: bool = False
+) -> PromptRounds:
     tokens, T, P = sample.tokens, len(sample.tokens), sample.prompt_len
     D = drafter.config.block_size - 1
     out = PromptRounds(sample.shard, sample.index, sample.row_id, P, T - P)
@@ -68,9 +69,9 @@ def replay(drafter: Drafter, sample: Sample, policy: Policy = chain, max_rounds:
         logits = session.draft(int(tokens[start]))  # [D, V]
         if keep_drafts:
             out.drafts.append(logits.argmax(-1).tolist())
-        acc = policy(logits, tokens[start + 1:start + 1 + D])
+        acc = policy(logits, tokens[start + 1 : start + 1 + D])
         n = round_tokens(acc, T - 1 - start)
         out.rounds.append((acc, n))
-        session.extend(sample.hidden[start:start + n])  # states of the block's committed positions
+        session.extend(sample.hidden[start : start + n])  # states of the block's committed positions
         start += n
     return out

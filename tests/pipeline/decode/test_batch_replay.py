@@ -17,8 +17,11 @@ V = 6  # a small vocabulary: drafts are often accepted, so rounds are long and v
 
 def small_drafter(**over) -> Drafter:
     g = torch.Generator().manual_seed(0)
-    m = Drafter(config(vocab_size=V, mask_token_id=V - 1, **over), torch.randn(V, H, generator=g),
-                torch.randn(V, H, generator=g))
+    m = Drafter(
+        config(vocab_size=V, mask_token_id=V - 1, **over),
+        torch.randn(V, H, generator=g),
+        torch.randn(V, H, generator=g),
+    )
     m.init_weights(torch.Generator().manual_seed(1), std=0.3)
     return m.eval()
 
@@ -32,8 +35,17 @@ def samples(n: int, seed: int = 0, one_token: tuple[int, ...] = ()) -> list[Samp
         P = T - 1 if i in one_token else int(torch.randint(1, T - 1, (1,), generator=g))
         mask = torch.zeros(T, dtype=torch.bool)
         mask[P:] = True
-        out.append(Sample(shard=i % 3, index=i, row_id=100 + i, tokens=torch.randint(0, V - 1, (T,), generator=g),
-                          loss_mask=mask, prompt_len=P, hidden=torch.randn(T, len(TAPS), H, generator=g).bfloat16()))
+        out.append(
+            Sample(
+                shard=i % 3,
+                index=i,
+                row_id=100 + i,
+                tokens=torch.randint(0, V - 1, (T,), generator=g),
+                loss_mask=mask,
+                prompt_len=P,
+                hidden=torch.randn(T, len(TAPS), H, generator=g).bfloat16(),
+            )
+        )
     return out
 
 

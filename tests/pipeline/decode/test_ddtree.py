@@ -285,8 +285,12 @@ def test_a_large_enough_budget_is_never_below_chain():
         chain_score = float(lp.max(-1).values.sum())
         vals = lp.sort(-1, descending=True).values
         # nodes at least as good as the chain: count prefixes by brute force over all rank tuples
-        budget = sum(1 for d in range(1, 5) for r in itertools.product(range(6), repeat=d)
-                     if float(sum(vals[i, r[i]] for i in range(d))) >= chain_score)
+        budget = sum(
+            1
+            for d in range(1, 5)
+            for r in itertools.product(range(6), repeat=d)
+            if float(sum(vals[i, r[i]] for i in range(d))) >= chain_score
+        )
         tree = build_tree(lp, budget)
         drafts = lp.argmax(-1)
         for _ in range(10):

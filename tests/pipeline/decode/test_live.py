@@ -7,9 +7,20 @@ from stages.evaluate.run import run
 def test_live_equals_replay_on_every_prompt(small_store, trained_drafter, tmp_path):
     from pipeline import TINY_TARGET
 
-    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained_drafter),), shards="0-3",
-                         out=str(tmp_path / "rep"), ddtree=(), dtype="fp32", live=True, live_prompts=None,
-                         target=str(TINY_TARGET)), log=lambda m: None)
+    rep = run(
+        EvalConfig(
+            store=str(small_store),
+            checkpoints=(str(trained_drafter),),
+            shards="0-3",
+            out=str(tmp_path / "rep"),
+            ddtree=(),
+            dtype="fp32",
+            live=True,
+            live_prompts=None,
+            target=str(TINY_TARGET),
+        ),
+        log=lambda m: None,
+    )
     r = rep["checkpoints"][0]
     live = r["live"]
     assert live["prompts"] == r["prompts"] > 5
@@ -23,9 +34,19 @@ def test_live_equals_replay_on_every_prompt(small_store, trained_drafter, tmp_pa
 def test_live_runs_on_the_first_prompts_of_the_sample_by_default(small_store, trained_drafter, tmp_path):
     from pipeline import TINY_TARGET
 
-    rep = run(EvalConfig(store=str(small_store), checkpoints=(str(trained_drafter),), shards="0-3",
-                         out=str(tmp_path / "rep"), ddtree=(), live=True, live_prompts=3, target=str(TINY_TARGET)),
-              log=lambda m: None)
+    rep = run(
+        EvalConfig(
+            store=str(small_store),
+            checkpoints=(str(trained_drafter),),
+            shards="0-3",
+            out=str(tmp_path / "rep"),
+            ddtree=(),
+            live=True,
+            live_prompts=3,
+            target=str(TINY_TARGET),
+        ),
+        log=lambda m: None,
+    )
     r = rep["checkpoints"][0]
     assert r["live"]["prompts"] == rep["sample"]["live_prompts"] == 3 < r["prompts"]
     assert "first 3 prompts of the sample" in (tmp_path / "rep" / "report.md").read_text()
@@ -57,10 +78,10 @@ def test_live_drafts_equal_replay_drafts_with_a_context_sensitive_drafter(small_
     prompts = Prompts(store, [0, 1], None, seed=0)
     for s in prompts.read(prompts.refs):
         limit = attrs.compat.completion_limit(s.prompt_len)
-        lv = live.speculative(m, lt, s.tokens[:s.prompt_len], limit, set(attrs.eos_token_ids))
+        lv = live.speculative(m, lt, s.tokens[: s.prompt_len], limit, set(attrs.eos_token_ids))
         rp = replay.replay(m, s, keep_drafts=True)
         assert lv.rounds == rp.rounds and len(lv.drafts) == len(rp.drafts)
         for a, b in zip(lv.drafts, rp.drafts):
-            assert a == b[:len(a)]
+            assert a == b[: len(a)]
             compared += len(a)
     assert compared > 50

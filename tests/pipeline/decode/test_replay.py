@@ -13,8 +13,15 @@ def sample(T=40, P=9, seed=0) -> Sample:
     g = torch.Generator().manual_seed(seed)
     lm = torch.zeros(T, dtype=torch.bool)
     lm[P:] = True
-    return Sample(shard=0, index=0, row_id=0, tokens=torch.randint(0, V - 1, (T,), generator=g), loss_mask=lm,
-                  prompt_len=P, hidden=torch.randn(T, len(TAPS), H, generator=g).to(torch.bfloat16))
+    return Sample(
+        shard=0,
+        index=0,
+        row_id=0,
+        tokens=torch.randint(0, V - 1, (T,), generator=g),
+        loss_mask=lm,
+        prompt_len=P,
+        hidden=torch.randn(T, len(TAPS), H, generator=g).to(torch.bfloat16),
+    )
 
 
 def uncached_logits(m, s: Sample, start: int) -> torch.Tensor:
@@ -63,5 +70,5 @@ def test_session_extends_in_pieces_like_at_once():
     a, b = DraftSession(m), DraftSession(m)
     a.extend(s.hidden[:20])
     for lo in range(0, 20, 7):
-        b.extend(s.hidden[lo:min(20, lo + 7)])
+        b.extend(s.hidden[lo : min(20, lo + 7)])
     assert torch.allclose(a.draft(3), b.draft(3), atol=1e-5)

@@ -129,8 +129,9 @@ def test_one_document_rows_draw_as_before():
     lm = budget_rows()
     for budget in (None, 20):
         base = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=budget)
-        same = sample_anchors(lm, 16, torch.Generator().manual_seed(3), budget=budget,
-                              starts=torch.zeros(lm.shape, dtype=torch.long))
+        same = sample_anchors(
+            lm, 16, torch.Generator().manual_seed(3), budget=budget, starts=torch.zeros(lm.shape, dtype=torch.long)
+        )
         assert all(torch.equal(x, y) for x, y in zip(base, same))
 
 

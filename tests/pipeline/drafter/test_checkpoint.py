@@ -102,12 +102,15 @@ def test_released_config_reads(tmp_path):
     assert again == c
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda d: d["dflash_config"].pop("mask_token_id"), "missing field 'mask_token_id'"),
-    (lambda d: d.update(architectures=["DFlash2DraftModel"]), "only DFlashDraftModel"),
-    (lambda d: d["dflash_config"].update(mask_token_id=10**6), "outside the vocabulary"),
-    (lambda d: d.update(layer_types=["full_attention"]), "layer_types has 1 entries for 5 layers"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda d: d["dflash_config"].pop("mask_token_id"), "missing field 'mask_token_id'"),
+        (lambda d: d.update(architectures=["DFlash2DraftModel"]), "only DFlashDraftModel"),
+        (lambda d: d["dflash_config"].update(mask_token_id=10**6), "outside the vocabulary"),
+        (lambda d: d.update(layer_types=["full_attention"]), "layer_types has 1 entries for 5 layers"),
+    ],
+)
 def test_bad_configs_are_named(tmp_path, edit, needle):
     d = json.loads(json.dumps(RELEASED_27B))
     edit(d)
@@ -116,11 +119,14 @@ def test_bad_configs_are_named(tmp_path, edit, needle):
         read_config(tmp_path)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 1e7},
-    {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-    {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 8192},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 1e7},
+        {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 8192},
+    ],
+)
 def test_rope_is_written_in_the_v5_and_the_legacy_fields(rope):
     """config.json carries rope_parameters and, for older readers, rope_theta / partial_rotary_factor /
     rope_scaling; a reader of either form gets the same settings back."""

@@ -80,8 +80,18 @@ def test_streaks_and_tau():
 
 
 def test_summary_of_a_perfect_and_a_hopeless_block():
-    h = torch.tensor([[logits_for(0, True), logits_for(1, True), logits_for(2, True),
-                       logits_for(0, True), logits_for(4, True), logits_for(4, True)]])
+    h = torch.tensor(
+        [
+            [
+                logits_for(0, True),
+                logits_for(1, True),
+                logits_for(2, True),
+                logits_for(0, True),
+                logits_for(4, True),
+                logits_for(4, True),
+            ]
+        ]
+    )
     labels = torch.tensor([[[IGNORE, 1, 2], [IGNORE, 3, 4]]])
     m = summarize(dflash_loss(h, labels, HEAD, 7.0).sums)
     assert m["tau_streak"] == pytest.approx((3 + 1) / 2)  # block 0: 2 drafts + bonus; block 1: bonus only
@@ -143,9 +153,9 @@ def test_fused_loss_and_gradient_equal_the_reference(weights, rows):
     keep = labels != IGNORE
     assert torch.allclose(out.loss, ref, rtol=RTOL, atol=ATOL)
     assert torch.allclose(h1.grad, h2.grad, rtol=RTOL, atol=ATOL) and h1.grad.abs().sum() > 0
-    assert out.sums[5 + 16:].sum() == keep.sum()  # every label counted once
+    assert out.sums[5 + 16 :].sum() == keep.sum()  # every label counted once
     correct = ((ref_pred == labels) & keep).flatten(0, 1).sum(0).float()
-    assert torch.equal(out.sums[5:5 + 16], correct)
+    assert torch.equal(out.sums[5 : 5 + 16], correct)
 
 
 def test_linear_cross_entropy_rows_match_f_cross_entropy():
@@ -358,7 +368,9 @@ def test_acceptance_weight_zero_is_the_cross_entropy_exactly():
     outs = {}
     for lam in (None, 0.0, 0.5, 1.0):
         x = h.clone().requires_grad_()
-        out = dflash_loss(x, labels, head, None, dpace=0.5, chunk_rows=7, **({} if lam is None else {"acceptance": lam}))
+        out = dflash_loss(
+            x, labels, head, None, dpace=0.5, chunk_rows=7, **({} if lam is None else {"acceptance": lam})
+        )
         out.loss.backward()
         outs[lam] = (out.loss.detach(), x.grad, out.sums)
     assert torch.equal(outs[None][0], outs[0.0][0]) and torch.equal(outs[None][1], outs[0.0][1])

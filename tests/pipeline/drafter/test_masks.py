@@ -34,8 +34,13 @@ def brute(anchors, valid, S, B, rule, starts=None):
     return out
 
 
-RULES = [LayerRule(), LayerRule(causal=True), LayerRule(causal=True, window=5), LayerRule(causal=False, window=4),
-         LayerRule(causal=True, window=1)]
+RULES = [
+    LayerRule(),
+    LayerRule(causal=True),
+    LayerRule(causal=True, window=5),
+    LayerRule(causal=False, window=4),
+    LayerRule(causal=True, window=1),
+]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=str)
@@ -72,7 +77,7 @@ def test_packed_rows_see_only_their_documents_context(rule, seed):
     local = local_mask(anchors, valid, S, B, rule, starts).mask
     for blk in range(n):
         own = list(range(S)) + list(range(S + blk * B, S + (blk + 1) * B))
-        assert torch.equal(local[:, blk], got[:, blk * B:(blk + 1) * B][..., own])
+        assert torch.equal(local[:, blk], got[:, blk * B : (blk + 1) * B][..., own])
 
 
 def test_context_bound_is_strict_and_blocks_are_isolated():
@@ -95,8 +100,16 @@ def test_predicate_is_the_flex_mask_mod():
     rule = LayerRule(causal=True, window=3)
     full = bool_mask(anchors, valid, 8, 4, rule)[0, 0]
     for q, kv in itertools.product(range(8), range(16)):
-        one = allowed(torch.tensor(0), torch.tensor(q), torch.tensor(kv), anchors=anchors, valid=valid, ctx_len=8,
-                      block_size=4, rule=rule)
+        one = allowed(
+            torch.tensor(0),
+            torch.tensor(q),
+            torch.tensor(kv),
+            anchors=anchors,
+            valid=valid,
+            ctx_len=8,
+            block_size=4,
+            rule=rule,
+        )
         assert bool(one) == bool(full[q, kv]), (q, kv)
 
 
@@ -111,7 +124,7 @@ def test_local_mask_is_the_dense_mask_at_block_local_keys(rule):
     dense = bool_mask(anchors, valid, S, B, rule)[:, 0]  # [2, n*B, S + n*B]
     local = local_mask(anchors, valid, S, B, rule).mask  # [2, n, B, S + B]
     for blk in range(n):
-        rows = dense[:, blk * B:(blk + 1) * B]
+        rows = dense[:, blk * B : (blk + 1) * B]
         own = list(range(S)) + list(range(S + blk * B, S + (blk + 1) * B))
         assert torch.equal(local[:, blk], rows[..., own])
         others = [k for k in range(S + n * B) if k not in own]
@@ -120,10 +133,21 @@ def test_local_mask_is_the_dense_mask_at_block_local_keys(rule):
 
 # -- the flex BlockMask, built from the block structure --------------------------------------------
 
-FLEX_RULES = RULES + [LayerRule(causal=True, window=2048), LayerRule(causal=False, window=40),
-                      LayerRule(causal=True, window=130)]
-BLOCKMASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                    "q_indices", "full_q_num_blocks", "full_q_indices")
+FLEX_RULES = RULES + [
+    LayerRule(causal=True, window=2048),
+    LayerRule(causal=False, window=40),
+    LayerRule(causal=True, window=130),
+]
+BLOCKMASK_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
 
 
 def reference_block_mask(anchors, valid, S, B, rule, starts=None):
@@ -146,8 +170,16 @@ def random_anchors(seed, S, n, batch=2):
     return anchors, valid
 
 
-SHAPES = [(16, 40, 300), (16, 24, 700), (8, 33, 515), (10, 29, 257), (3, 50, 129), (128, 3, 200), (200, 2, 90),
-          (16, 1, 40)]  # (B, N, S): S mostly not a multiple of 128, blocks straddling tiles for B=10 and 3
+SHAPES = [
+    (16, 40, 300),
+    (16, 24, 700),
+    (8, 33, 515),
+    (10, 29, 257),
+    (3, 50, 129),
+    (128, 3, 200),
+    (200, 2, 90),
+    (16, 1, 40),
+]  # (B, N, S): S mostly not a multiple of 128, blocks straddling tiles for B=10 and 3
 
 
 @pytest.mark.parametrize("rule", FLEX_RULES, ids=str)
@@ -200,7 +232,7 @@ def test_block_mask_tiles_agree_with_the_dense_mask(rule):
     kinds = torch.zeros(dense.shape[:3], dtype=torch.long)  # 0 skipped, 1 partial, 2 full
     for number, indices, kind in ((bm.kv_num_blocks, bm.kv_indices, 1), (bm.full_kv_num_blocks, bm.full_kv_indices, 2)):
         for b, t in itertools.product(range(dense.shape[0]), range(dense.shape[1])):
-            kinds[b, t, indices[b, 0, t, :number[b, 0, t]].long()] = kind
+            kinds[b, t, indices[b, 0, t, : number[b, 0, t]].long()] = kind
     count = dense.sum((-1, -2))
     assert (count[kinds == 0] == 0).all()
     assert (count[kinds == 2] == dense.shape[-1] ** 2).all()
@@ -217,8 +249,9 @@ def flex_inputs(seed, S, n, B, heads=4, kv_heads=2, d=16):
     return q, k, v
 
 
-@pytest.mark.parametrize("rule", [LayerRule(), LayerRule(causal=True, window=100), LayerRule(causal=False, window=30)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "rule", [LayerRule(), LayerRule(causal=True, window=100), LayerRule(causal=False, window=30)], ids=str
+)
 def test_flex_eager_forward_is_the_same_with_either_mask(rule):
     """Eager flex_attention on CPU evaluates the mask_mod over every (query, key), so this checks the
     mask_mod; the compiled test below checks the tile structure."""
@@ -235,8 +268,9 @@ def test_flex_eager_forward_is_the_same_with_either_mask(rule):
     assert torch.allclose(ours, sdpa, atol=1e-5)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="torch.compile needs a C++ compiler on CPU")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile needs a C++ compiler on CPU"
+)
 def test_compiled_flex_reads_the_tiles():
     """Compiled flex (CPU inductor) visits only the listed tiles and skips the mask_mod on full ones:
     with our BlockMask it gives the SDPA result, and dropping the full tiles changes it (so the
@@ -252,7 +286,13 @@ def test_compiled_flex_reads_the_tiles():
     flex = torch.compile(flex_attention, dynamic=False)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask(anchors, valid, S, B, rule), enable_gqa=True)
     assert torch.allclose(flex(q, k, v, block_mask=bm, enable_gqa=True), sdpa, atol=1e-5)
-    no_full = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, torch.zeros_like(bm.full_kv_num_blocks),
-                                       bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod,
-                                       seq_lengths=bm.seq_lengths)
+    no_full = BlockMask.from_kv_blocks(
+        bm.kv_num_blocks,
+        bm.kv_indices,
+        torch.zeros_like(bm.full_kv_num_blocks),
+        bm.full_kv_indices,
+        BLOCK_SIZE=bm.BLOCK_SIZE,
+        mask_mod=bm.mask_mod,
+        seq_lengths=bm.seq_lengths,
+    )
     assert not torch.allclose(flex(q, k, v, block_mask=no_full, enable_gqa=True), sdpa, atol=1e-3)

@@ -18,8 +18,9 @@ def test_parameter_names_are_the_released_ones():
     assert want["fc.weight"] == (H, len(TAPS) * H)
 
 
-@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
-                                                (("sliding_attention", "full_attention"), 3)])
+@pytest.mark.parametrize(
+    "layer_types,window", [(("full_attention",) * 2, None), (("sliding_attention", "full_attention"), 3)]
+)
 def test_training_blocks_equal_one_block_inference(layer_types, window):
     """Many overlapping blocks in one pass give what inference computes for each block alone, with
     the context cut right before its anchor (what a live round sees)."""
@@ -48,8 +49,9 @@ def test_rope_is_relative_over_context_and_block():
     """One position tensor over [context ; block]: shifting every position changes nothing."""
     m = drafter()
     hidden, tokens = sequence()
-    assert torch.allclose(run_blocks(m, hidden, tokens, [5, 9]), run_blocks(m, hidden, tokens, [5, 9], shift=37),
-                          atol=1e-4)
+    assert torch.allclose(
+        run_blocks(m, hidden, tokens, [5, 9]), run_blocks(m, hidden, tokens, [5, 9], shift=37), atol=1e-4
+    )
 
 
 def test_sliding_layer_is_causal_inside_the_block():
@@ -66,17 +68,24 @@ def test_sliding_layer_is_causal_inside_the_block():
 
 
 def test_partial_and_scaled_rope_build():
-    for rope in ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
-                 {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}):
+    for rope in (
+        {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    ):
         m = drafter(config(rope_parameters=rope))
         hidden, tokens = sequence()
         assert torch.isfinite(run_blocks(m, hidden, tokens, [5])).all()
-    assert drafter(config(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                           "partial_rotary_factor": 0.5})).rotary.inv_freq.numel() == 2
+    assert (
+        drafter(
+            config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+        ).rotary.inv_freq.numel()
+        == 2
+    )
 
 
-@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
-                                                (("sliding_attention", "full_attention"), 2)])
+@pytest.mark.parametrize(
+    "layer_types,window", [(("full_attention",) * 2, None), (("sliding_attention", "full_attention"), 2)]
+)
 def test_local_and_dense_sdpa_agree_forward_and_backward(layer_types, window):
     m = drafter(config(layer_types=layer_types, sliding_window=window))
     hidden, tokens = sequence()
@@ -93,8 +102,9 @@ def test_local_and_dense_sdpa_agree_forward_and_backward(layer_types, window):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
-                                                (("sliding_attention", "full_attention"), 2)])
+@pytest.mark.parametrize(
+    "layer_types,window", [(("full_attention",) * 2, None), (("sliding_attention", "full_attention"), 2)]
+)
 def test_local_sdpa_over_rows_of_unequal_context_is_the_dense_result(layer_types, window):
     """Rows whose blocks see less than the padded context are attended over what they see only."""
     m = drafter(config(layer_types=layer_types, sliding_window=window))
@@ -150,8 +160,9 @@ def _grads(m, hidden, tokens, anchors):
     return {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
-@pytest.mark.parametrize("layer_types,window", [(("full_attention",) * 2, None),
-                                                (("sliding_attention", "full_attention"), 3)])
+@pytest.mark.parametrize(
+    "layer_types,window", [(("full_attention",) * 2, None), (("sliding_attention", "full_attention"), 3)]
+)
 def test_recomputed_layers_give_the_same_gradients(layer_types, window):
     """--grad-checkpoint: the layers' activations recomputed in the backward give every gradient bit
     for bit (the same operations in the same order, on CPU)."""
@@ -171,7 +182,7 @@ def test_a_sliding_layer_sees_no_context_beyond_its_window_at_a_far_anchor():
     hidden, tokens = sequence(T=48)
     base = run_blocks(m, hidden, tokens, [anchor], ctx_len=anchor)
     old = hidden.clone()
-    old[:anchor - window + 1] = 5.0  # every position at least `window` before the block's first slot
+    old[: anchor - window + 1] = 5.0  # every position at least `window` before the block's first slot
     assert torch.equal(run_blocks(m, old, tokens, [anchor], ctx_len=anchor), base)
     near = hidden.clone()
     near[anchor - window + 1] = 5.0  # the oldest position the block's first slot still sees

@@ -47,7 +47,9 @@ def theirs(hf, m: Drafter, hidden, block_ids) -> torch.Tensor:
     b, S = hidden.shape[:2]
     pos = torch.arange(S + block_ids.shape[1]).expand(b, -1)
     with torch.no_grad():
-        h = hf(position_ids=pos, noise_embedding=F.embedding(block_ids, m.embed_tokens), target_hidden=hidden.flatten(2))
+        h = hf(
+            position_ids=pos, noise_embedding=F.embedding(block_ids, m.embed_tokens), target_hidden=hidden.flatten(2)
+        )
     return F.linear(h, m.lm_head)
 
 
@@ -123,8 +125,15 @@ def test_without_auto_map_transformers_builds_a_plain_qwen3_model(tmp_path):
 def tiny_target_drafter(tmp_path, target):
     """A random drafter that fits the shipped tiny target (taps 1, 3, 5), loaded through AutoModel."""
     emb, head = target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight
-    c = config(hidden_size=128, vocab_size=4096, mask_token_id=4095, target_layer_ids=(1, 3, 5), block_size=6,
-               num_target_layers=8, head_dim=32)
+    c = config(
+        hidden_size=128,
+        vocab_size=4096,
+        mask_token_id=4095,
+        target_layer_ids=(1, 3, 5),
+        block_size=6,
+        num_target_layers=8,
+        head_dim=32,
+    )
     m = Drafter(c, emb.detach(), head.detach())
     m.init_weights(torch.Generator().manual_seed(0), std=0.2)
     checkpoint.save(tmp_path / "tiny", c, m.state_dict())
@@ -157,12 +166,13 @@ def test_trained_drafter_on_stored_states(small_store, trained_drafter, target):
     accepted = 0
     for s in list(ShardReader(store, 3))[:2]:
         for a in (s.prompt_len, len(s.tokens) - 2):
-            hidden, ids = s.hidden[None, :a].float(), block(s.tokens[a:a + 1], c.block_size, c.mask_token_id)
+            hidden, ids = s.hidden[None, :a].float(), block(s.tokens[a : a + 1], c.block_size, c.mask_token_id)
             want, got = ours(ref, hidden, ids), theirs(hf, ref, hidden, ids)
             assert torch.allclose(got, want, atol=1e-4, rtol=0)
         prompt = s.tokens[None, : s.prompt_len]
-        out = hf.spec_generate(target.model, prompt, max_new_tokens=len(s.tokens) - s.prompt_len,
-                               stop_token_ids=target.eos_ids)
+        out = hf.spec_generate(
+            target.model, prompt, max_new_tokens=len(s.tokens) - s.prompt_len, stop_token_ids=target.eos_ids
+        )
         assert out[0].tolist() == s.tokens.tolist()
         accepted += sum(hf.spec_stats["accepted"])
     assert accepted > 0

@@ -14,23 +14,41 @@ HYBRID = ["linear_attention"] * 3 + ["full_attention"]
 
 
 def target(layer_types, kv_heads, head_dim) -> TargetRecord:
-    return TargetRecord(path="t", model_class="c", model_type="m", fingerprint="f", config_sha256="c",
-                        weights_sha256={}, tokenizer_sha256="t", chat_template_sha256="c",
-                        layer_types=tuple(layer_types), num_key_value_heads=kv_heads, head_dim=head_dim)
+    return TargetRecord(
+        path="t",
+        model_class="c",
+        model_type="m",
+        fingerprint="f",
+        config_sha256="c",
+        weights_sha256={},
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+        layer_types=tuple(layer_types),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
 
 
-@pytest.mark.parametrize("layers, kv, head_dim, drafted, refused", [
-    (HYBRID * 2, 2, 32, (5, 2, 32), False),  # the tiny target, drafter with its layout: one full bucket of 7
-    (HYBRID * 2, 2, 32, (5, 1, 32), True),  # the refusal vLLM gave: 5 drafter layers cut into groups of 2
-    (HYBRID * 16, 4, 256, (5, 8, 128), False),  # Qwen3.6-27B and its released drafter: group size 5
-    (HYBRID * 16, 4, 256, (5, 4, 256), False),  # the same with the target's layout
-    (HYBRID * 16, 4, 256, (20, 8, 128), True),  # 20 drafter layers beside 16 full ones: groups of 16
-    (["full_attention"] * 36, 8, 128, (5, 4, 128), False),  # dense target: drafter bucket is the smallest
-])
+@pytest.mark.parametrize(
+    "layers, kv, head_dim, drafted, refused",
+    [
+        (HYBRID * 2, 2, 32, (5, 2, 32), False),  # the tiny target, drafter with its layout: one full bucket of 7
+        (HYBRID * 2, 2, 32, (5, 1, 32), True),  # the refusal vLLM gave: 5 drafter layers cut into groups of 2
+        (HYBRID * 16, 4, 256, (5, 8, 128), False),  # Qwen3.6-27B and its released drafter: group size 5
+        (HYBRID * 16, 4, 256, (5, 4, 256), False),  # the same with the target's layout
+        (HYBRID * 16, 4, 256, (20, 8, 128), True),  # 20 drafter layers beside 16 full ones: groups of 16
+        (["full_attention"] * 36, 8, 128, (5, 4, 128), False),  # dense target: drafter bucket is the smallest
+    ],
+)
 def test_vllm_groups_every_drafting_layer_together_or_refuses(layers, kv, head_dim, drafted, refused):
     n, dkv, dhd = drafted
-    c = config(num_hidden_layers=n, layer_types=("full_attention",) * n, num_attention_heads=8,
-               num_key_value_heads=dkv, head_dim=dhd)
+    c = config(
+        num_hidden_layers=n,
+        layer_types=("full_attention",) * n,
+        num_attention_heads=8,
+        num_key_value_heads=dkv,
+        head_dim=dhd,
+    )
     problem = vllm_kv_problem(c, target(layers, kv, head_dim))
     assert (problem is not None) == refused
     if refused:

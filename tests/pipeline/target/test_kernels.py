@@ -34,8 +34,9 @@ def _closure_dispatch(implementation):
 def _module_dispatch(by_device: dict):
     """transformers 5.25's shape: a `kernels` module object calling a dispatch that picks the
     implementation by the inputs' device (here a number's sign stands for the device)."""
-    wrapped = _module("transformers.integrations.fake_device",
-                      wrapped=lambda x: (by_device["cuda"] if x > 0 else by_device["cpu"])(x)).wrapped
+    wrapped = _module(
+        "transformers.integrations.fake_device", wrapped=lambda x: (by_device["cuda"] if x > 0 else by_device["cpu"])(x)
+    ).wrapped
     forward = _module("kernels.fake_layer", forward=lambda self, x: wrapped(x)).forward
     return type("Func", (torch.nn.Module,), {"forward": forward})()
 
@@ -50,8 +51,14 @@ def test_family_from_the_package_of_the_code():
     assert family("transformers.models.qwen3_5.modeling_qwen3_5") == "torch"
     assert family("causal_conv1d.cpp_functions") == "causal_conv1d"
     assert family("kernels_hub_fake_0123") == "kernels_hub_fake_0123"
-    for routing in ("transformers.integrations.hub_kernels", "transformers.utils.import_utils", "torch.nn.modules.module",
-                    "kernels._internals.layer.layer", "functools", "logging"):
+    for routing in (
+        "transformers.integrations.hub_kernels",
+        "transformers.utils.import_utils",
+        "torch.nn.modules.module",
+        "kernels._internals.layer.layer",
+        "functools",
+        "logging",
+    ):
         assert family(routing) is None, routing
 
 
@@ -87,7 +94,9 @@ def test_a_call_that_reaches_no_known_code_is_undecided_and_profiling_is_restore
     assert served_by(FLA, 1) == (2, "fla") and sys.getprofile() is None
 
 
-@pytest.mark.parametrize("dispatch_shape", [_closure_dispatch, lambda impl: _module_dispatch({"cuda": impl, "cpu": impl})])
+@pytest.mark.parametrize(
+    "dispatch_shape", [_closure_dispatch, lambda impl: _module_dispatch({"cuda": impl, "cpu": impl})]
+)
 @pytest.mark.parametrize("impl,expect", [(FLA, "fla"), (TORCH, "torch")])
 def test_recorder_counts_what_served_each_call(dispatch_shape, impl, expect):
     model_mod = _module(f"transformers.models.fake_{expect}.modeling", torch_chunk_gated_delta_rule=None)
@@ -148,7 +157,9 @@ def test_transformers_fla_dispatch_serves_the_calls_and_the_store_says_so(tmp_pa
         b = store.attrs.backends
         assert (b.linear_attention, b.linear_attention_requested, store.attrs.compat.linear_attention) == (choice,) * 3
         assert {k for k in b.kernel_calls if "gated_delta_rule" in k} == {
-            f"torch_chunk_gated_delta_rule:{choice}", f"torch_recurrent_gated_delta_rule:{choice}"}, b.kernel_calls
+            f"torch_chunk_gated_delta_rule:{choice}",
+            f"torch_recurrent_gated_delta_rule:{choice}",
+        }, b.kernel_calls
         assert store.commit_record(0).run["backends"]["linear_attention"] == choice
     at_commit = fla.commit_record(0).run["backends"]["kernel_calls"]  # the probe's calls and the shard's
     assert sum(n for k, n in at_commit.items() if k.endswith("gated_delta_rule:fla")) == sum(fla_calls.values())

@@ -13,7 +13,7 @@ def test_capture_equals_output_of_layer_k_and_catches_off_by_one(target):
     start = 0
     for seq in seqs:
         hs = reference_states(target, seq)
-        mine = got[start:start + len(seq)]
+        mine = got[start : start + len(seq)]
         start += len(seq)
         for j, k in enumerate(taps):
             assert bf16_close(mine[:, j], hs[k + 1][0]), f"tap {k} != hidden_states[{k + 1}]"
@@ -45,7 +45,7 @@ def test_generate_is_the_targets_greedy_generate(target):
     for p, limit, got in zip(prompts, limits, batched):
         with torch.inference_mode():
             out = target.model.generate(torch.tensor([p]), max_new_tokens=limit, do_sample=False)
-        assert got == _cut(out[0, len(p):].tolist(), target.eos_ids, limit)
+        assert got == _cut(out[0, len(p) :].tolist(), target.eos_ids, limit)
         assert len(got) <= limit
 
 
@@ -92,7 +92,7 @@ def test_capture_with_agreement_keeps_the_states_and_counts_like_hugging_face(ta
     for s, p in zip(seqs, plens):
         with torch.inference_mode():
             logits = target.model(input_ids=torch.tensor([s])).logits[0]  # [T, V]
-        expected += int((logits[p - 1:-1].argmax(-1) == torch.tensor(s[p:])).sum())
+        expected += int((logits[p - 1 : -1].argmax(-1) == torch.tensor(s[p:])).sum())
     assert matches == expected
     greedy = target.generate(prompt_ids(target, 3), [6] * 3)
     _, (m, n) = target.capture([p + g for p, g in zip(prompt_ids(target, 3), greedy)], [1], plens)

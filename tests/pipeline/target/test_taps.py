@@ -18,16 +18,19 @@ def test_parse_taps():
     assert parse_taps("0,7", 8) == [0, 7]
 
 
-@pytest.mark.parametrize("text,match", [
-    ("8", r"out of range: the target has 8 decoder layers \(ids 0-7\)"),
-    ("1,9", r"\[9\] out of range"),
-    ("-1", "out of range"),
-    ("3,1", "strictly increasing"),
-    ("1,1", "strictly increasing"),
-    ("a,b", "comma-separated"),
-    ("n=x", "n=<count>"),
-    ("n=0", "at least one tap"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("8", r"out of range: the target has 8 decoder layers \(ids 0-7\)"),
+        ("1,9", r"\[9\] out of range"),
+        ("-1", "out of range"),
+        ("3,1", "strictly increasing"),
+        ("1,1", "strictly increasing"),
+        ("a,b", "comma-separated"),
+        ("n=x", "n=<count>"),
+        ("n=0", "at least one tap"),
+    ],
+)
 def test_bad_taps(text, match):
     with pytest.raises(ConfigError, match=match):
         parse_taps(text, 8)

@@ -18,6 +18,7 @@ PROMPTS = 4  # the first shipped prompts; two of them stop at EOS before LIMIT
 
 # -- the greedy speculative loop (SPEC §2, Evaluation) ----------------------------------------
 
+
 def speculate(live: LiveTarget, prompt: list[int], draft, block: int, limit: int, eos: list[int]):
     """Greedy speculative decoding with `draft(out, k) -> k tokens`.
 
@@ -35,7 +36,7 @@ def speculate(live: LiveTarget, prompt: list[int], draft, block: int, limit: int
         assert live.length == len(prompt) + len(out) + acc
         kept.append(states[: acc + 1])
         accs.append(acc)
-        for t in ids[1: acc + 1] + [int(posterior[acc])]:
+        for t in ids[1 : acc + 1] + [int(posterior[acc])]:
             if out[-1] in eos or len(out) == limit:
                 break
             out.append(t)
@@ -45,8 +46,10 @@ def speculate(live: LiveTarget, prompt: list[int], draft, block: int, limit: int
 
 def oracle(truth: list[int]):
     """The true greedy continuation; a wrong token once it is exhausted."""
+
     def draft(out, k):
         return [truth[i] if i < len(truth) else wrong(truth, i) for i in range(len(out), len(out) + k)]
+
     return draft
 
 
@@ -56,8 +59,11 @@ def rejected(truth: list[int], seed: int = 0):
 
     def draft(out, k):
         picks = torch.randint(0, 4096, (k,), generator=gen).tolist()
-        return [p if i >= len(truth) or p != truth[i] else wrong(truth, i)
-                for i, p in zip(range(len(out), len(out) + k), picks)]
+        return [
+            p if i >= len(truth) or p != truth[i] else wrong(truth, i)
+            for i, p in zip(range(len(out), len(out) + k), picks)
+        ]
+
     return draft
 
 
@@ -70,6 +76,7 @@ def partly_right(truth: list[int]):
         rounds[0] += 1
         good = oracle(truth)(out, k)[:j]
         return good + [wrong(truth, i) for i in range(len(out) + j, len(out) + k)]
+
     return draft
 
 
@@ -134,8 +141,11 @@ B = 8
 
 def linear_states(live: LiveTarget) -> dict:
     """(layer, kind) -> the cache's live linear-attention tensor."""
-    return {(i, kind): get(i) for i in live._linear_layers()
-            for kind, get in (("conv", live.cache.get_conv_state), ("recurrent", live.cache.get_recurrent_state))}
+    return {
+        (i, kind): get(i)
+        for i in live._linear_layers()
+        for kind, get in (("conv", live.cache.get_conv_state), ("recurrent", live.cache.get_recurrent_state))
+    }
 
 
 def layer_lengths(live: LiveTarget) -> list[int]:
@@ -164,8 +174,10 @@ def rollback_errors(target, cls, n: int) -> dict:
     fresh = LiveTarget(target, TAPS)
     fresh.prefill(torch.tensor(prompt + block[:n].tolist()))
     assert live.length == fresh.length == len(prompt) + n
-    errors = {"kv_length": max(abs(a - b) for a, b in zip(layer_lengths(live), layer_lengths(fresh))),
-              "seq_length": abs(int(live.cache.get_seq_length()) - int(fresh.cache.get_seq_length()))}
+    errors = {
+        "kv_length": max(abs(a - b) for a, b in zip(layer_lengths(live), layer_lengths(fresh))),
+        "seq_length": abs(int(live.cache.get_seq_length()) - int(fresh.cache.get_seq_length())),
+    }
     mine, theirs = linear_states(live), linear_states(fresh)
     for kind in ("conv", "recurrent"):
         errors[kind] = max((mine[key] - theirs[key]).abs().max().item() for key in mine if key[1] == kind)
@@ -220,8 +232,10 @@ class KeepsCount(LiveTarget):
         pass
 
 
-@pytest.mark.parametrize("mutant, broken", [(KeepsConv, "conv"), (KeepsRecurrent, "recurrent"),
-                                            (NoReplay, "recurrent"), (NoCrop, "kv_length")])
+@pytest.mark.parametrize(
+    "mutant, broken",
+    [(KeepsConv, "conv"), (KeepsRecurrent, "recurrent"), (NoReplay, "recurrent"), (NoCrop, "kv_length")],
+)
 def test_the_rollback_check_catches_a_missing_piece(target, mutant, broken):
     errors = rollback_errors(target, mutant, 3)
     assert errors[broken] > 1e-2, errors
@@ -241,12 +255,15 @@ def test_the_rollback_check_catches_a_count_left_forward(target):
 @pytest.mark.parametrize("mutant", [KeepsConv, KeepsRecurrent, NoReplay, NoCrop])
 def test_the_greedy_check_catches_a_broken_rollback(target, cases, mutant):
     """The end-to-end comparison is not blind: each mutant derails on some shipped prompt."""
-    derailed = [speculate(mutant(target, TAPS), p, partly_right(longer), 4, LIMIT, target.eos_ids)[0] != ref
-                for p, ref, longer in cases]
+    derailed = [
+        speculate(mutant(target, TAPS), p, partly_right(longer), 4, LIMIT, target.eos_ids)[0] != ref
+        for p, ref, longer in cases
+    ]
     assert any(derailed)
 
 
 # -- bookkeeping -----------------------------------------------------------------------------
+
 
 def test_length_and_misuse(target):
     live = LiveTarget(target, TAPS)

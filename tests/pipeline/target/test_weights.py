@@ -26,14 +26,24 @@ def add(name):
     return lambda state: state.update({name: torch.zeros(3)})
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (drop("model.layers.3.mlp.down_proj.weight"), "missing (would be left random): model.layers.3.mlp.down_proj.weight"),
-    (drop("model.layers.0.linear_attn.A_log"), "missing (would be left random): model.layers.0.linear_attn.A_log"),
-    (shorten("model.layers.2.mlp.up_proj.weight"),
-     "wrong shape (would be left random): model.layers.2.mlp.up_proj.weight (checkpoint (383, 128), model (384, 128))"),
-    (add("model.layers.1.extra.weight"),
-     "not used by Qwen3_5ForCausalLM and not a known non-text part: model.layers.1.extra.weight"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (
+            drop("model.layers.3.mlp.down_proj.weight"),
+            "missing (would be left random): model.layers.3.mlp.down_proj.weight",
+        ),
+        (drop("model.layers.0.linear_attn.A_log"), "missing (would be left random): model.layers.0.linear_attn.A_log"),
+        (
+            shorten("model.layers.2.mlp.up_proj.weight"),
+            "wrong shape (would be left random): model.layers.2.mlp.up_proj.weight (checkpoint (383, 128), model (384, 128))",
+        ),
+        (
+            add("model.layers.1.extra.weight"),
+            "not used by Qwen3_5ForCausalLM and not a known non-text part: model.layers.1.extra.weight",
+        ),
+    ],
+)
 def test_a_damaged_checkpoint_is_refused_naming_the_tensor(tmp_path, edit, needle):
     path = damaged_checkpoint(tmp_path / "target", edit)
     with pytest.raises(TargetError) as e:
@@ -46,7 +56,9 @@ def test_extract_from_a_damaged_checkpoint_is_one_line_and_writes_nothing(tmp_pa
     store = tmp_path / "hs.zarr"
     p = run_pipeline(cli_args(store, small_dataset, "0") + ["--target", str(path)])
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1].startswith("error: --target ") and "model.layers.3.mlp.down_proj" in p.stderr
+    assert (
+        p.stderr.strip().splitlines()[-1].startswith("error: --target ") and "model.layers.3.mlp.down_proj" in p.stderr
+    )
     assert not store.exists()
 
 
@@ -66,13 +78,25 @@ def test_a_multimodal_release_loads_as_the_text_model_with_its_parts_recorded(mu
     assert torch.equal(t.capture(ids, [1, 3, 7]), target.capture(ids, [1, 3, 7]))  # bit-identical
 
 
-def test_extraction_from_a_multimodal_release_stores_the_text_models_states(multimodal, target, small_dataset,
-                                                                           tmp_path):
+def test_extraction_from_a_multimodal_release_stores_the_text_models_states(
+    multimodal, target, small_dataset, tmp_path
+):
     path = tmp_path / "hs.zarr"
-    run(ExtractConfig(store=str(path), target=str(multimodal), dataset=str(small_dataset), shards="0",
-                      num_shards=4, **{**SMALL, "batch_size": 1}), log=lambda m: None)  # unbatched, as compared
+    run(
+        ExtractConfig(
+            store=str(path),
+            target=str(multimodal),
+            dataset=str(small_dataset),
+            shards="0",
+            num_shards=4,
+            **{**SMALL, "batch_size": 1},
+        ),
+        log=lambda m: None,
+    )  # unbatched, as compared
     store = HiddenStore(str(path))
-    assert store.attrs.target.non_text_tensors["^mtp.*"] == 1 and store.attrs.target.tokenizer_class == "Qwen3_5Tokenizer"
+    assert (
+        store.attrs.target.non_text_tensors["^mtp.*"] == 1 and store.attrs.target.tokenizer_class == "Qwen3_5Tokenizer"
+    )
     samples = list(ShardReader(store, 0))
     assert samples
     for s in samples:  # the same token ids through the text-only target: the same states, bit for bit

@@ -16,9 +16,15 @@ from tests.store.format.test_layout import special_bf16
 
 
 def write(path, x: np.ndarray, low: str) -> zarr.Array:
-    a = zarr.create_array(str(path), shape=x.shape, dtype=np.uint16, chunks=(32, *x.shape[1:]),
-                          shards=(64, *x.shape[1:]), compressors=[Bf16Planes(level=1, low=low), Crc32cCodec()],
-                          fill_value=0)
+    a = zarr.create_array(
+        str(path),
+        shape=x.shape,
+        dtype=np.uint16,
+        chunks=(32, *x.shape[1:]),
+        shards=(64, *x.shape[1:]),
+        compressors=[Bf16Planes(level=1, low=low), Crc32cCodec()],
+        fill_value=0,
+    )
     a[:] = x
     return a
 
@@ -45,9 +51,12 @@ def test_the_low_plane_finds_repeated_rows_and_costs_nothing_on_random_ones(tmp_
     unique = states(256)
     repeated = unique.copy()
     for start in range(0, 256, 32):  # each 32-token chunk: two 16-token samples, the same first 12 rows
-        repeated[start + 16:start + 28] = repeated[start:start + 12]
-    sizes = {(kind, low): size(write(tmp_path / f"{kind}-{low}.zarr", data, low).store_path.store.root)
-             for kind, data in (("unique", unique), ("repeated", repeated)) for low in ("lz4", "raw")}
+        repeated[start + 16 : start + 28] = repeated[start : start + 12]
+    sizes = {
+        (kind, low): size(write(tmp_path / f"{kind}-{low}.zarr", data, low).store_path.store.root)
+        for kind, data in (("unique", unique), ("repeated", repeated))
+        for low in ("lz4", "raw")
+    }
     assert sizes["repeated", "lz4"] < 0.85 * sizes["repeated", "raw"]
     assert sizes["unique", "lz4"] <= 1.01 * sizes["unique", "raw"]
 
@@ -70,10 +79,16 @@ def test_plain_zarr_reads_it_with_the_package_installed(tmp_path):
     x = states(100)
     write(tmp_path / "a.zarr", x, "lz4")
     np.save(tmp_path / "x.npy", x)
-    code = ("import sys, numpy, zarr; a = zarr.open_array(sys.argv[1], mode='r'); "
-            "assert numpy.array_equal(a[:], numpy.load(sys.argv[2])); print('ok')")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.zarr"), str(tmp_path / "x.npy")], cwd=tmp_path,
-                       capture_output=True, text=True)
+    code = (
+        "import sys, numpy, zarr; a = zarr.open_array(sys.argv[1], mode='r'); "
+        "assert numpy.array_equal(a[:], numpy.load(sys.argv[2])); print('ok')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a.zarr"), str(tmp_path / "x.npy")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert r.stdout.strip() == "ok", r.stderr
 
 

@@ -59,8 +59,14 @@ def test_non_finite_states_stay_non_finite():
 
 def test_plain_zarr_reads_and_writes_through_the_codec(tmp_path):
     q = to_bits(quantize(states()))
-    a = zarr.create_array(str(tmp_path / "hidden"), shape=q.shape, chunks=(16, 3, H), dtype=np.uint16,
-                          compressors=[Fp8E4m3(group=H), Crc32cCodec()], fill_value=0)
+    a = zarr.create_array(
+        str(tmp_path / "hidden"),
+        shape=q.shape,
+        chunks=(16, 3, H),
+        dtype=np.uint16,
+        compressors=[Fp8E4m3(group=H), Crc32cCodec()],
+        fill_value=0,
+    )
     a[:] = q
     back = zarr.open_array(str(tmp_path / "hidden"), mode="r")[:]
     assert np.array_equal(back, q)
@@ -77,19 +83,31 @@ def test_plain_zarr_decodes_it_without_an_import_and_the_documented_format_holds
     from numcodecs import Zstd
 
     q = to_bits(quantize(states()))
-    zarr.create_array(str(tmp_path / "hidden"), shape=q.shape, chunks=(40, 3, H), dtype=np.uint16,
-                      compressors=[Fp8E4m3(group=H), Crc32cCodec()], fill_value=0)[:] = q
+    zarr.create_array(
+        str(tmp_path / "hidden"),
+        shape=q.shape,
+        chunks=(40, 3, H),
+        dtype=np.uint16,
+        compressors=[Fp8E4m3(group=H), Crc32cCodec()],
+        fill_value=0,
+    )[:] = q
     np.save(tmp_path / "q.npy", q)
-    code = ("import sys, numpy, zarr; a = zarr.open_array(sys.argv[1], mode='r'); "
-            "assert numpy.array_equal(a[:], numpy.load(sys.argv[2])); print('ok')")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hidden"), str(tmp_path / "q.npy")],
-                       cwd=tmp_path, capture_output=True, text=True)
+    code = (
+        "import sys, numpy, zarr; a = zarr.open_array(sys.argv[1], mode='r'); "
+        "assert numpy.array_equal(a[:], numpy.load(sys.argv[2])); print('ok')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "hidden"), str(tmp_path / "q.npy")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert r.stdout.strip() == "ok", r.stderr
     data = (tmp_path / "hidden" / "c" / "0" / "0" / "0").read_bytes()[:-4]  # less the crc32c
     groups = int(np.frombuffer(data[:4], "<u4")[0])
-    k = np.frombuffer(data[4:4 + groups], np.int8).astype(np.float32)
-    e4m3 = np.frombuffer(Zstd().decode(data[4 + groups:]), np.uint8).reshape(groups, H)
-    values = torch.from_numpy(e4m3.copy()).view(torch.float8_e4m3fn).float() * torch.from_numpy(2.0 ** k)[:, None]
+    k = np.frombuffer(data[4 : 4 + groups], np.int8).astype(np.float32)
+    e4m3 = np.frombuffer(Zstd().decode(data[4 + groups :]), np.uint8).reshape(groups, H)
+    values = torch.from_numpy(e4m3.copy()).view(torch.float8_e4m3fn).float() * torch.from_numpy(2.0**k)[:, None]
     assert groups == 40 * 3 and torch.equal(values.to(torch.bfloat16).reshape(q.shape), from_bits(q))
 
 
@@ -100,8 +118,10 @@ def test_both_lookups_decode_every_byte_at_every_scale(group):
     ks = np.arange(*K_RANGE, dtype=np.int8)
     codes = (np.arange(len(ks) * group) % 256).astype(np.uint8).reshape(len(ks), group)
     codes[(codes & 0x7F) == 0x7F] = 0  # NaN bytes are never written
-    expect = (torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).double()
-              * torch.exp2(torch.from_numpy(ks).double())[:, None]).to(torch.bfloat16)
+    expect = (
+        torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).double()
+        * torch.exp2(torch.from_numpy(ks).double())[:, None]
+    ).to(torch.bfloat16)
     assert torch.equal(from_bits(codec.decode_codes(codes, ks)), expect)
 
 
@@ -109,7 +129,7 @@ def test_rounding_is_the_float64_reference_and_flush_to_zero_changes_nothing():
     """The bf16 products equal an exact float64 rounding; with denormals flushed (as the CLIs run) the
     rounded states, and what the codec keeps of them, are the same, down to groups at the clamp."""
     x = states()
-    x[6, 0] = x[6, 0] * 2.0 ** -118  # a group below every scale: k clamped, its small values lost
+    x[6, 0] = x[6, 0] * 2.0**-118  # a group below every scale: k clamped, its small values lost
     k = exponents(x.view(torch.int16)).double()
     reference = ((x.double() * torch.exp2(-k)).float().to(torch.float8_e4m3fn).double() * torch.exp2(k)).bfloat16()
     assert int(k.min()) == K_RANGE[0] and torch.equal(quantize(x), reference)

@@ -23,8 +23,11 @@ def state_codec_id(store: Path) -> str:
 
 
 def test_each_record_is_what_its_stores_record(small_store, fp8_store):
-    for path, fmt in ((small_store, hidden_formats.BF16), (fp8_store, hidden_formats.FP8), (DATA / "rev4_store",
-                                                                                              hidden_formats.BF16)):
+    for path, fmt in (
+        (small_store, hidden_formats.BF16),
+        (fp8_store, hidden_formats.FP8),
+        (DATA / "rev4_store", hidden_formats.BF16),
+    ):
         store = HiddenStore(str(path))
         compat = store.attrs.compat
         assert (compat.hidden_format, compat.codec) == (fmt.recorded, fmt.codec), path
@@ -70,8 +73,11 @@ def test_a_store_that_records_its_conv1d_kernel_refuses_a_run_with_the_other(sma
     compat = store.attrs.compat
     assert compat.conv1d == "torch"
     store.check_compatible(compat)
-    with pytest.raises(StoreMismatch, match='conv1d: store has "torch", this run has "causal_conv1d".*made with the '
-                                            'torch conv1d kernel: add shards from a node that runs it'):
+    with pytest.raises(
+        StoreMismatch,
+        match='conv1d: store has "torch", this run has "causal_conv1d".*made with the '
+        "torch conv1d kernel: add shards from a node that runs it",
+    ):
         store.check_compatible(dataclasses.replace(compat, conv1d="causal_conv1d"))
     shutil.copytree(DATA / "rev4_store", tmp_path / "old.zarr")
     old = StoreWriter(str(tmp_path / "old.zarr"))

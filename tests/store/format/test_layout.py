@@ -20,10 +20,17 @@ def test_bits_round_trip_is_exact():
 def test_round_trip_through_zarr_is_exact(tmp_path):
     torch.manual_seed(0)
     x = (torch.randn(300, 3, 64) * 40).to(torch.bfloat16)  # [T, n_taps, H]
-    x.view(-1)[:1 << 12] = special_bf16()[::16]
+    x.view(-1)[: 1 << 12] = special_bf16()[::16]
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="w")
-    arr = g.create_array("hidden", shape=x.shape, dtype=np.uint16, chunks=(32, 3, 64), shards=(64, 3, 64),
-                         compressors=layout.hidden_codecs(layout.DEFAULT_LEVEL), fill_value=0)
+    arr = g.create_array(
+        "hidden",
+        shape=x.shape,
+        dtype=np.uint16,
+        chunks=(32, 3, 64),
+        shards=(64, 3, 64),
+        compressors=layout.hidden_codecs(layout.DEFAULT_LEVEL),
+        fill_value=0,
+    )
     arr[:] = layout.to_bits(x)
     back = layout.from_bits(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["hidden"][:])
     assert torch.equal(x.view(torch.int16), back.view(torch.int16))

@@ -31,23 +31,37 @@ def copied(src: Path, tmp_path) -> HiddenStore:
 def test_a_store_written_today_checks_everything(small_store):
     store = HiddenStore(str(small_store))
     checks = store.read_checks()
-    assert checks == ReadChecks(location=str(small_store), revision=FORMAT_REVISION, schema=2, chunk_checksums=True,
-                                direct_reads=True, zero_filled=())
+    assert checks == ReadChecks(
+        location=str(small_store),
+        revision=FORMAT_REVISION,
+        schema=2,
+        chunk_checksums=True,
+        direct_reads=True,
+        zero_filled=(),
+    )
     assert store.attrs.format_revision == FORMAT_REVISION and checks.warning() is None
     assert all(checks.every_chunk(s) for s in range(4))
     assert f"checks       format revision {FORMAT_REVISION}: a checksum per chunk, every chunk written" in render(
-        summarize(store))
+        summarize(store)
+    )
 
 
-@pytest.mark.parametrize("src,revision,schema,says", [
-    (SCHEMA1, 1, 1, "is a schema-1 store: its chunks carry no checksums"),
-    (BLOSC, 3, 2, "is a format-revision-3 store written with --codec blosc: its chunks carry no checksums"),
-])
+@pytest.mark.parametrize(
+    "src,revision,schema,says",
+    [
+        (SCHEMA1, 1, 1, "is a schema-1 store: its chunks carry no checksums"),
+        (BLOSC, 3, 2, "is a format-revision-3 store written with --codec blosc: its chunks carry no checksums"),
+    ],
+)
 def test_older_layouts_say_what_reading_cannot_check(tmp_path, src, revision, schema, says):
     store = copied(src, tmp_path)
     checks = store.read_checks()
-    assert (checks.revision, checks.schema, checks.chunk_checksums, checks.direct_reads) == (revision, schema, False,
-                                                                                             False)
+    assert (checks.revision, checks.schema, checks.chunk_checksums, checks.direct_reads) == (
+        revision,
+        schema,
+        False,
+        False,
+    )
     assert not checks.every_chunk(0) and says in checks.warning()
     assert f"format revision {revision}: no chunk checksums" in render(summarize(store))
     report = verify(store, sample=0.1)  # a sample of unchecked chunks proves nothing: every byte is read

@@ -66,8 +66,11 @@ def test_the_placement_follows_the_rows_each_shard_holds_not_the_conditioning():
     alike = [compat.as_format("fp8"), replace(compat, max_length=compat.max_length + 1, linear_attention="fla")]
     assert {c.placement() for c in alike} == {compat.placement()}
     assert compat.as_format("fp8").conditioning() != compat.conditioning()
-    for change in ({"dataset_sha256": "0" * 64}, {"dataset_rows": compat.dataset_rows + 1},
-                   {"num_shards": compat.num_shards + 1}):
+    for change in (
+        {"dataset_sha256": "0" * 64},
+        {"dataset_rows": compat.dataset_rows + 1},
+        {"num_shards": compat.num_shards + 1},
+    ):
         assert replace(compat, **change).placement() != compat.placement(), change
 
 
@@ -75,8 +78,15 @@ def test_old_commit_record_round_trips_with_the_extractors_notes():
     old = load("commit_00000.json")
     record = ShardCommit.from_json(old, "commit")
     assert record.to_json() == old and record.agreement is None  # checked since; absent before
-    assert record.samples == 10 and set(record.run) == {"backends", "batch_size", "committed_at", "device", "host",
-                                                         "pid", "wall_s"}
+    assert record.samples == 10 and set(record.run) == {
+        "backends",
+        "batch_size",
+        "committed_at",
+        "device",
+        "host",
+        "pid",
+        "wall_s",
+    }
 
 
 def test_old_checkpoint_provenance_reads():
@@ -87,12 +97,15 @@ def test_old_checkpoint_provenance_reads():
     assert config.to_hf(record)[OUR_KEY] == cfg[OUR_KEY]
 
 
-@pytest.mark.parametrize("edit,error,needle", [
-    (lambda d: d.pop("compat"), NotAStore, "missing field 'compat'"),
-    (lambda d: d["target"].pop("fingerprint"), NotAStore, "root attributes.target: missing field 'fingerprint'"),
-    (lambda d: d.update(kind="something else"), NotAStore, "not a hidden-state store"),
-    (lambda d: d.update(schema_version=99), NotAStore, "newer than this tool's"),
-])
+@pytest.mark.parametrize(
+    "edit,error,needle",
+    [
+        (lambda d: d.pop("compat"), NotAStore, "missing field 'compat'"),
+        (lambda d: d["target"].pop("fingerprint"), NotAStore, "root attributes.target: missing field 'fingerprint'"),
+        (lambda d: d.update(kind="something else"), NotAStore, "not a hidden-state store"),
+        (lambda d: d.update(schema_version=99), NotAStore, "newer than this tool's"),
+    ],
+)
 def test_unreadable_roots_are_named(edit, error, needle):
     d = load("root_attributes.json")
     edit(d)
@@ -140,19 +153,45 @@ def test_a_schema1_store_still_trains_and_evaluates_but_takes_no_new_shards(tmp_
     assert r.returncode == 0, r.stderr
     unchecked = "is a schema-1 store: its chunks carry no checksums"
     assert unchecked in r.stdout + r.stderr
-    report = evaluate(EvalConfig(store=str(path), checkpoints=(str(tmp_path / "run" / "final"),),
-                                 out=str(tmp_path / "rep"), ddtree=(4,)), log=lambda m: None)
+    report = evaluate(
+        EvalConfig(
+            store=str(path), checkpoints=(str(tmp_path / "run" / "final"),), out=str(tmp_path / "rep"), ddtree=(4,)
+        ),
+        log=lambda m: None,
+    )
     assert report["checkpoints"][0]["tau"] >= 1 and any(unchecked in w for w in report["warnings"])
     with pytest.raises(StoreMismatch, match="is a schema-1 store .* new shards go into a new store"):
-        extract(ExtractConfig(store=str(path), shards="2", max_new_tokens=16, max_length=128, chunk_tokens=32,
-                              shard_tokens=64, dtype="fp32", device="cpu"), log=lambda m: None)
+        extract(
+            ExtractConfig(
+                store=str(path),
+                shards="2",
+                max_new_tokens=16,
+                max_length=128,
+                chunk_tokens=32,
+                shard_tokens=64,
+                dtype="fp32",
+                device="cpu",
+            ),
+            log=lambda m: None,
+        )
 
 
 def test_each_role_names_fields_of_the_record_and_no_field_twice():
     """The roles are read from the fields, so none can name a field that is not there; these are the
     lists they replaced (the conv1d kernel added), so a role dropped or misspelt is seen."""
-    assert CONDITIONING == ("target_fingerprint", "model_class", "tokenizer_sha256", "taps", "mask_token_id", "dtype",
-                            "device_type", "linear_attention", "attention", "hidden_format", "conv1d")
+    assert CONDITIONING == (
+        "target_fingerprint",
+        "model_class",
+        "tokenizer_sha256",
+        "taps",
+        "mask_token_id",
+        "dtype",
+        "device_type",
+        "linear_attention",
+        "attention",
+        "hidden_format",
+        "conv1d",
+    )
     assert PLACEMENT == ("dataset_sha256", "dataset_rows", "num_shards")
     names = {f for f in Compat.__dataclass_fields__}
     assert set(CONDITIONING) <= names and set(PLACEMENT) <= names and not set(CONDITIONING) & set(PLACEMENT)
@@ -181,7 +220,11 @@ def test_the_digests_of_existing_stores_are_unchanged(small_store):
 
 def test_a_store_in_a_hidden_format_this_version_does_not_know_is_refused_naming_the_field():
     old = load("root_attributes.json")
-    with pytest.raises(NotAStore, match="old store: root attributes: compat.hidden_format 'fp4' is not a hidden format"):
+    with pytest.raises(
+        NotAStore, match="old store: root attributes: compat.hidden_format 'fp4' is not a hidden format"
+    ):
         StoreAttrs.from_json({**old, "compat": {**old["compat"], "hidden_format": "fp4"}}, "old store")
     assert [StoreAttrs.from_json(old, "s").compat.as_format(f).format for f in hidden_formats.NAMES] == [
-        hidden_formats.BF16, hidden_formats.FP8]
+        hidden_formats.BF16,
+        hidden_formats.FP8,
+    ]

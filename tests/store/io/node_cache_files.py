@@ -47,10 +47,10 @@ def reader(root: str, folder: str, n: int, seed: int) -> int:
     for _ in range(4):
         batch = rng.sample(files.paths, n)
         for i in range(0, n, 5):
-            part = batch[i:i + 5]
+            part = batch[i : i + 5]
             a = rng.randrange(4096)
             got = read(view, part, a, a + 100) + read(view, part)
-            want = [Path(p).read_bytes()[a:a + 100] for p in part] + [Path(p).read_bytes() for p in part]
+            want = [Path(p).read_bytes()[a : a + 100] for p in part] + [Path(p).read_bytes() for p in part]
             wrong += sum(g != w for g, w in zip(got, want))
     return wrong
 

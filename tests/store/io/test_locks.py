@@ -12,8 +12,9 @@ from store.io.locks import HOST, IDENTITY, LockFile
 
 
 def dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)
+    return int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
 
 
 def planted(path, record: dict, age_s: float = 0.0):
@@ -35,10 +36,13 @@ def test_lock_is_exclusive(tmp_path):
     assert not (tmp_path / "x.lock").exists()
 
 
-@pytest.mark.parametrize("record", [
-    {"host": HOST, "pid": "DEAD", "identity": IDENTITY},
-    {"host": HOST, "pid": "DEAD"},  # written before leases: no identity
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"host": HOST, "pid": "DEAD", "identity": IDENTITY},
+        {"host": HOST, "pid": "DEAD"},  # written before leases: no identity
+    ],
+)
 def test_the_lock_of_a_dead_process_here_is_taken_over(tmp_path, record):
     path = planted(tmp_path / "x.lock", {**record, "pid": dead_pid()})
     lock = LockFile(path)
@@ -46,10 +50,13 @@ def test_the_lock_of_a_dead_process_here_is_taken_over(tmp_path, record):
     lock.release()
 
 
-@pytest.mark.parametrize("record", [
-    {"host": "elsewhere", "pid": 1, "identity": "elsewhere/boot/pid:[1]"},  # another machine
-    {"host": HOST, "pid": "DEAD", "identity": f"{HOST}/other-boot/pid:[1]"},  # same host name, other pid table
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"host": "elsewhere", "pid": 1, "identity": "elsewhere/boot/pid:[1]"},  # another machine
+        {"host": HOST, "pid": "DEAD", "identity": f"{HOST}/other-boot/pid:[1]"},  # same host name, other pid table
+    ],
+)
 def test_a_lock_with_a_live_lease_elsewhere_is_respected(tmp_path, record):
     record = {**record, "pid": dead_pid()} if record["pid"] == "DEAD" else record
     path = planted(tmp_path / "x.lock", record, age_s=60)

@@ -43,8 +43,11 @@ def upload(local: Path, keys: list[str] | None = None, root: str | None = None) 
 
 
 def samples(store: HiddenStore) -> list:
-    return [(s.tokens, s.loss_mask, s.hidden.view(torch.int16)) for shard in sorted(store.committed())
-            for s in ShardReader(store, shard)]
+    return [
+        (s.tokens, s.loss_mask, s.hidden.view(torch.int16))
+        for shard in sorted(store.committed())
+        for s in ShardReader(store, shard)
+    ]
 
 
 def same(a: list, b: list) -> bool:
@@ -89,8 +92,7 @@ def index_rows(cache: NodeCache) -> tuple[dict[str, int], int]:
     return rows, total
 
 
-def test_reads_through_the_cache_equal_uncached_reads_and_a_second_read_sends_none(small_store, tmp_path,
-                                                                                   monkeypatch):
+def test_reads_through_the_cache_equal_uncached_reads_and_a_second_read_sends_none(small_store, tmp_path, monkeypatch):
     location = upload(small_store)
     expected = samples(HiddenStore(str(small_store)))
     cache = NodeCache(str(tmp_path / "cache"), 1 << 30)
@@ -186,8 +188,15 @@ def test_ranges_of_a_cached_file_are_its_bytes(tmp_path):
     view = files.view(NodeCache(str(tmp_path / "cache"), 1 << 20))
     want = Path(files.paths[0]).read_bytes()
     for _ in range(2):  # fetched whole, then read from the cached copy
-        got = view.fetch(LocalFileSystem(), [(files.paths[0], 100, 900), (files.paths[0], -20, None),
-                                             (files.paths[0], 0, None), (str(tmp_path / "nope"), 0, None)])
+        got = view.fetch(
+            LocalFileSystem(),
+            [
+                (files.paths[0], 100, 900),
+                (files.paths[0], -20, None),
+                (files.paths[0], 0, None),
+                (str(tmp_path / "nope"), 0, None),
+            ],
+        )
         assert [bytes(g) for g in got[:3]] == [want[100:900], want[-20:], want]
         assert isinstance(got[3], FileNotFoundError)
 
@@ -217,8 +226,11 @@ def test_a_file_evicted_just_before_its_read_is_read_from_the_store(tmp_path, mo
     want = Path(files.paths[0]).read_bytes()
     assert read(view, files.paths, 5, 50) == [want[5:50], Path(files.paths[1]).read_bytes()[5:50]]
     monkeypatch.undo()
-    assert set(index_rows(cache)[0]) == set(cached_files(cache)) == {os.path.relpath(view.local(files.paths[1]),
-                                                                                     cache.root)}
+    assert (
+        set(index_rows(cache)[0])
+        == set(cached_files(cache))
+        == {os.path.relpath(view.local(files.paths[1]), cache.root)}
+    )
 
 
 def test_a_file_another_process_is_fetching_is_waited_for_not_fetched_again(tmp_path, monkeypatch):

@@ -38,7 +38,9 @@ def _loop_variables_as_tensors() -> None:
             self.generic_visit(node)
             if isinstance(node.target, ast.Name):
                 name = node.target.id
-                again = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load()))
+                again = ast.Assign(
+                    targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load())
+                )
                 node.body.insert(0, self.visit_Assign(again))
             return node
 

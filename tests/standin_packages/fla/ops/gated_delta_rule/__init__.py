@@ -9,15 +9,36 @@ import torch.nn.functional as F
 CALLS: Counter = Counter()
 
 
-def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **kwargs,
+):
     CALLS["chunk_gated_delta_rule"] += 1
     return _recurrence(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
-                                     **kwargs):
+def fused_recurrent_gated_delta_rule(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **kwargs,
+):
     CALLS["fused_recurrent_gated_delta_rule"] += 1
     return _recurrence(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
@@ -32,7 +53,7 @@ def _recurrence(q, k, v, g, beta, scale, initial_state, output_final_state, l2no
     q, k = (x.float().repeat_interleave(HV // H, dim=2) for x in (q, k))
     if l2norm:
         q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
-    q = q * (K ** -0.5 if scale is None else scale)
+    q = q * (K**-0.5 if scale is None else scale)
     S = torch.zeros(B, HV, K, V) if initial_state is None else initial_state.float().clone()
     out = torch.empty(B, T, HV, V)
     for t in range(T):
