@@ -62,8 +62,8 @@ def conditioned(args, allow_mismatch: bool):
     conditioning) -> (checked checkpoint, embed_tokens, lm_head, samples, store)."""
     from stages.evaluate.conditioning import check_checkpoint
     from stages.evaluate.prompts import Prompts
-    from store.hidden_store import HiddenStore
     from store.format.ranges import parse_ranges
+    from store.hidden_store import HiddenStore
 
     store = HiddenStore(args.store)
     ck = check_checkpoint(args.checkpoint, store, allow_mismatch, [])

@@ -3,10 +3,11 @@
 A bench is a module run from the repository root as `python -m bench.NAME ...` (so it imports the
 project as it is checked out, with no path set-up of its own). It builds its parser with `parser`,
 times with `medians`, measures peak memory with `in_child` (one way for all: the peak resident set
-of a fresh child process while the function ran, from its VmHWM, never the bench's own), and ends with
-`emit`, which prints the result and writes it only where --json names a file, never over an
-existing one unless --force is given: `parse` refuses such a --json before anything is measured. Each script lists, in `TOY`, the argument lists that run it at
-toy size; `pytest -m bench` (tests/test_bench.py) runs them all.
+of a fresh child process while the function ran, from its VmHWM, never the bench's own), and ends
+with `emit`, which prints the result and writes it only where --json names a file, never over an
+existing one unless --force is given: `parse` refuses such a --json before anything is measured.
+Each script lists, in `TOY`, the argument lists that run it at toy size; `pytest -m bench`
+(tests/test_bench.py) runs them all.
 """
 
 from __future__ import annotations

@@ -300,16 +300,19 @@ def steps(position):
 
 fresh, train, micro = steps(Position())
 epoch_s = sorted(timed(rank_batches, config, train, Position(), e, rank, world, *LOCAL)[1] for e in (1, 2, 3))[1]
-at, save_s = timed(advance, config, train, Position(), int(3.5 * micro), world, *LOCAL)  # epochs 0-3 formed by the run
+# epochs 0-3 formed by the run
+at, save_s = timed(advance, config, train, Position(), int(3.5 * micro), world, *LOCAL)
 cold = refs_of(pickle.loads(sent), train_ids, config.max_length)
-_, walk_s = timed(advance, config, cold, Position(), int(3.5 * micro), world, *LOCAL)  # none formed: a resume without position
+# none formed: a resume without position
+_, walk_s = timed(advance, config, cold, Position(), int(3.5 * micro), world, *LOCAL)
 resumed, _, _ = steps(Position.from_json(json.loads(json.dumps(at.to_json()))))
 del train, cold
 tracemalloc.start()
 held = launch(Position())
 now, peak = tracemalloc.get_traced_memory()
-print("RESULT", json.dumps({{"batching": {batching!r}, "order": ORDER, "samples": per * SHARDS, "world": world, "rank": rank,
-                            "launch": fresh, "resumed_launch_epoch_3": resumed, "next_epoch_s": epoch_s,
+print("RESULT", json.dumps({{"batching": {batching!r}, "order": ORDER, "samples": per * SHARDS,
+                            "world": world, "rank": rank, "launch": fresh, "resumed_launch_epoch_3": resumed,
+                            "next_epoch_s": epoch_s,
                             "save_after_3_5_epochs_s": save_s, "walk_3_5_epochs_cold_s": walk_s,
                             "held_mb": round(now / 1e6, 1), "peak_mb": round(peak / 1e6, 1),
                             "index_pickle_mb": round(len(sent) / 1e6, 1)}}))

@@ -201,8 +201,8 @@ def root_of(store: str, path: Path, x: np.ndarray, hidden_format: str) -> None:
 
     from pipeline import fingerprint
     from store.format import hidden_formats
-    from store.hidden_store import HiddenStore
     from store.format.schema import to_json
+    from store.hidden_store import HiddenStore
     from store.store_writer import StoreWriter
 
     attrs = HiddenStore(store).attrs

@@ -323,8 +323,8 @@ def speed(args) -> dict:
 def build_long(location: str, like: str, lengths: list[int]) -> None:
     """A store with the root of `like` and SAMPLES random samples of each length, one shard per length."""
     from pipeline import fingerprint
-    from store.hidden_store import HiddenStore
     from store.format.schema import to_json
+    from store.hidden_store import HiddenStore
     from store.shard_writer import ShardWriter
     from store.store_writer import StoreWriter
 

@@ -24,13 +24,13 @@ from zarr.core.sync import sync
 from zarr.storage import StorePath
 from zarr.storage._common import make_store_path
 
-from store.format import layout
-from store.io import commit_file, object_store, read_cache, zarr_files
 from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
-from store.io.node_cache import NodeCache
+from store.format import layout
 from store.format.ranges import format_ranges
 from store.format.read_checks import Layout, ReadChecks, layout_of, read_checks
 from store.format.schema import RootCommit, ShardCommit, StoreAttrs
+from store.io import commit_file, object_store, read_cache, zarr_files
+from store.io.node_cache import NodeCache
 
 S3_CONNECTIONS = 64  # requests in flight at once per S3 file system: a batch of reads, several threads' readers
 

@@ -29,10 +29,10 @@ import google_crc32c
 import numpy as np
 
 from store.format import layout
-from store.io import commit_file
-from store.hidden_store import HiddenStore
-from store.sample_index import per_sample
 from store.format.schema import ShardCommit
+from store.hidden_store import HiddenStore
+from store.io import commit_file
+from store.sample_index import per_sample
 
 FOLDER = "_index"
 NAMES = ("offsets", "first_pairs", "prompt_lens")  # the per-sample arrays training and evaluation index by

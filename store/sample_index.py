@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from store.format import layout, per_sample_array
-from store.io import commit_file
-from store.hidden_store import HiddenStore
 from store.format.read_checks import first_chunk
 from store.format.schema import ShardCommit
+from store.hidden_store import HiddenStore
+from store.io import commit_file
 from store.shard_reader import ShardReader
 
 

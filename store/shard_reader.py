@@ -12,12 +12,12 @@ from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
 from store import span_reader
-from store.format import layout, per_sample_array
-from store.io import zarr_files
 from store.errors import StoreCorrupt
-from store.hidden_store import HiddenStore
+from store.format import layout, per_sample_array
 from store.format.read_checks import first_chunk
 from store.format.schema import ShardCommit
+from store.hidden_store import HiddenStore
+from store.io import zarr_files
 
 _PER_TOKEN = ("tokens", "loss_mask", "hidden")
 _PER_SAMPLE = ("offsets", "prompt_lens", "row_ids", "first_pairs")

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import zarr
 
-from store.format import layout, shard_file
 from store.errors import StoreError
+from store.format import layout, shard_file
 from store.format.schema import ShardCommit
 from store.store_writer import StoreWriter
 

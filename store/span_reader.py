@@ -33,9 +33,9 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
 
+from store.errors import StoreCorrupt
 from store.format import hidden_formats
 from store.io.byte_fetch import Range, fetch
-from store.errors import StoreCorrupt
 from store.io.read_cache import ReadCache
 
 _MISSING = 2**64 - 1  # a shard index's offset and length of a chunk never written (all fill value)

@@ -19,14 +19,14 @@ import numpy as np
 import torch
 import zarr
 
-from store.format import layout
-from store.io import commit_file
 from store.errors import NotAStore, StoreCorrupt, StoreError, StoreMismatch
+from store.format import layout
+from store.format.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
 from store.hidden_store import ROOT_METADATA, HiddenStore
+from store.io import commit_file
 from store.io.locks import HOST, LEASE_S, LockFile, heartbeat_for
 from store.io.object_lease import ObjectLease
 from store.io.s3_objects import conditional_objects
-from store.format.schema import SCHEMA_VERSION, Compat, RootCommit, ShardCommit, StoreAttrs, to_json
 
 ROOT_LOCK_TIMEOUT_S = 3600.0
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from store.hidden_store import HiddenStore
 from store.format.ranges import format_ranges
+from store.hidden_store import HiddenStore
 
 TURNS = {"all": ", every assistant turn", "split": ", a sample per assistant turn"}  # compat.turns, as info shows it
 
@@ -89,8 +89,10 @@ def render(s: dict) -> str:
     lines = [
         f"store        {s['store']}",
         f"fingerprint  {s['fingerprint']}",
-        f"shards       {s['shards_done']}/{s['num_shards']} done ({s['done'] or 'none'}); missing: {s['missing'] or 'none'}",
-        f"samples      {s['samples']}  (skipped: {fmt_counts(s['skipped'])}; truncated at the length limit: {s['truncated']})",
+        f"shards       {s['shards_done']}/{s['num_shards']} done ({s['done'] or 'none'}); "
+        f"missing: {s['missing'] or 'none'}",
+        f"samples      {s['samples']}  (skipped: {fmt_counts(s['skipped'])}; "
+        f"truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
         f"agreement    {fmt_agreement(s['agreement'])}",
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
@@ -100,7 +102,8 @@ def render(s: dict) -> str:
         f"target       {p['target']} ({p['model_class']}; tokenizer {p['tokenizer_class'] or 'not recorded'})",
         f"             unused non-text tensors: {fmt_counts(p['non_text_tensors'])}",
         f"             fingerprint {p['target_fingerprint'][:16]}...",
-        f"taps         {p['taps']} (hidden {p['hidden_size']}, vocab {p['vocab_size']}, mask token {p['mask_token_id']})",
+        f"taps         {p['taps']} (hidden {p['hidden_size']}, vocab {p['vocab_size']}, "
+        f"mask token {p['mask_token_id']})",
         f"backend      linear attention: {p['linear_attention']}, attention: {p['attention']}, "
         f"device {p['device']}, dtype {p['dtype']}",
         f"data         {p['dataset']} (responses: {p['responses']})",

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from store import span_reader
-from store.format import layout
 from store.errors import StoreCorrupt
-from store.hidden_store import HiddenStore
+from store.format import layout
 from store.format.ranges import format_ranges, parse_ranges
 from store.format.schema import ShardCommit
+from store.hidden_store import HiddenStore
 
 
 @dataclass

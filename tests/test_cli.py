@@ -41,7 +41,8 @@ def bad_field_dataset(tmp_path):
         ("missing_file", "--dataset /nonexistent/prompts.jsonl: no such file"),
         (
             "missing_field",
-            "has neither field 'messages' ('conversations') nor 'prompt' nor token ids ('input_ids', 'prompt_ids') (fields present: ['question'])",
+            "has neither field 'messages' ('conversations') nor 'prompt' nor token ids ('input_ids', 'prompt_ids') "
+            "(fields present: ['question'])",
         ),
         ("tap_too_high", "--taps: layer id(s) [8] out of range: the target has 8 decoder layers (ids 0-7)"),
         ("bad_shards", "--shards '0-x': invalid shard range"),

@@ -1,7 +1,8 @@
 """The tables in docs/ that restate the code are generated from it (tools/doc_tables.py) and must be
 current: every flag table row is the flag, default and help of a config field (or of an option a
 command adds), every option of every stage is in exactly one table, and the serving-consumers table
-is pipeline.drafter.serving_engines.CONSUMERS; the recipe bench's options table is its kept runs. Also: every production module is in the code map."""
+is pipeline.drafter.serving_engines.CONSUMERS; the recipe bench's options table is its kept runs.
+Also: every production module is in the code map."""
 
 import importlib.util
 import re

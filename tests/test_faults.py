@@ -143,11 +143,10 @@ def reference(tmp_path_factory):
 def train_reference(reference, tmp_path_factory):
     """An uninterrupted training run on the reference store: (its out, the window to kill it in)."""
     out = tmp_path_factory.mktemp("faults") / "train-ref"
-    first = lambda: min(
-        r["time"]
-        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())  # noqa: E731
-        if "time" in r
-    )
+
+    def first():
+        return min(r["time"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "time" in r)
+
     return out, window(train_proc(["--store", reference[0], "--out", out, *TRAIN]), first)
 
 
@@ -158,9 +157,8 @@ def test_extraction_killed_at_random_then_rerun_is_identical(reference, tmp_path
     delay = rng("extract", i).uniform(start, wall)
     killed = kill_after(pipeline_proc(args(store)), delay)
     committed = len(list((store / "_commits").glob("0*.json"))) if store.exists() else 0
-    print(
-        f"extraction {'killed' if killed else 'done'} after {delay:.1f}s (window to {wall:.1f}s), {committed} shards committed"
-    )
+    print(f"extraction {'killed' if killed else 'done'} after {delay:.1f}s (window to {wall:.1f}s), ", end="")
+    print(f"{committed} shards committed")
     finish(pipeline_proc(args(store)))
     assert commits(store) == commits(ref), f"seed {SEED}, killed after {delay:.2f}s"
     assert shard_files(store) == shard_files(ref), f"seed {SEED}, killed after {delay:.2f}s"

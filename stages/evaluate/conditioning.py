@@ -18,11 +18,11 @@ from pipeline.drafter.config import DrafterConfig, TrainingRecord, store_mismatc
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from stages.evaluate.config import EvalConfig
-from store.format import hidden_formats
 from store.errors import StoreError
-from store.hidden_store import HiddenStore
+from store.format import hidden_formats
 from store.format.ranges import format_ranges, parse_ranges
 from store.format.schema import Compat, ShardCommit
+from store.hidden_store import HiddenStore
 
 
 @dataclass
@@ -142,8 +142,8 @@ def choose_shards(
 ) -> Replayed:
     """--shards, else the held-out shards a checkpoint recorded of this store (or of a store holding the
     same prompts under the same shard numbers), else every committed shard of this store (committed:
-    their records, as the store's index holds them; None: not known, read here). Another store's held-out shard numbers name that
-    store's prompts, not this one's: they are never applied."""
+    their records, as the store's index holds them; None: not known, read here). Another store's
+    held-out shard numbers name that store's prompts, not this one's: they are never applied."""
     n = store.num_shards
     alike = [x for x in loaded if numbered_alike(x.record, store)]
     held = [x for x in alike if x.record.eval_shards]

@@ -17,10 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from store import index_file
+from store.format.schema import ShardCommit
 from store.hidden_store import HiddenStore
 from store.index_file import StoreIndex
 from store.sample_index import per_sample
-from store.format.schema import ShardCommit
 from store.shard_reader import Sample, ShardReader
 
 Ref = tuple[int, int]  # (shard, index within the shard)

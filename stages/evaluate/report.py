@@ -158,8 +158,9 @@ def served_md(sv: dict) -> list[str]:
         for label, x in (("served completion = stored", sv["agreeing"]), ("all prompts", sv["all"]))
     ]
     out = [
-        f"Served by {sv['engine']} on {sv['device']} ({sv['seconds']} s): {sv['identical_completions']} of {sv['prompts']} "
-        f"completions equal the stored ones, {sv['identical_rounds']} of those with the same rounds as replay; "
+        f"Served by {sv['engine']} on {sv['device']} ({sv['seconds']} s): "
+        f"{sv['identical_completions']} of {sv['prompts']} completions equal the stored ones, "
+        f"{sv['identical_rounds']} of those with the same rounds as replay; "
         f"vLLM's own convention (accepted + 1 every step) gives {sv['vllm_convention_tau']:.3f}.",
         "",
     ]

@@ -27,8 +27,8 @@ from stages.out_contents import Output, refuse_a_store
 from stages.out_dir import claim, removed_if_failed_empty
 from stages.paths import output_dir
 from store.errors import ConfigError, UserError
-from store.hidden_store import HiddenStore
 from store.format.schema import StoreAttrs
+from store.hidden_store import HiddenStore
 from store.summary import human_bytes
 
 CARD = "README.md"

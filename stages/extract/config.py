@@ -9,8 +9,8 @@ from pipeline import DEFAULT_PROMPTS, TINY_TARGET
 from pipeline import device as devices
 from pipeline.target.taps import DEFAULT_NUM_TAPS
 from stages.settings import at_least, check_choices, fill, flag_of, require, setting
-from store.format import hidden_formats, layout
 from store.errors import ConfigError
+from store.format import hidden_formats, layout
 from store.io.locks import LEASE_S
 
 # Shards of a new store unless --num-shards says otherwise: one per ROWS_PER_SHARD rows, at least

@@ -12,9 +12,10 @@ The estimate (`Need`, made by `needed`) is upper-ish, by design:
 - **From the settings** otherwise (a new store, or one with nothing committed yet): per row, the
   prompt plus a completion at its full limit (`--max-new-tokens`, within `--max-length`), the mean
   over a sample of the rows to write (`tokens_per_row` over `SAMPLED_ROWS` rows, `spread` evenly);
-  per token, `n_taps x H x 2` bytes of bf16 states times a conservative stored fraction
-  (its hidden format's `stored_fraction`, store/format/hidden_formats.py), plus the token ids and the loss mask; a new store adds its embedding and
-  lm_head. Completions that end early and better compression only make the real size smaller.
+  per token, `n_taps x H x 2` bytes of bf16 states times a conservative stored fraction (its hidden
+  format's `stored_fraction`, store/format/hidden_formats.py), plus the token ids and the loss mask;
+  a new store adds its embedding and lm_head. Completions that end early and better compression only
+  make the real size smaller.
 
 Object stores (any fsspec URL that is not a local path) are not checked: the line says so.
 """
@@ -35,11 +36,11 @@ from pipeline import prompts as prompt_sets
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.paths import full_disk
-from store.format import hidden_formats
 from store.errors import StoreError
+from store.format import hidden_formats
 from store.format.hidden_formats import HiddenFormat
-from store.hidden_store import HiddenStore
 from store.format.schema import ShardCommit, StoreAttrs, completion_limit
+from store.hidden_store import HiddenStore
 from store.summary import human_bytes
 
 # Stored bytes over raw bytes of the embedding and lm_head, planes coded as bf16 states are; a store's
@@ -199,8 +200,9 @@ def check(store: HiddenStore, need: Need, ignore: bool, say) -> None:
 @contextmanager
 def stop_when_full(store: HiddenStore, need: Need) -> Iterator[None]:
     """A full disk, quota or file-size limit anywhere inside (writer thread, zarr, commit file)
-    becomes one line naming the store, the space still needed and the way on. Nothing half-written is committed: a shard's commit file is
-    written last, so the shard in progress stays uncommitted and a rerun deletes and redoes it."""
+    becomes one line naming the store, the space still needed and the way on. Nothing half-written
+    is committed: a shard's commit file is written last, so the shard in progress stays uncommitted
+    and a rerun deletes and redoes it."""
     try:
         yield
     except Exception as e:

@@ -22,8 +22,8 @@ from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.extract.progress import Progress
 from store.format import layout
-from store.io.locks import LockFile
 from store.format.schema import ShardCommit, completion_limit
+from store.io.locks import LockFile
 from store.shard_writer import ShardWriter
 from store.store_writer import StoreWriter
 

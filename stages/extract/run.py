@@ -1,10 +1,11 @@
 """Stage one: run the target over the prompt set and write tap-layer hidden states to the store.
 
-`run(config)` writes only the shards of `config.shards`. Each shard is claimed with a lease (a
-lock file, or an object on S3: store/store_writer.py), written, and committed by a commit file written last; committed shards are skipped, so a rerun
-resumes. Any number of processes fill one store together, a launcher's ranks (torchrun,
-`accelerate launch`, srun) or separate commands with overlapping ranges alike: a shard's lease
-decides who writes it, and no process waits for another (but for the one creating the store).
+`run(config)` writes only the shards of `config.shards`. Each shard is claimed with a lease (a lock
+file, or an object on S3: store/store_writer.py), written, and committed by a commit file written
+last; committed shards are skipped, so a rerun resumes. Any number of processes fill one store
+together, a launcher's ranks (torchrun, `accelerate launch`, srun) or separate commands with
+overlapping ranges alike: a shard's lease decides who writes it, and no process waits for another
+(but for the one creating the store).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
 from stages.extract.summary import finish_summary, nothing_stored
 from store import index_file
-from store.format import layout
 from store.errors import ConfigError, StoreError
-from store.hidden_store import HiddenStore
+from store.format import layout
 from store.format.ranges import parse_ranges
 from store.format.schema import StoreAttrs
+from store.hidden_store import HiddenStore
 from store.store_writer import StoreWriter
 from store.verify import verify
 

@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 from pipeline.device import Process
 from stages.extract.config import ExtractConfig
-from store.hidden_store import HiddenStore
 from store.format.ranges import format_ranges
+from store.hidden_store import HiddenStore
 from store.summary import agreement, fmt_agreement, fmt_counts, human_bytes, summarize
 
 

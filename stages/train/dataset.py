@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from stages.train.epoch_order import Batches, Row
-from store.format import layout
 from store.errors import NotCommitted, StoreCorrupt, StoreError, redo_hint
+from store.format import layout
 from store.hidden_store import HiddenStore
 from store.io.node_cache import NodeCache
 from store.shard_reader import ShardReader, read_samples

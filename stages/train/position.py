@@ -22,8 +22,8 @@ import numpy as np
 
 from stages.train.config import DataConfig
 from stages.train.epoch_order import Batches, epoch_length, train_batches
-from stages.train.samples import Refs
 from stages.train.node_order import node_layout
+from stages.train.samples import Refs
 
 Ranges = tuple[tuple[int, int], ...]
 

@@ -28,8 +28,8 @@ from stages.paths import full_disk
 from stages.settings import flag_of, leaves, with_role
 from stages.train.config import RunConfig, TrainConfig
 from stages.train.position import advance, epochs_done, epochs_walked
-from store.io import file_modes
 from store.errors import ConfigError
+from store.io import file_modes
 from store.io.locks import LockFile
 
 # Fields that fix the data order and the model: a resumed run must keep them.

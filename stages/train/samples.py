@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from store.format.schema import ShardCommit
 from store.hidden_store import HiddenStore
 from store.sample_index import per_sample
-from store.format.schema import ShardCommit
 
 
 @dataclass(frozen=True)

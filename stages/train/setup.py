@@ -29,20 +29,20 @@ from stages.train.config import DataConfig, DrafterArchConfig, RunConfig, TrainC
 from stages.train.epoch_order import epoch_length
 from stages.train.grad_comm import GradComm, install, step_bytes
 from stages.train.loader import check_shared_memory, shared_memory_need
+from stages.train.main_process import gather, on_main
 from stages.train.node_order import check_shards, node_layout, shard_counts
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
-from stages.train.main_process import gather, on_main
 from stages.train.run_dir import claim, resume_point
 from stages.train.samples import Ref, refs_of
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from stages.train.step import LossPlan
 from store import index_file
 from store.errors import ConfigError, StoreError
-from store.hidden_store import HiddenStore
-from store.io.node_cache import NodeCache
 from store.format.ranges import format_ranges, parse_ranges
 from store.format.schema import StoreAttrs
+from store.hidden_store import HiddenStore
+from store.io.node_cache import NodeCache
 
 
 @dataclass(kw_only=True)
@@ -321,8 +321,9 @@ def _prepare(config: TrainConfig, log) -> Setup:
             f"parameters; taps {list(dc.target_layer_ids)}; {len(train_refs)} training samples in shards "
             f"{format_ranges(list(schedule.shards(position.epoch)))}"
             + (
-                f" (epoch {position.epoch}'s; --shards {data.shards}, {'followed' if config.shard_schedule.follow else 'scheduled'} "
-                f"epoch by epoch, recorded in {out / FILE})"
+                f" (epoch {position.epoch}'s; --shards {data.shards}, "
+                f"{'followed' if config.shard_schedule.follow else 'scheduled'} epoch by epoch, "
+                f"recorded in {out / FILE})"
                 if schedule.mode != "fixed"
                 else ""
             )

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from stages.out_contents import SCHEDULE
 from stages.train.config import ShardScheduleConfig, TrainConfig
-from stages.train.samples import Refs, refs_of
 from stages.train.main_process import on_main
+from stages.train.samples import Refs, refs_of
 from store.errors import ConfigError
-from store.hidden_store import HiddenStore
 from store.format.ranges import format_ranges, parse_ranges
+from store.hidden_store import HiddenStore
 from store.sample_index import per_sample
 
 FILE = SCHEDULE  # OUT/shards.json: every epoch's shards so far (--follow, --shard-schedule)

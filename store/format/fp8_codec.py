@@ -1,10 +1,10 @@
 """`dflash.fp8_e4m3`: bf16 states kept as FP8 (e4m3) values with one power-of-two scale per group.
 
-The store's fp8 hidden format (store/format/hidden_formats.py). `quantize` rounds bf16 states, per token and tap (a group
-is the last axis, H values), to e4m3 x 2^k: k is the smallest exponent that keeps the group's largest
-magnitude within e4m3's 448, so no value saturates; values below e4m3's smallest subnormal at that
-scale (2^(k-9)) become zero. A power of two, not amax / 448, so that every quantized value is a bf16
-exactly and decoding is a table lookup, bit-exact.
+The store's fp8 hidden format (store/format/hidden_formats.py). `quantize` rounds bf16 states, per
+token and tap (a group is the last axis, H values), to e4m3 x 2^k: k is the smallest exponent that
+keeps the group's largest magnitude within e4m3's 448, so no value saturates; values below e4m3's
+smallest subnormal at that scale (2^(k-9)) become zero. A power of two, not amax / 448, so that
+every quantized value is a bf16 exactly and decoding is a table lookup, bit-exact.
 
 The codec is lossless on quantized values (it refuses anything else: quantize first), so every
 checksum the store keeps of a shard's states holds for what reading returns. Encoded chunk:

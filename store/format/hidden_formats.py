@@ -1,10 +1,10 @@
 """The hidden formats a store's states come in, one record each: every question about a format is
 asked of its record here, never by comparing names.
 
-    name  recorded (compat.hidden_format)  codec (compat.codec)  zarr codec           rounding              stored fraction
-    bf16  None (absent)                    "planes"              dflash.bf16_planes   none: bit for bit     0.70
-    fp8   "fp8"                            "fp8"                 dflash.fp8_e4m3      e4m3 x 2^k per token  0.45
-                                                                                      and tap (fp8_codec.quantize)
+  name  recorded (compat.hidden_format)  codec (compat.codec)  zarr codec          rounding              stored fraction
+  bf16  None (absent)                    "planes"              dflash.bf16_planes  none: bit for bit     0.70
+  fp8   "fp8"                            "fp8"                 dflash.fp8_e4m3     e4m3 x 2^k per token  0.45
+                                                                                   and tap (fp8_codec.quantize)
 
 A store's format is fixed when it is created (`pipeline extract --hidden-format`). bf16 is recorded
 as no value so that stores made before fp8 existed keep their fingerprints. The stored fraction is
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Callable
 
 from zarr.codecs import Crc32cCodec
 
+from store.errors import ConfigError, NotAStore
 from store.format import fp8_codec
 from store.format.bf16_codec import Bf16Planes
 from store.format.chunk_codec import PackedCodec
-from store.errors import ConfigError, NotAStore
 from store.format.fp8_codec import Fp8E4m3
 
 if TYPE_CHECKING:

@@ -1,10 +1,11 @@
 """The store's records, typed: the root attributes (`StoreAttrs`) and each shard's commit file
 (`ShardCommit`). Extraction builds them, every reader gets them from `HiddenStore`; nothing else
 reads these JSON keys. The JSON is documented in docs/store.md. Fields added after format revision 1
-(store/format/read_checks.py) have the default None, meaning "not recorded", and are left out of the JSON
-while None, so older stores load as they are and write back unchanged. Schema 2 (the byte-plane layout) is `SCHEMA_VERSION`;
-schema-1 stores are read-only (`StoreWriter.check_compatible`). What layout a store has, read from
-these records once, is store/format/read_checks.py's `Layout`; its hidden format, store/format/hidden_formats.py's.
+(store/format/read_checks.py) have the default None, meaning "not recorded", and are left out of
+the JSON while None, so older stores load as they are and write back unchanged. Schema 2 (the
+byte-plane layout) is `SCHEMA_VERSION`; schema-1 stores are read-only
+(`StoreWriter.check_compatible`). What layout a store has, read from these records once, is
+store/format/read_checks.py's `Layout`; its hidden format, store/format/hidden_formats.py's.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import types
 import typing
 from dataclasses import dataclass
 
-from store.format import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
+from store.format import hidden_formats
 from store.format.hidden_formats import HiddenFormat
 
 KIND = "dflash-hidden-states"

@@ -26,8 +26,8 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import MemoryStore, StorePath
 
-from store.io import commit_file
 from store.errors import StoreCorrupt
+from store.io import commit_file
 
 ROUND_BYTES = 1 << 30  # decoded bytes of chunks fetched in one batch by read_whole (an embedding at 27B: 2.5 GB)
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from stages.evaluate.config import EvalConfig
 from stages.cache_flags import warning
+from stages.evaluate.config import EvalConfig
 from stages.train.config import DataConfig, TrainConfig
 from stages.train.dataset import StoreBatches
 from stages.train.samples import index_samples

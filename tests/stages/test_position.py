@@ -103,8 +103,8 @@ def test_epochs_walked_counts_each_epoch_in_its_own_batches():
     """Epochs of different sizes (--follow): an epoch counts 1 however many batches it has; with one
     size throughout, the walk agrees with epochs_done's count of epoch 0's batches."""
     from stages.train.config import DataConfig
-    from stages.train.samples import Refs
     from stages.train.position import Position, epochs_done, epochs_walked
+    from stages.train.samples import Refs
 
     config = DataConfig(store="s", batch_size=1)
     small, large = Refs.of([0] * 8, range(8), [10] * 8), Refs.of([0] * 24, range(24), [10] * 24)

@@ -17,8 +17,8 @@ from stages.train.position import Position
 from stages.train.samples import refs_of
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from store import index_file
-from store.format import layout
 from store.errors import ConfigError, NotCommitted
+from store.format import layout
 from store.hidden_store import HiddenStore
 from tests.processes import TINY, losses, train
 
@@ -215,6 +215,6 @@ def test_the_last_line_names_exactly_the_shards_no_epoch_run_read_and_why(small_
     r = train(["--store", small_store, "--out", replayed, "--shard-schedule", followed / FILE, *common])
     assert r.returncode == 0, r.stderr
     assert last_line(r).endswith(
-        f"; shards 2-3 of --shards never trained on: 2 listed by --shard-schedule only in "
-        f"epochs this run did not reach, 3 in none of its epochs"
+        "; shards 2-3 of --shards never trained on: 2 listed by --shard-schedule only in "
+        "epochs this run did not reach, 3 in none of its epochs"
     ), last_line(r)

@@ -185,9 +185,9 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     learning rate is the uninterrupted curve's), and the last reads only samples of the epoch the
     earlier parts had not read."""
     from stages.train.config import DataConfig, OptimConfig
-    from stages.train.samples import index_samples
     from stages.train.optim import lr_lambda
     from stages.train.position import Position, advance, rank_batches
+    from stages.train.samples import index_samples
     from store.hidden_store import HiddenStore
 
     # one sample a step: the 14 samples make an epoch of 14 steps on one process, 7 on two
@@ -516,9 +516,9 @@ def test_a_second_trainer_on_the_same_out_is_refused_naming_the_holder(small_sto
     import os
     import subprocess
 
+    from stages.out_contents import RUN_LOCK
     from stages.train.config import TrainConfig
     from stages.train.run import run as train_run
-    from stages.out_contents import RUN_LOCK
     from store.io.locks import HOST, IDENTITY, LockFile
 
     lock = tmp_path / "x" / RUN_LOCK

@@ -19,9 +19,9 @@ import torch
 
 from store import sample_index
 from store.format import layout
-from store.hidden_store import HiddenStore
 from store.format.read_checks import chunk_separator
 from store.format.schema import FORMAT_REVISION
+from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader, read_samples
 from store.verify import verify
 from tests.store.test_damage import equal, read_everything
@@ -65,7 +65,8 @@ def _bf16(x) -> torch.Tensor | None:
 
 def alike(a, b) -> bool:
     """equal, but for bf16 states: the fixture was written on another CPU, whose kernels round a few
-    values (3e-4 of a store, more in one sample; bench/reports/cross_cpu_cpu_2026-12-05.md) one bf16 step the other way."""
+    values (3e-4 of a store, more in one sample; bench/reports/cross_cpu_cpu_2026-12-05.md) one bf16
+    step the other way."""
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
     if isinstance(a, list):

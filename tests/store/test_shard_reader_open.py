@@ -17,8 +17,8 @@ import torch
 import zarr
 from fsspec.implementations.memory import MemoryFileSystem
 
-from store.io import zarr_files
 from store.hidden_store import HiddenStore
+from store.io import zarr_files
 from store.shard_reader import ShardReader, read_samples
 
 SCHEMA1 = Path(__file__).parents[1] / "data" / "schema1_store"

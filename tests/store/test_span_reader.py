@@ -8,8 +8,8 @@ import torch
 import zarr
 
 from store import span_reader
-from store.format import hidden_formats, layout
 from store.errors import StoreCorrupt
+from store.format import hidden_formats, layout
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader, read_samples
 from store.shard_writer import ShardWriter

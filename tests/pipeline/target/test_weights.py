@@ -36,7 +36,8 @@ def add(name):
         (drop("model.layers.0.linear_attn.A_log"), "missing (would be left random): model.layers.0.linear_attn.A_log"),
         (
             shorten("model.layers.2.mlp.up_proj.weight"),
-            "wrong shape (would be left random): model.layers.2.mlp.up_proj.weight (checkpoint (383, 128), model (384, 128))",
+            "wrong shape (would be left random): model.layers.2.mlp.up_proj.weight "
+            "(checkpoint (383, 128), model (384, 128))",
         ),
         (
             add("model.layers.1.extra.weight"),

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from store.format import hidden_formats
 from store.errors import ConfigError, StoreMismatch
+from store.format import hidden_formats
 from store.hidden_store import HiddenStore
 from store.store_writer import StoreWriter
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from store.errors import StoreMismatch
-from store.hidden_store import HiddenStore
 from store.format.read_checks import ReadChecks
 from store.format.schema import FORMAT_REVISION
+from store.hidden_store import HiddenStore
 from store.store_writer import StoreWriter
 from store.summary import render, summarize
 from store.verify import verify

@@ -14,8 +14,8 @@ import pytest
 
 from pipeline import fingerprint
 from pipeline.drafter.config import OUR_KEY, read_config
-from store.format import hidden_formats
 from store.errors import NotAStore, StoreCorrupt
+from store.format import hidden_formats
 from store.format.schema import (
     CONDITIONING,
     PLACEMENT,

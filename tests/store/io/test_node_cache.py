@@ -21,9 +21,9 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from store.io import node_cache
 from store.errors import StoreCorrupt
 from store.hidden_store import HiddenStore
+from store.io import node_cache
 from store.io.node_cache import NodeCache
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
