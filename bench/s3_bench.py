@@ -267,10 +267,10 @@ def start_up(url: str, prompts: int) -> dict:
 
     from pipeline.decode.batch_replay import BatchReplay
     from pipeline.drafter.model import Drafter
-    from stages.evaluate.conditioning import choose_shards
     from stages.evaluate.config import EvalConfig
     from stages.evaluate.prompts import Prompts
     from stages.evaluate.run import _index
+    from stages.evaluate.shards import choose_shards
     from stages.train.config import TrainConfig
     from stages.train.setup import drafter_config
     from store.hidden_store import HiddenStore

@@ -43,7 +43,7 @@ CONVENTIONS = {
 
 
 def build(config, attrs: StoreAttrs, replayed, warnings: list[str], results: list[dict], sample: dict) -> dict:
-    shards = replayed.text  # replayed: conditioning.Replayed, the shards and why
+    shards = replayed.text  # replayed: shards.Replayed, the shards and why
     return {
         "kind": "dflash-eval-report",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -24,10 +24,11 @@ from pipeline.decode.batch_replay import BatchReplay
 from pipeline.errors import TargetError
 from stages import cache_flags
 from stages.evaluate import groups, process_group, report
-from stages.evaluate.conditioning import Checked, build, check_checkpoint, choose_shards
+from stages.evaluate.conditioning import Checked, build, check_checkpoint
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
+from stages.evaluate.shards import choose_shards
 from store import index_file
 from store.errors import StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore

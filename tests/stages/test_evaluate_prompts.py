@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stages.evaluate import prompts as prompts_mod
-from stages.evaluate.conditioning import choose_shards
 from stages.evaluate.config import EvalConfig
 from stages.evaluate.prompts import Prompts
+from stages.evaluate.shards import choose_shards
 from store import index_file
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
