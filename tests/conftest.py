@@ -13,6 +13,10 @@ import pytest
 
 sys.modules.setdefault("fla", None)  # CPU tests: the PyTorch Gated DeltaNet path, always
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one xdist worker per core: one intra-op thread each
+    # The environment too: the stages run in-process set their threads from it (pipeline.device's
+    # default_threads: else cores / processes, 2 on CI's 2 cores), and the processes the tests start
+    # inherit it. Two threads in each of two workers on 2 cores made a tiny training step ~10x slower.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
