@@ -178,6 +178,6 @@ def format_size(size: int) -> str:
     """A size as a person writes it, in the largest unit that shows it exactly: 1073741824 -> '1G',
     3 x 2^39 -> '1.5T', 1000 -> '1000' (bytes); parse_size reads it back."""
     for unit, scale in sorted(_SIZE_UNITS.items(), key=lambda u: -u[1]):
-        if size >= scale and (size * 1000) % scale == 0:
+        if unit and size >= scale and (size * 1000) % scale == 0:  # bytes: as a whole number (not 1.09951e+12)
             return f"{size / scale:g}{unit}"
     return str(size)

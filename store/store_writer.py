@@ -4,8 +4,9 @@ this run's settings (rebuilt under --redo when damaged), shards cleared, written
 Commit files are written last and atomically (a temporary name, then a rename; on object stores a
 single put), so a reader or a rerun only trusts what was finished. The root and each shard are
 claimed under a lease: a lock file on a POSIX file system (store/io/locks.py), an object on S3
-(store/io/object_lease.py, conditional writes). Other object stores have none: each process must
-then be given disjoint shard ranges.
+(store/io/object_lease.py, conditional writes), once a probe showed the store honours them: one
+that ignores them is refused before any lease is taken (store/io/s3_objects.py). Other object stores
+have none: each process must then be given disjoint shard ranges.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ class StoreWriter(HiddenStore):
         """Whether claims are leases here (a POSIX file system, S3), so processes may share shards."""
         return self.local or self._objects is not None
 
+    def check_leases(self) -> None:
+        """Where claims are leases on an object store (S3), the store honours the conditional writes
+        they are built from, or one line naming what it ignored (a probe of a few requests, once per
+        process and store: store/io/s3_objects.py). Nothing to check on a POSIX file system."""
+        if self._objects is not None:
+            self._objects.check_honoured(self.location, self.path("_locks"))
+
     # -- files -----------------------------------------------------------------------------
     def write_json(self, key: str, obj: dict) -> None:
         """Write a commit file (sealed, atomically)."""
@@ -55,7 +63,10 @@ class StoreWriter(HiddenStore):
         path, beat = self.path(f"_locks/{name}.lock"), heartbeat_for(self.lease_s)
         if self.local:
             return LockFile(Path(path), self.lease_s, beat)
-        return None if self._objects is None else ObjectLease(self._objects, path, self.lease_s, beat)
+        if self._objects is None:
+            return None
+        self.check_leases()  # no lease is taken on a store that ignores their conditions (probed once)
+        return ObjectLease(self._objects, path, self.lease_s, beat)
 
     # -- root ------------------------------------------------------------------------------
     def create_or_check(

@@ -6,10 +6,11 @@ cache whose disk is full (for the tests of the node cache's faults):
 LOCAL_STORE is copied into fsspec's memory file system, which the command reads as it reads S3 (its
 loader workers are forked: they see the same files), as `memory://remote/hs.zarr`: pass that as
 --store. FULL says when the node cache's disk fills up: `start` (nothing can be written there: the
-index is refused `database or disk is full`), or `after:N` (each process keeps N files, then its
+index is refused `database or disk is full`), `after:N` (each process keeps N files, then its
 writes fail: a file with ENOSPC, the index with `disk I/O error`, as sqlite says when a write fails
-under it). The fault comes from outside: the wrapper replaces the cache's sqlite connections and its
-file writes, so production code carries no test hook. Everything else is the real command."""
+under it), or `never` (a disk with room). The fault comes from outside: the wrapper replaces the
+cache's sqlite connections and its file writes, so production code carries no test hook. Everything
+else is the real command."""
 
 import builtins
 import errno
@@ -25,7 +26,7 @@ from store.io import node_cache
 
 PROGRAM, LOCAL, FULL = sys.argv.pop(1), Path(sys.argv.pop(1)), sys.argv.pop(1)
 STORE = "memory://remote/hs.zarr"
-KEEP = None if FULL == "start" else int(FULL.removeprefix("after:"))
+KEEP = None if FULL == "start" else float("inf") if FULL == "never" else int(FULL.removeprefix("after:"))
 kept = {"files": 0}
 
 

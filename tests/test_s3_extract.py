@@ -1,6 +1,8 @@
 """Extraction by many processes on one S3 store, through a real S3 API (moto's server on 127.0.0.1):
 one creates the store while the others wait, shards are claimed under leases (store/io/object_lease.py),
-a stopped writer's shard is taken over once its lease runs out. Opt-in: `pytest -m s3`."""
+a stopped writer's shard is taken over once its lease runs out; the same server behind a proxy that
+drops the conditional headers (a store that ignores them) is refused before anything is written.
+Opt-in: `pytest -m s3`."""
 
 import re
 import signal
@@ -11,7 +13,7 @@ import pytest
 
 from tests.conftest import assert_stores_equal
 from tests.processes import pipeline_proc, run_pipeline
-from tests.s3 import extract_args
+from tests.s3 import HeaderStripper, extract_args
 
 pytestmark = pytest.mark.s3
 
@@ -50,6 +52,51 @@ def test_an_object_lease_on_s3_is_exclusive_taken_over_after_it_runs_out_and_fen
     assert objects.read(path) is not None and taker.still_held()
     taker.release()
     assert objects.read(path) is None
+
+
+IGNORED = (
+    "ignores S3's conditional writes (If-None-Match: *: a second create of one object succeeded and "
+    "If-Match: a replace with a stale ETag succeeded), on which extraction's leases rely"
+)
+
+
+def test_the_probe_passes_on_s3_and_refuses_a_store_that_drops_the_conditional_headers(s3):
+    import s3fs
+
+    from store.errors import StoreError
+    from store.io import s3_objects
+
+    s3_objects._HONOURED.clear()  # this process has probed no store yet
+    s3_objects.S3Objects(s3fs.S3FileSystem(skip_instance_cache=True)).check_honoured("s3://p", "bucket/p.zarr/_locks")
+    with HeaderStripper(s3.url) as proxy:
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=proxy.url)
+        with pytest.raises(StoreError) as e:
+            s3_objects.S3Objects(fs).check_honoured("s3://p", "bucket/p.zarr/_locks")
+        assert str(e.value).startswith(f"s3://p: the object store at {proxy.url} {IGNORED}")
+        assert proxy.stripped == 3  # two creates' If-None-Match, the stale replace's If-Match
+    assert s3fs.S3FileSystem(skip_instance_cache=True).find("bucket/p.zarr") == []  # both probes' objects removed
+
+
+def test_extraction_on_a_store_that_ignores_conditional_writes_is_refused_before_anything_is_written(
+    s3, small_dataset, one_process
+):
+    """The same extraction that passes on S3 (one_process), through a proxy that strips If-None-Match and
+    If-Match: one line naming the store and what it ignored, exit 2, before the target loads and with
+    nothing written (no root, no shard, no lease, no probe left)."""
+    import s3fs
+
+    store = "s3://bucket/ignored.zarr"
+    with HeaderStripper(s3.url) as proxy:
+        t0 = time.perf_counter()
+        r = run_pipeline(extract_args(store, small_dataset, "0-3"), env={"FSSPEC_S3_ENDPOINT_URL": proxy.url})
+        wall = time.perf_counter() - t0
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith(f"error: {store}: the object store at {proxy.url} {IGNORED}")
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1  # that line alone: nothing ran before it
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    assert not fs.exists("bucket/ignored.zarr") and not fs.find("bucket/ignored.zarr")
+    assert not [p for p in fs.find("bucket/one.zarr/_locks") if "/probe-" in p]  # the passing run's probe removed
+    print(f"\nrefused through the header-stripping proxy in {wall:.1f} s: {r.stderr.strip()}")
 
 
 def test_four_processes_extracting_one_new_store_make_what_one_process_makes(s3, small_dataset, one_process):

@@ -60,6 +60,7 @@ def run(config: ExtractConfig, log=print) -> dict:
     say = (lambda m: log(process.label() + m)) if process.world > 1 else log
     store = StoreWriter(config.store, config.lease_s)
     store.check_reachable()  # an object store: before the dataset and the target load
+    store.check_leases()  # S3: its conditional writes honoured, or one line before anything is written
     prompt_set = prompt_sets.load(
         config.dataset,
         prompt_sets.Fields(

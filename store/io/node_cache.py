@@ -3,7 +3,8 @@ read from the node's own disk (a node that reads only its share of the shards ke
 share here, so each byte crosses the network about once per run).
 
     CACHE/
-      index.sqlite                 file -> bytes, last used; the total (the one place the bound is kept)
+      bound.json                   the bound: bytes the directory may hold (recorded once, see below)
+      index.sqlite                 file -> bytes, last used; the total
       .tmp/                        files being written (renamed into place when whole)
       .filling/                    fill locks: one marker per file a process is fetching
       <store>/shards/00003/<commit>/hidden/c.0.0.0   a copy of STORE/shards/00003/hidden/c.0.0.0
@@ -39,6 +40,14 @@ Shared by every process of the node (ranks and their loader workers), safe under
     process killed while fetching stalls the others' reads of that file by up to FILL_WAIT_S, once).
 A file whose row was lost (a process killed between rename and commit) is counted again on its
 next use. The bound counts file bytes, not the file system's blocks.
+
+The bound belongs to the directory, not to a process: the first process that writes in it records
+its `max_bytes` in bound.json (written whole, then linked into place: a second writer finds it there
+and never replaces it), and every process after evicts to the recorded bound, whatever it was given.
+So an evaluation started with a smaller size on a node whose training shares the cache cannot evict
+the training's files below the training's bound. A process given another size is told in one line
+(`overruled`); to change the bound, delete bound.json while no process uses the directory: the next
+one records its own. A bound.json that does not read as a record is an error naming it.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -53,6 +63,7 @@ import uuid
 
 from fsspec.implementations.local import LocalFileSystem
 
+from store.errors import ConfigError
 from store.io.byte_fetch import Range
 from store.io.byte_fetch import fetch as fetch_ranges
 
@@ -60,6 +71,7 @@ TOUCH_EVERY_S = 60.0  # a process writes a file's last use at most this often
 FILL_WAIT_S = 60.0  # how long a process waits for a file another is fetching (and when a marker is stale)
 _POLL_S = 0.02
 _INDEX = "index.sqlite"
+BOUND = "bound.json"  # the directory's bound, recorded by the first process that writes in it
 UNWRITABLE = (OSError, sqlite3.DatabaseError)  # what a cache that cannot be written raises (disk full, I/O error)
 _DISK = LocalFileSystem()
 
@@ -73,13 +85,45 @@ def commit_identity(record) -> str:
     return short_hash(json.dumps(record.to_json(), sort_keys=True))
 
 
+def recorded_bound(root: str) -> int | None:
+    """The bound (bytes) a cache directory records, or None where it records none (a new directory).
+    A record that does not read as one: ConfigError naming the file, the field and what was expected."""
+    path = os.path.join(os.path.abspath(root), BOUND)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    value = record.get("max_bytes") if isinstance(record, dict) else None
+    if type(value) is not int or value <= 0:
+        got = "no JSON object" if not isinstance(record, dict) else f"max_bytes {value!r}"
+        raise ConfigError(
+            "--cache-dir",
+            os.path.abspath(root),
+            f"{path} holds {got}, expected the directory's bound as a positive number of bytes "
+            "(max_bytes); delete that file while no process uses the directory: the next run records "
+            "its --cache-size there",
+        )
+    return value
+
+
 class NodeCache:
     """A bounded directory of whole store files on this node, shared by its processes (see the module)."""
 
     def __init__(self, root: str, max_bytes: int, warn=None) -> None:
-        """warn: called once with a line saying why, when the cache cannot be written (see the module)."""
-        assert max_bytes >= 0
-        self.root, self.max_bytes, self.warn = os.path.abspath(root), int(max_bytes), warn
+        """max_bytes: this process's bound, recorded as the directory's when it records none yet; the
+        recorded one applies otherwise (see the module). warn: called once with a line saying why, when
+        the cache cannot be written, or when another process recorded another bound first."""
+        assert max_bytes > 0
+        self.root, self.warn = os.path.abspath(root), warn
+        self.asked = int(max_bytes)  # this process's own bound
+        recorded = recorded_bound(self.root)
+        self.max_bytes = self.asked if recorded is None else recorded  # the bound this process evicts to
+        self._bound_read = recorded is not None  # False: recorded (or read) when the directory is first written
         self.trouble: str | None = None  # why this process reads without the cache (None: it uses it)
         self._local = threading.local()  # one sqlite connection per thread and process
         self._touched: dict[str, float] = {}
@@ -90,6 +134,19 @@ class NodeCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], state["max_bytes"])
+
+    def overruled(self) -> str | None:
+        """A line saying this process's bound was not applied, the directory recording another one; None
+        when they agree."""
+        if self.asked == self.max_bytes:
+            return None
+        return (
+            f"--cache-size {_size(self.asked)} not applied: --cache-dir {self.root} keeps the bound "
+            f"recorded in it, {_size(self.max_bytes)} ({BOUND}, written by the first process that used the "
+            "directory), and this process evicts only beyond that; to change the bound, delete "
+            f"{os.path.join(self.root, BOUND)} while no process uses the directory (the next run records "
+            "its --cache-size), or leave --cache-size out"
+        )
 
     def ready(self) -> bool:
         """Make the directory and the index when this process first needs them: False (and `trouble`
@@ -106,9 +163,35 @@ class NodeCache:
                         "CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER)"
                     )
                     db.execute("INSERT OR IGNORE INTO total VALUES (0, 0)")
+                if not self._bound_read:
+                    self._record_bound()
             except UNWRITABLE as e:
                 self._give_up(e)
         return self.trouble is None
+
+    def _record_bound(self) -> None:
+        """Record this process's bound as the directory's, unless a process recorded one first: then
+        that one applies here too (said through warn when it is not this process's)."""
+        path, temp = os.path.join(self.root, BOUND), os.path.join(self.root, ".tmp", f"{uuid.uuid4().hex}.json")
+        record = {"max_bytes": self.max_bytes, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        try:
+            with open(temp, "w") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())  # once per directory: a crash of the node leaves no empty record
+            try:
+                os.link(temp, path)  # never replaces: of processes arriving together, the first one's stays
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links: a rename, unless one is there by now
+                if not os.path.exists(path):
+                    os.replace(temp, path)
+        finally:
+            _unlink(temp)
+        recorded = recorded_bound(self.root)  # this process's, or the one recorded first
+        self.max_bytes, self._bound_read = self.max_bytes if recorded is None else recorded, True
+        if self.max_bytes != self.asked and self.warn is not None:
+            self.warn(self.overruled())
 
     def _give_up(self, e: Exception) -> None:
         """The cache cannot be written: this process reads on without it; said once."""
@@ -399,6 +482,14 @@ def _cut(data, r: Range):
     start, end = r[1], r[2]
     view = memoryview(data)  # no copy of a file that may be hundreds of MB
     return view[start:] if end is None else view[start:end]
+
+
+def _size(n: int) -> str:
+    """A size as --cache-size is written (stages/settings.format_size): 8796093022208 -> '8T'."""
+    for unit, scale in (("P", 1 << 50), ("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and (n * 1000) % scale == 0:
+            return f"{n / scale:g}{unit}"
+    return str(n)
 
 
 def _marker(root: str, path: str) -> str:

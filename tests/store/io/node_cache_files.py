@@ -71,3 +71,14 @@ def digest(location: str, cache_root: str) -> str:
             h.update(s.tokens.numpy().tobytes())
             h.update(s.hidden.view(torch.int16).numpy().tobytes())
     return h.hexdigest()
+
+
+def fill(root: str, folder: str, n: int, max_bytes: int, names: list[int]) -> int | None:
+    """A process (a training's, an evaluation's) reading files `names` of the n in folder through the
+    cache at root, given max_bytes: the bound it then evicts to."""
+    files = Files(Path(folder), n, 0, write=False)
+    cache = NodeCache(root, max_bytes)
+    view = files.view(cache)
+    for i in names:
+        read(view, [files.paths[i]])
+    return cache.max_bytes

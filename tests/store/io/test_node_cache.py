@@ -7,8 +7,10 @@ or, for several processes, local files fetched through a file system the cache t
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import pickle
 import random
 import sqlite3
 import threading
@@ -21,13 +23,13 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from store.errors import StoreCorrupt
+from store.errors import ConfigError, StoreCorrupt
 from store.hidden_store import HiddenStore
 from store.io import node_cache
 from store.io.node_cache import NodeCache
 from store.shard_reader import ShardReader
 from store.shard_writer import ShardWriter
-from tests.store.io.node_cache_files import Files, read, reader
+from tests.store.io.node_cache_files import Files, fill, read, reader
 from tests.store.test_shard_writer import TAPS, H, batches, fresh_store, write
 
 
@@ -73,12 +75,13 @@ def is_data(path: str) -> bool:
 
 
 def cached_files(cache: NodeCache) -> dict[str, int]:
-    """Cache-relative path -> bytes of every cached copy on disk (not the index, temp files or markers)."""
+    """Cache-relative path -> bytes of every cached copy on disk (not the index, the bound's record, temp
+    files or markers)."""
     out = {}
     for folder, dirs, files in os.walk(cache.root):
         dirs[:] = [d for d in dirs if d not in (".tmp", ".filling")]
         for name in files:
-            if not name.startswith("index.sqlite"):
+            if not name.startswith("index.sqlite") and not (folder == cache.root and name == node_cache.BOUND):
                 full = os.path.join(folder, name)
                 out[os.path.relpath(full, cache.root)] = os.path.getsize(full)
     return out
@@ -271,3 +274,102 @@ def test_a_cache_that_cannot_be_written_is_read_through_and_said_once(tmp_path):
     for _ in range(2):
         assert read(view, files.paths, 7, 70) == [Path(p).read_bytes()[7:70] for p in files.paths]
     assert len(said) == 1 and said[0] == cache.trouble and "cannot be written (Not a directory)" in said[0]
+
+
+# -- the bound belongs to the directory ------------------------------------------------------------
+def bound_record(root: str) -> dict:
+    return json.loads(Path(root, node_cache.BOUND).read_text())
+
+
+def test_a_later_process_with_a_smaller_size_does_not_evict_below_the_directorys_bound(tmp_path):
+    """A training (10 files' worth) fills the cache; an evaluation on the same node given a fifth of
+    that reads two more files: it evicts to the training's bound, not its own, so the training's
+    files stay. Two real processes, one after the other (each opens the directory as a new process)."""
+    files = Files(tmp_path, 20, 1000)
+    root = str(tmp_path / "cache")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        trained = pool.apply(fill, (root, str(files.folder), 20, 10_000, list(range(8))))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        evaluated = pool.apply(fill, (root, str(files.folder), 20, 2_000, [8, 9]))
+    cache = NodeCache(root, 10_000)
+    on_disk = {Path(k).name for k in cached_files(cache)}
+    assert on_disk == {f"f{i}" for i in range(10)}  # the evaluation evicted nothing (old code: kept f8, f9)
+    assert (trained, evaluated) == (10_000, 10_000)
+    rows, total = index_rows(cache)
+    assert total == sum(rows.values()) == 10_000 and bound_record(root)["max_bytes"] == 10_000
+
+
+def test_the_recorded_bound_applies_to_every_later_cache_object_and_its_workers(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_cache, "TOUCH_EVERY_S", 0.0)
+    files = Files(tmp_path, 12, 1000)
+    root = str(tmp_path / "cache")
+    first = NodeCache(root, 4000)
+    assert not os.path.exists(root)  # nothing made before the first fetch, the bound included
+    for p in files.paths[:4]:
+        read(files.view(first), [p])
+    assert bound_record(root)["max_bytes"] == 4000 and first.overruled() is None
+    smaller, larger = NodeCache(root, 1000), NodeCache(root, 1 << 30)
+    assert (smaller.max_bytes, larger.max_bytes) == (4000, 4000)
+    line = smaller.overruled()
+    assert line == (
+        f"--cache-size 1000 not applied: --cache-dir {root} keeps the bound recorded in it, 4000 "
+        "(bound.json, written by the first process that used the directory), and this process evicts only "
+        f"beyond that; to change the bound, delete {root}/bound.json while no process uses the directory "
+        "(the next run records its --cache-size), or leave --cache-size out"
+    )
+    assert "--cache-size 1G not applied" in larger.overruled()
+    read(files.view(smaller), [files.paths[4]])
+    assert len(cached_files(smaller)) == 4 and sum(cached_files(smaller).values()) == 4000
+    read(files.view(larger), files.paths[5:9])  # a larger size is not applied either: the bound stays 4000
+    assert sum(cached_files(larger).values()) == 4000
+    worker = pickle.loads(pickle.dumps(smaller))  # as a loader worker gets it
+    assert worker.max_bytes == 4000 and worker.overruled() is None
+    assert bound_record(root)["max_bytes"] == 4000
+
+
+def test_of_two_processes_arriving_together_the_first_ones_bound_is_recorded_and_the_other_is_told(tmp_path):
+    """Both open a new directory (no record yet, each takes its own size for now); the first to write
+    records its bound, the other adopts it at its first write and says so once."""
+    files = Files(tmp_path, 4, 1000)
+    root, said = str(tmp_path / "cache"), []
+    a, b = NodeCache(root, 3000), NodeCache(root, 1000, warn=said.append)
+    assert (a.max_bytes, b.max_bytes) == (3000, 1000)
+    read(files.view(a), files.paths[:3])
+    read(files.view(b), [files.paths[3]])
+    read(files.view(b), files.paths[:2])
+    assert b.max_bytes == 3000 and said == [b.overruled()] and "--cache-size 1000 not applied" in said[0]
+    assert sum(cached_files(a).values()) == 3000 and bound_record(root)["max_bytes"] == 3000
+    assert os.listdir(os.path.join(root, ".tmp")) == []
+
+
+def test_a_deleted_record_lets_the_next_process_record_its_bound(tmp_path):
+    files = Files(tmp_path, 6, 1000)
+    root = str(tmp_path / "cache")
+    read(files.view(NodeCache(root, 5000)), files.paths[:5])
+    os.remove(os.path.join(root, node_cache.BOUND))  # the documented way to change it, while no process uses it
+    smaller = NodeCache(root, 2000)
+    assert smaller.overruled() is None
+    read(files.view(smaller), [files.paths[5]])
+    assert bound_record(root)["max_bytes"] == 2000 and sum(cached_files(smaller).values()) == 2000
+
+
+@pytest.mark.parametrize(
+    "text, got",
+    [
+        ("", "no JSON object"),
+        ("[1]", "no JSON object"),
+        ('{"max_bytes": "8T"}', "max_bytes '8T'"),
+        ("{}", "max_bytes None"),
+    ],
+)
+def test_a_record_that_does_not_read_as_one_is_one_line_naming_it(tmp_path, text, got):
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "bound.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        NodeCache(str(root), 1 << 20)
+    assert str(e.value) == (
+        f"--cache-dir {root}: {root}/bound.json holds {got}, expected the directory's bound as a positive "
+        "number of bytes (max_bytes); delete that file while no process uses the directory: the next run "
+        "records its --cache-size there"
+    )
