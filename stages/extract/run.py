@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pipeline import device as devices
 from pipeline import prompts as prompt_sets
+from pipeline import server_gpus
 from pipeline.errors import DatasetError
 from pipeline.reference_server import ReferenceServer
 from pipeline.target import loading
@@ -223,6 +224,18 @@ def connect(config: ExtractConfig, say) -> ReferenceServer | None:
     return engine
 
 
+def engine_beside(url: str, device: str) -> None:
+    """Before the target loads: one line if the reference server runs on this host on the GPU the
+    target would load on (pipeline/server_gpus.py). Nothing to check off CUDA."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return
+    props = torch.cuda.get_device_properties(dev)
+    server_gpus.check(url, str(props.uuid), f"GPU {dev.index or 0} ({props.name})")
+
+
 def open_target(
     config: ExtractConfig,
     process: devices.Process,
@@ -232,7 +245,10 @@ def open_target(
 ) -> tuple[Target, list[int], StoreAttrs]:
     """The target on this process's device, its taps and mask token checked, the kernels probed,
     and the store attributes this run writes or must match."""
-    target = loading.load(config.target, process.device(config.device), config.dtype, config.linear_attention)
+    device = process.device(config.device)
+    if engine is not None:
+        engine_beside(config.server_url, device)
+    target = loading.load(config.target, device, config.dtype, config.linear_attention)
     if engine is not None:
         engine.check_vocabulary(target.tokenizer)
     taps = parse_taps(config.taps, target.num_layers)
