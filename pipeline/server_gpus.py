@@ -27,12 +27,10 @@ def local_port(url: str) -> int | None:
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return port
     try:
         address = ipaddress.ip_address(host)
-    except ValueError:
-        return None  # a name of another host: not resolved here (a DNS lookup may hang)
+    except ValueError:  # a name: this host's own, else another's (not resolved here: a DNS lookup may hang)
+        return port if host in ("localhost", socket.gethostname(), socket.getfqdn()) else None
     if address.is_loopback or address.is_unspecified or str(address) in _host_addresses():
         return port
     return None
