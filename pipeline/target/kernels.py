@@ -107,7 +107,9 @@ def family(module_name: str) -> str | None:
     if module_name.startswith("transformers.models."):
         return "torch"
     root = module_name.split(".")[0]
-    return None if root in ROUTING or not root else root
+    # The standard library never serves a kernel, but is reached on the way: a fallback's first call
+    # warns, and logging then runs os.path, threading and multiprocessing code before the reference.
+    return None if root in ROUTING or root in sys.stdlib_module_names or not root else root
 
 
 class _FirstImplementation:
@@ -119,11 +121,21 @@ class _FirstImplementation:
         self.found: str | None = None
 
     def __call__(self, frame, event, arg) -> None:
-        if event != "call" or self.found is not None:
+        if event != "call" or self.found is not None or _logging(frame.f_back):
             return
         self.found = family(frame.f_globals.get("__name__") or "")
         if self.found is not None:
             sys.setprofile(self.previous)
+
+
+def _logging(frame) -> bool:
+    """Whether frame runs inside a logging call: what a message's handlers run (anyone's: a test
+    runner's, a launcher's) is never the implementation."""
+    while frame is not None:
+        if (frame.f_globals.get("__name__") or "").split(".")[0] == "logging":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def served_by(fn, *args, **kwargs) -> tuple[object, str]:

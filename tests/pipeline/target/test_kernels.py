@@ -1,6 +1,7 @@
 """The linear-attention path is read from the calls, not assumed."""
 
 import json
+import logging
 import sys
 import types
 
@@ -58,8 +59,19 @@ def test_family_from_the_package_of_the_code():
         "kernels._internals.layer.layer",
         "functools",
         "logging",
+        "posixpath",
     ):
         assert family(routing) is None, routing
+
+
+def test_a_warning_logged_on_the_way_is_routing():
+    """transformers warns on a fallback's first call (unless its verbosity is lowered): logging then
+    reaches os.path before the reference runs, which must not be taken for an implementation."""
+    log, reference = logging.getLogger("dflash-test-fallback"), TORCH
+    warn_first = _module(
+        "transformers.integrations.fake_warn", f=lambda x: (log.warning("falls back"), reference(x))[1]
+    ).f
+    assert served_by(_closure_dispatch(warn_first), 3) == (2, "torch")
 
 
 @pytest.mark.parametrize("impl,expect", [(FLA, "fla"), (TORCH, "torch"), (HUB, "kernels_hub_fake_0123")])
