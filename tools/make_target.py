@@ -11,7 +11,7 @@ applied to the model's names, so the MoE's experts are saved one tensor each), a
 `provenance.json`. `pipeline/target/loading.py` loads it unchanged; extraction, train.py and
 evaluate.py run on it at the architecture's real width, and no real weights exist anywhere.
 
-- **Architectures**: tools/target_archs.py, each published text config with where its numbers come
+- **Architectures**: pipeline/target/architectures.py, each published text config with where its numbers come
   from. `--layers N` keeps the first N layers of the published pattern (three Gated DeltaNet layers,
   then one full-attention layer), the embedding and lm_head at full vocabulary and width. The MoE
   (qwen3.5-35b-a3b, `Qwen3_5MoeForCausalLM`) loads in transformers 5.25 and through
@@ -61,10 +61,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # its sibling, as the tools/ scripts import them
-from target_archs import ARCHS, Arch  # noqa: E402
-
 from pipeline import TINY_TARGET  # noqa: E402
+from pipeline.target.architectures import ARCHS, Arch  # noqa: E402
 from pipeline.target.taps import default_taps  # noqa: E402
 from store.io.file_modes import as_umask  # noqa: E402
 
@@ -97,7 +95,7 @@ class Tensor:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--arch", required=True, choices=sorted(ARCHS), help="published architecture (tools/target_archs.py)"
+        "--arch", required=True, choices=sorted(ARCHS), help="published architecture (pipeline/target/architectures.py)"
     )
     p.add_argument("--layers", type=int, metavar="N", help="decoder layers to keep (default: the full depth)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="target directory to create (must not exist)")

@@ -16,16 +16,15 @@ import pytest
 import torch
 
 from pipeline import DEFAULT_PROMPTS, TINY_TARGET
+from pipeline.target.architectures import ARCHS, Arch
 from tests.conftest import REPO, SMALL
 
 sys.path.insert(0, str(REPO / "tools"))
 try:
     import make_target
-    import target_archs
 finally:
     sys.path.pop(0)
 
-ARCHS = target_archs.ARCHS
 NARROW = {  # every width shrunk, the vocabulary and the layer pattern as published
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -46,7 +45,7 @@ NARROW_MOE = {  # and a smaller vocabulary: the dense builds check the full one
 }
 
 
-def shrunk(name: str, layers: int = 8, **more) -> target_archs.Arch:
+def shrunk(name: str, layers: int = 8, **more) -> Arch:
     """A published architecture at `layers` layers and narrow widths (RoPE sections fitted to the head)."""
     arch = ARCHS[name]
     rope = {**arch.config["rope_parameters"], "mrope_section": [1, 1, 2]}
@@ -70,7 +69,7 @@ def built(tmp_path_factory):
 
 
 def test_the_published_numbers():
-    """The table holds the numbers of the releases (tools/target_archs.py names each source)."""
+    """The table holds the numbers of the releases (pipeline/target/architectures.py names each source)."""
     q36 = ARCHS["qwen3.6-27b"].text_config(64)
     assert {k: q36[k] for k in ("model_type", "hidden_size", "intermediate_size", "vocab_size")} == {
         "model_type": "qwen3_5_text",

@@ -1,4 +1,5 @@
-"""The published architectures `tools/make_target.py` builds: each one's text config as released.
+"""The published architectures: each one's text config as released. `tools/make_target.py` builds
+targets from them; `pipeline plan` (pipeline/target/parameter_count.py) sizes a run from them.
 
 Only numbers come from the releases (their `config.json`'s `text_config`, Hugging Face field
 names); each entry says where. Left out on purpose: the token ids (`eos_token_id`, `pad_token_id`,
