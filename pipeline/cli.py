@@ -1,4 +1,4 @@
-"""`pipeline`: extract hidden states into a store, describe it, verify it; export a drafter. (An entry point.)"""
+"""`pipeline`: extract hidden states into a store, describe it, verify it; export a drafter; plan a run. (An entry point.)"""
 
 import json
 import os
@@ -10,6 +10,7 @@ import click
 from stages.command import CONTEXT, log, options, run_command
 from stages.export.config import ExportConfig
 from stages.extract.config import ExtractConfig
+from stages.plan.config import PlanConfig
 from store.errors import UserError
 
 
@@ -117,6 +118,23 @@ def export(checkpoint: str, out_dir: str, config: ExportConfig) -> None:
     from stages.export import run
 
     click.echo(run.summary(run.run(checkpoint, out_dir, config, log=log)))
+
+
+@cli.command()
+@options(PlanConfig)
+def plan(config: PlanConfig) -> None:
+    """Size a run on paper: the store, the node cache, the capture batch, each stage's GPU memory,
+    GPU-hours and wall time.
+
+    \b
+    From a target (a directory's config.json or a published architecture), the dataset's size, the
+    store format and the cluster; every rate says whether it is measured (its result file) or
+    arithmetic. A plan that would not fit (weights or a stage larger than a GPU, a node's share
+    larger than its cache) is refused in one line. The defaults are docs/usage.md's 27B run.
+    """
+    from stages.plan import report, run
+
+    click.echo(report.render(run.run(config)))
 
 
 def main() -> None:

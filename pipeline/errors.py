@@ -23,3 +23,8 @@ class EngineError(UserError):
 
 class TrainingError(UserError):
     """A run that cannot go on: a non-finite loss, named with its step and samples."""
+
+
+class PlanError(UserError):
+    """A run that would not fit the cluster as planned (`pipeline plan`): the part that does not fit, the
+    bytes it needs and what there is."""

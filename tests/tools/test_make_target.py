@@ -17,6 +17,7 @@ import torch
 
 from pipeline import DEFAULT_PROMPTS, TINY_TARGET
 from pipeline.target.architectures import ARCHS, Arch
+from stages.plan import memory
 from tests.conftest import REPO, SMALL
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -274,7 +275,7 @@ def stage(name: str, args: list, results: dict) -> None:
     )
     assert r.returncode == 0, f"{name}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     peak = int(r.stderr.rsplit("peak_rss_kb=", 1)[1].split()[0])
-    results[name] = {"wall_s": round(time.time() - t0, 1), "peak_rss_gib": round(peak / 2**20, 2)}
+    results[name] = {"wall_s": round(time.time() - t0, 1), "peak_rss_gib": round(peak / 2**20, 3)}
     print(f"{name}: {results[name]}", flush=True)
 
 
@@ -282,7 +283,7 @@ def stage(name: str, args: list, results: dict) -> None:
 def test_qwen36_27b_at_four_layers_through_every_stage(tmp_path):
     """Qwen3.6-27B at 4 layers (hidden 5,120, vocabulary 248,320: 8.1 GB of bf16 weights), on CPU: built,
     extracted (the 2 shortest shipped prompts, one a shard, 8 new tokens each), trained for 2 steps and
-    replayed for 4 rounds. The drafter: 1 layer, 8 heads / 2 KV heads of 128, MLP 2048 (149M trainable
+    replayed for 4 rounds; each stage's peak RSS within 15% of stages/plan/memory.py's model. The drafter: 1 layer, 8 heads / 2 KV heads of 128, MLP 2048 (149M trainable
     parameters with fc), 4 anchors a sample, AdamW: Muon's orthogonalisation of fc (5,120 x 20,480) alone
     is several TFLOP a step, minutes on a CPU. Prints each stage's wall time and largest process's peak
     RSS, and writes them to real_width.json in the test's directory."""
@@ -309,4 +310,43 @@ def test_qwen36_27b_at_four_layers_through_every_stage(tmp_path):
     stage("evaluate", [*evaluate, "--ddtree", 8, "--max-rounds", 4], results)
     replayed = json.loads((report / "report.json").read_text())["checkpoints"][0]
     assert replayed["check"] == "store fingerprint matches" and replayed["prompts"] == 1 and replayed["rounds"] >= 1
+    predicted = predicted_peaks(target, tokens=max(attrs_tokens(store)))
+    for name, parts in predicted.items():
+        results[name]["predicted_gib"] = round(memory.total(parts) / 2**30, 3)
+        results[name]["ratio"] = round(results[name]["peak_rss_gib"] / results[name]["predicted_gib"], 3)
     (tmp_path / "real_width.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results), flush=True)
+    for name in predicted:  # the memory model of stages/plan/memory.py, on CPU: peak RSS within 15%
+        assert 0.85 <= results[name]["ratio"] <= 1.15, (name, results[name], predicted[name])
+
+
+def attrs_tokens(store) -> list[int]:
+    """Tokens of each committed shard (one sample a shard here)."""
+    from store.hidden_store import HiddenStore
+
+    return [c.tokens for c in HiddenStore(str(store)).committed().values()]
+
+
+def predicted_peaks(target, tokens: int) -> dict[str, dict[str, int]]:
+    """The memory model's peak for each stage as the test runs it: the 4-layer target's weights, the
+    1-layer drafter of 4 taps (8 heads / 2 KV heads of 128, MLP 2048), AdamW, 4 anchors, one prompt."""
+    from pipeline.target.parameter_count import read_config, weight_bytes
+
+    config = read_config(target)
+    h, v = config["hidden_size"], config["vocab_size"]
+    drafter = 4 * h * h + (2 * h * 1024 + 2 * h * 256 + 2 * 128 + 2 * h + 3 * h * 2048) + 2 * h
+    shape = memory.Shape(
+        hidden=h,
+        intermediate=config["intermediate_size"],
+        vocab=v,
+        taps=4,
+        drafter_layers=1,
+        drafter_kv=256,
+        drafter_intermediate=2048,
+        drafter_parameters=drafter,
+    )
+    return {
+        "extract": memory.capture(shape, weight_bytes(config), tokens, cpu=True),
+        "train": memory.training(shape, "adamw", tokens, 4, 16, cpu=True),
+        "evaluate": memory.replay(shape, 1, tokens, 16, cpu=True),
+    }

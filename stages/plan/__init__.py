@@ -1,0 +1,1 @@
+"""`pipeline plan`: a run's store size, node cache, capture batch, memory and GPU-hours, on paper."""

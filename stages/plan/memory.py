@@ -1,0 +1,114 @@
+"""The memory model: the peak bytes of each stage's largest process, as a sum of named parts, from the
+run's tokens, widths, vocabulary and taps. Arithmetic over what the code holds at its peak (the
+references are the functions each part names); `pytest -m real_width` measures each stage at
+width 5,120 and vocabulary 248,320 and checks the sum within 15% (tests/stages/test_real_width.py).
+
+On a GPU the parts are what torch.cuda.max_memory_allocated counts; on CPU the process's peak RSS,
+which adds the interpreter with torch and transformers imported (RUNTIME, measured on this project's
+machine: 0.26 GiB) and holds training's frozen embedding and lm_head in fp32
+(stages/train/setup.frozen_tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.drafter.loss import LOGITS_BYTES
+from store.io.zarr_files import ROUND_BYTES
+
+RUNTIME = int(0.26 * 2**30)  # CPU only: `import torch, transformers` and the stage's modules, peak RSS
+BF16, FP32 = 2, 4
+AGREEMENT_CHUNK = 1024  # positions a logits chunk in Target._agreement (pipeline/target/model.py)
+LOSS_PEAK = LOGITS_BYTES * 3 // 2  # a chunk's fp32 logits and its bf16 copy (pipeline/drafter/loss.py)
+POLICIES = 5  # drafts a prompt and round in evaluation's replay (chain and the DDTree budgets)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """The widths the model reads: the target's hidden, MLP and vocabulary; the drafter's."""
+
+    hidden: int
+    intermediate: int
+    vocab: int
+    taps: int
+    drafter_layers: int
+    drafter_kv: int  # key/value width of a drafter layer: kv heads x head dim
+    drafter_intermediate: int
+    drafter_parameters: int  # trainable: fc, the layers, the norms
+
+
+def total(parts: dict[str, int]) -> int:
+    return sum(parts.values())
+
+
+def capture(shape: Shape, weights: int, tokens: int, *, cpu: bool) -> dict[str, int]:
+    """Extraction's capture forward over `tokens` tokens (pipeline/target/model.Target.capture): the
+    weights; each tap's output as the layer hook keeps it, stacked, then gathered by the mask (three
+    copies of [tokens, taps, H] bf16); one layer's temporaries (the MLP's gate, up and their product,
+    [tokens, I] each, and four [tokens, H]: residual, norm, mixer output, sum); one agreement chunk
+    of logits ([1024, V] bf16)."""
+    parts = {
+        "target weights": weights,
+        "taps x3": 3 * tokens * shape.taps * shape.hidden * BF16,
+        "one layer's temporaries": tokens * (3 * shape.intermediate + 4 * shape.hidden) * BF16,
+        "agreement logits": min(tokens, AGREEMENT_CHUNK) * shape.vocab * BF16,
+    }
+    return {**parts, "runtime": RUNTIME} if cpu else parts
+
+
+def capture_tokens(shape: Shape, weights: int, memory: int) -> int:
+    """The most tokens a capture forward holds beside the weights in `memory` bytes (0: none fit)."""
+    fixed = total(capture(shape, weights, 0, cpu=False)) + AGREEMENT_CHUNK * shape.vocab * BF16
+    per_token = total(capture(shape, 0, 1, cpu=False)) - shape.vocab * BF16
+    return max(0, (memory - fixed) // per_token)
+
+
+def optimizer_bytes(optimizer: str) -> int:
+    """Bytes a trainable parameter: fp32 weights and gradients, plus Muon's momentum or AdamW's two moments."""
+    return FP32 * (2 + {"muon": 1, "adamw": 2}[optimizer])
+
+
+def step_temporaries(optimizer: str) -> int:
+    """Bytes a trainable parameter the optimizer's step allocates on top of its states: AdamW's foreach
+    update makes two fp32 lists the size of the parameters (the bias-corrected second moment's root,
+    the step), Muon one (the orthogonalised update before it is applied or broadcast)."""
+    return FP32 * {"muon": 1, "adamw": 2}[optimizer]
+
+
+def training(shape: Shape, optimizer: str, context: int, anchors: int, block: int, *, cpu: bool) -> dict[str, int]:
+    """A training step on one sample of `context` tokens: the trainable states; the frozen embedding and
+    lm_head (bf16 on a GPU, fp32 on CPU); the sample's states [context, taps, H] bf16 and fc's output
+    [context, H] fp32; the block stream kept for the backward (anchors x block rows a layer: input,
+    norm, q/o, MLP gate/up/product, fp32) and the context K/V a layer; one loss chunk; the optimizer
+    step's temporaries."""
+    rows = anchors * block
+    frozen = FP32 if cpu else BF16
+    layer = rows * (6 * shape.hidden + 3 * shape.drafter_intermediate) * FP32 + context * 2 * shape.drafter_kv * FP32
+    parts = {
+        "trainable states": shape.drafter_parameters * optimizer_bytes(optimizer),
+        "optimizer step": shape.drafter_parameters * step_temporaries(optimizer),
+        "frozen embed + lm_head": 2 * shape.vocab * shape.hidden * frozen,
+        "sample states + fc": context * (shape.taps * BF16 + FP32) * shape.hidden,
+        "activations": shape.drafter_layers * layer,
+        "loss chunk": LOSS_PEAK,
+    }
+    return {**parts, "runtime": RUNTIME} if cpu else parts
+
+
+def replay(shape: Shape, prompts: int, context: int, block: int, *, cpu: bool) -> dict[str, int]:
+    """Evaluation's replay (stages/evaluate, bf16): the drafter; the frozen embedding and lm_head as
+    stored; the context K/V of `prompts` prompts a layer; a round's logits, one block a prompt and
+    policy ([prompts x 5 x block, V] fp32). On CPU the host's peak may instead be the frozen tensors'
+    read from the store (store/io/zarr_files.read_whole): both [V, H] arrays, and one batch of chunks
+    of up to ROUND_BYTES fetched, held as zarr buffers and decoded (three copies); the larger of the two."""
+    frozen = 2 * shape.vocab * shape.hidden * BF16
+    parts = {
+        "drafter bf16": shape.drafter_parameters * BF16,
+        "frozen embed + lm_head": frozen,
+        "context K/V": prompts * context * shape.drafter_layers * 2 * shape.drafter_kv * BF16,
+        "round logits": prompts * POLICIES * block * shape.vocab * FP32,
+    }
+    if not cpu:
+        return parts
+    reading = {"frozen embed + lm_head": frozen, "a read batch x3": 3 * min(ROUND_BYTES, frozen)}
+    return {**max(parts, reading, key=total), "runtime": RUNTIME}

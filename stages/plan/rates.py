@@ -1,0 +1,40 @@
+"""The rates a plan multiplies by: each a figure with how it is known, `measured` (its result file
+under bench/results) or `arithmetic` (the assumption it rests on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Store size against raw bf16 at 27B width (bench/results/fp8_cpu.json, "27B width (random-init
+# forward)" zarr ratios); fp8's upper end is the documented 0.41 on real-looking states.
+CODED = {"bf16": (0.6507, 0.6507), "fp8": (0.3485, 0.41)}
+CODED_SOURCE = "measured: bench/results/fp8_cpu.json (fp8 up to 0.41x, docs/usage.md --hidden-format)"
+# One writer process (2 threads) and one loader worker, MB/s of raw states at 27B width (same file).
+WRITER_MBPS = {"bf16": 729.0, "fp8": 591.0}
+LOADER_MBPS = {"bf16": 554.0, "fp8": 506.0}
+RESULT = "bench/results/fp8_cpu.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rate:
+    """low-high per second (equal when one figure); how it is known and from what."""
+
+    low: float
+    high: float
+    unit: str
+    kind: str  # "measured" or "arithmetic"
+    source: str
+
+    def __post_init__(self) -> None:
+        assert self.kind in ("measured", "arithmetic") and 0 < self.low <= self.high, self
+
+    def text(self) -> str:
+        figure = f"{self.low:,.0f}" if self.low == self.high else f"{self.low:,.0f}-{self.high:,.0f}"
+        if self.high < 100:
+            figure = f"{self.low:.2f}" if self.low == self.high else f"{self.low:.2f}-{self.high:.2f}"
+        return f"{figure} {self.unit} ({self.kind}: {self.source})"
+
+
+def gpu_hours(work: float, rate: Rate) -> tuple[float, float]:
+    """(low, high) GPU-hours for `work` units at `rate` a GPU: the fast end first."""
+    return work / rate.high / 3600, work / rate.low / 3600

@@ -1,0 +1,206 @@
+"""`pipeline plan`: from a target, a dataset's size, the store format and a cluster, the store's size,
+the node cache, the capture batch, each stage's peak memory and its GPU-hours and wall time; a plan
+that would not fit is refused in one line (PlanError)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import PlanError
+from pipeline.target.architectures import ARCHS
+from pipeline.target.parameter_count import parameters, read_config
+from stages.plan import memory, rates
+from stages.plan.config import PlanConfig
+from stages.plan.rates import Rate
+
+GB, TB = 10**9, 10**12
+DRAFTER_HEADS, DRAFTER_KV_HEADS, DRAFTER_HEAD_DIM = 32, 8, 128  # the released 27B drafter's attention
+EVAL_PROMPTS = 32  # evaluate.py --batch-prompts' default
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Every figure `pipeline plan` prints (report.render), in bytes, tokens, rates and hours."""
+
+    config: PlanConfig
+    name: str
+    parameters: int
+    weights: int
+    shape: memory.Shape
+    shards: int
+    training_shards: int
+    raw: int
+    stored: tuple[float, float]
+    share: tuple[float, float]
+    cache: float
+    capture_tokens: int
+    memory: dict[str, dict[str, int]]
+    rates: dict[str, Rate]
+    hours: dict[str, tuple[float, float]]
+
+
+def target_config(target: str) -> tuple[str, dict]:
+    """A published architecture's text config by name, else a directory's config.json."""
+    if target in ARCHS:
+        arch = ARCHS[target]
+        return target, arch.text_config(arch.full_layers)
+    if not Path(target).is_dir():
+        raise PlanError(f"--target {target}: neither a directory nor an architecture ({', '.join(sorted(ARCHS))})")
+    return Path(target).name, read_config(target)
+
+
+def drafter_parameters(hidden: int, intermediate: int, taps: int, layers: int) -> int:
+    """The drafter's trainable parameters: fc, each layer's attention, norms and MLP, the two final norms."""
+    q, kv = DRAFTER_HEADS * DRAFTER_HEAD_DIM, DRAFTER_KV_HEADS * DRAFTER_HEAD_DIM
+    layer = 2 * hidden * q + 2 * hidden * kv + 2 * DRAFTER_HEAD_DIM + 2 * hidden + 3 * hidden * intermediate
+    return taps * hidden * hidden + layers * layer + 2 * hidden
+
+
+def training_flops(config: PlanConfig, shape: memory.Shape) -> float:
+    """FLOPs to train on one sample (forward x 3: the backward twice the forward, the loss's chunks
+    recomputed): the layers over anchors x block rows, lm_head over the labels, fc and the context K/V
+    over the sample's tokens, attention of each block row over half the context on average."""
+    rows, context = config.anchors * config.block_size, config.sample_tokens
+    layers = shape.drafter_parameters - config.taps * shape.hidden**2
+    forward = 2 * layers * rows + 2 * shape.hidden * shape.vocab * config.anchors * (config.block_size - 1)
+    forward += 2 * config.taps * shape.hidden**2 * context
+    forward += shape.drafter_layers * context * 2 * (2 * shape.hidden * shape.drafter_kv)
+    forward += shape.drafter_layers * 4 * rows * (context // 2) * DRAFTER_HEADS * DRAFTER_HEAD_DIM
+    return 3 * forward
+
+
+def stage_rates(config: PlanConfig, params: int, shape: memory.Shape) -> dict[str, Rate]:
+    """The rate of each stage a GPU (and of the writer and a loader worker a process)."""
+    flop_token = 2 * params
+    assumed = f"{config.tflops:.0f} TFLOP/s assumed / (2 x {params / 1e9:.2f}B FLOP a token)"
+    capture = config.tflops * 1e12 / flop_token
+    prefill = config.peak_tflops * 1e12 / 2 / flop_token
+    train = config.tflops * 1e12 / training_flops(config, shape)
+    fmt = config.hidden_format
+    return {
+        "prefill": Rate(
+            low=prefill,
+            high=prefill,
+            unit="tokens/s",
+            kind="arithmetic",
+            source=f"50% of {config.peak_tflops:.0f} TFLOP/s",
+        ),
+        "decode": Rate(
+            low=config.decode_tokens_s[0],
+            high=config.decode_tokens_s[1],
+            unit="tokens/s",
+            kind="arithmetic",
+            source="assumed",
+        ),
+        "capture": Rate(low=capture, high=capture, unit="tokens/s", kind="arithmetic", source=assumed),
+        "training": Rate(
+            low=train,
+            high=train,
+            unit="samples/s",
+            kind="arithmetic",
+            source=f"{config.tflops:.0f} TFLOP/s assumed / {training_flops(config, shape):.3g} FLOP a sample",
+        ),
+        "writer": Rate(
+            low=rates.WRITER_MBPS[fmt],
+            high=rates.WRITER_MBPS[fmt],
+            unit="MB/s raw a process",
+            kind="measured",
+            source=rates.RESULT,
+        ),
+        "loader": Rate(
+            low=rates.LOADER_MBPS[fmt],
+            high=rates.LOADER_MBPS[fmt],
+            unit="MB/s raw a worker",
+            kind="measured",
+            source=rates.RESULT,
+        ),
+    }
+
+
+def run(config: PlanConfig) -> Plan:
+    """Every figure of the plan; PlanError for the first part that does not fit."""
+    name, target = target_config(config.target)
+    params = parameters(target)
+    weights, hidden, vocab = params * memory.BF16, target["hidden_size"], target["vocab_size"]
+    intermediate = target.get("intermediate_size") or target["moe_intermediate_size"]
+    shape = memory.Shape(
+        hidden=hidden,
+        intermediate=intermediate,
+        vocab=vocab,
+        taps=config.taps,
+        drafter_layers=config.drafter_layers,
+        drafter_kv=DRAFTER_KV_HEADS * DRAFTER_HEAD_DIM,
+        drafter_intermediate=intermediate,
+        drafter_parameters=drafter_parameters(hidden, intermediate, config.taps, config.drafter_layers),
+    )
+    gpu = int(config.gpu_memory_gb * GB)
+    if weights >= gpu:
+        raise PlanError(f"--target {name}: {weights / GB:.1f} GB of bf16 weights do not fit a GPU of {gpu / GB:.0f} GB")
+    shards = math.ceil(config.rows / config.shard_rows)
+    training_shards = shards - config.eval_shards
+    if training_shards < config.nodes:
+        raise PlanError(
+            f"--eval-shards {config.eval_shards}: leaves {training_shards} of {shards} shards for {config.nodes} nodes"
+        )
+    tokens = config.rows * config.sample_tokens
+    raw = tokens * config.taps * hidden * memory.BF16
+    stored = tuple(raw * r for r in rates.CODED[config.hidden_format])
+    share = tuple(s * training_shards / shards / config.nodes for s in stored)
+    cache = config.local_disk_tb * TB * config.cache_share
+    if share[1] > cache:
+        raise PlanError(
+            f"--hidden-format {config.hidden_format}: a node's share of the store, up to {share[1] / TB:.1f} TB, is larger "
+            f"than its cache, {cache / TB:.1f} TB ({config.cache_share:.0%} of --local-disk-tb {config.local_disk_tb:g}); "
+            "use fp8, more nodes or a larger disk"
+        )
+    batch = memory.capture_tokens(shape, weights, gpu)
+    if batch < config.sample_tokens:
+        raise PlanError(
+            f"--gpu-memory-gb {config.gpu_memory_gb:g}: a capture forward of one {config.sample_tokens:,}-token sample "
+            f"needs {memory.total(memory.capture(shape, weights, config.sample_tokens, cpu=False)) / GB:.1f} GB"
+        )
+    peaks = {
+        "capture": memory.capture(shape, weights, batch, cpu=False),
+        "training": memory.training(
+            shape, config.optimizer, config.sample_tokens, config.anchors, config.block_size, cpu=False
+        ),
+        "replay": memory.replay(shape, EVAL_PROMPTS, config.sample_tokens, config.block_size, cpu=False),
+    }
+    for stage, parts in peaks.items():
+        if memory.total(parts) > gpu:
+            raise PlanError(
+                f"--gpu-memory-gb {config.gpu_memory_gb:g}: {stage} needs {memory.total(parts) / GB:.1f} GB a GPU "
+                f"({', '.join(f'{k} {v / GB:.1f}' for k, v in parts.items())})"
+            )
+    rate = stage_rates(config, params, shape)
+    samples = config.rows * training_shards / shards * config.epochs
+    hours = {
+        "references": tuple(
+            p + d
+            for p, d in zip(
+                rates.gpu_hours(config.rows * config.prompt_tokens, rate["prefill"]),
+                rates.gpu_hours(config.rows * config.completion_tokens, rate["decode"]),
+            )
+        ),
+        "capture": rates.gpu_hours(tokens, rate["capture"]),
+        "training": rates.gpu_hours(samples, rate["training"]),
+    }
+    return Plan(
+        config=config,
+        name=name,
+        parameters=params,
+        weights=weights,
+        shape=shape,
+        shards=shards,
+        training_shards=training_shards,
+        raw=raw,
+        stored=stored,
+        share=share,
+        cache=cache,
+        capture_tokens=batch,
+        memory=peaks,
+        rates=rate,
+        hours=hours,
+    )
