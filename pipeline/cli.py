@@ -1,4 +1,5 @@
-"""`pipeline`: extract hidden states into a store, describe it, verify it; export a drafter; plan a run. (An entry point.)"""
+"""`pipeline`: extract hidden states into a store, describe it, verify it; export a drafter; plan a run.
+(An entry point.)"""
 
 import json
 import os

@@ -23,6 +23,10 @@ field's default_text, else its value) and the field's help text, from the stage'
     ...                                    option's paired difference from REF, at 200 and 1,000 steps
     <!-- /options -->
 
+    <!-- plan: --nodes 4 -->               `pipeline plan --nodes 4`: the command and what it prints,
+    ...                                    as an indented block (docs/usage.md's 27B run)
+    <!-- /plan -->
+
 tests/test_docs.py fails when a table differs from what this would write.
 """
 
@@ -34,7 +38,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!-- (flags|consumers|options)(?::\s*(.*?))? -->\n(.*?)^<!-- /\1 -->$", re.M | re.S)
+MARKER = re.compile(r"^<!-- (flags|consumers|options|plan)(?::\s*(.*?))? -->\n(.*?)^<!-- /\1 -->$", re.M | re.S)
 COMMAND = "python tools/doc_tables.py"
 
 
@@ -53,6 +57,7 @@ def stages() -> dict:
     from stages.evaluate.config import EvalConfig
     from stages.export.config import ExportConfig
     from stages.extract.config import ExtractConfig
+    from stages.plan.config import PlanConfig
     from stages.train.config import TrainConfig
 
     return {
@@ -60,6 +65,7 @@ def stages() -> dict:
         "train": (train.main, TrainConfig),
         "evaluate": (evaluate.main, EvalConfig),
         "export": (cli.commands["export"], ExportConfig),
+        "plan": (cli.commands["plan"], PlanConfig),
     }
 
 
@@ -199,6 +205,21 @@ def _option_cell(row: dict | None, key: str, ref: dict | None) -> str:
     return cell(versus(paired, False) + fewer)
 
 
+def plan_block(args: list[str]) -> str:
+    """`pipeline plan ARGS` and what it prints, indented as a code block; ValueError if it refuses."""
+    _importable()
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    result = CliRunner().invoke(cli, ["plan", *args])
+    if result.exit_code != 0:
+        said = result.exception or result.output.strip()
+        raise ValueError(f"<!-- plan: {' '.join(args)} --> is refused: {said}")
+    lines = [" ".join(["pipeline plan", *args]), *result.output.rstrip("\n").splitlines()]
+    return "\n".join(f"    {line}".rstrip() for line in lines)
+
+
 def tables(text: str) -> list[tuple[re.Match, str]]:
     """(marker match, the body it should hold) for each generated table of a doc's text."""
     out = []
@@ -208,6 +229,7 @@ def tables(text: str) -> list[tuple[re.Match, str]]:
             "flags": lambda: flag_table(args[0], args[1:]),
             "consumers": consumer_table,
             "options": lambda: options_table(args),
+            "plan": lambda: plan_block([] if m.group(2) is None else m.group(2).split()),
         }[kind]()
         out.append((m, f"\n{table}\n\n"))
     return out

@@ -32,6 +32,7 @@ class Shape:
     vocab: int
     taps: int
     drafter_layers: int
+    drafter_q: int  # query width of a drafter layer: heads x head dim
     drafter_kv: int  # key/value width of a drafter layer: kv heads x head dim
     drafter_intermediate: int
     drafter_parameters: int  # trainable: fc, the layers, the norms
@@ -78,12 +79,14 @@ def step_temporaries(optimizer: str) -> int:
 def training(shape: Shape, optimizer: str, context: int, anchors: int, block: int, *, cpu: bool) -> dict[str, int]:
     """A training step on one sample of `context` tokens: the trainable states; the frozen embedding and
     lm_head (bf16 on a GPU, fp32 on CPU); the sample's states [context, taps, H] bf16 and fc's output
-    [context, H] fp32; the block stream kept for the backward (anchors x block rows a layer: input,
-    norm, q/o, MLP gate/up/product, fp32) and the context K/V a layer; one loss chunk; the optimizer
+    [context, H] fp32; the block stream kept for the backward (anchors x block rows a layer: six of
+    width H (input, norms, attention output, residuals), q, k, v, the MLP's gate, up and product; bf16
+    under autocast on a GPU, fp32 on CPU) and the context K/V a layer; one loss chunk; the optimizer
     step's temporaries."""
     rows = anchors * block
-    frozen = FP32 if cpu else BF16
-    layer = rows * (6 * shape.hidden + 3 * shape.drafter_intermediate) * FP32 + context * 2 * shape.drafter_kv * FP32
+    frozen = act = FP32 if cpu else BF16  # a GPU trains under bf16 autocast; CPU in fp32
+    per_row = 6 * shape.hidden + shape.drafter_q + 2 * shape.drafter_kv + 3 * shape.drafter_intermediate
+    layer = (rows * per_row + context * 2 * shape.drafter_kv) * act
     parts = {
         "trainable states": shape.drafter_parameters * optimizer_bytes(optimizer),
         "optimizer step": shape.drafter_parameters * step_temporaries(optimizer),

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from stages.plan import memory
+import textwrap
+
+from stages.plan import memory, rates
 from stages.plan.run import GB, TB, Plan
+
+WIDTH = 96
 
 
 def _span(pair: tuple[float, float], unit: float, digits: int = 1) -> str:
@@ -17,19 +21,21 @@ def render(plan: Plan) -> str:
     c = plan.config
     gpus = c.nodes * c.gpus_per_node
     tokens = c.rows * c.sample_tokens
+    ratios = tuple(s / plan.raw for s in plan.stored)
     lines = [
         f"target {plan.name}: {plan.parameters / 1e9:.2f}B parameters, {plan.weights / GB:.1f} GB in bf16 "
         f"(hidden {plan.shape.hidden:,}, vocabulary {plan.shape.vocab:,}, {c.taps} taps)",
-        f"data: {c.rows:,} rows x ({c.prompt_tokens:,} + {c.completion_tokens:,}) tokens = {tokens / 1e9:.2f}B tokens, "
-        f"{plan.shards:,} shards of {c.shard_rows:,} ({plan.training_shards:,} training, {c.eval_shards} held out)",
+        f"data: {c.rows:,} rows x ({c.prompt_tokens:,} + {c.completion_tokens:,}) tokens = {tokens / 1e9:.2f}B tokens",
+        f"  in {plan.shards:,} shards of {c.shard_rows:,} rows "
+        f"({plan.training_shards:,} training, {c.eval_shards} held out)",
         f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs of {c.gpu_memory_gb:g} GB, "
         f"{c.local_disk_tb:g} TB local disk, {c.network_gbps:g} Gb/s a node",
         "",
         "store",
         f"  raw            {plan.raw / TB:,.1f} TB ({c.taps} x {plan.shape.hidden:,} x 2 B = "
         f"{c.taps * plan.shape.hidden * 2:,} B a token)",
-        f"  {c.hidden_format:<14} {_span(plan.stored, TB)} TB ({_span(tuple(s / plan.raw for s in plan.stored), 1, 3)}x raw, "
-        "measured: bench/results/fp8_cpu.json)",
+        f"  {c.hidden_format:<14} {_span(plan.stored, TB)} TB ({_span(ratios, 1, 3)}x raw,",
+        f"                 {rates.CODED_SOURCE})",
         f"  a node's share {_span(plan.share, TB)} TB of the training shards, cache {plan.cache / TB:.1f} TB "
         f"(--cache-size {plan.cache / TB:.0f}T): fits",
         f"  first epoch    {_span(tuple(s * 8 / (c.network_gbps * 1e9) / 3600 for s in plan.share), 1)} h a node "
@@ -39,19 +45,20 @@ def render(plan: Plan) -> str:
     ]
     for stage, parts in plan.memory.items():
         detail = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items())
-        lines.append(f"  {stage:<14} {memory.total(parts) / GB:5.1f} GB ({detail})")
+        head = f"  {stage:<14} {memory.total(parts) / GB:5.1f} GB: "
+        lines += textwrap.wrap(detail, WIDTH, initial_indent=head, subsequent_indent=" " * len(head))
     lines += [
         f"  capture batch  {plan.capture_tokens:,} tokens a forward beside the weights",
         "",
         "rates a GPU",
     ]
-    lines += [f"  {k:<14} {r.text()}" for k, r in plan.rates.items()]
+    for k, r in plan.rates.items():
+        lines += textwrap.wrap(r.text(), WIDTH, initial_indent=f"  {k:<14} ", subsequent_indent=" " * 17)
     lines += ["", f"GPU-hours and wall time on {gpus} GPUs"]
     for stage, hours in plan.hours.items():
         wall = tuple(h / gpus for h in hours)
         lines.append(f"  {stage:<14} {_span(hours, 1, 0)} GPU-h, {_span(wall, 1)} h")
     need = plan.rates["training"].low * c.sample_tokens * c.taps * plan.shape.hidden * 2 / 1e6
-    lines.append(
-        f"  reads          {need:,.0f} MB/s raw a training GPU: {need / plan.rates['loader'].low:.2f} of a loader worker"
-    )
+    workers = need / plan.rates["loader"].low
+    lines.append(f"  reads          {need:,.0f} MB/s raw a training GPU: {workers:.2f} of a loader worker")
     return "\n".join(lines)

@@ -131,6 +131,7 @@ def run(config: PlanConfig) -> Plan:
         vocab=vocab,
         taps=config.taps,
         drafter_layers=config.drafter_layers,
+        drafter_q=DRAFTER_HEADS * DRAFTER_HEAD_DIM,
         drafter_kv=DRAFTER_KV_HEADS * DRAFTER_HEAD_DIM,
         drafter_intermediate=intermediate,
         drafter_parameters=drafter_parameters(hidden, intermediate, config.taps, config.drafter_layers),
@@ -151,9 +152,9 @@ def run(config: PlanConfig) -> Plan:
     cache = config.local_disk_tb * TB * config.cache_share
     if share[1] > cache:
         raise PlanError(
-            f"--hidden-format {config.hidden_format}: a node's share of the store, up to {share[1] / TB:.1f} TB, is larger "
-            f"than its cache, {cache / TB:.1f} TB ({config.cache_share:.0%} of --local-disk-tb {config.local_disk_tb:g}); "
-            "use fp8, more nodes or a larger disk"
+            f"--hidden-format {config.hidden_format}: a node's share of the store, up to {share[1] / TB:.1f} TB, "
+            f"is larger than its cache, {cache / TB:.1f} TB ({config.cache_share:.0%} of --local-disk-tb "
+            f"{config.local_disk_tb:g}); use fp8, more nodes or a larger disk"
         )
     batch = memory.capture_tokens(shape, weights, gpu)
     if batch < config.sample_tokens:

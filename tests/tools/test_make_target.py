@@ -283,7 +283,8 @@ def stage(name: str, args: list, results: dict) -> None:
 def test_qwen36_27b_at_four_layers_through_every_stage(tmp_path):
     """Qwen3.6-27B at 4 layers (hidden 5,120, vocabulary 248,320: 8.1 GB of bf16 weights), on CPU: built,
     extracted (the 2 shortest shipped prompts, one a shard, 8 new tokens each), trained for 2 steps and
-    replayed for 4 rounds; each stage's peak RSS within 15% of stages/plan/memory.py's model. The drafter: 1 layer, 8 heads / 2 KV heads of 128, MLP 2048 (149M trainable
+    replayed for 4 rounds; each stage's peak RSS within 15% of stages/plan/memory.py's model.
+    The drafter: 1 layer, 8 heads / 2 KV heads of 128, MLP 2048 (149M trainable
     parameters with fc), 4 anchors a sample, AdamW: Muon's orthogonalisation of fc (5,120 x 20,480) alone
     is several TFLOP a step, minutes on a CPU. Prints each stage's wall time and largest process's peak
     RSS, and writes them to real_width.json in the test's directory."""
@@ -341,6 +342,7 @@ def predicted_peaks(target, tokens: int) -> dict[str, dict[str, int]]:
         vocab=v,
         taps=4,
         drafter_layers=1,
+        drafter_q=1024,
         drafter_kv=256,
         drafter_intermediate=2048,
         drafter_parameters=drafter,
