@@ -61,10 +61,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import TINY_TARGET  # noqa: E402
-from pipeline.target.architectures import ARCHS, Arch  # noqa: E402
-from pipeline.target.taps import default_taps  # noqa: E402
-from store.io.file_modes import as_umask  # noqa: E402
+from pipeline import TINY_TARGET
+from pipeline.target.architectures import ARCHS, Arch
+from pipeline.target.taps import default_taps
+from store.io.file_modes import as_umask
 
 GB = 10**9
 RECORD = "provenance.json"
