@@ -119,16 +119,14 @@ def stage_rates(config: PlanConfig, params: int, shape: memory.Shape) -> dict[st
     }
 
 
-def run(config: PlanConfig) -> Plan:
-    """Every figure of the plan; PlanError for the first part that does not fit."""
-    name, target = target_config(config.target)
-    params = parameters(target)
-    weights, hidden, vocab = params * memory.BF16, target["hidden_size"], target["vocab_size"]
+def drafter_shape(config: PlanConfig, target: dict) -> memory.Shape:
+    """The target's widths and the drafter's at the target's width (the released 27B drafter's attention)."""
+    hidden = target["hidden_size"]
     intermediate = target.get("intermediate_size") or target["moe_intermediate_size"]
-    shape = memory.Shape(
+    return memory.Shape(
         hidden=hidden,
         intermediate=intermediate,
-        vocab=vocab,
+        vocab=target["vocab_size"],
         taps=config.taps,
         drafter_layers=config.drafter_layers,
         drafter_q=DRAFTER_HEADS * DRAFTER_HEAD_DIM,
@@ -136,38 +134,46 @@ def run(config: PlanConfig) -> Plan:
         drafter_intermediate=intermediate,
         drafter_parameters=drafter_parameters(hidden, intermediate, config.taps, config.drafter_layers),
     )
-    gpu = int(config.gpu_memory_gb * GB)
-    if weights >= gpu:
-        raise PlanError(f"--target {name}: {weights / GB:.1f} GB of bf16 weights do not fit a GPU of {gpu / GB:.0f} GB")
+
+
+def shard_split(config: PlanConfig) -> tuple[int, int]:
+    """(shards, training shards); PlanError when the held-out shards leave a node none."""
     shards = math.ceil(config.rows / config.shard_rows)
-    training_shards = shards - config.eval_shards
-    if training_shards < config.nodes:
+    training = shards - config.eval_shards
+    if training < config.nodes:
         raise PlanError(
-            f"--eval-shards {config.eval_shards}: leaves {training_shards} of {shards} shards for {config.nodes} nodes"
+            f"--eval-shards {config.eval_shards}: leaves {training} of {shards} shards for {config.nodes} nodes"
         )
-    tokens = config.rows * config.sample_tokens
-    raw = tokens * config.taps * hidden * memory.BF16
-    stored = tuple(raw * r for r in rates.CODED[config.hidden_format])
-    share = tuple(s * training_shards / shards / config.nodes for s in stored)
-    cache = config.local_disk_tb * TB * config.cache_share
+    return shards, training
+
+
+def check_share(config: PlanConfig, share: tuple[float, float], cache: float) -> None:
+    """PlanError when a node's share of the training shards, at its largest, exceeds its cache."""
     if share[1] > cache:
         raise PlanError(
             f"--hidden-format {config.hidden_format}: a node's share of the store, up to {share[1] / TB:.1f} TB, "
             f"is larger than its cache, {cache / TB:.1f} TB ({config.cache_share:.0%} of --local-disk-tb "
             f"{config.local_disk_tb:g}); use fp8, more nodes or a larger disk"
         )
+
+
+def stage_memory(config: PlanConfig, name: str, shape: memory.Shape, weights: int) -> tuple[int, dict]:
+    """(capture batch in tokens, each stage's peak parts on one GPU); PlanError for what does not fit."""
+    gpu = int(config.gpu_memory_gb * GB)
+    if weights >= gpu:
+        raise PlanError(f"--target {name}: {weights / GB:.1f} GB of bf16 weights do not fit a GPU of {gpu / GB:.0f} GB")
     batch = memory.capture_tokens(shape, weights, gpu)
     if batch < config.sample_tokens:
+        need = memory.total(memory.capture(shape, weights, config.sample_tokens, cpu=False))
         raise PlanError(
-            f"--gpu-memory-gb {config.gpu_memory_gb:g}: a capture forward of one {config.sample_tokens:,}-token sample "
-            f"needs {memory.total(memory.capture(shape, weights, config.sample_tokens, cpu=False)) / GB:.1f} GB"
+            f"--gpu-memory-gb {config.gpu_memory_gb:g}: a capture forward of one {config.sample_tokens:,}-token "
+            f"sample needs {need / GB:.1f} GB"
         )
+    context, block = config.sample_tokens, config.block_size
     peaks = {
         "capture": memory.capture(shape, weights, batch, cpu=False),
-        "training": memory.training(
-            shape, config.optimizer, config.sample_tokens, config.anchors, config.block_size, cpu=False
-        ),
-        "replay": memory.replay(shape, EVAL_PROMPTS, config.sample_tokens, config.block_size, cpu=False),
+        "training": memory.training(shape, config.optimizer, context, config.anchors, block, cpu=False),
+        "replay": memory.replay(shape, EVAL_PROMPTS, context, block, cpu=False),
     }
     for stage, parts in peaks.items():
         if memory.total(parts) > gpu:
@@ -175,19 +181,34 @@ def run(config: PlanConfig) -> Plan:
                 f"--gpu-memory-gb {config.gpu_memory_gb:g}: {stage} needs {memory.total(parts) / GB:.1f} GB a GPU "
                 f"({', '.join(f'{k} {v / GB:.1f}' for k, v in parts.items())})"
             )
-    rate = stage_rates(config, params, shape)
-    samples = config.rows * training_shards / shards * config.epochs
-    hours = {
-        "references": tuple(
-            p + d
-            for p, d in zip(
-                rates.gpu_hours(config.rows * config.prompt_tokens, rate["prefill"]),
-                rates.gpu_hours(config.rows * config.completion_tokens, rate["decode"]),
-            )
-        ),
-        "capture": rates.gpu_hours(tokens, rate["capture"]),
+    return batch, peaks
+
+
+def stage_hours(config: PlanConfig, rate: dict[str, Rate], training_share: float) -> dict[str, tuple[float, float]]:
+    """(low, high) GPU-hours of the references (prefill + decode), the capture and the training."""
+    prefill = rates.gpu_hours(config.rows * config.prompt_tokens, rate["prefill"])
+    decode = rates.gpu_hours(config.rows * config.completion_tokens, rate["decode"])
+    samples = config.rows * training_share * config.epochs
+    return {
+        "references": (prefill[0] + decode[0], prefill[1] + decode[1]),
+        "capture": rates.gpu_hours(config.rows * config.sample_tokens, rate["capture"]),
         "training": rates.gpu_hours(samples, rate["training"]),
     }
+
+
+def run(config: PlanConfig) -> Plan:
+    """Every figure of the plan; PlanError for the first part that does not fit."""
+    name, target = target_config(config.target)
+    params = parameters(target)
+    weights, shape = params * memory.BF16, drafter_shape(config, target)
+    batch, peaks = stage_memory(config, name, shape, weights)
+    shards, training_shards = shard_split(config)
+    raw = config.rows * config.sample_tokens * config.taps * shape.hidden * memory.BF16
+    stored = tuple(raw * r for r in rates.CODED[config.hidden_format])
+    share = tuple(s * training_shards / shards / config.nodes for s in stored)
+    cache = config.local_disk_tb * TB * config.cache_share
+    check_share(config, share, cache)
+    rate = stage_rates(config, params, shape)
     return Plan(
         config=config,
         name=name,
@@ -203,5 +224,5 @@ def run(config: PlanConfig) -> Plan:
         capture_tokens=batch,
         memory=peaks,
         rates=rate,
-        hours=hours,
+        hours=stage_hours(config, rate, training_shards / shards),
     )
