@@ -50,7 +50,7 @@ def render(plan: Plan) -> str:
     lines += [
         f"  capture batch  {plan.capture_tokens:,} tokens a forward beside the weights",
         "",
-        "rates a GPU",
+        "rates (a GPU, unless said)",
     ]
     for k, r in plan.rates.items():
         lines += textwrap.wrap(r.text(), WIDTH, initial_indent=f"  {k:<14} ", subsequent_indent=" " * 17)
