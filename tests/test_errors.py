@@ -244,6 +244,10 @@ MISTAKES = {
         "error: --compression-level 99: levels run -7 to 22",
     ),
     "info on a file": (["pipeline", "info", "{file}"], "error: {file}: a file, not a hidden-state store"),
+    "a plan flag": (
+        ["pipeline", "plan", "--decode-tokens-s", "5000-100"],
+        "error: --decode-tokens-s 5000-100: expected LOW-HIGH",
+    ),
 }
 PROBE = """import runpy, sys
 sys.argv = sys.argv[1:]

@@ -11,6 +11,19 @@ from store.format import hidden_formats
 OPTIMIZERS = ("muon", "adamw")
 
 
+def low_high(text: str) -> tuple[float, float]:
+    """'2500-5000' -> (2500.0, 5000.0); one figure is both ends; ValueError naming the form otherwise."""
+    try:
+        ends = tuple(float(x) for x in text.split("-"))
+    except ValueError:
+        ends = ()
+    if len(ends) == 1:
+        ends = ends * 2
+    if len(ends) != 2 or not 0 < ends[0] <= ends[1]:
+        raise ValueError("expected LOW-HIGH, 0 < LOW <= HIGH (e.g. 2500-5000)")
+    return ends
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     target: str = setting(
@@ -43,7 +56,7 @@ class PlanConfig:
     decode_tokens_s: tuple[float, ...] = setting(
         (2_500.0, 5_000.0),
         "An engine's decode tokens/s a GPU at large batch, as a range (assumed).",
-        parse=lambda text: tuple(float(x) for x in text.split("-")),
+        parse=low_high,
         default_text="2500-5000",
     )
     optimizer: str = setting("muon", "The drafter's optimizer (train.py --optimizer).", choices=OPTIMIZERS)

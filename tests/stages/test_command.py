@@ -10,12 +10,13 @@ from click.testing import CliRunner
 from stages.command import options
 from stages.evaluate.config import EvalConfig
 from stages.extract.config import ExtractConfig
+from stages.plan.config import PlanConfig
 from stages.settings import build, flag_of, leaves, parts
 from stages.train.config import TrainConfig
 from store.errors import ConfigError
 
 REQUIRED = {EvalConfig: {"checkpoints": ("ck",)}}
-CONFIGS = [ExtractConfig, TrainConfig, EvalConfig]
+CONFIGS = [ExtractConfig, TrainConfig, EvalConfig, PlanConfig]
 
 
 def command_for(config_cls):

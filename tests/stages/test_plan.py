@@ -14,7 +14,7 @@ import pytest
 from pipeline import TINY_TARGET
 from pipeline.errors import PlanError
 from stages.plan import memory
-from stages.plan.config import PlanConfig
+from stages.plan.config import PlanConfig, low_high
 from stages.plan.report import render
 from stages.plan.run import GB, TB, drafter_parameters, run
 from store.errors import ConfigError
@@ -96,6 +96,13 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(change, says):
 def test_bad_settings_name_their_flag(field, value):
     with pytest.raises(ConfigError, match="--" + field.replace("_", "-")):
         PlanConfig(**{field: value})
+
+
+def test_a_rate_range_is_low_high():
+    assert low_high("2500-5000") == (2_500.0, 5_000.0) and low_high("3000") == (3_000.0, 3_000.0)
+    for text in ("abc", "5000-100", "0-10", "1-2-3"):
+        with pytest.raises(ValueError, match="expected LOW-HIGH"):
+            low_high(text)
 
 
 def test_a_target_directory_is_read_for_its_config():
