@@ -1,7 +1,8 @@
 """The memory model: the peak bytes of each stage's largest process, as a sum of named parts, from the
 run's tokens, widths, vocabulary and taps. Arithmetic over what the code holds at its peak (the
 references are the functions each part names); `pytest -m real_width` measures each stage at
-width 5,120 and vocabulary 248,320 and checks the sum within 15% (tests/stages/test_real_width.py).
+width 5,120 and vocabulary 248,320 and checks the sum within 15% (tests/tools/test_make_target.py;
+bench/results/real_width_memory_cpu.json).
 
 On a GPU the parts are what torch.cuda.max_memory_allocated counts; on CPU the process's peak RSS,
 which adds the interpreter with torch and transformers imported (RUNTIME, measured on this project's

@@ -311,7 +311,7 @@ def test_qwen36_27b_at_four_layers_through_every_stage(tmp_path):
     stage("evaluate", [*evaluate, "--ddtree", 8, "--max-rounds", 4], results)
     replayed = json.loads((report / "report.json").read_text())["checkpoints"][0]
     assert replayed["check"] == "store fingerprint matches" and replayed["prompts"] == 1 and replayed["rounds"] >= 1
-    predicted = predicted_peaks(target, tokens=max(attrs_tokens(store)))
+    predicted = predicted_peaks(target, tokens=max(shard_tokens(store)))
     for name, parts in predicted.items():
         results[name]["predicted_gib"] = round(memory.total(parts) / 2**30, 3)
         results[name]["ratio"] = round(results[name]["peak_rss_gib"] / results[name]["predicted_gib"], 3)
@@ -321,7 +321,7 @@ def test_qwen36_27b_at_four_layers_through_every_stage(tmp_path):
         assert 0.85 <= results[name]["ratio"] <= 1.15, (name, results[name], predicted[name])
 
 
-def attrs_tokens(store) -> list[int]:
+def shard_tokens(store) -> list[int]:
     """Tokens of each committed shard (one sample a shard here)."""
     from store.hidden_store import HiddenStore
 
