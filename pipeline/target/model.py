@@ -7,6 +7,7 @@ tap, so later layers, the final norm and lm_head never run. Loading is in loadin
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,7 @@ class Target:
         nearly free on a GPU).
         """
         lengths = [len(s) for s in seqs]
-        starts = [sum(lengths[:i]) for i in range(len(seqs))]
+        starts = [0, *itertools.accumulate(lengths)][:-1]  # each row's first token in the result
         pinned = self.device.type == "cuda"
         host = [torch.empty((sum(lengths), self.hidden_size), dtype=torch.bfloat16, pin_memory=pinned) for _ in taps]
         agreement = [0, 0]

@@ -504,3 +504,11 @@ def test_the_capture_budget_changes_neither_the_store_nor_its_conditioning(small
         got = mine[s.row_id]
         assert torch.equal(got.tokens, s.tokens) and bf16_close(got.hidden, s.hidden.float()), s.row_id
         assert (got.hidden != s.hidden).float().mean() <= 1e-3, s.row_id
+
+
+@pytest.mark.parametrize("bad", [0, -64])
+def test_a_capture_budget_below_one_token_is_refused_naming_the_flag(bad):
+    from store.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--capture-tokens"):
+        ExtractConfig(capture_tokens=bad, device="cpu")
