@@ -7,18 +7,44 @@ tap, so later layers, the final norm and lm_head never run. Loading is in loadin
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from pipeline.errors import TargetError
+from pipeline.target.capture_batches import capture_batches, chunks
 from pipeline.target.kernels import UNDECIDED, KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
 from store.format.schema import Backends, TargetRecord
+
+
+class _HostCopy:
+    """A tap hook's receiver for one forward: each tap output [b, w, H] (columns lo..lo+w of the
+    rows) rounded, cast to bf16 and copied, row by row without the padding, into host[j] [T, H]
+    at each row's place (non-blocking into pinned memory on CUDA), then let go."""
+
+    def __init__(self, host: list[torch.Tensor], taps: list[int], starts: list[int], lengths: list[int], lo: int):
+        self.host, self.index = host, {k: j for j, k in enumerate(taps)}
+        self.starts, self.lengths, self.lo = starts, lengths, lo
+        self.rounding = None
+
+    def rounded(self, rounding) -> _HostCopy:
+        self.rounding = rounding
+        return self
+
+    def __call__(self, k: int, output: torch.Tensor) -> None:
+        out = output.to(torch.bfloat16)  # [b, w, H]
+        out = out if self.rounding is None else self.rounding(out)
+        dest, w = self.host[self.index[k]], out.shape[1]
+        for row, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            n = min(length - self.lo, w)
+            if n > 0:
+                dest[start + self.lo : start + self.lo + n].copy_(out[row, :n], non_blocking=dest.is_pinned())
 
 
 @dataclass
@@ -91,49 +117,84 @@ class Target:
         return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
     @torch.inference_mode()
-    def capture(self, seqs: list[list[int]], taps: list[int], prompt_lens: list[int] | None = None, *, rounding=None):
+    def capture(
+        self,
+        seqs: list[list[int]],
+        taps: list[int],
+        prompt_lens: list[int] | None = None,
+        *,
+        rounding=None,
+        budget: int | None = None,
+    ):
         """Tap outputs for each sequence, concatenated along tokens.
 
-        Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order. Right padding:
-        every real token sees only real tokens before it (causal model). The forward stops after
-        the last tap, unless prompt_lens are given: then it runs on through the final norm and
-        lm_head along each completion and also returns the agreement (matches, tokens): how many
-        completion tokens equal the target's own argmax at the position before. rounding: bf16 states ->
-        bf16 states, applied on the target's device before the copy to host (the store's fp8 format:
-        store/format/fp8_codec.quantize, nearly free on a GPU).
+        Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order. The rows run in
+        forwards of at most `budget` token positions each, padding included (capture_batches.py:
+        longest first, right-padded, no attention mask; a row longer than the budget in chunks
+        through the model's cache); budget None: one forward. Each tap output is copied to host
+        memory (pinned on CUDA) as its layer returns it, so the device holds no tap beyond the
+        layer that made it. The forward stops after the last tap, unless prompt_lens are given:
+        then it runs on through the final norm and lm_head along each completion and also returns
+        the agreement (matches, tokens): how many completion tokens equal the target's own argmax
+        at the position before. rounding: bf16 states -> bf16 states, applied on the target's
+        device before the copy to host (the store's fp8 format: store/format/fp8_codec.quantize,
+        nearly free on a GPU).
         """
-        ids, mask = self._pad(seqs, left=False)
-        grabbed: dict[int, torch.Tensor] = {}
-        out = None
+        lengths = [len(s) for s in seqs]
+        starts = [0, *itertools.accumulate(lengths)][:-1]  # each row's first token in the result
+        pinned = self.device.type == "cuda"
+        host = [torch.empty((sum(lengths), self.hidden_size), dtype=torch.bfloat16, pin_memory=pinned) for _ in taps]
+        agreement = [0, 0]
+        for batch in capture_batches(lengths, budget):
+            rows = [seqs[i] for i in batch.rows]
+            ids, _ = self._pad(rows, left=False)  # [b, W]; the padding's states are dropped
+            cache = DynamicCache(config=self.model.config) if batch.width > (budget or batch.width) else None
+            for lo, hi in chunks(batch.width, budget):
+                take = _HostCopy(host, taps, [starts[i] for i in batch.rows], [lengths[i] for i in batch.rows], lo)
+                last = self._forward(ids[:, lo:hi], taps, take, rounding, cache, stop=prompt_lens is None)
+                if prompt_lens is not None:
+                    plens = [prompt_lens[i] for i in batch.rows]
+                    matches, tokens = self._agreement(last, ids, plens, [lengths[i] for i in batch.rows], lo)
+                    agreement[0] += matches
+                    agreement[1] += tokens
+        if pinned:
+            torch.cuda.synchronize(self.device)  # the copies to host were queued without waiting
+        hidden = torch.stack(host, dim=1)  # [T, n_taps, H]
+        return hidden if prompt_lens is None else (hidden, tuple(agreement))
+
+    def _forward(self, ids: torch.Tensor, taps: list[int], take, rounding, cache, stop: bool) -> torch.Tensor | None:
+        """ids: [b, w] through the decoder (after the cache's positions, if a cache is given), each
+        tap handed to take; returns the last hidden state [b, w, H] unless stopped after the last tap."""
         try:
-            with tapping(self.layers, taps, grabbed, stop_after_last=prompt_lens is None), self.recorder.recording():
-                out = self.model.get_decoder()(
-                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
-                )
+            with tapping(self.layers, taps, take.rounded(rounding), stop_after_last=stop), self.recorder.recording():
+                out = self.model.get_decoder()(input_ids=ids.to(self.device), cache=cache, use_cache=cache is not None)
         except StopForward:
-            pass
-        stacked = torch.stack([grabbed[k] for k in taps], dim=2).to(torch.bfloat16)  # [B, W, n_taps, H]
-        hidden = stacked[mask.to(stacked.device).bool()]  # [T, n_taps, H]; row-major = sequence order
-        hidden = (hidden if rounding is None else rounding(hidden)).cpu()
-        if prompt_lens is None:
-            return hidden
-        return hidden, self._agreement(out.last_hidden_state, ids, prompt_lens, [len(s) for s in seqs])
+            return None
+        return out.last_hidden_state
 
     def _agreement(
-        self, last: torch.Tensor, ids: torch.Tensor, prompt_lens: list[int], lengths: list[int], chunk: int = 1024
+        self,
+        last: torch.Tensor,
+        ids: torch.Tensor,
+        prompt_lens: list[int],
+        lengths: list[int],
+        start: int = 0,
+        chunk: int = 1024,
     ) -> tuple[int, int]:
-        """last: [B, W, H] after the final norm. The target's greedy token after position t is the
-        argmax of lm_head(last[t]); compare it with each completion token. Logits are made a chunk
-        of positions at a time ([chunk, V], not [tokens, V])."""
-        rows = [i for i, (p, n) in enumerate(zip(prompt_lens, lengths)) for _ in range(p - 1, n - 1)]
-        cols = [t for p, n in zip(prompt_lens, lengths) for t in range(p - 1, n - 1)]
+        """last: [B, w, H] after the final norm, for columns start..start+w of ids [B, W]. The target's
+        greedy token after position t is the argmax of lm_head(last[t]); compare it with each
+        completion token. Logits are made a chunk of positions at a time ([chunk, V], not [tokens, V])."""
+        end = start + last.shape[1]
+        spans = [range(max(p - 1, start), min(n - 1, end)) for p, n in zip(prompt_lens, lengths)]
+        rows = [i for i, span in enumerate(spans) for _ in span]
+        cols = [t for span in spans for t in span]
         rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
         want = ids[rows_t, cols_t + 1]  # [M]
         head = self.model.get_output_embeddings()
         matches = 0
         for lo in range(0, len(rows), chunk):
-            h = last[rows_t[lo : lo + chunk].to(last.device), cols_t[lo : lo + chunk].to(last.device)]  # [c, H]
-            matches += int((head(h).argmax(-1).cpu() == want[lo : lo + chunk]).sum())
+            r, c = rows_t[lo : lo + chunk].to(last.device), (cols_t[lo : lo + chunk] - start).to(last.device)
+            matches += int((head(last[r, c]).argmax(-1).cpu() == want[lo : lo + chunk]).sum())  # last[r, c]: [c, H]
         return matches, len(rows)
 
     def _pad(self, seqs: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:

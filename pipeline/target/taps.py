@@ -7,6 +7,7 @@ taken by a forward hook on the layer itself (`tapping`), so no index arithmetic 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -23,13 +24,14 @@ class StopForward(Exception):
 
 
 @contextmanager
-def tapping(layers: torch.nn.ModuleList, taps: list[int], grabbed: dict, stop_after_last: bool = False):
-    """While active, each forward stores the output of layer k in grabbed[k] ([b, T, H]) for every
-    tap k; with stop_after_last it raises StopForward after the last tap (catch it)."""
+def tapping(layers: torch.nn.ModuleList, taps: list[int], take: Callable, stop_after_last: bool = False):
+    """While active, each forward hands the output of layer k to take(k, output) ([b, T, H]) for every
+    tap k, as the layer returns it (a dict's __setitem__ keeps them all; Target.capture copies each
+    to the host at once); with stop_after_last it raises StopForward after the last tap (catch it)."""
 
     def hook_for(k: int):
         def hook(_module, _inputs, output):
-            grabbed[k] = output[0] if isinstance(output, tuple) else output
+            take(k, output[0] if isinstance(output, tuple) else output)
             if stop_after_last and k == taps[-1]:
                 raise StopForward
 
@@ -37,7 +39,7 @@ def tapping(layers: torch.nn.ModuleList, taps: list[int], grabbed: dict, stop_af
 
     handles = [layers[k].register_forward_hook(hook_for(k)) for k in taps]
     try:
-        yield grabbed
+        yield
     finally:
         for h in handles:
             h.remove()

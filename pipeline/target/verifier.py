@@ -132,7 +132,7 @@ class LiveTarget:
         device = self.target.device
         positions = torch.arange(self._length, self._length + len(ids), device=device)[None]  # [1, T]
         grabbed: dict[int, torch.Tensor] = {}
-        with tapping(self.target.layers, self.taps, grabbed):
+        with tapping(self.target.layers, self.taps, grabbed.__setitem__):
             out = self.target.model(
                 input_ids=ids.to(device)[None],
                 position_ids=positions,

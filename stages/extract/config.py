@@ -107,7 +107,19 @@ class ExtractConfig:
     server_timeout_s: float = setting(600.0, "Seconds one request may take; transient failures are retried.")
     max_new_tokens: int = setting(256, "Completion length limit.")
     max_length: int = setting(1024, "Prompt + completion limit; longer prompts are skipped and counted.")
-    batch_size: int = setting(16, "Prompts per generate/capture batch.")
+    batch_size: int = setting(
+        16,
+        "Prompts read, prepared and completed together (one `generate` batch with --responses regenerate); "
+        "their capture runs in forwards of --capture-tokens.",
+    )
+    capture_tokens: int = setting(
+        16384,
+        "Token positions one capture forward computes, padding included: a batch's rows are captured "
+        "longest first, right-padded, as many to a forward as fit (no attention mask is built); a row "
+        "longer than this is captured in chunks (of this, rounded down to a multiple of 64) through the "
+        "target's cache. Sizes the device memory besides the weights; does not change the states beyond "
+        "one bf16 rounding step in a few values (docs/usage.md).",
+    )
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
     dtype: str = setting(
         "bf16", "Dtype the target runs in (states are stored as bf16 either way).", choices=devices.DTYPE_NAMES
@@ -203,6 +215,7 @@ class ExtractConfig:
             "max_new_tokens",
             "max_length",
             "batch_size",
+            "capture_tokens",
             "chunk_tokens",
             "shard_tokens",
             "num_shards",

@@ -187,6 +187,7 @@ class Extractor:
                 "host": os.uname().nodename,
                 "pid": os.getpid(),
                 "batch_size": c.batch_size,
+                "capture_tokens": c.capture_tokens,
                 "device": str(self.target.device),
                 "backends": self.target.check_backends(),
                 "committed_at": time.time(),
@@ -238,13 +239,14 @@ class Extractor:
         if ready:
             t = time.perf_counter()
             seqs = [r.prompt + c for r, c in ready]
-            rounding = self.format.rounding
+            rounding, budget = self.format.rounding, self.config.capture_tokens
             if self.config.agreement:
                 hidden, agreement = self.target.capture(
-                    seqs, self.taps, [len(r.prompt) for r, _ in ready], rounding=rounding
+                    seqs, self.taps, [len(r.prompt) for r, _ in ready], rounding=rounding, budget=budget
                 )
             else:
-                hidden, agreement = self.target.capture(seqs, self.taps, rounding=rounding), None  # [T, n_taps, H] bf16
+                hidden = self.target.capture(seqs, self.taps, rounding=rounding, budget=budget)  # [T, n_taps, H] bf16
+                agreement = None
             timing["capture_s"] += time.perf_counter() - t
             kept, hidden = self.finite(ready, hidden, writer, shard)
             if agreement is not None and len(kept) == len(ready):  # a batch with a row left out: not counted

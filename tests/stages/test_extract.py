@@ -483,3 +483,32 @@ def test_progress_reaches_the_log_inside_a_shard(tmp_path, small_dataset, monkey
     assert inside[0].startswith("progress: 0/4 rows, 0 tokens") and "shard 0: generating token 1/" in inside[0]
     batch = next(m for m in inside if m.startswith("progress: 3/4 rows, "))  # the first batch of 3, written
     assert int(batch.split(", ")[1].split()[0]) > 0 and "generating" not in batch  # its tokens
+
+
+def test_the_capture_budget_changes_neither_the_store_nor_its_conditioning(small_store, tmp_path, small_dataset):
+    """--capture-tokens 64 (rows of the small set run 20-160 tokens: many forwards, the longest rows
+    chunked through the cache) writes the fixture's samples, states within one bf16 step in a few
+    values, under the same fingerprint; the budget is recorded in each shard's run record."""
+    path = tmp_path / "budget.zarr"
+    config = ExtractConfig(
+        store=str(path), dataset=str(small_dataset), shards="0-1", num_shards=4, **{**SMALL, "capture_tokens": 64}
+    )
+    run(config, log=lambda m: None)
+    new, old = HiddenStore(str(path)), HiddenStore(str(small_store))
+    assert new.attrs.fingerprint == old.attrs.fingerprint
+    assert new.commit_record(0).run["capture_tokens"] == 64
+    mine = {s.row_id: s for s in samples(path)}
+    theirs = [s for s in samples(small_store) if s.row_id in mine]
+    assert len(mine) == len(theirs) > 0
+    for s in theirs:
+        got = mine[s.row_id]
+        assert torch.equal(got.tokens, s.tokens) and bf16_close(got.hidden, s.hidden.float()), s.row_id
+        assert (got.hidden != s.hidden).float().mean() <= 1e-3, s.row_id
+
+
+@pytest.mark.parametrize("bad", [0, -64])
+def test_a_capture_budget_below_one_token_is_refused_naming_the_flag(bad):
+    from store.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--capture-tokens"):
+        ExtractConfig(capture_tokens=bad, device="cpu")
