@@ -48,7 +48,7 @@ def render(plan: Plan) -> str:
         head = f"  {stage:<14} {memory.total(parts) / GB:5.1f} GB: "
         lines += textwrap.wrap(detail, WIDTH, initial_indent=head, subsequent_indent=" " * len(head))
     lines += [
-        f"  capture batch  {plan.capture_tokens:,} tokens a forward beside the weights",
+        f"  capture batch  {plan.capture_tokens:,} tokens a forward beside the weights (--capture-tokens at most this)",
         "",
         "rates (a GPU, unless said)",
     ]
