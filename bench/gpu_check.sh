@@ -54,7 +54,7 @@ step info_torch 10 python3 -m pipeline info /tmp/torch.zarr
 step compare 20 python3 -m bench.parity compare /tmp/fla.zarr /tmp/torch.zarr --json "$out/compare.json" --force
 step real_roofline 20 python3 -m bench.real_width_bench roofline --device cuda --json "$out/real_roofline.json" --force
 step real_capture 130 python3 -m bench.real_width_bench capture --device cuda --arch qwen3.6-27b --linear-attention fla \
-  --tokens 32768 --lengths 2048,4096,1024,8192 --json "$out/real_capture.json" --force
+  --tokens 32768 --capture-tokens 32768 --lengths 2048,4096,1024,8192 --json "$out/real_capture.json" --force
 step real_train 80 python3 -m bench.real_width_bench train --device cuda --arch qwen3.6-27b --context 4096 \
   --anchors 512 --max-batch 8 --json "$out/real_train.json" --force
 step real_replay 60 python3 -m bench.eval_bench replay --device cuda --width 5120 --vocab 248320 --prompts 4 \

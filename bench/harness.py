@@ -23,22 +23,36 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """The script's parser (its docstring as the help), with the flags every bench shares."""
+def parser(doc: str | None, *, given_only: bool = False) -> argparse.ArgumentParser:
+    """The script's parser (its docstring as the help), with the flags every bench shares; given_only:
+    they set nothing unless given (a subcommand's copy, so as not to overwrite the main parser's)."""
+
+    def default(value):
+        return argparse.SUPPRESS if given_only else value
+
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--json",
         metavar="PATH",
         type=result_path,
+        default=default(None),
         help="Also write the result to PATH (refused if it exists, unless --force).",
     )
     p.add_argument(
         "--force",
         action="store_true",
+        default=default(False),
         help="Let --json replace an earlier result (a committed one): never a file that is no bench result.",
     )
-    p.add_argument("--toy", action="store_true", help="Run at toy size: seconds, to check the script works.")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: two threads thrash when shared).")
+    p.add_argument(
+        "--toy",
+        action="store_true",
+        default=default(False),
+        help="Run at toy size: seconds, to check the script works.",
+    )
+    p.add_argument(
+        "--threads", type=int, default=default(1), help="torch intra-op threads (1: two threads thrash when shared)."
+    )
     return p
 
 
@@ -89,8 +103,10 @@ def _writable(path: Path, force: bool) -> None:
 
 
 def subcommand(subs, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand's parser (of `subs`, from add_subparsers) with the shared flags, given after its name."""
-    return subs.add_parser(name, help=help, description=help, parents=[parser(None)], conflict_handler="resolve")
+    """A subcommand's parser (of `subs`, from add_subparsers) with the shared flags, given after its name
+    or before it (`--toy capture` once kept the subcommand's default and ran the full-size capture)."""
+    shared = parser(None, given_only=True)
+    return subs.add_parser(name, help=help, description=help, parents=[shared], conflict_handler="resolve")
 
 
 def torch_setup(threads: int) -> None:

@@ -132,7 +132,9 @@ def forward_flops(model, lengths: list[int], last_layer: int) -> float:
 
 def capture(args) -> dict:
     import torch
+    from transformers import DynamicCache
 
+    from pipeline.target.capture_batches import capture_batches, chunks
     from pipeline.target.taps import StopForward, default_taps, tapping
 
     device = torch.device(args.device)
@@ -144,16 +146,24 @@ def capture(args) -> dict:
     n = sum(map(len, seqs))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    captured = timed(lambda: target.capture(seqs, taps), device, args.repeat)
+    captured = timed(lambda: target.capture(seqs, taps, budget=args.capture_tokens), device, args.repeat)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
-    def plain():  # the same layers, nothing kept or copied
-        for s in seqs:
-            with torch.inference_mode(), tapping(target.layers, [taps[-1]], {}, stop_after_last=True):
-                try:
-                    target.model.get_decoder()(input_ids=torch.tensor([s], device=device), use_cache=False)
-                except StopForward:  # after the last tap, as capture stops
-                    pass
+    def plain():  # the same forwards (rows, padding, chunks), nothing kept or copied
+        for batch in capture_batches([len(s) for s in seqs], args.capture_tokens):
+            ids = torch.zeros((len(batch.rows), batch.width), dtype=torch.long)  # [b, W], right-padded
+            for j, i in enumerate(batch.rows):
+                ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
+            ids = ids.to(device)
+            long_row = batch.width > args.capture_tokens
+            cache = DynamicCache(config=target.model.config) if long_row else None
+            for lo, hi in chunks(batch.width, args.capture_tokens):
+                stop = tapping(target.layers, [taps[-1]], lambda k, out: None, stop_after_last=True)
+                with torch.inference_mode(), stop:
+                    try:
+                        target.model.get_decoder()(input_ids=ids[:, lo:hi], cache=cache, use_cache=long_row)
+                    except StopForward:  # after the last tap, as capture stops
+                        pass
 
     forward = timed(plain, device, args.repeat)
     flops = forward_flops(target.model, [len(s) for s in seqs], taps[-1])
@@ -169,6 +179,7 @@ def capture(args) -> dict:
         "backends": asdict(target.backends()),
         "sequences": len(seqs),
         "tokens": n,
+        "capture_tokens": args.capture_tokens,
         "capture_tokens_per_s": n / captured,
         "forward_tokens_per_s": n / forward,
         "capture_over_forward": forward / captured,
@@ -330,7 +341,10 @@ def main() -> None:
         s.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: all)")
         s.add_argument("--linear-attention", default="auto", help="auto (fla on CUDA), fla or torch")
         s.add_argument("--lengths", default="2048,4096,1024,8192", help="capture sequence lengths, cycled")
-        s.add_argument("--tokens", type=int, default=32768, help="capture token budget: sequences of a batch")
+        s.add_argument("--tokens", type=int, default=32768, help="tokens captured in all: sequences of the run")
+        s.add_argument(
+            "--capture-tokens", type=int, default=16384, help="positions a capture forward holds (extract's flag)"
+        )
         s.add_argument("--optimizer", default="muon", help="the drafter's optimizer: muon or adamw")
         s.add_argument("--context", type=int, default=4096, help="training sample length")
         s.add_argument("--anchors", type=int, default=512, help="blocks a training sample")
@@ -338,6 +352,7 @@ def main() -> None:
     args = harness.parse(p)
     if args.toy:
         args.sizes, args.lengths, args.tokens, args.repeat, args.max_batch = "256", "64,32", 256, 1, 2
+        args.capture_tokens = 48  # rows batched, and the 64-token rows chunked through the cache
     fn = {"roofline": roofline_only, "capture": capture, "train": train}[args.cmd]
     harness.emit(fn(args), args)
 
