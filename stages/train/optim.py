@@ -13,11 +13,16 @@ Muon step in bf16, 0.13 s in fp32, against AdamW's 0.014 s and a training step o
 bf16 the update equals torch's bit for bit (tests/stages/test_optim.py); the state is torch's
 (`momentum_buffer`), so checkpoints hold the same tensors.
 
-The iteration is split over the run's processes (Muon.step). At 27B width it costs about 197
-TFLOP per optimizer step (5 iterations over fc, 20 attention and 15 MLP matrices; an MLP matrix
-alone 10.5), against about 144 TFLOP for one 4,096-token sequence's forward and backward: done
-whole on every rank it would more than double a --batch-size 1 step, split over 8 ranks it adds
-about 25 TFLOP per rank, plus a broadcast of the updates (3.5 GB in bf16 per step, received by each).
+The iteration is split over the run's processes (Muon.step): each matrix has one owner, the only
+rank that keeps its momentum (at 27B width 6.9 GB in all, so 1/32 of it a rank on 32 GPUs instead
+of all of it on each; arithmetic: 1.73B fp32 values) and orthogonalizes it. At 27B width the
+iteration costs about 197 TFLOP per optimizer step (5 iterations over fc, 20 attention and 15 MLP
+matrices; an MLP matrix alone 10.5), against about 144 TFLOP for one 4,096-token sequence's forward
+and backward: done whole on every rank it would more than double a --batch-size 1 step, split over
+8 ranks it adds about 25 TFLOP per rank. The updates then travel as one broadcast per owner, each
+owner's updates flattened into one buffer (3.5 GB in bf16 per step in all, received by each rank),
+instead of one broadcast per matrix (36 serial messages). A checkpoint holds every owner's momentum,
+gathered to rank 0 as Accelerate saves the optimizer; a resumed run keeps its own share.
 """
 
 from __future__ import annotations
@@ -41,42 +46,118 @@ def muon_split(model: torch.nn.Module) -> tuple[list, list]:
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon, its Newton-Schulz iteration in ns_dtype (the module doc says why), and split
-    over the processes of a run: the gradients are the same on every rank after DDP's all-reduce,
-    so each rank orthogonalizes its own share of the matrices (`owners`) and broadcasts the results;
-    every rank then applies every update, as when each computed them all (the same values)."""
+    over the processes of a run: the gradients are the same on every rank after DDP's all-reduce, so
+    each matrix has one owner (`owners`) that alone keeps its momentum and orthogonalizes it; each
+    owner then broadcasts all its updates as one flat message, and every rank applies every update,
+    as when each computed them all (the same values, bit for bit). A checkpoint holds every owner's
+    momentum: state_dict (called by every rank) gathers it to rank 0; load_state_dict keeps a rank's
+    own share."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kw) -> None:
         super().__init__(params, **kw)
         self.ns_dtype = ns_dtype
         self.broadcast_bytes = 0  # updates broadcast so far (each rank sends its share, receives the rest)
+        self.broadcasts = 0  # messages so far: one per owner a step
+
+    def matrices(self) -> list[tuple[torch.Tensor, dict]]:
+        """(parameter, its group), in the groups' order: the same list on every rank."""
+        return [(p, group) for group in self.param_groups for p in group["params"]]
+
+    def owner_of(self) -> tuple[int, list[int]]:
+        """(this rank, each matrix's owner)."""
+        rank, world = _process()
+        return rank, owners([p.shape for p, _ in self.matrices()], world)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """torch's _single_tensor_muon, step for step, with `orthogonalized` in ns_dtype."""
+        """torch's _single_tensor_muon, step for step, with `orthogonalized` in ns_dtype, on this
+        rank's matrices; the others' updates arrive by broadcast."""
         assert closure is None, "Muon here takes no closure"
-        todo = []  # (param, its group, the momentum-corrected gradient)
-        for group in self.param_groups:
-            params, grads, bufs = [], [], []
-            self._init_group(group, params, grads, bufs)
-            for p, grad, buf in zip(params, grads, bufs):
-                buf.lerp_(grad, 1 - group["momentum"])
-                todo.append((p, group, grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf))
-        rank, world = _process()
-        mine = owners([p.shape for p, _, _ in todo], world)
-        updates = []
-        for (p, group, g), owner in zip(todo, mine):
-            if owner == rank:
-                u = orthogonalized(g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-            else:
-                u = torch.empty(p.shape, dtype=self.ns_dtype, device=p.device)
-            updates.append(u.contiguous())
-        if world > 1:
-            for u, owner in zip(updates, mine):
-                torch.distributed.broadcast(u, src=owner)
-            self.broadcast_bytes += sum(u.numel() * u.element_size() for u in updates)
-        for (p, group, _), u in zip(todo, updates):
+        rank, mine = self.owner_of()
+        pairs = self.matrices()
+        updates = {}  # matrix index -> its update [A, B] ns_dtype
+        for i, ((p, group), owner) in enumerate(zip(pairs, mine)):
+            if p.grad is not None and owner == rank:
+                g = self.momentum_step(p, group)
+                updates[i] = orthogonalized(g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+        if len(set(mine)) > 1:
+            updates = self.exchanged(updates, pairs, mine, rank)
+        for i, u in updates.items():
+            p, group = pairs[i]
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(u, alpha=-group["lr"] * rms_ratio(group["adjust_lr_fn"], p.shape))
+
+    def momentum_step(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum buffer moved toward p's gradient -> what is orthogonalized (torch's, nesterov or not)."""
+        if torch.is_complex(p) or p.grad.is_sparse:
+            raise RuntimeError("Muon does not support complex parameters or sparse gradients")
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - group["momentum"])
+        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def exchanged(self, updates: dict, pairs: list, mine: list[int], rank: int) -> dict:
+        """Every matrix's update on every rank: one broadcast per owner of its updates flattened into one
+        buffer (every rank has the same gradients, so knows which matrices have an update)."""
+        out = {}
+        for owner in sorted(set(mine)):
+            idx = [i for i, o in enumerate(mine) if o == owner and pairs[i][0].grad is not None]
+            if not idx:
+                continue
+            sizes = [pairs[i][0].numel() for i in idx]
+            device = pairs[idx[0]][0].device
+            if owner == rank:
+                flat = torch.cat([updates[i].reshape(-1) for i in idx])  # [sum of sizes] ns_dtype
+            else:
+                flat = torch.empty(sum(sizes), dtype=self.ns_dtype, device=device)
+            torch.distributed.broadcast(flat, src=owner)
+            self.broadcast_bytes += flat.numel() * flat.element_size()
+            self.broadcasts += 1
+            for i, part in zip(idx, flat.split(sizes)):
+                out[i] = updates[i] if owner == rank else part.view(pairs[i][0].shape)
+        return out
+
+    def state_dict(self) -> dict:
+        """torch's, with every owner's momentum (on rank 0; a collective: every rank calls it, as
+        Accelerate's save_state does)."""
+        rank, mine = self.owner_of()
+        lent = self.gathered(rank, mine) if len(set(mine)) > 1 else []
+        try:
+            return super().state_dict()
+        finally:
+            for p in lent:  # the returned dict keeps them; this rank's state stays its own share
+                del self.state[p]
+
+    def gathered(self, rank: int, mine: list[int]) -> list[torch.Tensor]:
+        """The other owners' momentum buffers sent to rank 0, put into its state -> the parameters lent."""
+        lent = []
+        for i, ((p, _), owner) in enumerate(zip(self.matrices(), mine)):
+            if owner == 0 or rank not in (0, owner):
+                continue
+            has = torch.tensor([int("momentum_buffer" in self.state.get(p, {}))], device=p.device)
+            if rank == owner:
+                torch.distributed.send(has, dst=0)
+                if has.item():
+                    torch.distributed.send(self.state[p]["momentum_buffer"].contiguous(), dst=0)
+                continue
+            torch.distributed.recv(has, src=owner)
+            if has.item():
+                buf = torch.empty_like(p)
+                torch.distributed.recv(buf, src=owner)
+                self.state[p] = {"momentum_buffer": buf}
+                lent.append(p)
+        return lent
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then only this rank's share of the momentum kept (the owners may differ from the
+        saving run's: another number of processes)."""
+        super().load_state_dict(state_dict)
+        rank, mine = self.owner_of()
+        for (p, _), owner in zip(self.matrices(), mine):
+            if owner != rank:
+                self.state.pop(p, None)
 
 
 def _process() -> tuple[int, int]:

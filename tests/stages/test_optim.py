@@ -99,40 +99,74 @@ def test_owners_balance_the_iterations_cost():
 
 
 def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
-    """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps."""
+    """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps;
+    then the checkpoint's state (a collective) and that state loaded back."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        out[rank] = [p.detach().clone() for p in _three_muon_steps()]
+        ps, opt = _three_muon_steps()
+        kept = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
+        held = sum(s["momentum_buffer"].numel() * s["momentum_buffer"].element_size() for s in opt.state.values())
+        saved = opt.state_dict()
+        after_save = sum(1 for s in opt.state.values() if "momentum_buffer" in s)
+        file = [saved]  # what every rank reads back: the file rank 0 wrote
+        dist.broadcast_object_list(file, src=0)
+        opt.load_state_dict(file[0])
+        reloaded = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
+        out[rank] = {
+            "params": [p.detach().clone() for p in ps],
+            "kept": kept,
+            "held": held,
+            "after_save": after_save,
+            "reloaded": reloaded,
+            "saved": {k: v["momentum_buffer"].clone() for k, v in saved["state"].items()} if rank == 0 else None,
+            "messages": opt.broadcasts,
+            "bytes": opt.broadcast_bytes,
+        }
     finally:
         dist.destroy_process_group()
 
 
-def _three_muon_steps() -> list[torch.nn.Parameter]:
-    """Seeded parameters after three Muon steps on seeded gradients (in a group: the group's split)."""
+SHAPES = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
+
+
+def _three_muon_steps():
+    """Seeded parameters after three Muon steps on seeded gradients (in a group: the group's split)
+    -> (the parameters, the optimizer)."""
     from stages.train.optim import Muon
 
     g = torch.Generator().manual_seed(0)
-    shapes = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
-    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
     opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
     for _ in range(3):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-    return ps
+    return ps, opt
 
 
 def test_muon_split_over_two_processes_equals_one_process(tmp_path):
-    """Each rank orthogonalizes its share and broadcasts it: both ranks end with exactly the weights
-    one process computes alone."""
+    """Each rank keeps the momentum of its own matrices only, orthogonalizes them and broadcasts its
+    updates in one message a step: both ranks end with exactly the weights one process computes alone,
+    and the checkpoint's state (gathered to rank 0) is the one process's momentum, bit for bit."""
     import torch.multiprocessing as mp
 
-    ps = _three_muon_steps()
+    from stages.train.optim import owners
+
+    ps, opt = _three_muon_steps()
+    alone = {k: v["momentum_buffer"] for k, v in opt.state_dict()["state"].items()}
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_muon_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
         ranks = [out[0], out[1]]
-    for got in ranks:
-        assert all(torch.equal(a, b) for a, b in zip(ps, got))
+    split = owners(SHAPES, 2)
+    for rank, got in enumerate(ranks):
+        assert all(torch.equal(a, b) for a, b in zip(ps, got["params"]))
+        mine = {i for i, o in enumerate(split) if o == rank}
+        assert got["kept"] == mine and got["reloaded"] == mine and got["after_save"] == len(mine)
+        assert got["held"] == sum(math.prod(SHAPES[i]) * 4 for i in mine) < sum(math.prod(s) * 4 for s in SHAPES)
+        assert got["messages"] == 3 * 2  # one broadcast per owner a step, not one per matrix
+        assert got["bytes"] == 3 * sum(math.prod(s) * 4 for s in SHAPES)
+    assert alone.keys() == ranks[0]["saved"].keys()
+    assert all(torch.equal(alone[k], ranks[0]["saved"][k]) for k in alone)
