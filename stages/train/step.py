@@ -71,16 +71,18 @@ def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.de
     return g
 
 
-def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator) -> LossOut:
+def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator, host=None) -> LossOut:
     """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
-    batch tensors are on the model's device."""
+    batch tensors are on the model's device; host: the same batch in host memory, if the caller has
+    it (the anchors are drawn on the host from it: no read back from the device, no wait)."""
     starts = batch.starts if plan.packed else None  # [b, T] packed rows; None: one document per row
+    on_host = host if host is not None else batch
     anchors, valid = sample_anchors(
-        batch.loss_mask.cpu(),
+        on_host.loss_mask.cpu(),  # [b, T] bool
         plan.anchors,
         generator=_cpu(gen),
         budget=plan.anchor_budget,
-        starts=None if starts is None else starts.cpu(),
+        starts=None if starts is None else on_host.starts.cpu(),
         rule=plan.anchor_rule,
     )
     ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
