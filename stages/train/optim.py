@@ -22,7 +22,8 @@ and backward: done whole on every rank it would more than double a --batch-size 
 8 ranks it adds about 25 TFLOP per rank. The updates then travel as one broadcast per owner, each
 owner's updates flattened into one buffer (3.5 GB in bf16 per step in all, received by each rank),
 instead of one broadcast per matrix (36 serial messages). A checkpoint holds every owner's momentum,
-gathered to rank 0 as Accelerate saves the optimizer; a resumed run keeps its own share.
+each rank writing its own shard beside Accelerate's state (stages/train/run_dir.py), in parallel;
+a resumed run, on any number of processes, keeps its own share.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class Muon(torch.optim.Muon):
     over the processes of a run: the gradients are the same on every rank after DDP's all-reduce, so
     each matrix has one owner (`owners`) that alone keeps its momentum and orthogonalizes it; each
     owner then broadcasts all its updates as one flat message, and every rank applies every update,
-    as when each computed them all (the same values, bit for bit). A checkpoint holds every owner's
-    momentum: state_dict (called by every rank) gathers it to rank 0; load_state_dict keeps a rank's
-    own share."""
+    as when each computed them all (the same values, bit for bit). state_dict is torch's, so holds this
+    rank's share of the momentum; each rank writes its own shard of a checkpoint (`owned_momentum`,
+    stages/train/run_dir.py), and load_state_dict and take_momentum keep this rank's share."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kw) -> None:
         super().__init__(params, **kw)
@@ -119,36 +120,24 @@ class Muon(torch.optim.Muon):
                 out[i] = updates[i] if owner == rank else part.view(pairs[i][0].shape)
         return out
 
-    def state_dict(self) -> dict:
-        """torch's, with every owner's momentum (on rank 0; a collective: every rank calls it, as
-        Accelerate's save_state does)."""
+    def owned_momentum(self) -> dict[int, torch.Tensor]:
+        """This rank's momentum buffers by matrix index (`matrices`): its shard of a checkpoint."""
         rank, mine = self.owner_of()
-        lent = self.gathered(rank, mine) if len(set(mine)) > 1 else []
-        try:
-            return super().state_dict()
-        finally:
-            for p in lent:  # the returned dict keeps them; this rank's state stays its own share
-                del self.state[p]
-
-    def gathered(self, rank: int, mine: list[int]) -> list[torch.Tensor]:
-        """The other owners' momentum buffers sent to rank 0, put into its state -> the parameters lent."""
-        lent = []
+        out = {}
         for i, ((p, _), owner) in enumerate(zip(self.matrices(), mine)):
-            if owner == 0 or rank not in (0, owner):
-                continue
-            has = torch.tensor([int("momentum_buffer" in self.state.get(p, {}))], device=p.device)
-            if rank == owner:
-                torch.distributed.send(has, dst=0)
-                if has.item():
-                    torch.distributed.send(self.state[p]["momentum_buffer"].contiguous(), dst=0)
-                continue
-            torch.distributed.recv(has, src=owner)
-            if has.item():
-                buf = torch.empty_like(p)
-                torch.distributed.recv(buf, src=owner)
-                self.state[p] = {"momentum_buffer": buf}
-                lent.append(p)
-        return lent
+            if owner == rank and "momentum_buffer" in self.state.get(p, {}):
+                out[i] = self.state[p]["momentum_buffer"]
+        return out
+
+    def take_momentum(self, shard: dict[int, torch.Tensor]) -> None:
+        """The buffers of a saved shard (`owned_momentum`, any rank's, any number of processes) that this
+        rank owns now, copied into its state; the rest left."""
+        rank, mine = self.owner_of()
+        pairs = self.matrices()
+        for i, buf in shard.items():
+            p = pairs[i][0]
+            if mine[i] == rank:
+                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype, copy=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, then only this rank's share of the momentum kept (the owners may differ from the

@@ -1,6 +1,7 @@
 """The optimizers and schedules of stages/train/optim.py."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,27 +101,33 @@ def test_owners_balance_the_iterations_cost():
 
 def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
     """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps;
-    then the checkpoint's state (a collective) and that state loaded back."""
+    then a checkpoint's optimizer state (rank 0's file) and momentum shards (every rank's) written and
+    read back."""
     import torch.distributed as dist
+
+    from stages.train.run_dir import load_momentum, save_momentum
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         ps, opt = _three_muon_steps()
         kept = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
         held = sum(s["momentum_buffer"].numel() * s["momentum_buffer"].element_size() for s in opt.state.values())
-        saved = opt.state_dict()
-        after_save = sum(1 for s in opt.state.values() if "momentum_buffer" in s)
-        file = [saved]  # what every rank reads back: the file rank 0 wrote
+        file = [opt.state_dict()]  # what every rank reads back: the file rank 0 wrote
+        save_momentum([opt], Path(path).parent, rank, world)
         dist.broadcast_object_list(file, src=0)
+        dist.barrier()
+        loaded = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
         opt.load_state_dict(file[0])
-        reloaded = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
+        load_momentum([opt], Path(path).parent)
+        momentum = {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(ps) if p in opt.state}
+        opt.load_state_dict(torch.load(Path(path).parent / "one-process.pt"))  # a checkpoint with no shards
         out[rank] = {
+            "old": {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(ps) if p in opt.state},
             "params": [p.detach().clone() for p in ps],
             "kept": kept,
             "held": held,
-            "after_save": after_save,
-            "reloaded": reloaded,
-            "saved": {k: v["momentum_buffer"].clone() for k, v in saved["state"].items()} if rank == 0 else None,
+            "loaded": loaded,
+            "momentum": momentum,
             "messages": opt.broadcasts,
             "bytes": opt.broadcast_bytes,
         }
@@ -149,13 +156,15 @@ def _three_muon_steps():
 def test_muon_split_over_two_processes_equals_one_process(tmp_path):
     """Each rank keeps the momentum of its own matrices only, orthogonalizes them and broadcasts its
     updates in one message a step: both ranks end with exactly the weights one process computes alone,
-    and the checkpoint's state (gathered to rank 0) is the one process's momentum, bit for bit."""
+    and a checkpoint (rank 0's optimizer state, each rank's momentum shard) read back gives each rank
+    its own share of the one process's momentum, bit for bit."""
     import torch.multiprocessing as mp
 
     from stages.train.optim import owners
 
     ps, opt = _three_muon_steps()
-    alone = {k: v["momentum_buffer"] for k, v in opt.state_dict()["state"].items()}
+    alone = {i: opt.state[p]["momentum_buffer"] for i, p in enumerate(ps)}
+    torch.save(opt.state_dict(), tmp_path / "one-process.pt")  # all the momentum in one file
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_muon_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
@@ -164,9 +173,13 @@ def test_muon_split_over_two_processes_equals_one_process(tmp_path):
     for rank, got in enumerate(ranks):
         assert all(torch.equal(a, b) for a, b in zip(ps, got["params"]))
         mine = {i for i, o in enumerate(split) if o == rank}
-        assert got["kept"] == mine and got["reloaded"] == mine and got["after_save"] == len(mine)
+        assert got["kept"] == mine == got["loaded"] == got["momentum"].keys()
+        assert all(torch.equal(alone[i], got["momentum"][i]) for i in mine)
+        assert got["old"].keys() == mine and all(torch.equal(alone[i], got["old"][i]) for i in mine)
         assert got["held"] == sum(math.prod(SHAPES[i]) * 4 for i in mine) < sum(math.prod(s) * 4 for s in SHAPES)
         assert got["messages"] == 3 * 2  # one broadcast per owner a step, not one per matrix
         assert got["bytes"] == 3 * sum(math.prod(s) * 4 for s in SHAPES)
-    assert alone.keys() == ranks[0]["saved"].keys()
-    assert all(torch.equal(alone[k], ranks[0]["saved"][k]) for k in alone)
+    assert sorted(p.name for p in tmp_path.glob("muon-momentum-rank-*.pt")) == [
+        "muon-momentum-rank-0.pt",
+        "muon-momentum-rank-1.pt",
+    ]

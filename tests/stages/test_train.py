@@ -195,6 +195,8 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     out = tmp_path / "run"
     r = train([*common, "--out", out], launcher=launch(2, 29581), stop_after=4)
     assert r.returncode != 0 and (out / "step-4").is_dir() and not (out / "final").exists(), r.stderr
+    shards = sorted(p.name for p in (out / "step-4" / "training").glob("muon-momentum-rank-*.pt"))
+    assert shards == ["muon-momentum-rank-0.pt", "muon-momentum-rank-1.pt"]  # each rank wrote its share
     r = train([*common, "--out", out, "--resume"], stop_after=6)
     assert r.returncode == 130 and "at step 4 (saved on 2 processes)" in r.stderr, r.stderr
     r = train([*common, "--out", out, "--resume"], launcher=launch(2, 29582))
