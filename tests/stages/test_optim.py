@@ -153,6 +153,33 @@ def _three_muon_steps():
     return ps, opt
 
 
+def _one_matrix_rank(rank: int, world: int, path: str, out: dict) -> None:
+    """Two ranks, one matrix: rank 0 owns it, rank 1 must still get its update."""
+    import torch.distributed as dist
+
+    from stages.train.optim import Muon
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        p = torch.nn.Parameter(torch.ones(8, 4))
+        opt = Muon([p], ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
+        p.grad = torch.arange(32.0).reshape(8, 4)
+        opt.step()
+        out[rank] = (p.detach().clone(), len(opt.state))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_matrix_owned_by_one_rank_reaches_the_other(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_one_matrix_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
+        (w0, n0), (w1, n1) = out[0], out[1]
+    assert torch.equal(w0, w1) and not torch.equal(w0, torch.ones(8, 4)) and (n0, n1) == (1, 0)
+
+
 def test_muon_split_over_two_processes_equals_one_process(tmp_path):
     """Each rank keeps the momentum of its own matrices only, orthogonalizes them and broadcasts its
     updates in one message a step: both ranks end with exactly the weights one process computes alone,
