@@ -11,14 +11,16 @@ timed by a wrapper put around it for the run, the forward is the rest of forward
 
 `orthogonalisation`: Muon's Newton-Schulz (5 iterations, fp32) on ONE real-shaped matrix, a k_proj
 [1024, 5120], timed once per repeat: a whole drafter's (fc [5120, 25600] alone is 14.8 TFLOP) takes
-minutes a step on this CPU. Its FLOPs and the 27B drafter's per step are given beside it (arithmetic).
+minutes a step on this CPU. Its FLOPs are given beside it (the 27B drafter's, 197 TFLOP a step, are arithmetic in
+stages/train/optim.py).
 
 `broadcast`, `checkpoint`: two gloo processes on this host, each with the same momentum and
 updates of one drafter layer's attention matrices at real shapes (q, k, v, o: 52M fp32 values),
 owners split by stages/train/optim.owners. broadcast: the updates as one message per matrix (the
 path before: one torch.distributed.broadcast each, re-enacted here) against one message per owner
-(Muon.exchanged, the path now). checkpoint: the momentum written by rank 0 alone (before: every
-rank held it all, the main process saved it) against each rank writing its own share at once
+(Muon.exchanged, the path now: each owner's iterations write straight into its message buffer).
+checkpoint: the momentum written by rank 0 alone (before: every rank held it all, the main process
+saved it) against each rank writing its own share at once
 (stages/train/run_dir.save_momentum); the slower rank's time.
 
 Not timed: the gradients' all-reduce (one host, no network: its bytes a step are in the metrics
@@ -165,6 +167,9 @@ def _rank(rank: int, world: int, path: str, width: int, repeat: int, out: dict) 
             opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
         updates = {i: torch.full(p.shape, 0.25) for i, p in enumerate(ps) if mine[i] == rank}
         pairs = opt.matrices()
+        flats = {o: opt.flat_for([p for p, m in zip(ps, mine) if m == o]) for o in set(mine)}
+        for part in flats[rank][1].values():  # where the owner's iterations write (Muon.step)
+            part.fill_(0.25)
 
         def per_matrix():  # the path before
             for i, p in enumerate(ps):
@@ -183,7 +188,7 @@ def _rank(rank: int, world: int, path: str, width: int, repeat: int, out: dict) 
 
         result = {
             "per_matrix_s": timed(per_matrix),
-            "per_owner_s": timed(lambda: opt.exchanged(updates, pairs, mine, rank)),
+            "per_owner_s": timed(lambda: opt.exchanged(flats, pairs, rank)),
         }
         every = {i: opt.state[p]["momentum_buffer"] for i, p in enumerate(ps)}
         own = Path(path).parent / f"rank-{rank}"

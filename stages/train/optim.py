@@ -20,7 +20,8 @@ iteration costs about 197 TFLOP per optimizer step (5 iterations over fc, 20 att
 matrices; an MLP matrix alone 10.5), against about 144 TFLOP for one 4,096-token sequence's forward
 and backward: done whole on every rank it would more than double a --batch-size 1 step, split over
 8 ranks it adds about 25 TFLOP per rank. The updates then travel as one broadcast per owner, each
-owner's updates flattened into one buffer (3.5 GB in bf16 per step in all, received by each rank),
+owner's iterations writing their last step straight into its one buffer, no copy (3.5 GB in bf16
+per step in all, received by each rank),
 instead of one broadcast per matrix (36 serial messages). A checkpoint holds every owner's momentum,
 each rank writing its own shard beside Accelerate's state (stages/train/run_dir.py), in parallel;
 a resumed run, on any number of processes, keeps its own share.
@@ -76,13 +77,21 @@ class Muon(torch.optim.Muon):
         assert closure is None, "Muon here takes no closure"
         rank, mine = self.owner_of()
         pairs = self.matrices()
+        several = _process()[1] > 1  # every other rank receives, even when one rank owns every matrix
+        ready = [i for i, (p, _) in enumerate(pairs) if p.grad is not None]  # the same on every rank
+        flats = {o: self.flat_for([pairs[i][0] for i in ready if mine[i] == o]) for o in set(mine)} if several else {}
         updates = {}  # matrix index -> its update [A, B] ns_dtype
-        for i, ((p, group), owner) in enumerate(zip(pairs, mine)):
-            if p.grad is not None and owner == rank:
-                g = self.momentum_step(p, group)
-                updates[i] = orthogonalized(g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-        if _process()[1] > 1:  # every other rank receives, even when one rank owns every matrix
-            updates = self.exchanged(updates, pairs, mine, rank)
+        for i in ready:
+            (p, group), owner = pairs[i], mine[i]
+            if owner != rank:
+                continue
+            g = self.momentum_step(p, group)
+            out = flats[rank][1].get(i) if several else None  # [iterated_shape] in rank's buffer
+            updates[i] = orthogonalized(
+                g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype, out=out
+            )
+        if several:
+            updates = self.exchanged(flats, pairs, rank)
         for i, u in updates.items():
             p, group = pairs[i]
             p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -99,25 +108,29 @@ class Muon(torch.optim.Muon):
         buf.lerp_(p.grad, 1 - group["momentum"])
         return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
-    def exchanged(self, updates: dict, pairs: list, mine: list[int], rank: int) -> dict:
-        """Every matrix's update on every rank: one broadcast per owner of its updates flattened into one
-        buffer (every rank has the same gradients, so knows which matrices have an update)."""
+    def flat_for(self, params: list) -> tuple[torch.Tensor | None, dict]:
+        """One owner's broadcast buffer [sum of sizes] ns_dtype and, by matrix index, its parts shaped as
+        the iteration runs (None and nothing when it owns no updated matrix)."""
+        index = {id(p): i for i, (p, _) in enumerate(self.matrices())}
+        if not params:
+            return None, {}
+        flat = torch.empty(sum(p.numel() for p in params), dtype=self.ns_dtype, device=params[0].device)
+        parts = flat.split([p.numel() for p in params])
+        return flat, {index[id(p)]: part.view(iterated_shape(p.shape)) for p, part in zip(params, parts)}
+
+    def exchanged(self, flats: dict, pairs: list, rank: int) -> dict:
+        """Every matrix's update on every rank: one broadcast per owner of its buffer, which its
+        iterations wrote into (every rank has the same gradients, so knows which matrices have one)."""
         out = {}
-        for owner in sorted(set(mine)):
-            idx = [i for i, o in enumerate(mine) if o == owner and pairs[i][0].grad is not None]
-            if not idx:
+        for owner in sorted(flats):
+            flat, parts = flats[owner]
+            if flat is None:
                 continue
-            sizes = [pairs[i][0].numel() for i in idx]
-            device = pairs[idx[0]][0].device
-            if owner == rank:
-                flat = torch.cat([updates[i].reshape(-1) for i in idx])  # [sum of sizes] ns_dtype
-            else:
-                flat = torch.empty(sum(sizes), dtype=self.ns_dtype, device=device)
             torch.distributed.broadcast(flat, src=owner)
             self.broadcast_bytes += flat.numel() * flat.element_size()
             self.broadcasts += 1
-            for i, part in zip(idx, flat.split(sizes)):
-                out[i] = updates[i] if owner == rank else part.view(pairs[i][0].shape)
+            for i, part in parts.items():
+                out[i] = update_view(part.reshape(-1), pairs[i][0].shape)
         return out
 
     def owned_momentum(self) -> dict[int, torch.Tensor]:
@@ -166,17 +179,37 @@ def owners(shapes: list, world: int) -> list[int]:
     return out
 
 
-def orthogonalized(g: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration on a matrix [A, B], in dtype (torch's, for any dtype)."""
+def orthogonalized(
+    g: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration on a matrix [A, B], in dtype (torch's, for any dtype).
+    out: where the last iteration writes, shaped as the iteration runs (`iterated_shape`), so a
+    broadcast buffer needs no copy; the result is then a view of it."""
     a, b, c = coefficients
     x = g.to(dtype, copy=True)  # never the caller's tensor (the momentum buffer without nesterov)
     if g.size(0) > g.size(1):
         x = x.T
     x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
+    for k in range(steps):
         gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = torch.addmm(
+            x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a, out=out if k == steps - 1 else None
+        )
+    if out is not None and x.data_ptr() != out.data_ptr():
+        x = out.copy_(x)  # no iteration ran
     return x.T if g.size(0) > g.size(1) else x
+
+
+def iterated_shape(shape) -> tuple[int, int]:
+    """The shape the iteration runs in for a matrix [A, B]: the shorter side first."""
+    A, B = shape[:2]
+    return (B, A) if A > B else (A, B)
+
+
+def update_view(flat: torch.Tensor, shape) -> torch.Tensor:
+    """A matrix's update [A, B] from its part of a broadcast buffer, laid out as the iteration ran."""
+    v = flat.view(iterated_shape(shape))
+    return v.T if shape[0] > shape[1] else v
 
 
 def rms_ratio(adjust_lr_fn: str | None, shape) -> float:
