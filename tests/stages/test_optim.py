@@ -210,3 +210,18 @@ def test_muon_split_over_two_processes_equals_one_process(tmp_path):
         "muon-momentum-rank-0.pt",
         "muon-momentum-rank-1.pt",
     ]
+
+
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12)], ids=["wide", "tall"])
+@pytest.mark.parametrize("steps", [0, 5])
+def test_the_iteration_written_into_a_buffer_is_the_same_update(shape, steps):
+    """Muon.step's owners let the last iteration write into their broadcast buffer: the update read
+    back from it (update_view) is the one computed without it, bit for bit, and lies in the buffer."""
+    from stages.train.optim import iterated_shape, orthogonalized, update_view
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    coefficients = (3.4445, -4.775, 2.0315)
+    alone = orthogonalized(g, coefficients, steps, 1e-7, torch.float32)
+    flat = torch.full((g.numel() + 5,), float("nan"))
+    got = orthogonalized(g, coefficients, steps, 1e-7, torch.float32, out=flat[5:].view(iterated_shape(shape)))
+    assert torch.equal(got, alone) and torch.equal(update_view(flat[5:], shape), alone)
