@@ -13,11 +13,18 @@ Muon step in bf16, 0.13 s in fp32, against AdamW's 0.014 s and a training step o
 bf16 the update equals torch's bit for bit (tests/stages/test_optim.py); the state is torch's
 (`momentum_buffer`), so checkpoints hold the same tensors.
 
-The iteration is split over the run's processes (Muon.step). At 27B width it costs about 197
-TFLOP per optimizer step (5 iterations over fc, 20 attention and 15 MLP matrices; an MLP matrix
-alone 10.5), against about 144 TFLOP for one 4,096-token sequence's forward and backward: done
-whole on every rank it would more than double a --batch-size 1 step, split over 8 ranks it adds
-about 25 TFLOP per rank, plus a broadcast of the updates (3.5 GB in bf16 per step, received by each).
+The iteration is split over the run's processes (Muon.step): each matrix has one owner, the only
+rank that keeps its momentum (at 27B width 6.9 GB in all, so 1/32 of it a rank on 32 GPUs instead
+of all of it on each; arithmetic: 1.73B fp32 values) and orthogonalizes it. At 27B width the
+iteration costs about 197 TFLOP per optimizer step (5 iterations over fc, 20 attention and 15 MLP
+matrices; an MLP matrix alone 10.5), against about 144 TFLOP for one 4,096-token sequence's forward
+and backward: done whole on every rank it would more than double a --batch-size 1 step, split over
+8 ranks it adds about 25 TFLOP per rank. The updates then travel as one broadcast per owner, each
+owner's iterations writing their last step straight into its one buffer, no copy (3.5 GB in bf16
+per step in all, received by each rank),
+instead of one broadcast per matrix (36 serial messages). A checkpoint holds every owner's momentum,
+each rank writing its own shard beside Accelerate's state (stages/train/run_dir.py), in parallel;
+a resumed run, on any number of processes, keeps its own share.
 """
 
 from __future__ import annotations
@@ -41,42 +48,118 @@ def muon_split(model: torch.nn.Module) -> tuple[list, list]:
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon, its Newton-Schulz iteration in ns_dtype (the module doc says why), and split
-    over the processes of a run: the gradients are the same on every rank after DDP's all-reduce,
-    so each rank orthogonalizes its own share of the matrices (`owners`) and broadcasts the results;
-    every rank then applies every update, as when each computed them all (the same values)."""
+    over the processes of a run: the gradients are the same on every rank after DDP's all-reduce, so
+    each matrix has one owner (`owners`) that alone keeps its momentum and orthogonalizes it; each
+    owner then broadcasts all its updates as one flat message, and every rank applies every update,
+    as when each computed them all (the same values, bit for bit). state_dict is torch's, so holds this
+    rank's share of the momentum; each rank writes its own shard of a checkpoint (`owned_momentum`,
+    stages/train/run_dir.py), and load_state_dict and take_momentum keep this rank's share."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kw) -> None:
         super().__init__(params, **kw)
         self.ns_dtype = ns_dtype
         self.broadcast_bytes = 0  # updates broadcast so far (each rank sends its share, receives the rest)
+        self.broadcasts = 0  # messages so far: one per owner a step
+
+    def matrices(self) -> list[tuple[torch.Tensor, dict]]:
+        """(parameter, its group), in the groups' order: the same list on every rank."""
+        return [(p, group) for group in self.param_groups for p in group["params"]]
+
+    def owner_of(self) -> tuple[int, list[int]]:
+        """(this rank, each matrix's owner)."""
+        rank, world = _process()
+        return rank, owners([p.shape for p, _ in self.matrices()], world)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """torch's _single_tensor_muon, step for step, with `orthogonalized` in ns_dtype."""
+        """torch's _single_tensor_muon, step for step, with `orthogonalized` in ns_dtype, on this
+        rank's matrices; the others' updates arrive by broadcast."""
         assert closure is None, "Muon here takes no closure"
-        todo = []  # (param, its group, the momentum-corrected gradient)
-        for group in self.param_groups:
-            params, grads, bufs = [], [], []
-            self._init_group(group, params, grads, bufs)
-            for p, grad, buf in zip(params, grads, bufs):
-                buf.lerp_(grad, 1 - group["momentum"])
-                todo.append((p, group, grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf))
-        rank, world = _process()
-        mine = owners([p.shape for p, _, _ in todo], world)
-        updates = []
-        for (p, group, g), owner in zip(todo, mine):
-            if owner == rank:
-                u = orthogonalized(g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-            else:
-                u = torch.empty(p.shape, dtype=self.ns_dtype, device=p.device)
-            updates.append(u.contiguous())
-        if world > 1:
-            for u, owner in zip(updates, mine):
-                torch.distributed.broadcast(u, src=owner)
-            self.broadcast_bytes += sum(u.numel() * u.element_size() for u in updates)
-        for (p, group, _), u in zip(todo, updates):
+        rank, mine = self.owner_of()
+        pairs = self.matrices()
+        several = _process()[1] > 1  # every other rank receives, even when one rank owns every matrix
+        ready = [i for i, (p, _) in enumerate(pairs) if p.grad is not None]  # the same on every rank
+        flats = {o: self.flat_for([pairs[i][0] for i in ready if mine[i] == o]) for o in set(mine)} if several else {}
+        updates = {}  # matrix index -> its update [A, B] ns_dtype
+        for i in ready:
+            (p, group), owner = pairs[i], mine[i]
+            if owner != rank:
+                continue
+            g = self.momentum_step(p, group)
+            out = flats[rank][1].get(i) if several else None  # [iterated_shape] in rank's buffer
+            updates[i] = orthogonalized(
+                g, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype, out=out
+            )
+        if several:
+            updates = self.exchanged(flats, pairs, rank)
+        for i, u in updates.items():
+            p, group = pairs[i]
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(u, alpha=-group["lr"] * rms_ratio(group["adjust_lr_fn"], p.shape))
+
+    def momentum_step(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum buffer moved toward p's gradient -> what is orthogonalized (torch's, nesterov or not)."""
+        if torch.is_complex(p) or p.grad.is_sparse:
+            raise RuntimeError("Muon does not support complex parameters or sparse gradients")
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - group["momentum"])
+        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def flat_for(self, params: list) -> tuple[torch.Tensor | None, dict]:
+        """One owner's broadcast buffer [sum of sizes] ns_dtype and, by matrix index, its parts shaped as
+        the iteration runs (None and nothing when it owns no updated matrix)."""
+        index = {id(p): i for i, (p, _) in enumerate(self.matrices())}
+        if not params:
+            return None, {}
+        flat = torch.empty(sum(p.numel() for p in params), dtype=self.ns_dtype, device=params[0].device)
+        parts = flat.split([p.numel() for p in params])
+        return flat, {index[id(p)]: part.view(iterated_shape(p.shape)) for p, part in zip(params, parts)}
+
+    def exchanged(self, flats: dict, pairs: list, rank: int) -> dict:
+        """Every matrix's update on every rank: one broadcast per owner of its buffer, which its
+        iterations wrote into (every rank has the same gradients, so knows which matrices have one)."""
+        out = {}
+        for owner in sorted(flats):
+            flat, parts = flats[owner]
+            if flat is None:
+                continue
+            torch.distributed.broadcast(flat, src=owner)
+            self.broadcast_bytes += flat.numel() * flat.element_size()
+            self.broadcasts += 1
+            for i, part in parts.items():
+                out[i] = update_view(part.reshape(-1), pairs[i][0].shape)
+        return out
+
+    def owned_momentum(self) -> dict[int, torch.Tensor]:
+        """This rank's momentum buffers by matrix index (`matrices`): its shard of a checkpoint."""
+        rank, mine = self.owner_of()
+        out = {}
+        for i, ((p, _), owner) in enumerate(zip(self.matrices(), mine)):
+            if owner == rank and "momentum_buffer" in self.state.get(p, {}):
+                out[i] = self.state[p]["momentum_buffer"]
+        return out
+
+    def take_momentum(self, shard: dict[int, torch.Tensor]) -> None:
+        """The buffers of a saved shard (`owned_momentum`, any rank's, any number of processes) that this
+        rank owns now, copied into its state; the rest left."""
+        rank, mine = self.owner_of()
+        pairs = self.matrices()
+        for i, buf in shard.items():
+            p = pairs[i][0]
+            if mine[i] == rank:
+                self.state[p]["momentum_buffer"] = buf.to(device=p.device, dtype=p.dtype, copy=True)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then only this rank's share of the momentum kept (the owners may differ from the
+        saving run's: another number of processes)."""
+        super().load_state_dict(state_dict)
+        rank, mine = self.owner_of()
+        for (p, _), owner in zip(self.matrices(), mine):
+            if owner != rank:
+                self.state.pop(p, None)
 
 
 def _process() -> tuple[int, int]:
@@ -96,17 +179,37 @@ def owners(shapes: list, world: int) -> list[int]:
     return out
 
 
-def orthogonalized(g: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration on a matrix [A, B], in dtype (torch's, for any dtype)."""
+def orthogonalized(
+    g: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration on a matrix [A, B], in dtype (torch's, for any dtype).
+    out: where the last iteration writes, shaped as the iteration runs (`iterated_shape`), so a
+    broadcast buffer needs no copy; the result is then a view of it."""
     a, b, c = coefficients
     x = g.to(dtype, copy=True)  # never the caller's tensor (the momentum buffer without nesterov)
     if g.size(0) > g.size(1):
         x = x.T
     x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
+    for k in range(steps):
         gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = torch.addmm(
+            x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a, out=out if k == steps - 1 else None
+        )
+    if out is not None and x.data_ptr() != out.data_ptr():
+        x = out.copy_(x)  # no iteration ran
     return x.T if g.size(0) > g.size(1) else x
+
+
+def iterated_shape(shape) -> tuple[int, int]:
+    """The shape the iteration runs in for a matrix [A, B]: the shorter side first."""
+    A, B = shape[:2]
+    return (B, A) if A > B else (A, B)
+
+
+def update_view(flat: torch.Tensor, shape) -> torch.Tensor:
+    """A matrix's update [A, B] from its part of a broadcast buffer, laid out as the iteration ran."""
+    v = flat.view(iterated_shape(shape))
+    return v.T if shape[0] > shape[1] else v
 
 
 def rms_ratio(adjust_lr_fn: str | None, shape) -> float:

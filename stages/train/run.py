@@ -94,22 +94,29 @@ def under_bar(bar, log, line: str) -> None:
 
 
 def train_step(setup: Setup, config: TrainConfig, batches, step: int, seen: list | None):
-    """One optimizer step over --grad-accum micro-batches -> (summed loss stats, tokens read)."""
+    """One optimizer step over --grad-accum micro-batches -> (summed loss stats on the device, tokens
+    read). The host never waits for the device here: token counts and anchors come from the batch
+    as the loader gave it (host memory), and each loss's finiteness is read back at the optimizer
+    step through `FiniteLoss` (the forward long done by then); the sums are read at log time."""
     acc = setup.accelerator
     setup.model.train()
-    sums, tokens = 0, 0
+    sums, tokens, losses = 0, 0, []
     for micro in range(config.optim.grad_accum):
-        batch = next(batches).to(acc.device)
+        host = next(batches)  # the loader's batch, in (pinned) host memory
+        batch = host.to(acc.device)
         if seen is not None:
-            seen += batch.refs.tolist()
-        tokens += int(batch.lengths.sum())
+            seen += host.refs.tolist()
+        tokens += int(host.lengths.sum())
         with acc.accumulate(setup.model):
             gen = step_generator(config.data.seed, step, micro, acc.process_index, acc.device)
-            out = forward_loss(setup.model, setup.raw, batch, setup.plan, gen)
-            check_finite(out.loss, step, micro, batch)
+            out = forward_loss(setup.model, setup.raw, batch, setup.plan, gen, host=host)
+            losses.append(FiniteLoss(out.loss, step, micro, host))
             acc.backward(out.loss)
-            if acc.sync_gradients and config.optim.grad_clip > 0:
-                acc.clip_grad_norm_(setup.model.parameters(), config.optim.grad_clip)
+            if acc.sync_gradients:
+                for loss in losses:  # before anything moves the weights
+                    loss.check()
+                if config.optim.grad_clip > 0:
+                    acc.clip_grad_norm_(setup.model.parameters(), config.optim.grad_clip)
             for opt in setup.optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -119,16 +126,30 @@ def train_step(setup: Setup, config: TrainConfig, batches, step: int, seen: list
     return sums, tokens
 
 
-def check_finite(loss: torch.Tensor, step: int, micro: int, batch) -> None:
-    """Stop before a non-finite loss reaches the weights (the host already waits for this micro-batch:
-    its token count is read back), naming the step and the samples."""
-    if not bool(torch.isfinite(loss.detach())):
-        refs = ", ".join(f"shard {a} sample {b}" for a, b in batch.refs.tolist())
-        raise TrainingError(
-            f"step {step + 1}, micro-batch {micro}: the loss is {float(loss):.4g}, not finite; the "
-            f"batch held {refs} (check them with `pipeline verify`; lower --lr, or --resume from "
-            "the last step-N)"
-        )
+class FiniteLoss:
+    """Whether a micro-batch's loss is finite, copied to the host without waiting for it: the host
+    waits in `check` only for that forward to end (on CUDA, an event recorded after it), which by the
+    optimizer step it has, the backward still running; the GPU's queue never runs dry for it."""
+
+    def __init__(self, loss: torch.Tensor, step: int, micro: int, host_batch) -> None:
+        self.loss, self.step, self.micro, self.refs = loss.detach(), step, micro, host_batch.refs
+        finite = torch.isfinite(self.loss)  # [] bool, on the device
+        self.finite = finite.to("cpu", non_blocking=True) if finite.is_cuda else finite
+        self.event = torch.cuda.Event() if finite.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def check(self) -> None:
+        """Stop before a non-finite loss reaches the weights, naming the step and the samples."""
+        if self.event is not None:
+            self.event.synchronize()
+        if not bool(self.finite):
+            refs = ", ".join(f"shard {a} sample {b}" for a, b in self.refs.tolist())
+            raise TrainingError(
+                f"step {self.step + 1}, micro-batch {self.micro}: the loss is {float(self.loss):.4g}, not "
+                f"finite; the batch held {refs} (check them with `pipeline verify`; lower --lr, or --resume "
+                "from the last step-N)"
+            )
 
 
 class Window:

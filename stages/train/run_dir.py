@@ -18,6 +18,8 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
 from pipeline import device as devices
 from pipeline.drafter import checkpoint
 from pipeline.drafter.config import TrainingRecord
@@ -27,6 +29,7 @@ from stages.out_contents import RUN, RUN_LOCK, refuse_other_kinds
 from stages.paths import full_disk
 from stages.settings import flag_of, leaves, with_role
 from stages.train.config import RunConfig, TrainConfig
+from stages.train.optim import Muon
 from stages.train.position import advance, epochs_done, epochs_walked
 from store.errors import ConfigError
 from store.io import file_modes
@@ -157,9 +160,36 @@ def save_step(setup, config: TrainConfig, step: int) -> None:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp / "training"))
+        save_momentum(setup.optimizers, tmp / "training", acc.process_index, acc.num_processes)
         write_drafter(setup, config, tmp, step, atomic=False)
         _finish_step(setup, config, step, tmp, final)
     acc.wait_for_everyone()
+
+
+MOMENTUM = "muon-momentum-rank-{}.pt"  # training/: one rank's share of Muon's momentum {matrix index: buffer}
+
+
+def save_momentum(optimizers: list, directory: Path, rank: int, world: int) -> None:
+    """With several processes, each rank writes its own share of Muon's momentum beside Accelerate's
+    state, all ranks at once (rank 0's optimizer file holds only its own share; one process's holds
+    all of it, as before)."""
+    for muon in muons(optimizers):
+        if world > 1:
+            torch.save(muon.owned_momentum(), directory / MOMENTUM.format(rank))
+
+
+def load_momentum(optimizers: list, directory: Path) -> None:
+    """Every rank's saved share read (memory-mapped), this rank's matrices kept: any number of
+    processes saved them and reads them. A checkpoint without shards (one process, or saved before
+    they existed: every rank then held all the momentum) has it all in the optimizer file."""
+    for muon in muons(optimizers):
+        for shard in sorted(directory.glob(MOMENTUM.format("*"))):
+            muon.take_momentum(torch.load(shard, map_location="cpu", mmap=True, weights_only=True))
+
+
+def muons(optimizers: list) -> list[Muon]:
+    """The Muon optimizers among a run's (Accelerate wraps each)."""
+    return [o for o in (getattr(o, "optimizer", o) for o in optimizers) if isinstance(o, Muon)]
 
 
 @contextlib.contextmanager

@@ -10,12 +10,19 @@ import torch
 from pipeline.drafter import masks
 from pipeline.drafter.blocks import make_blocks, sample_anchors
 from pipeline.drafter.config import DrafterConfig
-from pipeline.drafter.loss import LossOut, dflash_loss
+from pipeline.drafter.loss import LOGITS_BYTES, LossOut, dflash_loss, rows_within
 from pipeline.drafter.model import Drafter
 from stages.train.config import LossConfig
 from stages.train.recipe import slot_gamma
 
 CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
+# The fused loss's chunk on a GPU (arithmetic). Each chunk of r rows reads the whole lm_head [V, H]
+# (bf16: 2VH bytes) for 2rVH FLOP, and moves about 6rV bytes of logits (bf16 out, fp32 copy): about
+# rH / (H + 3r) FLOP a byte. An H100 SXM's bf16 ridge point is 989 TFLOP/s / 3.35 TB/s = 295 FLOP/B
+# (an H200's 206). At V = 248,320 and H = 5120, 256 MiB of fp32 logits (LOGITS_BYTES) is r = 270:
+# 233 FLOP/B, below the H100's ridge, memory-bound; 1 GiB is r = 1,081: 662 FLOP/B, 2.2x the ridge,
+# compute-bound, for a chunk peak of about 1.5 GiB (0.02 of an 80 GB GPU).
+GPU_LOGITS_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -71,16 +78,18 @@ def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.de
     return g
 
 
-def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator) -> LossOut:
+def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generator, host=None) -> LossOut:
     """One micro-batch -> LossOut. model: as prepared (DDP wrapper); raw: the Drafter inside it;
-    batch tensors are on the model's device."""
+    batch tensors are on the model's device; host: the same batch in host memory, if the caller has
+    it (the anchors are drawn on the host from it: no read back from the device, no wait)."""
     starts = batch.starts if plan.packed else None  # [b, T] packed rows; None: one document per row
+    on_host = host if host is not None else batch
     anchors, valid = sample_anchors(
-        batch.loss_mask.cpu(),
+        on_host.loss_mask.cpu(),  # [b, T] bool
         plan.anchors,
         generator=_cpu(gen),
         budget=plan.anchor_budget,
-        starts=None if starts is None else starts.cpu(),
+        starts=None if starts is None else on_host.starts.cpu(),
         rule=plan.anchor_rule,
     )
     ctx_len = int(anchors.max())  # keys at or past the last anchor are never visible (strict <)
@@ -109,9 +118,16 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
         raw.lm_head,
         plan.gamma,
         dpace=plan.dpace_alpha,
+        chunk_rows=loss_chunk_rows(raw.lm_head.shape[0], h.device),
         norm=plan.loss_norm,
         acceptance=plan.acceptance,
     )
+
+
+def loss_chunk_rows(vocab: int, device: torch.device) -> int:
+    """Logits rows per chunk of the fused loss: GPU_LOGITS_BYTES of fp32 logits on a GPU, LOGITS_BYTES
+    elsewhere (the arithmetic at GPU_LOGITS_BYTES)."""
+    return rows_within(vocab, GPU_LOGITS_BYTES if device.type == "cuda" else LOGITS_BYTES)
 
 
 def make_noise(plan: LossPlan, shape, gen: torch.Generator, device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The optimizers and schedules of stages/train/optim.py."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,40 +100,128 @@ def test_owners_balance_the_iterations_cost():
 
 
 def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
-    """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps."""
+    """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps;
+    then a checkpoint's optimizer state (rank 0's file) and momentum shards (every rank's) written and
+    read back."""
     import torch.distributed as dist
+
+    from stages.train.run_dir import load_momentum, save_momentum
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        out[rank] = [p.detach().clone() for p in _three_muon_steps()]
+        ps, opt = _three_muon_steps()
+        kept = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
+        held = sum(s["momentum_buffer"].numel() * s["momentum_buffer"].element_size() for s in opt.state.values())
+        file = [opt.state_dict()]  # what every rank reads back: the file rank 0 wrote
+        save_momentum([opt], Path(path).parent, rank, world)
+        dist.broadcast_object_list(file, src=0)
+        dist.barrier()
+        loaded = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
+        opt.load_state_dict(file[0])
+        load_momentum([opt], Path(path).parent)
+        momentum = {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(ps) if p in opt.state}
+        opt.load_state_dict(torch.load(Path(path).parent / "one-process.pt"))  # a checkpoint with no shards
+        out[rank] = {
+            "old": {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(ps) if p in opt.state},
+            "params": [p.detach().clone() for p in ps],
+            "kept": kept,
+            "held": held,
+            "loaded": loaded,
+            "momentum": momentum,
+            "messages": opt.broadcasts,
+            "bytes": opt.broadcast_bytes,
+        }
     finally:
         dist.destroy_process_group()
 
 
-def _three_muon_steps() -> list[torch.nn.Parameter]:
-    """Seeded parameters after three Muon steps on seeded gradients (in a group: the group's split)."""
+SHAPES = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
+
+
+def _three_muon_steps():
+    """Seeded parameters after three Muon steps on seeded gradients (in a group: the group's split)
+    -> (the parameters, the optimizer)."""
     from stages.train.optim import Muon
 
     g = torch.Generator().manual_seed(0)
-    shapes = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
-    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
     opt = Muon(ps, ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
     for _ in range(3):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-    return ps
+    return ps, opt
+
+
+def _one_matrix_rank(rank: int, world: int, path: str, out: dict) -> None:
+    """Two ranks, one matrix: rank 0 owns it, rank 1 must still get its update."""
+    import torch.distributed as dist
+
+    from stages.train.optim import Muon
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        p = torch.nn.Parameter(torch.ones(8, 4))
+        opt = Muon([p], ns_dtype=torch.float32, lr=0.02, adjust_lr_fn="match_rms_adamw")
+        p.grad = torch.arange(32.0).reshape(8, 4)
+        opt.step()
+        out[rank] = (p.detach().clone(), len(opt.state))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_matrix_owned_by_one_rank_reaches_the_other(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_one_matrix_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
+        (w0, n0), (w1, n1) = out[0], out[1]
+    assert torch.equal(w0, w1) and not torch.equal(w0, torch.ones(8, 4)) and (n0, n1) == (1, 0)
 
 
 def test_muon_split_over_two_processes_equals_one_process(tmp_path):
-    """Each rank orthogonalizes its share and broadcasts it: both ranks end with exactly the weights
-    one process computes alone."""
+    """Each rank keeps the momentum of its own matrices only, orthogonalizes them and broadcasts its
+    updates in one message a step: both ranks end with exactly the weights one process computes alone,
+    and a checkpoint (rank 0's optimizer state, each rank's momentum shard) read back gives each rank
+    its own share of the one process's momentum, bit for bit."""
     import torch.multiprocessing as mp
 
-    ps = _three_muon_steps()
+    from stages.train.optim import owners
+
+    ps, opt = _three_muon_steps()
+    alone = {i: opt.state[p]["momentum_buffer"] for i, p in enumerate(ps)}
+    torch.save(opt.state_dict(), tmp_path / "one-process.pt")  # all the momentum in one file
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_muon_rank, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2)
         ranks = [out[0], out[1]]
-    for got in ranks:
-        assert all(torch.equal(a, b) for a, b in zip(ps, got))
+    split = owners(SHAPES, 2)
+    for rank, got in enumerate(ranks):
+        assert all(torch.equal(a, b) for a, b in zip(ps, got["params"]))
+        mine = {i for i, o in enumerate(split) if o == rank}
+        assert got["kept"] == mine == got["loaded"] == got["momentum"].keys()
+        assert all(torch.equal(alone[i], got["momentum"][i]) for i in mine)
+        assert got["old"].keys() == mine and all(torch.equal(alone[i], got["old"][i]) for i in mine)
+        assert got["held"] == sum(math.prod(SHAPES[i]) * 4 for i in mine) < sum(math.prod(s) * 4 for s in SHAPES)
+        assert got["messages"] == 3 * 2  # one broadcast per owner a step, not one per matrix
+        assert got["bytes"] == 3 * sum(math.prod(s) * 4 for s in SHAPES)
+    assert sorted(p.name for p in tmp_path.glob("muon-momentum-rank-*.pt")) == [
+        "muon-momentum-rank-0.pt",
+        "muon-momentum-rank-1.pt",
+    ]
+
+
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12)], ids=["wide", "tall"])
+@pytest.mark.parametrize("steps", [0, 5])
+def test_the_iteration_written_into_a_buffer_is_the_same_update(shape, steps):
+    """Muon.step's owners let the last iteration write into their broadcast buffer: the update read
+    back from it (update_view) is the one computed without it, bit for bit, and lies in the buffer."""
+    from stages.train.optim import iterated_shape, orthogonalized, update_view
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    coefficients = (3.4445, -4.775, 2.0315)
+    alone = orthogonalized(g, coefficients, steps, 1e-7, torch.float32)
+    flat = torch.full((g.numel() + 5,), float("nan"))
+    got = orthogonalized(g, coefficients, steps, 1e-7, torch.float32, out=flat[5:].view(iterated_shape(shape)))
+    assert torch.equal(got, alone) and torch.equal(update_view(flat[5:], shape), alone)

@@ -355,3 +355,35 @@ def test_the_acceptance_weight_reaches_the_loss_and_leaves_the_metrics(small_sto
     assert torch.allclose(outs[0.0].loss, sums[0] / sums[1])
     assert 0 < outs[1.0].loss.item() < 1 and not torch.allclose(outs[1.0].loss, outs[0.0].loss)
     assert torch.allclose(outs[0.5].loss, (outs[0.0].loss + outs[1.0].loss) / 2)
+
+
+def test_the_losss_chunk_is_compute_bound_on_a_gpu_and_small_elsewhere(small_store, monkeypatch):
+    """At the 27B vocabulary a GPU chunk holds 1,081 rows (1 GiB of fp32 logits: about 662 FLOP a byte
+    against an H100's ridge of 295), a CPU chunk 270 (256 MiB); forward_loss passes the device's."""
+    import torch
+
+    import stages.train.step as st
+
+    assert st.loss_chunk_rows(248_320, torch.device("cuda")) == 1081
+    assert st.loss_chunk_rows(248_320, torch.device("cpu")) == 270
+    rows = 1081
+    assert rows * 5120 / (5120 + 3 * rows) > 2 * 295 > 2 * 270 * 5120 / (5120 + 3 * 270)
+    from pipeline.drafter.loss import rows_within
+    from pipeline.drafter.model import Drafter
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
+    from stages.train.setup import drafter_config
+    from store.hidden_store import HiddenStore
+
+    store = HiddenStore(str(small_store))
+    config = TrainConfig.of(anchors=4, num_layers=1)
+    dc, _ = drafter_config(config, store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
+    seen, real = [], st.dflash_loss
+    monkeypatch.setattr(st, "dflash_loss", lambda *a, **k: seen.append(k["chunk_rows"]) or real(*a, **k))
+    batch = StoreBatches(str(small_store), [[(index_samples(store, [0], 60)[0],)]])[0]
+    with torch.no_grad():
+        st.forward_loss(
+            model, model, batch, st.LossPlan.of(config.loss, dc, False), st.step_generator(0, 1, 0, 0, "cpu")
+        )
+    assert seen == [rows_within(model.lm_head.shape[0])]

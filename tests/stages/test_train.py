@@ -195,6 +195,8 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     out = tmp_path / "run"
     r = train([*common, "--out", out], launcher=launch(2, 29581), stop_after=4)
     assert r.returncode != 0 and (out / "step-4").is_dir() and not (out / "final").exists(), r.stderr
+    shards = sorted(p.name for p in (out / "step-4" / "training").glob("muon-momentum-rank-*.pt"))
+    assert shards == ["muon-momentum-rank-0.pt", "muon-momentum-rank-1.pt"]  # each rank wrote its share
     r = train([*common, "--out", out, "--resume"], stop_after=6)
     assert r.returncode == 130 and "at step 4 (saved on 2 processes)" in r.stderr, r.stderr
     r = train([*common, "--out", out, "--resume"], launcher=launch(2, 29582))
@@ -546,8 +548,8 @@ def test_a_non_finite_loss_stops_before_the_weights_naming_step_and_samples(smal
 
     real, calls = train_module.forward_loss, []
 
-    def poisoned(model, raw, batch, plan, gen):  # the 3rd training micro-batch's loss becomes NaN
-        out = real(model, raw, batch, plan, gen)
+    def poisoned(model, raw, batch, plan, gen, **kw):  # the 3rd training micro-batch's loss becomes NaN
+        out = real(model, raw, batch, plan, gen, **kw)
         if model.training:
             calls.append(batch.refs.tolist())
             if len(calls) == 3:
@@ -565,6 +567,71 @@ def test_a_non_finite_loss_stops_before_the_weights_naming_step_and_samples(smal
         e.value
     )
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-2"]  # nothing saved after it
+
+
+def test_the_step_leaves_its_figures_on_the_device_until_a_log_record(small_store, tmp_path, monkeypatch):
+    """No read back of the loss statistics a step: train_step hands back device tensors, the window
+    adds them on the device and reads them (summarize) only every --log-every steps; the finiteness of
+    each loss is checked once, at its optimizer step, before the optimizer runs."""
+    from stages.train import run as train_module
+    from stages.train.config import TrainConfig
+
+    events, real_step, real_check = [], train_module.train_step, train_module.FiniteLoss.check
+    real_summarize = train_module.summarize
+
+    def step(setup, config, batches, n, seen):
+        for opt in setup.optimizers:
+            if not getattr(opt, "_traced", False):
+                inner, opt._traced = opt.step, True
+                opt.step = lambda *a, _inner=inner, **k: (events.append("opt"), _inner(*a, **k))[1]
+        sums, tokens = real_step(setup, config, batches, n, seen)
+        assert isinstance(sums, torch.Tensor) and isinstance(tokens, int)
+        events.append("step")
+        return sums, tokens
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    monkeypatch.setattr(train_module.FiniteLoss, "check", lambda self: (events.append("check"), real_check(self))[1])
+    monkeypatch.setattr(train_module, "summarize", lambda s: (events.append("read"), real_summarize(s))[1])
+    config = TrainConfig.of(
+        store=str(small_store),
+        out=str(tmp_path / "run"),
+        max_steps=6,
+        log_every=3,
+        grad_accum=2,
+        batch_size=1,
+        anchors=4,
+        workers=0,
+    )
+    train_module.run(config, log=lambda m: None)
+    # Muon and AdamW called on both micro-batches (Accelerate skips the first); both losses checked
+    # at the second, before its optimizers; the figures read once every 3 steps
+    per_step = "opt opt check check opt opt step".split()
+    assert events == (per_step * 3 + ["read"]) * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_a_step_on_a_gpu_never_waits_for_it(small_store, tmp_path, monkeypatch):
+    """torch.cuda's sync debug mode raises on any host wait inside the steps after the first two
+    (the first compile flex attention)."""
+    from stages.train import run as train_module
+    from stages.train.config import TrainConfig
+
+    real_step = train_module.train_step
+
+    def step(setup, config, batches, n, seen):
+        if n < 2:
+            return real_step(setup, config, batches, n, seen)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_step(setup, config, batches, n, seen)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(train_module, "train_step", step)
+    config = TrainConfig.of(
+        store=str(small_store), out=str(tmp_path / "run"), max_steps=5, batch_size=1, anchors=4, workers=0
+    )
+    train_module.run(config, log=lambda m: None)
 
 
 def test_grad_checkpoint_trains_the_same_drafter(small_store, tmp_path):
