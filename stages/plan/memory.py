@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.drafter.loss import LOGITS_BYTES
+from pipeline.drafter.loss import GPU_LOGITS_BYTES, LOGITS_BYTES
 from store.io.zarr_files import ROUND_BYTES
 
 RUNTIME = int(0.26 * 2**30)  # CPU only: `import torch, transformers` and the stage's modules, peak RSS
 BF16, FP32 = 2, 4
 AGREEMENT_CHUNK = 1024  # positions a logits chunk in Target._agreement (pipeline/target/model.py)
-LOSS_PEAK = LOGITS_BYTES * 3 // 2  # a chunk's fp32 logits and its bf16 copy (pipeline/drafter/loss.py)
+LOSS_PEAK = 3 / 2  # a chunk's fp32 logits and its bf16 copy, per fp32 logits byte (pipeline/drafter/loss.py)
 POLICIES = 5  # drafts a prompt and round in evaluation's replay (chain and the DDTree budgets)
 
 
@@ -45,13 +45,15 @@ def total(parts: dict[str, int]) -> int:
 
 def capture(shape: Shape, weights: int, tokens: int, *, cpu: bool) -> dict[str, int]:
     """Extraction's capture forward over `tokens` tokens (pipeline/target/model.Target.capture): the
-    weights; each tap's output as the layer hook keeps it, stacked, then gathered by the mask (three
-    copies of [tokens, taps, H] bf16); one layer's temporaries (the MLP's gate, up and their product,
-    [tokens, I] each, and four [tokens, H]: residual, norm, mixer output, sum); one agreement chunk
-    of logits ([1024, V] bf16)."""
+    weights; the taps, each copied to host memory as its layer returns it: on a GPU one tap's rounded
+    copy [tokens, H] bf16 in flight, on CPU (where host memory is the process's) the host buffers, a
+    [tokens, H] bf16 a tap, and their stack (two copies of [tokens, taps, H]); one layer's temporaries
+    (the MLP's gate, up and their product, [tokens, I] each, and four [tokens, H]: residual, norm,
+    mixer output, sum); one agreement chunk of logits ([1024, V] bf16)."""
+    taps = 2 * shape.taps if cpu else 1
     parts = {
         "target weights": weights,
-        "taps x3": 3 * tokens * shape.taps * shape.hidden * BF16,
+        "taps" if cpu else "tap in flight": taps * tokens * shape.hidden * BF16,
         "one layer's temporaries": tokens * (3 * shape.intermediate + 4 * shape.hidden) * BF16,
         "agreement logits": min(tokens, AGREEMENT_CHUNK) * shape.vocab * BF16,
     }
@@ -65,36 +67,40 @@ def capture_tokens(shape: Shape, weights: int, memory: int) -> int:
     return max(0, (memory - fixed) // per_token)
 
 
-def optimizer_bytes(optimizer: str) -> int:
-    """Bytes a trainable parameter: fp32 weights and gradients, plus Muon's momentum or AdamW's two moments."""
-    return FP32 * (2 + {"muon": 1, "adamw": 2}[optimizer])
+def optimizer_bytes(optimizer: str, processes: int) -> float:
+    """Bytes a trainable parameter on one process: fp32 weights and gradients, plus AdamW's two moments
+    or Muon's momentum, which only each matrix's owner keeps (stages/train/optim.Muon): 1/processes."""
+    return FP32 * (2 + (2 if optimizer == "adamw" else 1 / processes))
 
 
-def step_temporaries(optimizer: str) -> int:
+def step_temporaries(optimizer: str, *, cpu: bool) -> int:
     """Bytes a trainable parameter the optimizer's step allocates on top of its states: AdamW's foreach
     update makes two fp32 lists the size of the parameters (the bias-corrected second moment's root,
-    the step), Muon one (the orthogonalised update before it is applied or broadcast)."""
-    return FP32 * {"muon": 1, "adamw": 2}[optimizer]
+    the step); Muon every matrix's orthogonalised update at once (the owners' broadcast buffers), in
+    its Newton-Schulz dtype: bf16 on a GPU, fp32 on CPU (stages/train/optim.build_optimizers)."""
+    return 2 * FP32 if optimizer == "adamw" else FP32 if cpu else BF16
 
 
-def training(shape: Shape, optimizer: str, context: int, anchors: int, block: int, *, cpu: bool) -> dict[str, int]:
+def training(
+    shape: Shape, optimizer: str, context: int, anchors: int, block: int, *, cpu: bool, processes: int = 1
+) -> dict[str, int]:
     """A training step on one sample of `context` tokens: the trainable states; the frozen embedding and
     lm_head (bf16 on a GPU, fp32 on CPU); the sample's states [context, taps, H] bf16 and fc's output
     [context, H] fp32; the block stream kept for the backward (anchors x block rows a layer: six of
     width H (input, norms, attention output, residuals), q, k, v, the MLP's gate, up and product; bf16
     under autocast on a GPU, fp32 on CPU) and the context K/V a layer; one loss chunk; the optimizer
-    step's temporaries."""
+    step's temporaries; Muon's momentum split over `processes`."""
     rows = anchors * block
     frozen = act = FP32 if cpu else BF16  # a GPU trains under bf16 autocast; CPU in fp32
     per_row = 6 * shape.hidden + shape.drafter_q + 2 * shape.drafter_kv + 3 * shape.drafter_intermediate
     layer = (rows * per_row + context * 2 * shape.drafter_kv) * act
     parts = {
-        "trainable states": shape.drafter_parameters * optimizer_bytes(optimizer),
-        "optimizer step": shape.drafter_parameters * step_temporaries(optimizer),
+        "trainable states": int(shape.drafter_parameters * optimizer_bytes(optimizer, processes)),
+        "optimizer step": shape.drafter_parameters * step_temporaries(optimizer, cpu=cpu),
         "frozen embed + lm_head": 2 * shape.vocab * shape.hidden * frozen,
         "sample states + fc": context * (shape.taps * BF16 + FP32) * shape.hidden,
         "activations": shape.drafter_layers * layer,
-        "loss chunk": LOSS_PEAK,
+        "loss chunk": int(LOSS_PEAK * (LOGITS_BYTES if cpu else GPU_LOGITS_BYTES)),  # stages/train/step.loss_chunk_rows
     }
     return {**parts, "runtime": RUNTIME} if cpu else parts
 

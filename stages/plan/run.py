@@ -172,7 +172,15 @@ def stage_memory(config: PlanConfig, name: str, shape: memory.Shape, weights: in
     context, block = config.sample_tokens, config.block_size
     peaks = {
         "capture": memory.capture(shape, weights, batch, cpu=False),
-        "training": memory.training(shape, config.optimizer, context, config.anchors, block, cpu=False),
+        "training": memory.training(
+            shape,
+            config.optimizer,
+            context,
+            config.anchors,
+            block,
+            cpu=False,
+            processes=config.nodes * config.gpus_per_node,
+        ),
         "replay": memory.replay(shape, EVAL_PROMPTS, context, block, cpu=False),
     }
     for stage, parts in peaks.items():

@@ -10,19 +10,12 @@ import torch
 from pipeline.drafter import masks
 from pipeline.drafter.blocks import make_blocks, sample_anchors
 from pipeline.drafter.config import DrafterConfig
-from pipeline.drafter.loss import LOGITS_BYTES, LossOut, dflash_loss, rows_within
+from pipeline.drafter.loss import GPU_LOGITS_BYTES, LOGITS_BYTES, LossOut, dflash_loss, rows_within
 from pipeline.drafter.model import Drafter
 from stages.train.config import LossConfig
 from stages.train.recipe import slot_gamma
 
 CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
-# The fused loss's chunk on a GPU (arithmetic). Each chunk of r rows reads the whole lm_head [V, H]
-# (bf16: 2VH bytes) for 2rVH FLOP, and moves about 6rV bytes of logits (bf16 out, fp32 copy): about
-# rH / (H + 3r) FLOP a byte. An H100 SXM's bf16 ridge point is 989 TFLOP/s / 3.35 TB/s = 295 FLOP/B
-# (an H200's 206). At V = 248,320 and H = 5120, 256 MiB of fp32 logits (LOGITS_BYTES) is r = 270:
-# 233 FLOP/B, below the H100's ridge, memory-bound; 1 GiB is r = 1,081: 662 FLOP/B, 2.2x the ridge,
-# compute-bound, for a chunk peak of about 1.5 GiB (0.02 of an 80 GB GPU).
-GPU_LOGITS_BYTES = 2**30
 
 
 @dataclass(frozen=True)

@@ -58,10 +58,14 @@ def test_the_memory_model_grows_with_its_inputs():
     plan = run(PlanConfig())
     s = plan.shape
     one, two = (memory.total(memory.capture(s, plan.weights, t, cpu=False)) for t in (2_000, 3_000))
-    per_token = 3 * s.taps * s.hidden * 2 + (3 * s.intermediate + 4 * s.hidden) * 2
-    assert two - one == 1_000 * per_token
+    layer = (3 * s.intermediate + 4 * s.hidden) * 2
+    assert two - one == 1_000 * (s.hidden * 2 + layer)  # a GPU holds one tap at a time: the rest is on the host
+    one, two = (memory.total(memory.capture(s, plan.weights, t, cpu=True)) for t in (2_000, 3_000))
+    assert two - one == 1_000 * (2 * s.taps * s.hidden * 2 + layer)  # on CPU the host buffers and their stack
     muon, adamw = (memory.training(s, o, 2_000, 512, 16, cpu=False) for o in ("muon", "adamw"))
     assert adamw["trainable states"] - muon["trainable states"] == 4 * s.drafter_parameters
+    split = memory.training(s, "muon", 2_000, 512, 16, cpu=False, processes=32)
+    assert muon["trainable states"] - split["trainable states"] == 4 * s.drafter_parameters * 31 // 32  # by owner
     gpu, cpu = (
         memory.training(s, "muon", 2_000, 512, 16, cpu=False),
         memory.training(s, "muon", 2_000, 512, 16, cpu=True),
@@ -79,7 +83,7 @@ def test_the_drafter_count_is_the_released_configs():
         (dict(gpu_memory_gb=40), "--target qwen3.6-27b: 53.8 GB of bf16 weights do not fit a GPU of 40 GB"),
         (dict(hidden_format="bf16"), "--hidden-format bf16: a node's share of the store, up to 40.9 TB, is larger"),
         (dict(gpu_memory_gb=54), "--gpu-memory-gb 54: a capture forward of one 2,000-token sample needs"),
-        (dict(anchors=4_096), "--gpu-memory-gb 80: training needs 9"),
+        (dict(anchors=4_096), "--gpu-memory-gb 80: training needs 82.8 GB"),
         (dict(target="/nonexistent/model"), "--target /nonexistent/model: neither a directory nor an architecture"),
         (dict(rows=1_000), "--eval-shards 42: leaves -41 of 1 shards for 4 nodes"),
     ],
