@@ -23,9 +23,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+DEFAULTS = {"json": None, "force": False, "toy": False, "threads": 1}  # the shared flags' values when not given
+
+
 def parser(doc: str | None, *, given_only: bool = False) -> argparse.ArgumentParser:
     """The script's parser (its docstring as the help), with the flags every bench shares; given_only:
-    they set nothing unless given (a subcommand's copy, so as not to overwrite the main parser's)."""
+    they set nothing unless given (a subcommand's copy, so as not to overwrite the main parser's;
+    `parse` fills in DEFAULTS for those given nowhere)."""
 
     def default(value):
         return argparse.SUPPRESS if given_only else value
@@ -91,6 +95,9 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse
     """The command line, parsed; a --json onto an existing file without --force is refused at once, in
     one line, not after the measurement (minutes) has run."""
     args = p.parse_args(argv)
+    for name, value in DEFAULTS.items():  # a subcommand's shared flags, given nowhere
+        if name not in vars(args):
+            setattr(args, name, value)
     json_path = getattr(args, "json", None)
     if json_path:
         _writable(Path(json_path), getattr(args, "force", False))

@@ -2,15 +2,17 @@
 subcommand's name as after it: `--toy capture` once kept the subcommand's own default (not toy) and
 built the full-size target."""
 
+import argparse
+
 import pytest
 
 from bench import harness
 
 
-def parse(argv: list[str]):
-    p = harness.parser(None)
+def parse(argv: list[str], main=None):
+    p = main or harness.parser(None)
     harness.subcommand(p.add_subparsers(dest="cmd", required=True), "capture", "a subcommand")
-    return p.parse_args(argv)
+    return harness.parse(p, argv)
 
 
 @pytest.mark.parametrize("before", [True, False], ids=["before the name", "after it"])
@@ -22,4 +24,9 @@ def test_a_shared_flag_is_kept_wherever_it_is_given(before, tmp_path):
 
 def test_the_defaults_hold_when_nothing_is_given():
     args = parse(["capture"])
+    assert (args.toy, args.threads, args.force, args.json) == (False, 1, False, None)
+
+
+def test_a_main_parser_without_the_shared_flags_gets_their_defaults():
+    args = parse(["capture"], main=argparse.ArgumentParser())  # as bench/store_bench.py builds its own
     assert (args.toy, args.threads, args.force, args.json) == (False, 1, False, None)
