@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.drafter.checkpoint import expected_shapes
+from pipeline.drafter.config import DrafterConfig, default_sizes
 from pipeline.errors import PlanError
 from pipeline.target.architectures import ARCHS
 from pipeline.target.parameter_count import parameters, read_config
@@ -16,7 +18,6 @@ from stages.plan.config import PlanConfig
 from stages.plan.rates import Rate
 
 GB, TB = 10**9, 10**12
-DRAFTER_HEADS, DRAFTER_KV_HEADS, DRAFTER_HEAD_DIM = 32, 8, 128  # the released 27B drafter's attention
 EVAL_PROMPTS = 32  # evaluate.py --batch-prompts' default
 
 
@@ -51,11 +52,25 @@ def target_config(target: str) -> tuple[str, dict]:
     return Path(target).name, read_config(target)
 
 
-def drafter_parameters(hidden: int, intermediate: int, taps: int, layers: int) -> int:
-    """The drafter's trainable parameters: fc, each layer's attention, norms and MLP, the two final norms."""
-    q, kv = DRAFTER_HEADS * DRAFTER_HEAD_DIM, DRAFTER_KV_HEADS * DRAFTER_HEAD_DIM
-    layer = 2 * hidden * q + 2 * hidden * kv + 2 * DRAFTER_HEAD_DIM + 2 * hidden + 3 * hidden * intermediate
-    return taps * hidden * hidden + layers * layer + 2 * hidden
+def drafter_config(hidden: int, vocab: int, taps: int, layers: int, block: int) -> DrafterConfig:
+    """The drafter train.py makes for a store of this width without --drafter-config
+    (stages/train/setup.fresh_config: default_sizes), at `layers` layers."""
+    sizes = {**default_sizes(hidden), "num_hidden_layers": layers}
+    return DrafterConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        block_size=block,
+        mask_token_id=vocab - 1,
+        target_layer_ids=tuple(range(taps)),
+        num_target_layers=None,
+        layer_types=("full_attention",) * layers,
+        **sizes,
+    )
+
+
+def drafter_parameters(config: DrafterConfig) -> int:
+    """The drafter's trainable parameters: every tensor its checkpoint holds (fc, the layers, the norms)."""
+    return sum(math.prod(shape) for shape in expected_shapes(config).values())
 
 
 def training_flops(config: PlanConfig, shape: memory.Shape) -> float:
@@ -67,7 +82,7 @@ def training_flops(config: PlanConfig, shape: memory.Shape) -> float:
     forward = 2 * layers * rows + 2 * shape.hidden * shape.vocab * config.anchors * (config.block_size - 1)
     forward += 2 * config.taps * shape.hidden**2 * context
     forward += shape.drafter_layers * context * 2 * (2 * shape.hidden * shape.drafter_kv)
-    forward += shape.drafter_layers * 4 * rows * (context // 2) * DRAFTER_HEADS * DRAFTER_HEAD_DIM
+    forward += shape.drafter_layers * 4 * rows * (context // 2) * shape.drafter_q
     return 3 * forward
 
 
@@ -120,19 +135,19 @@ def stage_rates(config: PlanConfig, params: int, shape: memory.Shape) -> dict[st
 
 
 def drafter_shape(config: PlanConfig, target: dict) -> memory.Shape:
-    """The target's widths and the drafter's at the target's width (the released 27B drafter's attention)."""
+    """The target's widths and those of the drafter train.py makes at the target's width."""
     hidden = target["hidden_size"]
-    intermediate = target.get("intermediate_size") or target["moe_intermediate_size"]
+    dc = drafter_config(hidden, target["vocab_size"], config.taps, config.drafter_layers, config.block_size)
     return memory.Shape(
         hidden=hidden,
-        intermediate=intermediate,
+        intermediate=target.get("intermediate_size") or target["moe_intermediate_size"],
         vocab=target["vocab_size"],
         taps=config.taps,
         drafter_layers=config.drafter_layers,
-        drafter_q=DRAFTER_HEADS * DRAFTER_HEAD_DIM,
-        drafter_kv=DRAFTER_KV_HEADS * DRAFTER_HEAD_DIM,
-        drafter_intermediate=intermediate,
-        drafter_parameters=drafter_parameters(hidden, intermediate, config.taps, config.drafter_layers),
+        drafter_q=dc.num_attention_heads * dc.head_dim,
+        drafter_kv=dc.num_key_value_heads * dc.head_dim,
+        drafter_intermediate=dc.intermediate_size,
+        drafter_parameters=drafter_parameters(dc),
     )
 
 

@@ -16,7 +16,7 @@ from pipeline.errors import PlanError
 from stages.plan import memory
 from stages.plan.config import PlanConfig, low_high
 from stages.plan.report import render
-from stages.plan.run import GB, TB, drafter_parameters, run
+from stages.plan.run import GB, TB, drafter_config, drafter_parameters, run
 from store.errors import ConfigError
 from tests.conftest import REPO
 
@@ -74,7 +74,7 @@ def test_the_memory_model_grows_with_its_inputs():
 
 
 def test_the_drafter_count_is_the_released_configs():
-    assert drafter_parameters(5_120, 17_408, 5, 5) == 1_730_213_120
+    assert drafter_parameters(drafter_config(5_120, 248_320, 5, 5, 16)) == 1_730_213_120
 
 
 @pytest.mark.parametrize(

@@ -332,10 +332,12 @@ def predicted_peaks(target, tokens: int) -> dict[str, dict[str, int]]:
     """The memory model's peak for each stage as the test runs it: the 4-layer target's weights, the
     1-layer drafter of 4 taps (8 heads / 2 KV heads of 128, MLP 2048), AdamW, 4 anchors, one prompt."""
     from pipeline.target.parameter_count import read_config, weight_bytes
+    from stages.plan.run import drafter_config, drafter_parameters
 
     config = read_config(target)
     h, v = config["hidden_size"], config["vocab_size"]
-    drafter = 4 * h * h + (2 * h * 1024 + 2 * h * 256 + 2 * 128 + 2 * h + 3 * h * 2048) + 2 * h
+    sizes = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2048)
+    drafter = drafter_parameters(dataclasses.replace(drafter_config(h, v, 4, 1, 16), **sizes))
     shape = memory.Shape(
         hidden=h,
         intermediate=config["intermediate_size"],
