@@ -31,31 +31,34 @@ def parser(doc: str | None, *, given_only: bool = False) -> argparse.ArgumentPar
     they set nothing unless given (a subcommand's copy, so as not to overwrite the main parser's;
     `parse` fills in DEFAULTS for those given nowhere)."""
 
-    def default(value):
-        return argparse.SUPPRESS if given_only else value
+    def default(name: str):
+        return argparse.SUPPRESS if given_only else DEFAULTS[name]
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--json",
         metavar="PATH",
         type=result_path,
-        default=default(None),
+        default=default("json"),
         help="Also write the result to PATH (refused if it exists, unless --force).",
     )
     p.add_argument(
         "--force",
         action="store_true",
-        default=default(False),
+        default=default("force"),
         help="Let --json replace an earlier result (a committed one): never a file that is no bench result.",
     )
     p.add_argument(
         "--toy",
         action="store_true",
-        default=default(False),
+        default=default("toy"),
         help="Run at toy size: seconds, to check the script works.",
     )
     p.add_argument(
-        "--threads", type=int, default=default(1), help="torch intra-op threads (1: two threads thrash when shared)."
+        "--threads",
+        type=int,
+        default=default("threads"),
+        help="torch intra-op threads (1: two threads thrash when shared).",
     )
     return p
 
