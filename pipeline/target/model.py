@@ -28,14 +28,11 @@ class _HostCopy:
     rows) rounded, cast to bf16 and copied, row by row without the padding, into host[j] [T, H]
     at each row's place (non-blocking into pinned memory on CUDA), then let go."""
 
-    def __init__(self, host: list[torch.Tensor], taps: list[int], starts: list[int], lengths: list[int], lo: int):
+    def __init__(
+        self, host: list[torch.Tensor], taps: list[int], starts: list[int], lengths: list[int], lo: int, rounding
+    ):
         self.host, self.index = host, {k: j for j, k in enumerate(taps)}
-        self.starts, self.lengths, self.lo = starts, lengths, lo
-        self.rounding = None
-
-    def rounded(self, rounding) -> _HostCopy:
-        self.rounding = rounding
-        return self
+        self.starts, self.lengths, self.lo, self.rounding = starts, lengths, lo, rounding
 
     def __call__(self, k: int, output: torch.Tensor) -> None:
         out = output.to(torch.bfloat16)  # [b, w, H]
@@ -149,12 +146,13 @@ class Target:
             rows = [seqs[i] for i in batch.rows]
             ids, _ = self._pad(rows, left=False)  # [b, W]; the padding's states are dropped
             cache = DynamicCache(config=self.model.config) if batch.width > (budget or batch.width) else None
+            rows_at, rows_len = [starts[i] for i in batch.rows], [lengths[i] for i in batch.rows]
             for lo, hi in chunks(batch.width, budget):
-                take = _HostCopy(host, taps, [starts[i] for i in batch.rows], [lengths[i] for i in batch.rows], lo)
-                last = self._forward(ids[:, lo:hi], taps, take, rounding, cache, stop=prompt_lens is None)
+                take = _HostCopy(host, taps, rows_at, rows_len, lo, rounding)
+                last = self._forward(ids[:, lo:hi], taps, take, cache, stop=prompt_lens is None)
                 if prompt_lens is not None:
                     plens = [prompt_lens[i] for i in batch.rows]
-                    matches, tokens = self._agreement(last, ids, plens, [lengths[i] for i in batch.rows], lo)
+                    matches, tokens = self._agreement(last, ids, plens, rows_len, lo)
                     agreement[0] += matches
                     agreement[1] += tokens
         if pinned:
@@ -162,11 +160,11 @@ class Target:
         hidden = torch.stack(host, dim=1)  # [T, n_taps, H]
         return hidden if prompt_lens is None else (hidden, tuple(agreement))
 
-    def _forward(self, ids: torch.Tensor, taps: list[int], take, rounding, cache, stop: bool) -> torch.Tensor | None:
+    def _forward(self, ids: torch.Tensor, taps: list[int], take, cache, stop: bool) -> torch.Tensor | None:
         """ids: [b, w] through the decoder (after the cache's positions, if a cache is given), each
         tap handed to take; returns the last hidden state [b, w, H] unless stopped after the last tap."""
         try:
-            with tapping(self.layers, taps, take.rounded(rounding), stop_after_last=stop), self.recorder.recording():
+            with tapping(self.layers, taps, take, stop_after_last=stop), self.recorder.recording():
                 out = self.model.get_decoder()(input_ids=ids.to(self.device), cache=cache, use_cache=cache is not None)
         except StopForward:
             return None
