@@ -27,12 +27,25 @@ tools/engines/fla_interpret's harness shims), in each of --dtypes. Runs over oth
 store against the torch one, and each store's greedy agreement (the target's argmax against the
 stored completion, recorded per shard by extraction), the backend that ran and its extraction time.
 
+`fla packing` (run it in the fla-interpret venv under the interpreter for the fla path): whether the
+target's kernels allow capture batches packed without padding. A few of the shipped prompts run
+side by side in one row, with per-row positions and the varlen arguments transformers' kernels take
+(`cu_seq_lens_q/k`, `max_length_q/k`), against each prompt alone; per tap the largest difference
+on the first row, on the later rows' first positions (those the causal convolution reaches back
+from) and after them, under each --attention implementation, with the implementations that served
+the linear-attention calls:
+
+    TRITON_INTERPRET=1 PYTHONPATH=tools/engines/fla_interpret:. $VENV/bin/python -m bench.parity fla packing \
+        --path fla --json bench/results/packing_fla_cpu.json
+
 --toy changes nothing: the toy runs are small stores (`fla extract --paths torch` needs no triton).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import itertools
 import json
 import os
 import subprocess
@@ -59,6 +72,7 @@ TOY = [
         "fp32",
     ],
     ["fla", "compare", "--out", "{tmp}/parity"],
+    ["fla", "packing", "--path", "torch", "--rows", "2"],
 ]
 SHIMS = harness.REPO / "tools" / "engines" / "fla_interpret"
 PATHS = ("torch", "fla")
@@ -215,6 +229,73 @@ def fla_compare(args) -> dict:
     return result
 
 
+def fla_packing(args) -> dict:
+    """Rows packed into one forward (positions restarting per row, the varlen arguments given) against
+    each row alone, per attention implementation and tap."""
+    import torch
+
+    from pipeline import DEFAULT_PROMPTS, TINY_TARGET
+    from pipeline.target import loading
+
+    target = loading.load(str(TINY_TARGET), "cpu", "fp32", args.path)
+    lines = DEFAULT_PROMPTS.read_text().splitlines()[: args.rows]
+    texts = [" ".join(m["content"] for m in json.loads(line)["messages"]) for line in lines]
+    rows = [target.tokenizer(t, add_special_tokens=False).input_ids[: args.length] for t in texts]
+    reach = target.model.config.linear_conv_kernel_dim - 1  # positions the convolution reaches back
+    cu = torch.tensor([0, *itertools.accumulate(len(r) for r in rows)], dtype=torch.int32)
+    packed = {
+        "position_ids": torch.tensor([[i for r in rows for i in range(len(r))]]),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max(map(len, rows)),
+        "max_length_k": max(map(len, rows)),
+    }
+    import transformers
+
+    result = {
+        "path": args.path,
+        "transformers": transformers.__version__,
+        "fla": importlib.metadata.version("flash-linear-attention") if args.path == "fla" else None,
+        "row_lengths": [len(r) for r in rows],
+        "conv_reach": reach,
+        "attention": {},
+    }
+    with torch.no_grad(), target.recorder.recording():
+        for attention in args.attention.split(","):
+            target.model.set_attn_implementation(attention)
+            alone = [states(target, r, {}) for r in rows]  # per row: [L+1, T, H]
+            try:
+                together = states(target, sum(rows, []), packed)  # [L+1, sum T, H]
+            except ValueError as e:  # transformers' torch path refuses packed rows
+                result["attention"][attention] = {"refused": str(e)}
+                continue
+            result["attention"][attention] = packing_errors(alone, together, cu, reach)
+    result["linear_attention_calls"] = target.recorder.summary()["calls"]
+    return result
+
+
+def states(target, ids: list[int], extra: dict):
+    import torch
+
+    out = target.model(torch.tensor([ids]), output_hidden_states=True, **extra)
+    return torch.stack(out.hidden_states)[:, 0]  # [L+1, T, H]
+
+
+def packing_errors(alone: list, together, cu, reach: int) -> dict:
+    """Per hidden_states index: the largest |packed - alone| on row 0, and on the later rows within and
+    past `reach` positions of their start."""
+    per_tap = {}
+    for tap in range(together.shape[0]):
+        diff = [(together[tap, cu[i] : cu[i + 1]] - a[tap]).abs().amax(-1) for i, a in enumerate(alone)]  # [T_i]
+        later = diff[1:]
+        per_tap[tap] = {
+            "first_row": float(diff[0].max()),
+            "later_rows_start": max(float(d[:reach].max()) for d in later),
+            "later_rows_rest": max(float(d[reach:].max()) for d in later),
+        }
+    return per_tap
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subs = p.add_subparsers(dest="cmd", required=True)
@@ -238,9 +319,20 @@ def main() -> None:
     e.add_argument("--dtypes", default=",".join(DTYPES), help="of the target's forward, comma-separated")
     fc = harness.subcommand(fla, "compare", "per dtype and tap, the fla path against the torch path")
     fc.add_argument("--out", required=True)
+    k = harness.subcommand(fla, "packing", "rows packed into one forward against each row alone")
+    k.add_argument(
+        "--path", choices=PATHS, default="fla", help="the linear-attention path (fla: under the interpreter)"
+    )
+    k.add_argument("--attention", default="sdpa,eager", help="attention implementations to try, comma-separated")
+    k.add_argument("--rows", type=int, default=4, help="shipped prompts packed into the one row")
+    k.add_argument("--length", type=int, default=96, help="tokens kept of each prompt")
     args = harness.parse(p)
     harness.torch_setup(args.threads)
-    run = compare if args.cmd == "compare" else fla_extract if args.step == "extract" else fla_compare
+    run = (
+        compare
+        if args.cmd == "compare"
+        else {"extract": fla_extract, "compare": fla_compare, "packing": fla_packing}[args.step]
+    )
     harness.emit(run(args), args)
 
 

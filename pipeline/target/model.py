@@ -7,6 +7,7 @@ tap, so later layers, the final norm and lm_head never run. Loading is in loadin
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from pipeline.errors import TargetError
 from pipeline.target.capture_batches import capture_batches, chunks
+from pipeline.target.chunk_attention import chunk_attention
 from pipeline.target.kernels import UNDECIDED, KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
 from store.format.schema import Backends, TargetRecord
@@ -128,7 +130,8 @@ class Target:
         Returns hidden: [sum(len(s)), n_taps, H] bf16 on CPU, in sequence order. The rows run in
         forwards of at most `budget` token positions each, padding included (capture_batches.py:
         longest first, right-padded, no attention mask; a row longer than the budget in chunks
-        through the model's cache); budget None: one forward. Each tap output is copied to host
+        through the model's cache, still with no mask: chunk_attention.py); budget None: one
+        forward. Each tap output is copied to host
         memory (pinned on CUDA) as its layer returns it, so the device holds no tap beyond the
         layer that made it. The forward stops after the last tap, unless prompt_lens are given:
         then it runs on through the final norm and lm_head along each completion and also returns
@@ -147,14 +150,15 @@ class Target:
             ids, _ = self._pad(rows, left=False)  # [b, W]; the padding's states are dropped
             cache = DynamicCache(config=self.model.config) if batch.width > (budget or batch.width) else None
             rows_at, rows_len = [starts[i] for i in batch.rows], [lengths[i] for i in batch.rows]
-            for lo, hi in chunks(batch.width, budget):
-                take = _HostCopy(host, taps, rows_at, rows_len, lo, rounding)
-                last = self._forward(ids[:, lo:hi], taps, take, cache, stop=prompt_lens is None)
-                if prompt_lens is not None:
-                    plens = [prompt_lens[i] for i in batch.rows]
-                    matches, tokens = self._agreement(last, ids, plens, rows_len, lo)
-                    agreement[0] += matches
-                    agreement[1] += tokens
+            with chunk_attention(self.model) if cache is not None else contextlib.nullcontext():
+                for lo, hi in chunks(batch.width, budget):
+                    take = _HostCopy(host, taps, rows_at, rows_len, lo, rounding)
+                    last = self._forward(ids[:, lo:hi], taps, take, cache, stop=prompt_lens is None)
+                    if prompt_lens is not None:
+                        plens = [prompt_lens[i] for i in batch.rows]
+                        matches, tokens = self._agreement(last, ids, plens, rows_len, lo)
+                        agreement[0] += matches
+                        agreement[1] += tokens
         if pinned:
             torch.cuda.synchronize(self.device)  # the copies to host were queued without waiting
         hidden = torch.stack(host, dim=1)  # [T, n_taps, H]

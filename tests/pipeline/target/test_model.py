@@ -143,6 +143,38 @@ def test_capture_tokens_give_the_masked_capture_of_each_forward_bit_for_bit(targ
     assert chunked == (budget is not None and budget < 300)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunks_through_the_cache_build_no_mask_and_keep_sdpas_states_bit_for_bit(dtype, monkeypatch):
+    """The long row's chunks after the first reach attention with no mask (chunk_attention.py); the
+    states equal, bit for bit, those of the same chunks under transformers' sdpa with the mask it
+    builds [1, 1, chunk, cached + chunk], which the reference run is seen to build."""
+    import contextlib
+
+    from pipeline import TINY_TARGET
+    from pipeline.target import loading
+    from pipeline.target import model as model_module
+
+    target = loading.load(str(TINY_TARGET), "cpu", dtype, "torch")
+    seqs, taps, masks = budget_seqs(target), [0, 2, 3, 7], []
+
+    def seen(_module, _args, kwargs):
+        cache = kwargs["cache"]
+        if cache is not None and cache.get_seq_length(_module.layer_idx) > 0:  # a chunk after the first
+            masks.append(kwargs.get("attention_mask"))
+
+    attentions = [layer.self_attn for layer in target.layers if hasattr(layer, "self_attn")]
+    for a in attentions:
+        a.register_forward_pre_hook(seen, with_kwargs=True)
+    got = target.capture(seqs, taps, budget=100)
+    assert masks and all(m is None for m in masks)
+    assert target.model.config._attn_implementation == "sdpa"  # switched back after the chunks
+    masks.clear()
+    monkeypatch.setattr(model_module, "chunk_attention", lambda model: contextlib.nullcontext())
+    want = target.capture(seqs, taps, budget=100)
+    assert masks and all(m is not None and m.shape[-2] < m.shape[-1] for m in masks)
+    assert torch.equal(got, want)
+
+
 def test_a_budget_at_least_the_padded_batch_is_todays_capture(target):
     seqs, taps = budget_seqs(target), [1, 3, 5]
     want = masked_capture(target, seqs, taps)
