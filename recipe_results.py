@@ -88,6 +88,7 @@ ON_DEFAULTS: dict[str, dict] = {
     "accept-1": {"acceptance_weight": 1.0},
     # the gradients' all-reduce in bf16 (--grad-comm): no all-reduce on one process, so it means something
     # only with `run --processes 2` or more, paired against `default` at the same number of processes
+    # (default@p2 ran when fp32 was the default, as its train_config records; bf16 is the default since)
     "grad-bf16": {"grad_comm": "bf16"},
 }
 METRICS = (
@@ -97,6 +98,7 @@ METRICS = (
     "ddtree64",
     "tau_eos",
     "tau_cut",
+    "heldout_loss",
     "heldout_ce",
     "heldout_tau_streak",
     "train_tau_replay",
