@@ -86,6 +86,10 @@ ON_DEFAULTS: dict[str, dict] = {
     # the expected-acceptance objective (docs/training.md): mixed half and half with the CE, and alone
     "accept-0.5": {"acceptance_weight": 0.5},
     "accept-1": {"acceptance_weight": 1.0},
+    # the gradients' all-reduce in bf16 (--grad-comm): no all-reduce on one process, so it means something
+    # only with `run --processes 2` or more, paired against `default` at the same number of processes
+    # (default@p2 ran when fp32 was the default, as its train_config records; bf16 is the default since)
+    "grad-bf16": {"grad_comm": "bf16"},
 }
 METRICS = (
     "tau",
@@ -94,6 +98,7 @@ METRICS = (
     "ddtree64",
     "tau_eos",
     "tau_cut",
+    "heldout_loss",
     "heldout_ce",
     "heldout_tau_streak",
     "train_tau_replay",
@@ -146,6 +151,7 @@ def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
             "blocks_per_step": r["blocks_per_step"],
             "flags": r["flags"],
             "store": r.get("train_store") or r["train_config"]["store"],
+            "processes": r.get("processes", 1),  # kept before the bench ran several: one
         }
     return runs
 
@@ -162,8 +168,10 @@ def table(results: Path, steps: int, against: str, only: list[str] | None = None
             "seeds": sorted(seeds),
             "flags": seeds[min(seeds)]["flags"],  # as the runs recorded them
             "stores": sorted({seeds[s]["store"] for s in seeds}),
+            "processes": sorted({seeds[s]["processes"] for s in seeds}),
         }
-        common = sorted(set(seeds) & set(ref))
+        # paired only at the same world size (the bench keeps them under other names too: RECIPE@p2)
+        common = sorted(s for s in set(seeds) & set(ref) if seeds[s]["processes"] == ref[s]["processes"])
         for k in METRICS + ("blocks_per_step",):
             vals = [seeds[s][k] for s in sorted(seeds) if seeds[s][k] is not None]
             row[k] = {

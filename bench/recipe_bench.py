@@ -12,8 +12,20 @@ recipe's flags, the checkpoint's train_config, the held-out loss, streak tau and
 validation's replayed tau, s/step, and the report's tau figures with every prompt's tau, its
 completion length and whether the completion ended in EOS or was cut at the length limit. A run
 whose file exists is not redone, so a later session adds recipes without rerunning the others.
---jobs 2 (the default) runs two single-threaded runs side by side: both cores of the development
-machine.
+--jobs 2 (the default for one process) runs two single-threaded runs side by side: both cores of
+the development machine.
+
+Several processes: `run --processes 2` trains each drafter as 2 real DDP processes on CPU (accelerate
+launch --multi_gpu; gloo), each single-threaded, so the gradients are all-reduced between them (with
+one process there is no all-reduce: --grad-comm changes nothing). --batch-size counts rows per
+process, so each process gets the recipe's rows divided by the processes (FIXED's 4: 2 each): the
+global batch, the samples a step reads and the optimizer steps stay the one-process recipe's. The
+runs are kept as RECIPE@p2 (RECIPE@LABEL-p2), so `table` never pairs runs of different world sizes,
+and each result records its processes and the world size every rank's --audit file reported. The
+gradients' all-reduce in bf16 against fp32 (--jobs 1: one run takes both cores):
+
+    python -m bench.recipe_bench run --store /work/bench/hs.zarr --recipes default,grad-bf16 --processes 2 --jobs 1
+    python -m bench.recipe_bench table --steps 200 --against default@p2 --only grad-bf16@p2
 
 The hidden formats: train on an fp8 store and replay on the bf16 store of the same prompts
 (how such a drafter is served), then replay the same drafters on the fp8 store:
@@ -60,6 +72,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -111,6 +124,23 @@ TOY = [
         "--results",
         "{tmp}/results",
     ],
+    [
+        "run",
+        "--store",
+        "{store}",
+        "--recipes",
+        "grad-bf16",
+        "--seeds",
+        "0",
+        "--steps",
+        "3",
+        "--processes",
+        "2",
+        "--runs",
+        "{tmp}/runs",
+        "--results",
+        "{tmp}/results",
+    ],
 ]
 TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 
@@ -128,6 +158,66 @@ def tagged(name: str, tag: str) -> str:
     return f"{name}@{tag}" if tag else name
 
 
+def world_tag(tag: str, processes: int) -> str:
+    """A tag (train tag or label) naming the processes a run trained on: '' -> 'p2', 'fp8' -> 'fp8-p2';
+    unchanged for one process, so the kept one-process runs keep their names."""
+    if processes == 1:
+        return tag
+    return f"{tag}-p{processes}" if tag else f"p{processes}"
+
+
+def per_process(fields: dict, processes: int) -> dict:
+    """A recipe's train.py fields with its rows a step split between the processes (--batch-size counts
+    rows per process): the global batch stays the one-process recipe's. ValueError if they do not split."""
+    rows = fields["batch_size"]
+    if rows % processes:
+        raise ValueError(f"--processes {processes}: the recipe's {rows} rows a step do not split evenly between them")
+    return {**fields, "batch_size": rows // processes}
+
+
+def launcher(processes: int) -> list[str]:
+    """What starts train.py: python for one process; for several, accelerate launch of as many CPU
+    processes with real DDP (--multi_gpu; `--cpu --num_processes N` would start one) on a free port."""
+    if processes == 1:
+        return [sys.executable]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+    ]
+
+
+def world_size(run_dir: Path, processes: int) -> int:
+    """The processes that trained run_dir, checked against every rank's --audit file (each must report
+    `processes` and the same parameters: the gradients were all-reduced). 1 without audit files."""
+    audits = sorted((run_dir / "audit").glob("rank-*.json"))
+    if processes == 1 and not audits:
+        return 1
+    ranks = [json.loads(a.read_text()) for a in audits]
+    sizes = [r["world_size"] for r in ranks]
+    hashes = {r["param_sha256"] for r in ranks}
+    if sizes != [processes] * processes or len(hashes) != 1:
+        raise RuntimeError(
+            f"{run_dir}: trained for --processes {processes}, but its ranks' audit files report world sizes "
+            f"{sizes} and {len(hashes)} different parameter hashes"
+        )
+    return processes
+
+
 def one_run(
     store: str,
     name: str,
@@ -142,6 +232,7 @@ def one_run(
     fixed: dict | None = None,
     replay_shards: str | None = None,
     init_from: str = "",
+    processes: int = 1,
 ) -> Path:
     """Train and replay one (recipe, seed) unless its result is kept -> the result file. train_tag names
     the training store in the run directory, label the result (default: train_tag); a finished training
@@ -149,8 +240,11 @@ def one_run(
     store of the same prompts, such as the bf16 store of an fp8-trained drafter; allow_mismatch: replay
     it below the evaluator's fingerprint check, as the result then records). fixed: what the run shares
     instead of FIXED; replay_shards: the shards of the replay store to replay (default: its eval_shards);
-    init_from: a drafter checkpoint to start from ("{seed}" in it: the run's seed), run and kept under label."""
+    init_from: a drafter checkpoint to start from ("{seed}" in it: the run's seed), run and kept under label.
+    processes: train as that many DDP processes (the rows a step split between them), the train tag and the
+    label naming them (world_tag)."""
     fixed = fixed or FIXED
+    train_tag, label = world_tag(train_tag, processes), world_tag(label, processes) if label else ""
     out = results / str(steps) / tagged(name, label or train_tag) / f"s{seed}.json"
     if out.exists():
         return out
@@ -159,7 +253,7 @@ def one_run(
     done = run_dir / "train_seconds.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not done.exists():
-        train_s = train_one(store, name, seed, steps, run_dir, env, fixed, start)
+        train_s = train_one(store, name, seed, steps, run_dir, env, fixed, start, processes)
         done.write_text(f"{train_s}\n")
     train_s = float(done.read_text())
     report = run_dir / f"report-{label or train_tag or 'own'}"
@@ -189,6 +283,8 @@ def one_run(
         replay_store, tagged(name, label or train_tag), seed, steps, recipe_flags(name), run_dir, report, train_s, fixed
     )
     result |= {
+        "processes": processes,
+        "world_size": world_size(run_dir, processes),
         "train_store": store,
         "replay_store": replay_store,
         "allow_mismatch": allow_mismatch,
@@ -208,16 +304,17 @@ def train_one(
     env: dict,
     fixed: dict | None = None,
     init_from: str = "",
+    processes: int = 1,
 ) -> float:
-    """Train one (recipe, seed) into run_dir (from scratch, or from the checkpoint init_from) -> seconds taken."""
+    """Train one (recipe, seed) into run_dir (from scratch, or from the checkpoint init_from) -> seconds taken.
+    processes > 1: as that many DDP processes, each with its share of the rows, each rank auditing what it did."""
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    flags = recipe_flags(name)
-    trainer = [str(ROOT / "train.py")]
+    fields = per_process({**(fixed or FIXED), **recipe_flags(name)}, processes)
     t0 = time.time()
     train = [
-        sys.executable,
-        *trainer,
+        *launcher(processes),
+        str(ROOT / "train.py"),
         "--store",
         store,
         "--out",
@@ -226,9 +323,10 @@ def train_one(
         str(steps),
         "--seed",
         str(seed),
-        *argv({**(fixed or FIXED), **flags}),
+        *argv(fields),
     ]
     train += ["--init-from", init_from] if init_from else []
+    train += ["--audit"] if processes > 1 else []  # every rank's world size, checked by world_size()
     _call(train, env, run_dir.parent / f"s{seed}.train.log")
     return time.time() - t0
 
@@ -335,7 +433,14 @@ def main() -> None:
     r.add_argument("--recipes", required=True, help="comma-separated names of RECIPES, 'a+b' combinations, or default")
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--steps", type=int, default=200)
-    r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--jobs", type=int, help="runs at once [default: 2 // --processes, at least 1: two cores]")
+    r.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="train each drafter as this many DDP processes on CPU, the rows a step split between them "
+        "(kept as RECIPE@p2)",
+    )
     r.add_argument("--runs", default="/tmp/recipe_bench", help="where run directories go (large; not kept)")
     r.add_argument("--results", default=str(RESULTS))
     r.add_argument("--replay-store", help="replay on this store of the same prompts (default: --store)")
@@ -367,8 +472,15 @@ def main() -> None:
             recipe_flags(n)  # unknown names fail before anything runs
         if args.init_from and not args.label:
             ap.error("--init-from needs --label: its runs are not from scratch")
+        if args.processes < 1:
+            ap.error(f"--processes: expected at least 1, got {args.processes}")
+        for n in names:
+            try:
+                per_process({**FIXED, **recipe_flags(n)}, args.processes)
+            except ValueError as e:
+                ap.error(f"{n}: {e}")
         jobs = [(n, int(s)) for n in names for s in args.seeds.split(",")]
-        with ThreadPoolExecutor(args.jobs) as pool:
+        with ThreadPoolExecutor(args.jobs or max(1, 2 // args.processes)) as pool:
             futures = [
                 pool.submit(
                     one_run,
@@ -383,6 +495,7 @@ def main() -> None:
                     args.label,
                     args.allow_mismatch,
                     init_from=args.init_from,
+                    processes=args.processes,
                 )
                 for n, s in jobs
             ]

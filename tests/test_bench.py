@@ -94,3 +94,14 @@ def test_force_replaces_an_earlier_result_and_nothing_else(store_copy, tmp_path)
     args = harness.parser(None).parse_args(["--json", str(tmp_path / "old.json"), "--force"])
     harness.emit({"median_s": 2}, args)
     assert json.loads((tmp_path / "old.json").read_text()) == {"median_s": 2}
+
+
+def test_several_processes_split_a_steps_rows_and_are_kept_under_their_own_name():
+    from bench.recipe_bench import per_process, world_tag
+    from recipe_results import FIXED, recipe_flags
+
+    assert per_process({**FIXED, **recipe_flags("grad-bf16")}, 2) | {"batch_size": 4} == {**FIXED, "grad_comm": "bf16"}
+    assert per_process(FIXED, 2)["batch_size"] * 2 == FIXED["batch_size"] == per_process(FIXED, 1)["batch_size"]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        per_process({**FIXED, **recipe_flags("packed")}, 2)  # one packed row a step
+    assert [world_tag("", 1), world_tag("", 2), world_tag("fp8", 2), world_tag("fp8", 1)] == ["", "p2", "fp8-p2", "fp8"]

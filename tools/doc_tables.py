@@ -21,7 +21,7 @@ field's default_text, else its value) and the field's help text, from the stage'
 
     <!-- options: REF A B -->              the recipe bench's kept runs (bench/results/recipe_runs): each
     ...                                    option's paired difference from REF, at 200 and 1,000 steps
-    <!-- /options -->
+    <!-- /options -->                      (names as kept: default@p2 grad-bf16@p2, runs on 2 processes)
 
     <!-- plan: --nodes 4 -->               `pipeline plan --nodes 4`: the command and what it prints,
     ...                                    as an indented block (docs/usage.md's 27B run)

@@ -192,10 +192,12 @@ class OptimConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay.", resume="fixed")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.", resume="fixed")
     grad_comm: str = setting(
-        "fp32",
-        "Precision of the gradients' all-reduce between processes: fp32, or bf16 (half "
-        "the bytes between nodes; each process's gradients rounded to bf16 and summed in "
-        "bf16). The metrics log gives the bytes a step (docs/performance.md).",
+        "bf16",
+        "Precision of the gradients' all-reduce between processes: bf16 (half the bytes "
+        "between nodes; each process's gradients rounded to bf16 and summed in bf16; the "
+        "default by the recipe bench on 2 processes: chain tau +0.7%, 95% interval "
+        "[-0.2%, +1.6%], docs/training.md) or fp32. The metrics log gives the bytes a step "
+        "(docs/performance.md).",
         choices=("fp32", "bf16"),
     )
 

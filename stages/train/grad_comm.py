@@ -1,8 +1,9 @@
-"""The gradients' all-reduce between the processes of a launch, as a DDP communication hook: in
-fp32 (what DDP does without one: each bucket divided by the world size, then summed), or with
---grad-comm bf16 rounded to bf16 for the sum (half the bytes on the network; summed in bf16, then
-back to fp32). The hook also counts the gradient bytes this process puts into each all-reduce, so
-the metrics log shows the traffic of a step, measured rather than assumed.
+"""The gradients' all-reduce between the processes of a launch, as a DDP communication hook: with
+--grad-comm bf16 (the default) rounded to bf16 for the sum (half the bytes on the network; summed in
+bf16, then back to fp32), or in fp32 (what DDP does without one: each bucket divided by the world
+size, then summed). bf16 is the default by the recipe bench on 2 processes (docs/training.md). The
+hook also counts the gradient bytes this process puts into each all-reduce, so the metrics log shows
+the traffic of a step, measured rather than assumed.
 
 One all-reduce per optimizer step whatever --grad-accum is: Accelerate skips it on the other
 micro-batches (DDP's no_sync)."""

@@ -72,7 +72,7 @@ FLAT_DEFAULTS = {
     "drafter_config": None,
     "init_from": None,
     "resume": None,
-    "grad_comm": "fp32",
+    "grad_comm": "bf16",
     "grad_checkpoint": False,
     "mixed_precision": "auto",
     "audit": False,
