@@ -67,9 +67,8 @@ def check_python(python: str) -> str:
 
 
 def first_error(lines: list[str]) -> list[str]:
-    """The root cause in an engine's log: its first 'SomethingError: message', else its last line."""
-    found = [m.group(1) for m in map(re.compile(r"\b(\w+Error: \S.*)").search, lines) if m]
-    return found[:1] or [line for line in lines if line.strip()][-1:]
+    """The root cause in an engine's log: its first 'SomethingError: message' (none: [])."""
+    return [m.group(1) for m in map(re.compile(r"\b(\w+Error: \S.*)").search, lines) if m][:1]
 
 
 def backends(requested: str) -> Backends:
@@ -160,8 +159,11 @@ class VllmCapture:
         """As Target.capture: hidden [sum(len(s)), n_taps, H] bf16 on the host, and with prompt_lens the
         agreement (matches, tokens). The engine schedules its own forwards, so budget is not used."""
         assert taps == self.taps, "the engine captures the taps it was started with"
-        self.proc.stdin.write(json.dumps({"seqs": seqs, "prompt_lens": prompt_lens}) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"seqs": seqs, "prompt_lens": prompt_lens}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the engine is gone: _reply names its exit and its log's error
         reply = self._reply()
         hidden = torch.cat([self._states(path, seq) for path, seq in zip(reply["files"], seqs)])
         hidden = hidden if rounding is None else rounding(hidden)
@@ -193,8 +195,9 @@ class VllmCapture:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            lines = self.log.read_text(errors="replace").splitlines()
-            self._fail(f"{(first_error(lines) or ['no output'])[0]} (exit {code})")
+            how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+            error = first_error(self.log.read_text(errors="replace").splitlines())
+            self._fail(f"the engine stopped ({how})" + (f": {error[0]}" if error else ""))
         reply = json.loads(line)
         if "error" in reply:
             self._fail(reply["error"])
@@ -209,7 +212,10 @@ class VllmCapture:
     def close(self) -> None:
         """The engine stopped (end of input, then killed if it does not leave), its files removed."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:

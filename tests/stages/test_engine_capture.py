@@ -184,7 +184,7 @@ def stores(tmp_path_factory):
         shard_tokens=64,
     )
     engine = dict(capture="vllm", capture_python=str(build_venv()), capture_memory=0.1)
-    pattern = f"{tempfile.gettempdir()}/dflash-capture-*"
+    pattern = f"{tempfile.gettempdir()}/dflash-capture-*/"  # the engine's directories, not a kept log
     before = set(glob.glob(pattern))
     out = {"root": root}
     for name, extra in (("hf", {}), ("vllm", engine)):
@@ -253,3 +253,78 @@ def test_a_drafter_trained_on_engine_states_is_refused_on_transformers_states(st
     with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
         replay("hf", "other", False)
     assert replay("hf", "allowed", True)["checkpoints"][0]["check"].startswith("mismatch (allowed)")
+
+
+def worker_pid() -> int:
+    """This process's capture worker (its child running vllm_capture_worker.py)."""
+    import os
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if ppid == os.getpid() and b"vllm_capture_worker.py" in cmd:
+                return int(proc.name)
+    raise AssertionError("no capture worker running")
+
+
+@pytest.mark.engine
+def test_an_engine_killed_mid_run_leaves_nothing_half_committed_and_a_rerun_completes_the_store(stores):
+    """The engine (worker and engine processes) SIGKILLed as shard 0 commits: the run stops with one
+    line, shard 1 is left uncommitted, the engine's files are gone; the same command then writes
+    shard 1, and the store holds what the uninterrupted run stored, bit for bit."""
+    import glob
+    import os
+    import signal
+    import tempfile
+
+    from stages.extract.run import run as extract
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+    from tests.engines import build_venv
+
+    path = stores["root"] / "killed.zarr"
+    config = ExtractConfig(
+        store=str(path),
+        target=str(TINY_TARGET),
+        shards="0-1",
+        num_shards=64,
+        dtype="bf16",
+        device="cpu",
+        responses="dataset",
+        max_new_tokens=64,
+        max_length=256,
+        batch_size=4,
+        chunk_tokens=32,
+        shard_tokens=64,
+        capture="vllm",
+        capture_python=str(build_venv()),
+        capture_memory=0.1,
+    )
+
+    def kill_at_first_commit(line: str) -> None:
+        if line.startswith("shard 0:"):
+            os.killpg(worker_pid(), signal.SIGKILL)
+
+    pattern = f"{tempfile.gettempdir()}/dflash-capture-*/"  # the engine's directories, not a kept log
+    before = set(glob.glob(pattern))
+    with pytest.raises(
+        EngineError, match=r"^--capture vllm: the engine stopped \(killed by signal 9\) \(log /"
+    ) as stopped:
+        extract(config, log=kill_at_first_commit)
+    print(f"\nstopped: {stopped.value}")
+    assert "\n" not in str(stopped.value)
+    assert set(glob.glob(pattern)) - before == set()
+    assert sorted(HiddenStore(str(path)).committed()) == [0]
+    extract(config, log=print)
+    done, whole = HiddenStore(str(path)), HiddenStore(str(stores["vllm"]))
+    assert sorted(done.committed()) == [0, 1]
+    for shard in (0, 1):
+        for a, b in zip(ShardReader(done, shard), ShardReader(whole, shard), strict=True):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(
+                a.hidden.view(torch.int16), b.hidden.view(torch.int16)
+            )
