@@ -198,6 +198,7 @@ def stores(tmp_path_factory):
 def test_an_engine_captured_store_verifies_and_equals_the_transformers_one(stores):
     from bench.parity import per_tap
     from store.hidden_store import HiddenStore
+    from store.summary import render, summarize
     from store.verify import verify
 
     hf, vllm = HiddenStore(str(stores["hf"])), HiddenStore(str(stores["vllm"]))
@@ -212,6 +213,8 @@ def test_an_engine_captured_store_verifies_and_equals_the_transformers_one(store
     assert capture["engine"] == "vllm" and capture["version"].startswith("0.") and capture["tensor_parallel"] == 1
     assert capture["layer_ids"] == [k + 1 for k in vllm.attrs.taps]
     assert hf.attrs.compat.capture is None
+    assert all(r.run["capture"] == capture for r in vllm.committed().values())
+    assert f"capture      vllm {capture['version']}, bfloat16, tensor parallel 1" in render(summarize(vllm))
     assert hf.attrs.compat.conditioning() != vllm.attrs.compat.conditioning()
     assert hf.attrs.compat.placement() == vllm.attrs.compat.placement()
     print(f"agreement: transformers {stores['hf_summary']['agreement']}, vLLM {stores['vllm_summary']['agreement']}")
