@@ -57,17 +57,53 @@ def test_a_python_without_vllm_is_refused_in_one_line():
         check_python("/nonexistent/python")
 
 
-def test_a_too_old_vllm_is_refused(tmp_path):
-    fake = tmp_path / "vllm"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("__version__ = '0.11.2'\n")
+def fake_vllm(tmp_path, version: str) -> str:
+    """A Python whose `vllm` is a stub of that version (no engine in it)."""
+    (tmp_path / "vllm").mkdir(exist_ok=True)
+    (tmp_path / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
+    return str(python)
+
+
+def test_a_too_old_vllm_is_refused(tmp_path):
     with pytest.raises(EngineError, match=r"vLLM 0.11.2 is older than 0.32"):
-        check_python(str(python))
-    (fake / "__init__.py").write_text("__version__ = '0.32.0'\n")
-    assert check_python(str(python)) == "0.32.0"
+        check_python(fake_vllm(tmp_path, "0.11.2"))
+    assert check_python(fake_vllm(tmp_path, "0.32.0")) == "0.32.0"
+
+
+def test_an_engine_that_fails_to_start_is_one_line_and_leaves_no_files(tmp_path):
+    import glob
+    import tempfile
+
+    pattern = f"{tempfile.gettempdir()}/dflash-capture-*/"
+    before = set(glob.glob(pattern))
+    engine = VllmCapture(fake_vllm(tmp_path, "0.32.0"), str(TINY_TARGET), [1, 2], 128, "bf16", 256, None)
+    with pytest.raises(
+        EngineError, match=r"^--capture vllm: the engine stopped \(exit 1\): ImportError: cannot import"
+    ):
+        try:
+            engine.start()  # the stub has no LLM
+        finally:
+            engine.close()
+    assert set(glob.glob(pattern)) == before
+
+
+def test_a_tap_out_of_range_is_refused_before_the_engine_starts_or_a_shard_is_claimed(tmp_path):
+    from stages.extract.run import run as extract
+
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        capture="vllm",
+        capture_python=fake_vllm(tmp_path, "0.32.0"),
+        taps="1,8",
+        dtype="bf16",
+        device="cpu",
+    )
+    with pytest.raises(ConfigError, match=r"--taps.*layer id\(s\) \[8\] out of range.*8 decoder layers"):
+        extract(config, log=lambda m: None)
+    assert not (tmp_path / "hs.zarr").exists()
 
 
 def test_capture_flags_go_with_capture_vllm():
