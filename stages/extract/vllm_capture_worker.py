@@ -42,7 +42,9 @@ def engine(config: dict):
         seed=config["seed"],
         max_model_len=config["max_model_len"],
         tensor_parallel_size=config["tensor_parallel_size"],
-        enable_prefix_caching=False,  # a cached prefix would skip its positions' forward, so its states
+        # Off: every position's state comes from this request's own prefill (a cached prefix is not
+        # run again), and on CPU a hybrid target's prefix cache needs a Triton kernel.
+        enable_prefix_caching=False,
         enforce_eager=not torch.cuda.is_available(),
         speculative_config={
             "method": "extract_hidden_states",
