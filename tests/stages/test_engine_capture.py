@@ -15,7 +15,9 @@ greedy agreement is the target's. The checks that need no engine run in the defa
 from __future__ import annotations
 
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +47,14 @@ def stats(a: torch.Tensor, b: torch.Tensor) -> dict:
 def equal(s: dict) -> bool:
     """Within bf16 rounding of each other, by every measure."""
     return s["cos_median"] >= COS_MEDIAN and s["cos_min"] >= COS_MIN and s["max_abs"] <= MAX_ABS and s["same"] >= SAME
+
+
+def kept_log(error: Exception) -> Path:
+    """The engine log an error names (kept for the user), removed once seen to exist."""
+    log = Path(re.search(r"\(log (/\S+)\)$", str(error)).group(1))
+    assert log.is_file()
+    log.unlink()
+    return log
 
 
 def test_tap_k_is_vllm_layer_id_k_plus_1():
@@ -83,12 +93,13 @@ def test_an_engine_that_fails_to_start_is_one_line_and_leaves_no_files(tmp_path)
     engine = VllmCapture(fake_vllm(tmp_path, "0.32.0"), str(TINY_TARGET), [1, 2], 128, "bf16", 256, None)
     with pytest.raises(
         EngineError, match=r"^--capture vllm: the engine stopped \(exit 1\): ImportError: cannot import"
-    ):
+    ) as failed:
         try:
             engine.start()  # the stub has no LLM
         finally:
             engine.close()
     assert set(glob.glob(pattern)) == before
+    kept_log(failed.value)
 
 
 def test_a_tap_out_of_range_is_refused_before_the_engine_starts_or_a_shard_is_claimed(tmp_path):
@@ -362,6 +373,7 @@ def test_an_engine_killed_mid_run_leaves_nothing_half_committed_and_a_rerun_comp
     ) as stopped:
         extract(config, log=kill_at_first_commit)
     print(f"\nstopped: {stopped.value}")
+    kept_log(stopped.value)
     assert "\n" not in str(stopped.value)
     assert set(glob.glob(pattern)) - before == set()
     assert sorted(HiddenStore(str(path)).committed()) == [0]
