@@ -57,6 +57,7 @@ def summarize(store: HiddenStore) -> dict:
             "linear_attention": attrs.backends.linear_attention
             + (" (Triton's interpreter on CPU, not a GPU)" if attrs.backends.triton == "interpreter" else ""),
             "attention": attrs.backends.attention,
+            "capture": capture_text(attrs.compat.capture),
             "device": attrs.device,
             "dtype": attrs.dtype,
             "dataset": attrs.dataset.source,
@@ -106,10 +107,22 @@ def render(s: dict) -> str:
         f"mask token {p['mask_token_id']})",
         f"backend      linear attention: {p['linear_attention']}, attention: {p['attention']}, "
         f"device {p['device']}, dtype {p['dtype']}",
+        f"capture      {p['capture']}",
         f"data         {p['dataset']} (responses: {p['responses']})",
         "versions     " + ", ".join(f"{k} {v}" for k, v in p["versions"].items()),
     ]
     return "\n".join(lines)
+
+
+def capture_text(capture: dict | None) -> str:
+    """What computed the states (compat.capture): an engine and its layout, or the extracting process."""
+    if capture is None:
+        return "the target loaded by the extracting process (transformers)"
+    return (
+        f"{capture['engine']} {capture['version']}, {capture['dtype']}, tensor parallel "
+        f"{capture['tensor_parallel']}, pipeline parallel {capture['pipeline_parallel']}, "
+        f"layer ids {capture['layer_ids']}"
+    )
 
 
 def agreement(records) -> dict | None:

@@ -65,7 +65,7 @@ def check_checkpoint(path: str, store: HiddenStore, allow_mismatch: bool, warnin
     if other_store and not other_data and trained_on is None:
         problems.append(
             f"store fingerprint: trained on {fp[:12]}, this store is {attrs.fingerprint[:12]} "
-            "(different target, taps, backend, tokenizer or data)"
+            "(different target, taps, backend or capture engine, tokenizer or data)"
         )
     if problems and not allow_mismatch:
         raise DrafterError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 from pipeline import DEFAULT_PROMPTS, TINY_TARGET
@@ -132,6 +133,24 @@ class ExtractConfig:
         "is recorded in the store.",
         choices=("auto", "fla", "torch"),
     )
+    capture: str = setting(
+        "transformers",
+        "What computes the tap states: transformers, the target loaded here (one forward per batch, "
+        "--capture-tokens); vllm, the target served by vLLM in its own Python (--capture-python), "
+        "prefill only, its states written by vLLM's KV connector and read back here. The engine "
+        "and its version are recorded in the store's conditioning: drafters trained on one are "
+        "refused on the other's states unless allowed (docs/usage.md, 'Capture inside vLLM').",
+        choices=("transformers", "vllm"),
+    )
+    capture_python: str | None = setting(
+        None, "The Python that has vLLM installed (its own venv), for --capture vllm.", default_text="this Python"
+    )
+    capture_memory: float | None = setting(
+        None,
+        "Share of the device's memory the --capture vllm engine may take (vLLM's "
+        "gpu_memory_utilization; on CPU a share of host memory).",
+        default_text="vLLM's default",
+    )
     taps: str | None = setting(
         None,
         "Tap layers: '1,16,31' (layer ids, 0-based; tap k = output of layer k) or 'n=5'.",
@@ -228,6 +247,20 @@ class ExtractConfig:
             self.turns == "last" or self.responses == "dataset",
             f"{self.turns} goes with --responses dataset (regenerated answers exist only for the last turn)",
         )
+        require(
+            self,
+            "capture_python",
+            self.capture_python is None or self.capture == "vllm",
+            "goes with --capture vllm",
+        )
+        require(
+            self,
+            "capture_memory",
+            self.capture_memory is None or (self.capture == "vllm" and 0 < self.capture_memory <= 1),
+            "goes with --capture vllm, a share of the device's memory in (0, 1]",
+        )
+        if self.capture == "vllm":
+            fill(self, "capture_python", self.capture_python or sys.executable)
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         require(self, "lease_s", self.lease_s >= 2, "must be at least 2 seconds (S3 times leases to the second)")
         lo, hi = layout.LEVELS

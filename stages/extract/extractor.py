@@ -20,6 +20,7 @@ from pipeline.errors import DatasetError, TargetError
 from pipeline.reference_server import ReferenceServer
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
+from stages.extract.engine_capture import VllmCapture
 from stages.extract.progress import Progress
 from store.format import layout
 from store.format.schema import ShardCommit, completion_limit
@@ -81,8 +82,11 @@ class Extractor:
         prompt_set: prompt_sets.PromptSet,
         num_shards: int,
         engine: ReferenceServer | None = None,
+        capturer: VllmCapture | None = None,
     ) -> None:
+        """capturer: what captures the taps instead of the target (--capture vllm)."""
         self.config, self.store, self.target, self.taps = config, store, target, taps
+        self.capturer = capturer or target
         self.format = store.layout.format  # the store's, as created or opened (store/format/hidden_formats.py)
         self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
         self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight
@@ -189,7 +193,8 @@ class Extractor:
                 "batch_size": c.batch_size,
                 "capture_tokens": c.capture_tokens,
                 "device": str(self.target.device),
-                "backends": self.target.check_backends(),
+                "backends": self.target.check_backends(),  # of the target loaded here (with an engine: generate's)
+                **({} if self.capturer is self.target else {"capture": self.capturer.record}),
                 "committed_at": time.time(),
             },
         )
@@ -241,11 +246,11 @@ class Extractor:
             seqs = [r.prompt + c for r, c in ready]
             rounding, budget = self.format.rounding, self.config.capture_tokens
             if self.config.agreement:
-                hidden, agreement = self.target.capture(
+                hidden, agreement = self.capturer.capture(
                     seqs, self.taps, [len(r.prompt) for r, _ in ready], rounding=rounding, budget=budget
                 )
             else:
-                hidden = self.target.capture(seqs, self.taps, rounding=rounding, budget=budget)  # [T, n_taps, H] bf16
+                hidden = self.capturer.capture(seqs, self.taps, rounding=rounding, budget=budget)  # [T, n_taps, H] bf16
                 agreement = None
             timing["capture_s"] += time.perf_counter() - t
             kept, hidden = self.finite(ready, hidden, writer, shard)

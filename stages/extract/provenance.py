@@ -35,7 +35,9 @@ def store_attrs(
     prompt_set: PromptSet,
     backends: Backends,
     engine: ServerInfo | None,
+    capture: dict | None = None,
 ) -> StoreAttrs:
+    """capture: the engine that computed the states (`VllmCapture.record`), None for the target loaded here."""
     described = prompt_set.describe()
     hidden_format = hidden_formats.of(config.hidden_format)
     compat = Compat(
@@ -66,6 +68,7 @@ def store_attrs(
         references=engine.identity if engine else None,
         turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None,
+        capture=capture,
     )
     return StoreAttrs(
         fingerprint=fingerprint.sha256_json(to_json(compat)),

@@ -23,8 +23,9 @@ from pipeline.reference_server import ReferenceServer
 from pipeline.target import loading
 from pipeline.target.model import Target
 from pipeline.target.taps import parse_taps
-from stages.extract import disk_space, reference_cost
+from stages.extract import disk_space, engine_capture, reference_cost
 from stages.extract.config import ExtractConfig, default_num_shards
+from stages.extract.engine_capture import VllmCapture
 from stages.extract.extractor import Extractor
 from stages.extract.provenance import store_attrs
 from stages.extract.summary import finish_summary, nothing_stored
@@ -79,8 +80,10 @@ def run(config: ExtractConfig, log=print) -> dict:
     if cost and process.rank == 0:
         say(cost)
     engine = connect(config, say)
+    version = engine_capture.check_python(config.capture_python) if config.capture == "vllm" else None
+    capturer = None
     try:
-        target, taps, attrs = open_target(config, process, prompt_set, num_shards, engine)
+        target, taps, attrs, capturer = open_target(config, process, prompt_set, num_shards, engine, version, say)
         done, damaged = store.commits()
         damaged = {s: e for s, e in damaged.items() if s in shard_ids}
         if damaged and not config.redo:
@@ -111,13 +114,15 @@ def run(config: ExtractConfig, log=print) -> dict:
                 redone = redo_corrupt(store, [s for s in shard_ids if s in done or s in damaged], say)
                 done = {s: r for s, r in done.items() if s not in redone}
             todo = shard_order(store, [s for s in shard_ids if s not in done], process)
-            job = Extractor(config, store, target, taps, prompt_set, num_shards, engine)
+            job = Extractor(config, store, target, taps, prompt_set, num_shards, engine, capturer)
             job.summary.update(shards_skipped=[s for s in shard_ids if s in done], backends=attrs.backends)
             t_loop = time.perf_counter()
             job.write(todo, process.label(), say)
     finally:
         if engine is not None:
             engine.close()
+        if capturer is not None:
+            capturer.close()
     job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
     if engine is not None:
         job.summary["server"] = server_use(engine, job.summary["timing"])
@@ -242,9 +247,11 @@ def open_target(
     prompt_set: prompt_sets.PromptSet,
     num_shards: int,
     engine: ReferenceServer | None,
-) -> tuple[Target, list[int], StoreAttrs]:
+    vllm_version: str | None,
+    say,
+) -> tuple[Target, list[int], StoreAttrs, VllmCapture | None]:
     """The target on this process's device, its taps and mask token checked, the kernels probed,
-    and the store attributes this run writes or must match."""
+    with --capture vllm the engine started, and the store attributes this run writes or must match."""
     device = process.device(config.device)
     if engine is not None:
         engine_beside(config.server_url, device)
@@ -259,8 +266,35 @@ def open_target(
         raise ConfigError("--mask-token-id", mask_id, f"outside the vocabulary (0-{target.vocab_size - 1})")
     target.probe()
     backends = target.check_backends()
-    attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info)
-    return target, taps, attrs
+    if vllm_version is None:
+        attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info)
+        return target, taps, attrs, None
+    capturer = start_capture(config, target, taps, vllm_version, say)
+    backends = engine_capture.backends(config.linear_attention)
+    attrs = store_attrs(
+        config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info, capturer.record
+    )
+    return target, taps, attrs, capturer
+
+
+def start_capture(config: ExtractConfig, target: Target, taps: list[int], version: str, say) -> VllmCapture:
+    """--capture vllm: the engine up with the taps' layer ids, or one line (it is stopped again)."""
+    say(f"starting vLLM {version} ({config.capture_python}) to capture taps {taps} of {config.target}")
+    capturer = VllmCapture(
+        config.capture_python,
+        config.target,
+        taps,
+        target.hidden_size,
+        config.dtype,
+        config.max_length + 1,  # the prefill of a whole sequence, and the one token vLLM makes after it
+        config.capture_memory,
+        version,
+    )
+    try:
+        return capturer.start()
+    except BaseException:
+        capturer.close()
+        raise
 
 
 def shard_order(store: StoreWriter, shards: list[int], process: devices.Process) -> list[int]:

@@ -95,6 +95,10 @@ class Compat:
     # The conv1d kernel of the target's linear-attention layers, as observed ("causal_conv1d", "torch",
     # "none", "mixed": Backends.conv1d); None: not recorded (stores made before it was).
     conv1d: str | None = role("conditioning", default=None)
+    # What computed the states when not the target loaded in-process (`--capture vllm`): {"engine": "vllm",
+    # "version", "dtype", "tensor_parallel", "pipeline_parallel", "layer_ids": the engine's ids of the
+    # taps}; None: transformers in the extracting process (every store made before it was recorded).
+    capture: dict | None = role("conditioning", default=None)
 
     @property
     def format(self) -> HiddenFormat:

@@ -11,6 +11,7 @@ def test_info_summarizes(small_store):
     assert s["compression_ratio"] > 1.0 and s["provenance"]["linear_attention"] == "torch"
     text = render(s)
     assert "4/4 done" in text and "linear attention: torch" in text
+    assert "capture      the target loaded by the extracting process (transformers)" in text
 
 
 def test_sizes_come_from_the_commit_files_not_a_walk(small_store, monkeypatch):

@@ -178,7 +178,7 @@ def test_a_schema1_store_still_trains_and_evaluates_but_takes_no_new_shards(tmp_
 
 def test_each_role_names_fields_of_the_record_and_no_field_twice():
     """The roles are read from the fields, so none can name a field that is not there; these are the
-    lists they replaced (the conv1d kernel added), so a role dropped or misspelt is seen."""
+    lists they replaced (the conv1d kernel and the capture engine added), so a role dropped or misspelt is seen."""
     assert CONDITIONING == (
         "target_fingerprint",
         "model_class",
@@ -191,6 +191,7 @@ def test_each_role_names_fields_of_the_record_and_no_field_twice():
         "attention",
         "hidden_format",
         "conv1d",
+        "capture",
     )
     assert PLACEMENT == ("dataset_sha256", "dataset_rows", "num_shards")
     names = {f for f in Compat.__dataclass_fields__}

@@ -1,0 +1,124 @@
+"""Capture tap states inside vLLM, one engine for many batches. Run by the Python that has vLLM
+(usually its own venv), never imported by dflash-pipeline: stdlib, torch, safetensors and vLLM only.
+
+    python vllm_capture_worker.py CONFIG.json
+
+CONFIG: {"target", "layer_ids": [vLLM aux layer ids: id L = the output of decoder layer L-1],
+         "dtype", "max_model_len", "gpu_memory_utilization" (null: vLLM's default),
+         "tensor_parallel_size", "transport_dir", "seed"}
+The engine prefills each sequence once (max_tokens=1: no multi-token generation is involved) with
+speculative method `extract_hidden_states` and the connector of vllm_capture_connector.py, which
+leaves each sequence's states in TRANSPORT_DIR/<request>.safetensors ("hidden_states" [T, n_taps, H]
+in the engine's dtype, "token_ids" [T]).
+
+Line protocol, one JSON object a line. The worker's stdout is moved to stderr at start (vLLM and its
+processes log there), its replies go to the original stdout:
+  reply   {"ready": true, "vllm": version, "num_layers", "hidden_size"}  once the engine is up,
+          or {"error": "..."} and exit 3 (vLLM cannot be imported, a layer id out of range)
+  request {"seqs": [[ids], ..], "prompt_lens": [n, ..] or null}   (token ids, not states)
+  reply   {"files": [path, ..], "matches": [m, ..] or null}      files in request order, written and
+          unlocked; matches: per sequence, how many tokens after its prompt are the engine's own
+          greedy choice at the position before (from prompt logprobs: rank 1)
+End of input: the engine shuts down and the worker exits 0. The caller reads and deletes the files.
+"""
+
+import fcntl
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def engine(config: dict):
+    import torch
+    from vllm import LLM
+
+    share = config.get("gpu_memory_utilization")
+    memory = {} if share is None else {"gpu_memory_utilization": share}
+    return LLM(
+        model=config["target"],
+        dtype=config["dtype"],
+        seed=config["seed"],
+        max_model_len=config["max_model_len"],
+        tensor_parallel_size=config["tensor_parallel_size"],
+        # Off: every position's state comes from this request's own prefill (a cached prefix is not
+        # run again), and on CPU a hybrid target's prefix cache needs a Triton kernel.
+        enable_prefix_caching=False,
+        enforce_eager=not torch.cuda.is_available(),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": config["layer_ids"]}},
+        },
+        kv_transfer_config={
+            "kv_connector": "HostCopyHiddenStatesConnector",
+            "kv_connector_module_path": "vllm_capture_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": config["transport_dir"]},
+        },
+        **memory,
+    )
+
+
+def capture(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lens = request.get("prompt_lens")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=None if lens is None else 1
+    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in request["seqs"]], params, use_tqdm=False)
+    files = []
+    for out in outputs:
+        path = out.kv_transfer_params["hidden_states_path"]
+        with open(path + ".lock") as fh:
+            fcntl.flock(fh, fcntl.LOCK_SH)  # the connector's writer holds it exclusively until written
+        os.remove(path + ".lock")
+        files.append(path)
+    matches = None if lens is None else [agreeing(o, n) for o, n in zip(outputs, lens)]
+    return {"files": files, "matches": matches}
+
+
+def agreeing(out, prompt_len: int) -> int:
+    """Tokens after the prompt that were the engine's argmax at the position before (rank 1)."""
+    ids, logprobs = out.prompt_token_ids, out.prompt_logprobs
+    return sum(1 for t in range(max(prompt_len, 1), len(ids)) if logprobs[t][ids[t]].rank == 1)
+
+
+def main(config_path: str) -> int:
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # everything else written to stdout (vLLM's logs, its processes') goes to stderr
+    sys.stdout = sys.stderr
+    with open(config_path) as fh:
+        config = json.load(fh)
+    try:
+        import vllm
+    except ImportError as e:
+        reply.write(json.dumps({"error": f"{sys.executable} cannot import vllm ({e})"}) + "\n")
+        return 3
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, HERE)  # the connector's module, for this process and the engine's
+    llm = engine(config)
+    hf = llm.llm_engine.model_config.hf_text_config
+    layers = hf.num_hidden_layers
+    bad = [i for i in config["layer_ids"] if not 1 <= i <= layers]
+    if bad:
+        reply.write(json.dumps({"error": f"layer id(s) {bad} outside 1-{layers} ({config['target']})"}) + "\n")
+        return 3
+    reply.write(
+        json.dumps({"ready": True, "vllm": vllm.__version__, "num_layers": layers, "hidden_size": hf.hidden_size})
+        + "\n"
+    )
+    for line in sys.stdin:
+        if line.strip():
+            reply.write(json.dumps(capture(llm, json.loads(line))) + "\n")
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1])
+    sys.stderr.flush()
+    os._exit(code)  # not sys.exit: the interpreter's teardown after vLLM's threads aborts (SIGABRT)
