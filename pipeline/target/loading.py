@@ -36,8 +36,13 @@ def resolve(target: str) -> Path:
         ) from None
 
 
-def load(target: str, device: str | None, dtype: str, linear_attention: str) -> Target:
-    """Load the text-only causal LM and its tokenizer; pick the kernels BEFORE the model code loads."""
+def load(target: str, device: str | None, dtype: str, linear_attention: str, *, with_weights: bool = True) -> Target:
+    """Load the text-only causal LM and its tokenizer; pick the kernels BEFORE the model code loads.
+
+    with_weights False: the model is built on the meta device instead (no memory, no weights read,
+    no forward possible) but for the embedding and lm_head, read on the host: its tokenizer, sizes,
+    generation config, those two tensors and the identity record, as a full load makes them, for a
+    run whose forwards happen elsewhere (--capture vllm)."""
     if dtype not in devices.DTYPE_NAMES:
         raise ConfigError("--dtype", dtype, f"expected one of {sorted(devices.DTYPE_NAMES)}")
     dev = devices.resolve(device)
@@ -52,6 +57,8 @@ def load(target: str, device: str | None, dtype: str, linear_attention: str) -> 
 
     hf_logging.set_verbosity_error()  # its "falling back to torch" notice is replaced by what the store records
     hf_logging.disable_progress_bar()
+    if not with_weights:
+        return _without_weights(path, dtype, requested)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -77,6 +84,39 @@ def load(target: str, device: str | None, dtype: str, linear_attention: str) -> 
         requested,
         describe(model, tokenizer, path),
     )
+
+
+def _without_weights(path: Path, dtype: str, requested: str) -> Target:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=devices.dtype(dtype))
+        if (path / "generation_config.json").is_file():  # its EOS ids, as from_pretrained reads them
+            model.generation_config = GenerationConfig.from_pretrained(path)
+    except Exception as e:
+        raise TargetError(
+            f"--target {path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    model.eval()
+    record = describe(model, tokenizer, path)
+    _read_embeddings(model, path)
+    meta = torch.device("meta")  # where its forwards run: none here
+    return Target(model, tokenizer, path, meta, devices.dtype(dtype), KernelRecorder(model), requested, record)
+
+
+def _read_embeddings(model: torch.nn.Module, path: Path) -> None:
+    """The embedding and lm_head (the store keeps both) read from the checkpoint onto the host; the
+    rest of the model stays on the meta device. A tied lm_head is the embedding, read once."""
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied weight under its first name
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        w = module.weight
+        if w.is_meta:
+            tensor = weights.read_tensor(path, names[id(w)], tuple(w.shape)).to(w.dtype)
+            module.weight = torch.nn.Parameter(tensor, requires_grad=False)
+    if model.config.get_text_config().tie_word_embeddings:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
 def describe(model: torch.nn.Module, tok, path: Path) -> TargetRecord:

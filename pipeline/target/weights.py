@@ -80,6 +80,27 @@ def tensor_names(path: Path) -> list[str]:
     return names
 
 
+def read_tensor(path: Path, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One tensor of the text model, `name` as the model calls it, read from the checkpoint alone (a
+    release's multimodal spelling `model.language_model.*` too), its shape checked."""
+    from safetensors import safe_open
+
+    spellings = (name, name.replace("model.", "model.language_model.", 1))
+    for f in files(path):
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), "pt") as fh:
+                found = [n for n in spellings if n in fh.keys()]
+                tensor = fh.get_tensor(found[0]) if found else None
+        else:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            tensor = next((state[n] for n in spellings if n in state), None)
+        if tensor is not None:
+            if tuple(tensor.shape) != tuple(shape):
+                raise TargetError(f"--target {path}: {name} has shape {tuple(tensor.shape)}, the model's is {shape}")
+            return tensor
+    raise TargetError(f"--target {path}: the checkpoint has no {name}")
+
+
 def _names(items: list[str]) -> str:
     shown = ", ".join(items[:SHOWN])
     return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "") if items else ""

@@ -10,8 +10,8 @@ as `Target.capture` returns it: hidden [sum T, n_taps, H] bf16 on the host, sequ
 
 This lives in stages/extract/ and not in pipeline/target/ because it is a run's arrangement, not the
 model: a process started and stopped with the run, the user's flags for it, a directory for its
-files; the target (tokenizer, vocabulary, embedding, lm_head, identity record) is still the one
-pipeline/target/ loads.
+files; the target (tokenizer, vocabulary, identity record) is still the one pipeline/target/ loads,
+without its weights unless this process generates the references (loading.load's with_weights).
 
 Tap convention: the project's tap k (the output of decoder layer k, 0-based) is vLLM's aux layer id
 k+1 (vLLM's id L is the residual stream after L layers, id 0 the embedding), as its DFlash support

@@ -193,7 +193,8 @@ class Extractor:
                 "batch_size": c.batch_size,
                 "capture_tokens": c.capture_tokens,
                 "device": str(self.target.device),
-                "backends": self.target.check_backends(),  # of the target loaded here (with an engine: generate's)
+                # of the target loaded here (with an engine: generate's; none without its weights)
+                "backends": None if self.target.device.type == "meta" else self.target.check_backends(),
                 **({} if self.capturer is self.target else {"capture": self.capturer.record}),
                 "committed_at": time.time(),
             },

@@ -251,11 +251,13 @@ def open_target(
     say,
 ) -> tuple[Target, list[int], StoreAttrs, VllmCapture | None]:
     """The target on this process's device, its taps and mask token checked, the kernels probed,
-    with --capture vllm the engine started, and the store attributes this run writes or must match."""
+    with --capture vllm the engine started (and the target here without weights unless it generates
+    the references), and the store attributes this run writes or must match."""
     device = process.device(config.device)
     if engine is not None:
         engine_beside(config.server_url, device)
-    target = loading.load(config.target, device, config.dtype, config.linear_attention)
+    here = vllm_version is None or config.responses == "regenerate"  # forwards in this process
+    target = loading.load(config.target, device, config.dtype, config.linear_attention, with_weights=here)
     if engine is not None:
         engine.check_vocabulary(target.tokenizer)
     taps = parse_taps(config.taps, target.num_layers)
@@ -264,8 +266,9 @@ def open_target(
         raise ConfigError("--mask-token-id", None, f"the tokenizer of {target.path} has no mask token; pass one")
     if not 0 <= mask_id < target.vocab_size:
         raise ConfigError("--mask-token-id", mask_id, f"outside the vocabulary (0-{target.vocab_size - 1})")
-    target.probe()
-    backends = target.check_backends()
+    if here:
+        target.probe()
+        backends = target.check_backends()
     if vllm_version is None:
         attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info)
         return target, taps, attrs, None
