@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -103,6 +104,9 @@ class VllmCapture:
         self.log: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
+        # seconds waiting for the engine's replies (its forwards and its connector's writes), and
+        # reading, checking and deleting its files here (the transport's share on this side)
+        self.seconds = {"start_s": 0.0, "engine_s": 0.0, "transport_s": 0.0}
 
     @property
     def record(self) -> dict:
@@ -118,6 +122,7 @@ class VllmCapture:
 
     def start(self) -> VllmCapture:
         """The engine up (minutes on CPU), or one line naming its log."""
+        t = time.perf_counter()
         self.version = self.version or check_python(self.python)
         self.dir = Path(tempfile.mkdtemp(prefix="dflash-capture-"))
         config = {
@@ -145,6 +150,7 @@ class VllmCapture:
         reply = self._reply()
         if reply.get("hidden_size") != self.hidden_size:
             self._fail(f"the engine's hidden size {reply.get('hidden_size')} is not the target's {self.hidden_size}")
+        self.seconds["start_s"] = time.perf_counter() - t
         return self
 
     def capture(
@@ -159,13 +165,17 @@ class VllmCapture:
         """As Target.capture: hidden [sum(len(s)), n_taps, H] bf16 on the host, and with prompt_lens the
         agreement (matches, tokens). The engine schedules its own forwards, so budget is not used."""
         assert taps == self.taps, "the engine captures the taps it was started with"
+        t = time.perf_counter()
         try:
             self.proc.stdin.write(json.dumps({"seqs": seqs, "prompt_lens": prompt_lens}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the engine is gone: _reply names its exit and its log's error
         reply = self._reply()
+        t_reply = time.perf_counter()
         hidden = torch.cat([self._states(path, seq) for path, seq in zip(reply["files"], seqs)])
+        self.seconds["engine_s"] += t_reply - t
+        self.seconds["transport_s"] += time.perf_counter() - t_reply
         hidden = hidden if rounding is None else rounding(hidden)
         if prompt_lens is None:
             return hidden

@@ -126,6 +126,8 @@ def run(config: ExtractConfig, log=print) -> dict:
     job.summary["timing"]["loop_s"] = time.perf_counter() - t_loop
     if engine is not None:
         job.summary["server"] = server_use(engine, job.summary["timing"])
+    if capturer is not None:
+        job.summary["capture_engine"] = capturer.seconds
     job.summary["wall_s"] = time.perf_counter() - t_start
     job.summary["process"] = {"rank": process.rank, "world": process.world}
     summary = finish_summary(store, job.summary)

@@ -64,6 +64,7 @@ def _lines(s: dict) -> list[str]:
             f"waiting on the writer {t['stall_s']:.2f}s",
         ]
         + ([server_line(s["server"])] if "server" in s else [])
+        + ([engine_line(s["capture_engine"], t["capture_s"])] if "capture_engine" in s else [])
         + modes_line(s["template_modes"])
         + ([s["index"]] if "index" in s else [])
     )
@@ -74,6 +75,15 @@ def modes_line(modes: dict) -> list[str]:
     if set(modes) <= {"{}"}:
         return []
     return ["rows per chat-template mode: " + "; ".join(f"{k}: {n}" for k, n in sorted(modes.items()))]
+
+
+def engine_line(v: dict, capture_s: float) -> str:
+    """--capture vllm: the engine's start, its replies and the states' way out of it."""
+    share = v["transport_s"] / capture_s if capture_s else 0.0
+    return (
+        f"capture engine: started in {v['start_s']:.1f}s; of the capture's {capture_s:.1f}s, "
+        f"{v['engine_s']:.1f}s waiting on the engine, {v['transport_s']:.2f}s reading its files ({share:.0%})"
+    )
 
 
 def server_line(v: dict) -> str:

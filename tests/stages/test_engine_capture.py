@@ -267,6 +267,9 @@ def test_an_engine_captured_store_verifies_and_equals_the_transformers_one(store
     assert hf.attrs.compat.placement() == vllm.attrs.compat.placement()
     print(f"agreement: transformers {stores['hf_summary']['agreement']}, vLLM {stores['vllm_summary']['agreement']}")
     assert stores["left"] == set()  # the engine's directory (config, log, states) removed
+    timing, engine = stores["vllm_summary"]["timing"], stores["vllm_summary"]["capture_engine"]
+    assert engine["start_s"] > 0 and 0 < engine["engine_s"] + engine["transport_s"] <= timing["capture_s"]
+    assert "capture_engine" not in stores["hf_summary"]
 
 
 @pytest.mark.engine
@@ -385,3 +388,13 @@ def test_an_engine_killed_mid_run_leaves_nothing_half_committed_and_a_rerun_comp
             assert torch.equal(a.tokens, b.tokens) and torch.equal(
                 a.hidden.view(torch.int16), b.hidden.view(torch.int16)
             )
+
+
+def test_the_summary_gives_the_engines_start_and_the_transports_share():
+    from stages.extract.summary import engine_line
+
+    line = engine_line({"start_s": 61.0, "engine_s": 9.0, "transport_s": 0.5}, 10.0)
+    assert line == (
+        "capture engine: started in 61.0s; of the capture's 10.0s, 9.0s waiting on the engine, "
+        "0.50s reading its files (5%)"
+    )
