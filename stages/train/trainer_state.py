@@ -36,8 +36,10 @@ staged copy of the state would hold another 6.9 GB (weights) and 6.9-13.8 GB (op
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -98,7 +100,10 @@ def save(directory: Path, acc, raw: torch.nn.Module, optimizers: list, scheduler
     fails the save on every rank, raised as that rank's own error (an OSError keeps its errno)."""
     state = state_of(acc, raw, optimizers, schedulers)
     try:
-        dcp.save(state, checkpoint_id=directory, planner=Spread(flatten_state_dict=False), no_dist=not _distributed())
+        with _one_process_is_meant():
+            dcp.save(
+                state, checkpoint_id=directory, planner=Spread(flatten_state_dict=False), no_dist=not _distributed()
+            )
     except dcp.api.CheckpointException as e:
         raise _first_failure(e) from e
 
@@ -114,7 +119,8 @@ def load(directory: Path, acc, raw: torch.nn.Module, optimizers: list, scheduler
     state = wanted(saved, raw, optimizers, _rank())
     try:
         planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)  # fills `state` itself
-        dcp.load(state, checkpoint_id=directory, planner=planner, no_dist=not _distributed())
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=directory, planner=planner, no_dist=not _distributed())
     except dcp.api.CheckpointException as e:
         raise _first_failure(e) from e
     names = _names(raw)
@@ -266,6 +272,14 @@ def _empty(m, device) -> torch.Tensor:
 def _first_failure(e) -> BaseException:
     """The error of the lowest failing rank behind DCP's CheckpointException (a BaseException)."""
     return min(e.failures.items())[1][0]
+
+
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """DCP warns on every single-process save and load that it assumes one process: it is so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _distributed() -> bool:
