@@ -14,15 +14,18 @@ tensor is pickled whole):
   rng/<rank>                    that rank's random states (Python, NumPy, torch, CUDA), as Accelerate
                                 kept them; a rank the saving run did not have keeps its own
 
-Who writes what. DCP's default planner (torch 2.13, `_dedup_save_plans` -> `dedup_save_plans` with
-save_to_lowest_rank False) keeps each replicated item on the plan with the fewest bytes planned so
-far, in the order items first appear in rank 0's plan; items only one rank holds (Muon's momentum,
-each rank's RNG) are not counted until their turn. With Muon they come after the weights, so the
-weights are balanced without them: measured on a width-5120 layer on 2 ranks, one rank wrote about
-1.6x the other's bytes. `Spread` plans it instead: the single-holder items stay where they are and
-count first, then the replicated ones go largest first to the rank with the fewest bytes (within one
-tensor of 1/W each). Each rank writes its own file (__<rank>_0.distcp); the coordinator writes
-.metadata last, after every rank's write returned.
+Who writes what. DCP's default planner (torch 2.13: `_dedup_save_plans` -> `dedup_save_plans`,
+save_to_lowest_rank False) does not put everything on rank 0: it gives each replicated item to the
+plan with the fewest bytes so far, in the order items first appear (rank 0's plan first). Items only
+one rank holds (Muon's momentum: its owner's; each rank's RNG) count only when their turn comes, after
+the replicated weights were already balanced without them; Muon's owners balance the iteration's
+cost, not bytes, so the ranks' totals follow the momentum's imbalance. Planned bytes per rank for the
+27B drafter (1.73B parameters, Muon; bench/step_costs_bench.py `plan`): on 32 ranks the default's
+busiest rank writes 1.05 GB against a mean of 0.43 (2.4x), on 8 ranks 1.95 against 1.73. `Spread`
+plans it instead: single-holder items stay and count first, then the replicated ones go largest first
+to the rank with the fewest bytes: 0.55 GB on 32 ranks (1.26x the mean; fc's weight alone is 0.52 GB),
+1.74 on 8. Each rank writes its own file (__<rank>_0.distcp); the coordinator writes .metadata last,
+after every rank's write returned.
 
 Loading is strict (`problems`): a missing or unexpected weight, an unknown optimizer or parameter, a
 shape or dtype that differs is one line naming it. The checkpoint is read in place into the model's
