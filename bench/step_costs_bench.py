@@ -31,7 +31,8 @@ model and its optimizer files, each other rank its momentum shard: save_step bef
 state), against stages/train/trainer_state.save (every rank its share through
 torch.distributed.checkpoint; no fsync, as Accelerate), and the same with every file fsynced (DCP's
 default writer; `trainer_state_fsync`). Seconds from a barrier to
-the last rank's return, and bytes each rank wrote. `plan`: the bytes each rank is planned to write for
+the last rank's return (median of --repeat, the writes taking turns; rank 0's runs in runs_s), and
+bytes each rank wrote. `plan`: the bytes each rank is planned to write for
 the 27B drafter (1.73B parameters, Muon) on 2, 8 and 32 ranks, DCP's default assignment against
 trainer_state.Spread (meta tensors: no bytes written).
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from bench import harness
@@ -215,12 +217,17 @@ def _rank(rank: int, world: int, path: str, width: int, repeat: int, out: dict) 
                 del opt.state[p]
         result.update(
             rank0_alone_s=timed(rank0_alone),
-            every_rank_s=timed(lambda: torch.save(opt.owned_momentum(), own / MOMENTUM.format(rank))),
+            every_rank_s=timed(lambda: torch.save(owned(opt), own / MOMENTUM.format(rank))),
             momentum_bytes=sum(v.numel() * 4 for v in every.values()),
         )
         out[rank] = result
     finally:
         dist.destroy_process_group()
+
+
+def owned(muon) -> dict:
+    """A rank's momentum buffers by matrix index: its shard in Accelerate's layout (muon-momentum-rank-R.pt)."""
+    return {i: s["momentum_buffer"] for i, (p, _) in enumerate(muon.matrices()) if (s := muon.state.get(p))}
 
 
 def between_ranks(args) -> dict:
@@ -243,7 +250,7 @@ def between_ranks(args) -> dict:
     }
 
 
-def _checkpoint_rank(rank: int, world: int, port: int, width: int, root: str, out: dict) -> None:
+def _checkpoint_rank(rank: int, world: int, port: int, width: int, repeat: int, root: str, out: dict) -> None:
     """One of `trainer_checkpoint`'s processes (module doc): both writes, timed from a barrier."""
     import os
 
@@ -291,7 +298,7 @@ def _checkpoint_rank(rank: int, world: int, port: int, width: int, root: str, ou
         acc.save_state(str(d))
         for muon in muons(prepared):
             if world > 1:
-                torch.save(muon.owned_momentum(), d / MOMENTUM.format(rank))
+                torch.save(owned(muon), d / MOMENTUM.format(rank))
 
     def after(d: Path) -> None:
         trainer_state.save(d, acc, model, prepared, scheds)
@@ -301,23 +308,25 @@ def _checkpoint_rank(rank: int, world: int, port: int, width: int, root: str, ou
         planner = trainer_state.Spread(flatten_state_dict=False)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(d, sync_files=True), planner=planner, no_dist=world == 1)
 
-    result = {}
-    for name, write in (("accelerate", before), ("trainer_state", after), ("trainer_state_fsync", fsynced)):
-        d = Path(root) / name
-        if rank == 0:
-            d.mkdir()
-        acc.wait_for_everyone()
-        t0 = time.perf_counter()
-        write(d)
-        acc.wait_for_everyone()
-        result[f"{name}_s"] = time.perf_counter() - t0
-        if rank == 0:
-            result[f"{name}_bytes_per_rank"] = bytes_per_rank(d, name, world)
-        acc.wait_for_everyone()
-        if rank == 0:
-            import shutil
+    import shutil
 
-            shutil.rmtree(d)
+    result, runs = {}, defaultdict(list)
+    for _ in range(repeat):  # the writes in turn, so a load that comes and goes hits each alike
+        for name, write in (("accelerate", before), ("trainer_state", after), ("trainer_state_fsync", fsynced)):
+            d = Path(root) / name
+            if rank == 0:
+                d.mkdir()
+            acc.wait_for_everyone()
+            t0 = time.perf_counter()
+            write(d)
+            acc.wait_for_everyone()
+            runs[f"{name}_s"].append(time.perf_counter() - t0)
+            if rank == 0:
+                result[f"{name}_bytes_per_rank"] = bytes_per_rank(d, name, world)
+            acc.wait_for_everyone()
+            if rank == 0:
+                shutil.rmtree(d)
+    result |= {k: harness.median_of(v) for k, v in runs.items()} | {"runs_s": dict(runs)}
     out[rank] = result
     acc.end_training()  # and the process group with it
 
@@ -343,12 +352,13 @@ def trainer_checkpoint(args) -> dict:
     for world in (1, 2):
         with tempfile.TemporaryDirectory(dir=args.scratch) as tmp, mp.Manager() as manager:
             got = manager.dict()
-            mp.spawn(_checkpoint_rank, args=(world, 29640 + world, args.width, tmp, got), nprocs=world)
+            mp.spawn(_checkpoint_rank, args=(world, 29640 + world, args.width, args.repeat, tmp, got), nprocs=world)
             ranks = [dict(got[r]) for r in range(world)]
         out[f"processes_{world}"] = {
             "accelerate_s": max(r["accelerate_s"] for r in ranks),
             "trainer_state_s": max(r["trainer_state_s"] for r in ranks),
             "trainer_state_fsync_s": max(r["trainer_state_fsync_s"] for r in ranks),
+            "runs_s": ranks[0]["runs_s"],
             "accelerate_bytes_per_rank": ranks[0]["accelerate_bytes_per_rank"],
             "trainer_state_bytes_per_rank": ranks[0]["trainer_state_bytes_per_rank"],
         }

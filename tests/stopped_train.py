@@ -21,11 +21,16 @@ STOP_AFTER = int(sys.argv.pop(1))
 _save_step = run.save_step
 
 
+def owned(muon) -> dict:
+    """A rank's momentum buffers by matrix index: its shard in Accelerate's layout (muon-momentum-rank-R.pt)."""
+    return {i: s["momentum_buffer"] for i, (p, _) in enumerate(muon.matrices()) if (s := muon.state.get(p))}
+
+
 def accelerate_layout(directory, acc, raw, optimizers, schedulers) -> None:
     acc.save_state(str(directory))
     for muon in muons(optimizers):
         if acc.num_processes > 1:
-            torch.save(muon.owned_momentum(), directory / MOMENTUM.format(acc.process_index))
+            torch.save(owned(muon), directory / MOMENTUM.format(acc.process_index))
 
 
 if sys.argv[1] == "--accelerate-layout":

@@ -28,8 +28,9 @@ to the rank with the fewest bytes: 0.55 GB on 32 ranks (1.26x the mean; fc's wei
 after every rank's write returned.
 
 Files are not fsynced (DCP's default would): nothing else of a step checkpoint is (the drafter's
-files, Accelerate's before), so it would buy no durability for the step; on this machine it made the
-2-process write of a width-5120 layer 1.4x slower (bench/step_costs_bench.py).
+files, Accelerate's before, the rename), so it would buy no durability for the step. On this shared
+machine the fsynced write of a width-5120 layer was within the noise of the other (2 processes: 13.5
+s against 14.7, runs of 11-17 s; bench/results/step_costs_checkpoint_cpu.json).
 
 Loading is strict (`problems`): a missing or unexpected weight, an unknown optimizer or parameter, a
 shape or dtype that differs is one line naming it. The checkpoint is read in place into the model's

@@ -113,7 +113,7 @@ def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
         kept = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
         held = sum(s["momentum_buffer"].numel() * s["momentum_buffer"].element_size() for s in opt.state.values())
         file = [opt.state_dict()]  # what every rank reads back: the file rank 0 wrote
-        torch.save(opt.owned_momentum(), Path(path).parent / MOMENTUM.format(rank))
+        torch.save(owned(opt), Path(path).parent / MOMENTUM.format(rank))
         dist.broadcast_object_list(file, src=0)
         dist.barrier()
         loaded = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
@@ -133,6 +133,11 @@ def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
         }
     finally:
         dist.destroy_process_group()
+
+
+def owned(muon) -> dict:
+    """A rank's momentum buffers by matrix index: its shard in Accelerate's layout (muon-momentum-rank-R.pt)."""
+    return {i: s["momentum_buffer"] for i, (p, _) in enumerate(muon.matrices()) if (s := muon.state.get(p))}
 
 
 SHAPES = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]
