@@ -20,8 +20,21 @@ owners split by stages/train/optim.owners. broadcast: the updates as one message
 path before: one torch.distributed.broadcast each, re-enacted here) against one message per owner
 (Muon.exchanged, the path now: each owner's iterations write straight into its message buffer).
 checkpoint: the momentum written by rank 0 alone (before: every rank held it all, the main process
-saved it) against each rank writing its own share at once
-(stages/train/run_dir.save_momentum); the slower rank's time.
+saved it) against each rank writing its own share at once (Accelerate's layout's momentum shards,
+muon-momentum-rank-N.pt); the slower rank's time.
+
+`trainer_checkpoint` (also alone: --part checkpoint): a step checkpoint's trainer state for one
+drafter layer at width 5120 (450.9M fp32 parameters, Muon's momentum with each matrix's owner and
+AdamW's state of the norms: 3.6 GB; the frozen head is not saved, so built at vocabulary 1,000), with
+1 and 2 gloo processes under Accelerate: before, Accelerate's save_state (the main process writes the
+model and its optimizer files, each other rank its momentum shard: save_step before the trainer
+state), against stages/train/trainer_state.save (every rank its share through
+torch.distributed.checkpoint; no fsync, as Accelerate), and the same with every file fsynced (DCP's
+default writer; `trainer_state_fsync`). Seconds from a barrier to
+the last rank's return (median of --repeat, the writes taking turns; rank 0's runs in runs_s), and
+bytes each rank wrote. `plan`: the bytes each rank is planned to write for
+the 27B drafter (1.73B parameters, Muon) on 2, 8 and 32 ranks, DCP's default assignment against
+trainer_state.Spread (meta tensors: no bytes written).
 
 Not timed: the gradients' all-reduce (one host, no network: its bytes a step are in the metrics
 log, fp32 by default) and host syncs (CPU tensors: nothing to wait for; on a GPU
@@ -36,6 +49,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from bench import harness
@@ -153,7 +167,7 @@ def _rank(rank: int, world: int, path: str, width: int, repeat: int, out: dict) 
     import torch.distributed as dist
 
     from stages.train.optim import Muon, owners
-    from stages.train.run_dir import save_momentum
+    from stages.train.run_dir import MOMENTUM
 
     harness.torch_setup(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
@@ -203,12 +217,17 @@ def _rank(rank: int, world: int, path: str, width: int, repeat: int, out: dict) 
                 del opt.state[p]
         result.update(
             rank0_alone_s=timed(rank0_alone),
-            every_rank_s=timed(lambda: save_momentum([opt], own, rank, world)),
+            every_rank_s=timed(lambda: torch.save(owned(opt), own / MOMENTUM.format(rank))),
             momentum_bytes=sum(v.numel() * 4 for v in every.values()),
         )
         out[rank] = result
     finally:
         dist.destroy_process_group()
+
+
+def owned(muon) -> dict:
+    """A rank's momentum buffers by matrix index: its shard in Accelerate's layout (muon-momentum-rank-R.pt)."""
+    return {i: s["momentum_buffer"] for i, (p, _) in enumerate(muon.matrices()) if (s := muon.state.get(p))}
 
 
 def between_ranks(args) -> dict:
@@ -231,27 +250,187 @@ def between_ranks(args) -> dict:
     }
 
 
+def _checkpoint_rank(rank: int, world: int, port: int, width: int, repeat: int, root: str, out: dict) -> None:
+    """One of `trainer_checkpoint`'s processes (module doc): both writes, timed from a barrier."""
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from stages.train import trainer_state
+    from stages.train.config import OptimConfig
+    from stages.train.optim import build_optimizers, build_schedules
+    from stages.train.run_dir import MOMENTUM, muons
+
+    if world > 1:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+        )
+        os.environ.update(LOCAL_WORLD_SIZE=str(world))
+    from accelerate import Accelerator
+
+    harness.torch_setup(1)
+    acc = Accelerator(cpu=True)
+    model, _ = drafter(width, 1000, 0)
+    opts = build_optimizers(OptimConfig(), model)
+    scheds = build_schedules(OptimConfig(), opts, 100)
+    for opt in opts:  # the state a step leaves: Muon's momentum with each matrix's owner, AdamW's of the norms
+        kept = (
+            {id(p) for p, o in zip((p for p, _ in opt.matrices()), opt.owner_of()[1]) if o == rank}
+            if opt in muons(opts)
+            else None
+        )
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if kept is not None and id(p) in kept:
+                    opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+                elif kept is None:
+                    opt.state[p] = {
+                        "step": torch.tensor(1.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
+    wrapped, *prepared = acc.prepare(model, *opts)
+    for sched in scheds:
+        acc.register_for_checkpointing(sched)
+
+    def before(d: Path) -> None:  # save_step before the trainer state
+        acc.save_state(str(d))
+        for muon in muons(prepared):
+            if world > 1:
+                torch.save(owned(muon), d / MOMENTUM.format(rank))
+
+    def after(d: Path) -> None:
+        trainer_state.save(d, acc, model, prepared, scheds)
+
+    def fsynced(d: Path) -> None:  # trainer_state.save as DCP's default writer would do it: every file fsynced
+        state = trainer_state.state_of(acc, model, prepared, scheds)
+        planner = trainer_state.Spread(flatten_state_dict=False)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(d, sync_files=True), planner=planner, no_dist=world == 1)
+
+    import shutil
+
+    result, runs = {}, defaultdict(list)
+    for _ in range(repeat):  # the writes in turn, so a load that comes and goes hits each alike
+        for name, write in (("accelerate", before), ("trainer_state", after), ("trainer_state_fsync", fsynced)):
+            d = Path(root) / name
+            if rank == 0:
+                d.mkdir()
+            acc.wait_for_everyone()
+            t0 = time.perf_counter()
+            write(d)
+            acc.wait_for_everyone()
+            runs[f"{name}_s"].append(time.perf_counter() - t0)
+            if rank == 0:
+                result[f"{name}_bytes_per_rank"] = bytes_per_rank(d, name, world)
+            acc.wait_for_everyone()
+            if rank == 0:
+                shutil.rmtree(d)
+    result |= {k: harness.median_of(v) for k, v in runs.items()} | {"runs_s": dict(runs)}
+    out[rank] = result
+    acc.end_training()  # and the process group with it
+
+
+def bytes_per_rank(d: Path, name: str, world: int) -> list[int]:
+    """What each rank wrote into d: DCP's __<rank>_*.distcp (and rank 0 the .metadata); Accelerate's
+    files by the main process, but each rank's momentum shard and random states."""
+    sizes = {p.name: p.stat().st_size for p in d.iterdir()}
+    if name.startswith("trainer_state"):
+        return [
+            sum(v for k, v in sizes.items() if k.startswith(f"__{r}_")) + (sizes[".metadata"] if r == 0 else 0)
+            for r in range(world)
+        ]
+    own = [sizes.get(f"muon-momentum-rank-{r}.pt", 0) + sizes.get(f"random_states_{r}.pkl", 0) for r in range(world)]
+    return [sum(sizes.values()) - sum(own[1:]), *own[1:]]
+
+
+def trainer_checkpoint(args) -> dict:
+    """`trainer_checkpoint` with 1 and 2 processes (module doc)."""
+    import torch.multiprocessing as mp
+
+    out = {}
+    for world in (1, 2):
+        with tempfile.TemporaryDirectory(dir=args.scratch) as tmp, mp.Manager() as manager:
+            got = manager.dict()
+            mp.spawn(_checkpoint_rank, args=(world, 29640 + world, args.width, args.repeat, tmp, got), nprocs=world)
+            ranks = [dict(got[r]) for r in range(world)]
+        out[f"processes_{world}"] = {
+            "accelerate_s": max(r["accelerate_s"] for r in ranks),
+            "trainer_state_s": max(r["trainer_state_s"] for r in ranks),
+            "trainer_state_fsync_s": max(r["trainer_state_fsync_s"] for r in ranks),
+            "runs_s": ranks[0]["runs_s"],
+            "accelerate_bytes_per_rank": ranks[0]["accelerate_bytes_per_rank"],
+            "trainer_state_bytes_per_rank": ranks[0]["trainer_state_bytes_per_rank"],
+        }
+    return out
+
+
+def plan(width: int) -> dict:
+    """Bytes each rank is planned to write for the 27B drafter's trainer state (module doc)."""
+    import torch
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+    from pipeline.drafter.checkpoint import expected_shapes
+    from pipeline.drafter.config import DrafterConfig, default_sizes
+    from stages.train.optim import owners
+    from stages.train.trainer_state import spread
+
+    sizes = default_sizes(width)
+    dc = DrafterConfig(
+        hidden_size=width,
+        vocab_size=248_320,
+        block_size=16,
+        mask_token_id=1,
+        target_layer_ids=tuple(range(5)),
+        num_target_layers=64,
+        layer_types=("full_attention",) * sizes["num_hidden_layers"],
+        **sizes,
+    )
+    shapes = expected_shapes(dc)
+    matrices = [(k, v) for k, v in shapes.items() if len(v) == 2 and min(v) > 1]
+    weights = {f"model/{k}": torch.empty(v, device="meta") for k, v in shapes.items()}
+    out = {"parameters": sum(math.prod(v) for v in shapes.values())}
+    for world in (2, 8, 32):
+        mine = owners([v for _, v in matrices], world)
+        plans = []
+        for r in range(world):
+            momentum = {f"optim/0/{k}/m": torch.empty(v, device="meta") for (k, v), o in zip(matrices, mine) if o == r}
+            plans.append(create_default_local_save_plan({**weights, **momentum}, r == 0))
+        for name, assign in (("default", dedup_save_plans), ("spread", spread)):
+            b = [sum(x.tensor_storage_size() or 0 for x in p.items) for p in assign(plans)]
+            out[f"ranks_{world}_{name}"] = {"max_gb": max(b) / 1e9, "mean_gb": sum(b) / world / 1e9}
+    return out
+
+
 def main() -> None:
     p = harness.parser(__doc__)
     p.add_argument("--repeat", type=int, default=3, help="timed calls of each part (their median)")
     p.add_argument("--context", type=int, default=64, help="tokens of the training row")
     p.add_argument("--anchors", type=int, default=2, help="blocks of the row")
+    p.add_argument(
+        "--part", choices=("all", "checkpoint"), default="all", help="every part, or trainer_checkpoint and plan alone"
+    )
+    p.add_argument(
+        "--scratch", default=None, help="where the checkpoints are written (default: the system's temporary directory)"
+    )
     args = harness.parse(p)
     args.width, args.vocab = (64, 1000) if args.toy else (5120, 248_320)
     if args.toy:
         args.repeat, args.context = 1, 48
     harness.torch_setup(args.threads)
     t0 = time.time()
-    result = {
-        "width": args.width,
-        "vocab": args.vocab,
-        "context": args.context,
-        "anchors": args.anchors,
-        "threads": args.threads,
-        "step": step_parts(args),
-        "orthogonalisation": orthogonalisation(args),
-        "between_ranks": between_ranks(args),
-    }
+    result = {"width": args.width, "threads": args.threads}
+    if args.part == "all":
+        result.update(
+            vocab=args.vocab,
+            context=args.context,
+            anchors=args.anchors,
+            step=step_parts(args),
+            orthogonalisation=orthogonalisation(args),
+            between_ranks=between_ranks(args),
+        )
+    result.update(trainer_checkpoint=trainer_checkpoint(args), plan=plan(args.width))
     result["wall_s"] = round(time.time() - t0, 1)
     harness.emit(result, args)
 

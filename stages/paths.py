@@ -128,7 +128,8 @@ def full_disk(exc: BaseException, where: str | Path | None = None) -> OSError | 
     """The OSError ENOSPC/EDQUOT/EFBIG behind exc, however wrapped (raised from, during, or in a group),
     or None. Writers that lose the errno are read too: a Rust `os error N` in the message (safetensors),
     and, for a write under `where` that failed otherwise (torch's zip writer: 'unexpected pos'), a file
-    system with less than LOW_SPACE free there: then an ENOSPC naming `where`."""
+    system with less than LOW_SPACE free there (then an ENOSPC naming `where`) or a file there at the
+    file-size limit (then an EFBIG)."""
     chain = _chain(exc)
     for e in chain:
         if isinstance(e, OSError) and e.errno in FULL:
@@ -139,7 +140,21 @@ def full_disk(exc: BaseException, where: str | Path | None = None) -> OSError | 
             return OSError(int(code[1]), os.strerror(int(code[1])), None if where is None else str(where))
     if where is not None and _free(Path(where)) < LOW_SPACE:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where))
+    if where is not None and _at_size_limit(Path(where)):
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(where))
     return None
+
+
+def _at_size_limit(where: Path) -> bool:
+    """Whether a file under `where` is as large as this process may write (RLIMIT_FSIZE): a write the
+    limit stopped (torch's zip writer, which torch.distributed.checkpoint writes through, says only
+    'unexpected pos')."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY or not where.is_dir():
+        return False
+    return any(p.is_file() and p.stat().st_size >= limit for p in where.rglob("*"))
 
 
 def _chain(exc: BaseException | None) -> list[BaseException]:

@@ -3,7 +3,9 @@ the fault tests):  python -m tests.killed train|evaluate POINT ARGS...
 
 POINT is WHERE:STEP. For train, WHERE is one of
   step            at the start of optimizer step STEP (1-based), between checkpoints
-  training-state  while step-STEP is being saved: Accelerate's state written, the drafter not yet
+  training-state  while step-STEP is being saved: the trainer state written, the drafter not yet
+  trainer-index   while step-STEP's trainer state is being saved: every rank's data file written,
+                  DCP's .metadata (written last) not yet
   weights         while step-STEP is being saved: its model.safetensors half written
   publish         step-STEP complete in its hidden directory, not yet renamed into place
   prune           step-STEP published, older checkpoints not yet pruned
@@ -73,6 +75,10 @@ elif WHERE == "training-state":
     wrap(
         run_dir, "write_drafter", before=lambda setup, config, directory, step, atomic=True: step == STEP and not atomic
     )
+elif WHERE == "trainer-index":
+    from torch.distributed.checkpoint import filesystem
+
+    wrap(filesystem.FileSystemWriter, "finish", before=lambda writer, *a, **k: f".step-{STEP}.tmp" in str(writer.path))
 elif WHERE in ("weights", "final"):
     wrap(checkpoint, "save_file", after=half_written)
 elif WHERE == "publish":

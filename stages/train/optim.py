@@ -23,7 +23,7 @@ and backward: done whole on every rank it would more than double a --batch-size 
 owner's iterations writing their last step straight into its one buffer, no copy (3.5 GB in bf16
 per step in all, received by each rank),
 instead of one broadcast per matrix (36 serial messages). A checkpoint holds every owner's momentum,
-each rank writing its own shard beside Accelerate's state (stages/train/run_dir.py), in parallel;
+each rank writing its own share of the trainer state (stages/train/trainer_state.py), in parallel;
 a resumed run, on any number of processes, keeps its own share.
 """
 
@@ -52,8 +52,9 @@ class Muon(torch.optim.Muon):
     each matrix has one owner (`owners`) that alone keeps its momentum and orthogonalizes it; each
     owner then broadcasts all its updates as one flat message, and every rank applies every update,
     as when each computed them all (the same values, bit for bit). state_dict is torch's, so holds this
-    rank's share of the momentum; each rank writes its own shard of a checkpoint (`owned_momentum`,
-    stages/train/run_dir.py), and load_state_dict and take_momentum keep this rank's share."""
+    rank's share of the momentum, which a checkpoint's trainer state takes as it is, each rank writing
+    its own (stages/train/trainer_state.py); load_state_dict and take_momentum (a checkpoint in
+    Accelerate's layout, saved before) keep this rank's share."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kw) -> None:
         super().__init__(params, **kw)
@@ -133,17 +134,8 @@ class Muon(torch.optim.Muon):
                 out[i] = update_view(part.reshape(-1), pairs[i][0].shape)
         return out
 
-    def owned_momentum(self) -> dict[int, torch.Tensor]:
-        """This rank's momentum buffers by matrix index (`matrices`): its shard of a checkpoint."""
-        rank, mine = self.owner_of()
-        out = {}
-        for i, ((p, _), owner) in enumerate(zip(self.matrices(), mine)):
-            if owner == rank and "momentum_buffer" in self.state.get(p, {}):
-                out[i] = self.state[p]["momentum_buffer"]
-        return out
-
     def take_momentum(self, shard: dict[int, torch.Tensor]) -> None:
-        """The buffers of a saved shard (`owned_momentum`, any rank's, any number of processes) that this
+        """The buffers of a saved shard ({matrix index: buffer}, any rank's, any number of processes) that this
         rank owns now, copied into its state; the rest left."""
         rank, mine = self.owner_of()
         pairs = self.matrices()

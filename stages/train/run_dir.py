@@ -1,8 +1,11 @@
 """The run directory OUT: metrics.jsonl (and trackers), step-N checkpoints, final/, audit files.
 
-A step checkpoint is a drafter in the public layout plus `training/` (Accelerate's state: model,
-optimizer, scheduler, RNG of every rank) and `trainer_state.json`, built in a hidden temporary
-directory and published by a rename, so a crash never leaves a half checkpoint that --resume trusts.
+A step checkpoint is a drafter in the public layout plus `training/` (the trainer state: fp32 model,
+optimizers, schedules, every rank's RNG, written by every rank at once with torch.distributed.checkpoint,
+stages/train/trainer_state.py) and `trainer_state.json`, built in a hidden temporary directory and
+published by a rename once every rank's write returned, so a crash never leaves a half checkpoint that
+--resume trusts. A checkpoint saved before (`training/` holding Accelerate's save_state and Muon's
+momentum shards) still resumes (load_training).
 Once one is published, --keep-last K deletes the older ones beyond the newest K (prune_steps).
 """
 
@@ -28,6 +31,7 @@ from stages import out_dir
 from stages.out_contents import RUN, RUN_LOCK, refuse_other_kinds
 from stages.paths import full_disk
 from stages.settings import flag_of, leaves, with_role
+from stages.train import trainer_state
 from stages.train.config import RunConfig, TrainConfig
 from stages.train.optim import Muon
 from stages.train.position import advance, epochs_done, epochs_walked
@@ -148,8 +152,8 @@ def write_drafter(setup, config: TrainConfig, directory: Path, step: int, atomic
 
 
 def save_step(setup, config: TrainConfig, step: int) -> None:
-    """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizer, scheduler, RNG),
-    built in a temporary directory and published by a rename."""
+    """OUT/step-N: drafter checkpoint + OUT/step-N/training (model, optimizers, schedules, RNG; each
+    rank writes its share), built in a temporary directory and published by a rename."""
     acc = setup.accelerator
     final = Path(config.run.out) / f"step-{step}"
     tmp = final.with_name(f".step-{step}.tmp")
@@ -157,31 +161,40 @@ def save_step(setup, config: TrainConfig, step: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     with not_saved_when_full(tmp, tmp if acc.is_main_process else None, step):
         if acc.is_main_process:
-            tmp.mkdir(parents=True)
+            (tmp / "training").mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp / "training"))
-        save_momentum(setup.optimizers, tmp / "training", acc.process_index, acc.num_processes)
+        trainer_state.save(tmp / "training", acc, setup.raw, setup.optimizers, setup.schedulers)
         write_drafter(setup, config, tmp, step, atomic=False)
         _finish_step(setup, config, step, tmp, final)
     acc.wait_for_everyone()
 
 
-MOMENTUM = "muon-momentum-rank-{}.pt"  # training/: one rank's share of Muon's momentum {matrix index: buffer}
+MOMENTUM = "muon-momentum-rank-{}.pt"  # Accelerate's layout: one rank's share of Muon's momentum {matrix index: buffer}
+ACCELERATE_MODEL = ("model.safetensors", "pytorch_model.bin")  # Accelerate's save_state wrote one of these
 
 
-def save_momentum(optimizers: list, directory: Path, rank: int, world: int) -> None:
-    """With several processes, each rank writes its own share of Muon's momentum beside Accelerate's
-    state, all ranks at once (rank 0's optimizer file holds only its own share; one process's holds
-    all of it, as before)."""
-    for muon in muons(optimizers):
-        if world > 1:
-            torch.save(muon.owned_momentum(), directory / MOMENTUM.format(rank))
+def load_training(directory: Path, acc, raw, optimizers: list, schedulers: list) -> None:
+    """--resume: OUT/step-N/training into the model, optimizers, schedules and RNG, on every rank.
+    Either layout: the trainer state (trainer_state.py), or Accelerate's save_state with Muon's
+    momentum shards (what runs wrote before)."""
+    if trainer_state.is_saved_here(directory):
+        trainer_state.load(directory, acc, raw, optimizers, schedulers)
+    elif any((directory / name).exists() for name in ACCELERATE_MODEL):
+        acc.load_state(str(directory))
+        load_momentum(optimizers, directory)
+    else:
+        raise ConfigError(
+            "--resume",
+            directory,
+            f"holds no trainer state (neither {trainer_state.METADATA} nor {ACCELERATE_MODEL[0]}); resume from "
+            "another step-N, or start the run over in another --out",
+        )
 
 
 def load_momentum(optimizers: list, directory: Path) -> None:
-    """Every rank's saved share read (memory-mapped), this rank's matrices kept: any number of
-    processes saved them and reads them. A checkpoint without shards (one process, or saved before
-    they existed: every rank then held all the momentum) has it all in the optimizer file."""
+    """Accelerate's layout: every rank's saved share read (memory-mapped), this rank's matrices kept:
+    any number of processes saved them and reads them. A checkpoint without shards (one process, or
+    saved before they existed: every rank then held all the momentum) has it all in the optimizer file."""
     for muon in muons(optimizers):
         for shard in sorted(directory.glob(MOMENTUM.format("*"))):
             muon.take_momentum(torch.load(shard, map_location="cpu", mmap=True, weights_only=True))
@@ -224,7 +237,7 @@ def _finish_step(setup, config: TrainConfig, step: int, tmp: Path, final: Path) 
     """The main process: step-N's trainer state written, the directory published, old steps pruned."""
     acc = setup.accelerator
     if acc.is_main_process:
-        file_modes.tree_as_umask(tmp / "training")  # Accelerate saves the model through safetensors: 0600
+        file_modes.tree_as_umask(tmp / "training")  # every rank's files as the umask makes them
         at = advance(
             config.data,
             setup.schedule.refs,

@@ -33,7 +33,7 @@ from stages.train.main_process import gather, on_main
 from stages.train.node_order import check_shards, node_layout, shard_counts
 from stages.train.optim import build_optimizers, build_schedules
 from stages.train.position import Position, advance
-from stages.train.run_dir import claim, load_momentum, resume_point
+from stages.train.run_dir import claim, load_training, resume_point
 from stages.train.samples import Ref, refs_of
 from stages.train.shard_schedule import FILE, ShardSchedule, schedule_of
 from stages.train.step import LossPlan
@@ -293,8 +293,7 @@ def _prepare(config: TrainConfig, log) -> Setup:
     raw, model, opts, scheds = build_model(config, acc, dc, embed, lm_head, init, total)
     start = 0
     if rdir is not None:
-        acc.load_state(str(rdir / "training"))
-        load_momentum(opts, rdir / "training")
+        load_training(rdir / "training", acc, raw, opts, scheds)
         start = previous["step"]
         finished = (out / "final" / "config.json").exists()
         if start > total or (start == total and finished):  # at the end without final/: only finish() is redone

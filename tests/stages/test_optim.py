@@ -101,11 +101,11 @@ def test_owners_balance_the_iterations_cost():
 
 def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
     """One process of a gloo group: the same parameters and gradients on every rank, three Muon steps;
-    then a checkpoint's optimizer state (rank 0's file) and momentum shards (every rank's) written and
-    read back."""
+    then a checkpoint in Accelerate's layout (what runs saved before the trainer state): the optimizer
+    state (rank 0's file) and momentum shards (every rank's, as save_step wrote them) read back."""
     import torch.distributed as dist
 
-    from stages.train.run_dir import load_momentum, save_momentum
+    from stages.train.run_dir import MOMENTUM, load_momentum
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -113,7 +113,7 @@ def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
         kept = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
         held = sum(s["momentum_buffer"].numel() * s["momentum_buffer"].element_size() for s in opt.state.values())
         file = [opt.state_dict()]  # what every rank reads back: the file rank 0 wrote
-        save_momentum([opt], Path(path).parent, rank, world)
+        torch.save(owned(opt), Path(path).parent / MOMENTUM.format(rank))
         dist.broadcast_object_list(file, src=0)
         dist.barrier()
         loaded = {i for i, p in enumerate(ps) if "momentum_buffer" in opt.state.get(p, {})}
@@ -133,6 +133,11 @@ def _muon_rank(rank: int, world: int, path: str, out: dict) -> None:
         }
     finally:
         dist.destroy_process_group()
+
+
+def owned(muon) -> dict:
+    """A rank's momentum buffers by matrix index: its shard in Accelerate's layout (muon-momentum-rank-R.pt)."""
+    return {i: s["momentum_buffer"] for i, (p, _) in enumerate(muon.matrices()) if (s := muon.state.get(p))}
 
 
 SHAPES = [(64, 24), (24, 64), (32, 32), (48, 16), (8, 40)]

@@ -143,7 +143,7 @@ def test_pruned_run_keeps_the_newest_two_and_resumes_exactly(small_store, tmp_pa
 
 @pytest.mark.parametrize("mask, mode", [(0o022, "0644"), (0o077, "0600")])
 def test_every_file_of_a_run_is_as_readable_as_the_umask_makes_files(small_store, tmp_path, mask, mode):
-    """step-N/ (its training state too: Accelerate saves the model through safetensors, owner-only) and
+    """step-N/ (its trainer state too: every rank's file and DCP's index) and
     final/ are readable by a teammate or a serving engine exactly as far as the user's umask allows."""
     with umask(mask):  # the training process inherits it
         r = train(
@@ -165,7 +165,8 @@ def test_every_file_of_a_run_is_as_readable_as_the_umask_makes_files(small_store
     modes = file_modes(tmp_path / "run")
     assert {
         "step-2/model.safetensors",
-        "step-2/training/model.safetensors",
+        "step-2/training/__0_0.distcp",
+        "step-2/training/.metadata",
         "final/model.safetensors",
         "metrics.jsonl",
     } <= set(modes)

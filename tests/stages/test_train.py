@@ -57,6 +57,40 @@ def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     assert losses(straight)[-1] < losses(straight)[0] - 1.0  # it learns
 
 
+def test_a_checkpoint_in_accelerates_layout_still_resumes(small_store, tmp_path):
+    """step-2 written as runs wrote it before the trainer state (Accelerate's save_state: model,
+    optimizers, schedules, RNG) resumes as exactly as the trainer state does; the resumed run's
+    step-4 is then in the trainer state's layout."""
+    common = ["--store", small_store, "--max-steps", 4, "--save-every", 2, *TINY]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train([*common, "--out", straight]).returncode == 0
+    r = train(["--accelerate-layout", *common, "--out", resumed], stop_after=2)
+    assert r.returncode == 130, r.stderr
+    assert (resumed / "step-2" / "training" / "model.safetensors").exists()
+    assert not (resumed / "step-2" / "training" / ".metadata").exists()
+    r = train([*common, "--out", resumed, "--resume"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr
+    assert losses(resumed) == losses(straight)
+    a, b = checkpoint.load(straight / "final")[1], checkpoint.load(resumed / "final")[1]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (resumed / "step-4" / "training" / ".metadata").exists()
+
+
+def test_a_step_without_trainer_state_is_refused_in_one_line(small_store, tmp_path):
+    common = ["--store", small_store, "--max-steps", 4, "--save-every", 2, *TINY]
+    out = tmp_path / "run"
+    assert train([*common, "--out", out], stop_after=2).returncode == 130
+    training = out / "step-2" / "training"
+    shutil.rmtree(training)
+    training.mkdir()
+    r = train([*common, "--out", out, "--resume"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"error: --resume {training}: holds no trainer state (neither .metadata nor model.safetensors); "
+        "resume from another step-N, or start the run over in another --out"
+    )
+
+
 def test_checkpoints_are_released_layout_with_provenance(small_store, tmp_path):
     from store.hidden_store import HiddenStore
 
@@ -195,8 +229,9 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     out = tmp_path / "run"
     r = train([*common, "--out", out], launcher=launch(2, 29581), stop_after=4)
     assert r.returncode != 0 and (out / "step-4").is_dir() and not (out / "final").exists(), r.stderr
-    shards = sorted(p.name for p in (out / "step-4" / "training").glob("muon-momentum-rank-*.pt"))
-    assert shards == ["muon-momentum-rank-0.pt", "muon-momentum-rank-1.pt"]  # each rank wrote its share
+    files = {p.name: p.stat().st_size for p in (out / "step-4" / "training").iterdir()}
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its share
+    assert max(files["__0_0.distcp"], files["__1_0.distcp"]) < 1.5 * min(files["__0_0.distcp"], files["__1_0.distcp"])
     r = train([*common, "--out", out, "--resume"], stop_after=6)
     assert r.returncode == 130 and "at step 4 (saved on 2 processes)" in r.stderr, r.stderr
     r = train([*common, "--out", out, "--resume"], launcher=launch(2, 29582))

@@ -16,7 +16,7 @@ from tests.conftest import REPO
 from tests.processes import TINY, losses, train
 
 COMMON = ["--max-steps", 12, "--save-every", 4, "--keep-last", 2, "--eval-every", 4, "--noise-std", 0.05, *TINY]
-POINTS = ["step:3", "step:7", "training-state:4", "weights:8", "publish:8", "prune:8", "final"]
+POINTS = ["step:3", "step:7", "training-state:4", "trainer-index:4", "weights:8", "publish:8", "prune:8", "final"]
 
 
 def evals(out) -> list[tuple[int, float]]:
