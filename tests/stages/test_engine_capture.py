@@ -207,6 +207,21 @@ def test_the_engine_agrees_with_the_target_on_its_greedy_tokens(captured):
     assert abs(vm - hm) <= 2  # near-ties of a random target may fall either way in bf16
 
 
+STORE_SETTINGS = dict(  # two shards of the shipped prompts with their own answers: the same sequences either way
+    target=str(TINY_TARGET),
+    shards="0-1",
+    num_shards=64,
+    dtype="bf16",
+    device="cpu",
+    responses="dataset",
+    max_new_tokens=64,
+    max_length=256,
+    batch_size=4,
+    chunk_tokens=32,
+    shard_tokens=64,
+)
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     """Shards 0-1 of 64 of the shipped prompts (their own answers: the same tokens either way), captured
@@ -218,19 +233,7 @@ def stores(tmp_path_factory):
     from tests.engines import build_venv
 
     root = tmp_path_factory.mktemp("capture")
-    settings = dict(
-        target=str(TINY_TARGET),
-        shards="0-1",
-        num_shards=64,
-        dtype="bf16",
-        device="cpu",
-        responses="dataset",
-        max_new_tokens=64,
-        max_length=256,
-        batch_size=4,
-        chunk_tokens=32,
-        shard_tokens=64,
-    )
+    settings = STORE_SETTINGS
     engine = dict(capture="vllm", capture_python=str(build_venv()), capture_memory=0.1)
     pattern = f"{tempfile.gettempdir()}/dflash-capture-*/"  # the engine's directories, not a kept log
     before = set(glob.glob(pattern))
@@ -349,17 +352,7 @@ def test_an_engine_killed_mid_run_leaves_nothing_half_committed_and_a_rerun_comp
     path = stores["root"] / "killed.zarr"
     config = ExtractConfig(
         store=str(path),
-        target=str(TINY_TARGET),
-        shards="0-1",
-        num_shards=64,
-        dtype="bf16",
-        device="cpu",
-        responses="dataset",
-        max_new_tokens=64,
-        max_length=256,
-        batch_size=4,
-        chunk_tokens=32,
-        shard_tokens=64,
+        **STORE_SETTINGS,
         capture="vllm",
         capture_python=str(build_venv()),
         capture_memory=0.1,
