@@ -69,11 +69,13 @@ def test_a_python_without_vllm_is_refused_in_one_line():
 
 
 def fake_vllm(tmp_path, version: str) -> str:
-    """A Python whose `vllm` is a stub of that version (no engine in it)."""
-    (tmp_path / "vllm").mkdir(exist_ok=True)
-    (tmp_path / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} "$@"\n')
+    """A Python whose `vllm` is a stub of that version (no engine in it), a directory per version: two
+    stubs of one size written in the same second would share a stale bytecode cache."""
+    where = tmp_path / f"vllm-{version}"
+    (where / "vllm").mkdir(parents=True, exist_ok=True)
+    (where / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    python = where / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     return str(python)
 
