@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ from pathlib import Path
 
 from bench import harness
 from recipe_results import FIXED, RESULTS, recipe_flags, table, versus
+from tests.processes import cpu_ddp
 
 ROOT = harness.REPO
 TOY = [
@@ -177,28 +177,8 @@ def per_process(fields: dict, processes: int) -> dict:
 
 def launcher(processes: int) -> list[str]:
     """What starts train.py: python for one process; for several, accelerate launch of as many CPU
-    processes with real DDP (--multi_gpu; `--cpu --num_processes N` would start one) on a free port."""
-    if processes == 1:
-        return [sys.executable]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(port),
-    ]
+    processes with real DDP (tests/processes.cpu_ddp) on a free port."""
+    return [sys.executable] if processes == 1 else cpu_ddp(processes)
 
 
 def world_size(run_dir: Path, processes: int) -> int:

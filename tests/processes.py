@@ -63,6 +63,29 @@ def run_pipeline(args: list[str], timeout: float = 300, **kw) -> subprocess.Comp
 TINY = ["--workers", "1", "--anchors", "16", "--num-layers", "1", "--batch-size", "2", "--log-every", "1"]
 
 
+def cpu_ddp(processes: int, port: int | None = None) -> list[str]:
+    """accelerate launch of `processes` CPU processes with real DDP (--multi_gpu, gloo: `--cpu
+    --num_processes N` would start one), rank 0 listening on `port` (None: a free one)."""
+    from tests.engines import free_port
+
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port or free_port()),
+    ]
+
+
 def train(args, launcher=(), stop_after=None, timeout=300) -> subprocess.CompletedProcess:
     """train.py in a subprocess; with stop_after=N, interrupted right after step-N (tests/stopped_train.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

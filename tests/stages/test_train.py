@@ -11,7 +11,7 @@ import torch
 
 from pipeline.drafter import checkpoint
 from store.errors import UserError
-from tests.processes import TINY, losses, train
+from tests.processes import TINY, cpu_ddp, losses, train
 
 OPTIONS = [
     "--optimizer",
@@ -131,22 +131,7 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
     optimizer step all-reduces every trainable gradient once (not once per micro-batch), 4 or 2
     bytes each, and broadcasts Muon's updates, as the metrics log counts them; both processes end
     with the same parameters."""
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "29571",
-    ]
+    launcher = cpu_ddp(2, 29571)
     hashes = {}
     for comm, size in (("fp32", 4), ("bf16", 2)):
         out = tmp_path / comm
@@ -189,30 +174,6 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
     assert hashes["fp32"] != hashes["bf16"]  # the bf16 sum rounded: it really ran
 
 
-def launch(n: int, port: int) -> list:
-    """accelerate launch with n CPU processes (n > 1: --multi_gpu, real DDP); none for one."""
-    return (
-        []
-        if n == 1
-        else [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(n),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(port),
-        ]
-    )
-
-
 def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     """Interrupted after step-4 on 2 processes, resumed on 1 and interrupted after step-6, resumed on
     2 to the end: each part goes on from the saved step with the schedule (every later step's
@@ -227,14 +188,14 @@ def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     # one sample a step: the 14 samples make an epoch of 14 steps on one process, 7 on two
     common = ["--store", small_store, "--max-steps", 8, "--save-every", 2, "--audit", *TINY, "--batch-size", 1]
     out = tmp_path / "run"
-    r = train([*common, "--out", out], launcher=launch(2, 29581), stop_after=4)
+    r = train([*common, "--out", out], launcher=cpu_ddp(2, 29581), stop_after=4)
     assert r.returncode != 0 and (out / "step-4").is_dir() and not (out / "final").exists(), r.stderr
     files = {p.name: p.stat().st_size for p in (out / "step-4" / "training").iterdir()}
     assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its share
     assert max(files["__0_0.distcp"], files["__1_0.distcp"]) < 1.5 * min(files["__0_0.distcp"], files["__1_0.distcp"])
     r = train([*common, "--out", out, "--resume"], stop_after=6)
     assert r.returncode == 130 and "at step 4 (saved on 2 processes)" in r.stderr, r.stderr
-    r = train([*common, "--out", out, "--resume"], launcher=launch(2, 29582))
+    r = train([*common, "--out", out, "--resume"], launcher=cpu_ddp(2, 29582))
     assert r.returncode == 0 and "at step 6 (saved on 1 processes)" in r.stderr, r.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     lrs = {x["step"]: x["lr"] for x in records if x["split"] == "train"}
