@@ -64,7 +64,8 @@ class ExtractConfig:
     )
     responses: str = setting(
         "regenerate",
-        "regenerate: the target's greedy completion, generated here; server: the "
+        "regenerate: the target's greedy completion, generated here (with --capture vllm, by the capturing "
+        "engine: the target is loaded once); server: the "
         "greedy completion of the engine at --server-url (vLLM, SGLang); dataset: "
         "the dataset's own assistant turn.",
         choices=("regenerate", "server", "dataset"),

@@ -72,6 +72,13 @@ def first_error(lines: list[str]) -> list[str]:
     return [m.group(1) for m in map(re.compile(r"\b(\w+Error: \S.*)").search, lines) if m][:1]
 
 
+def cut(completion: list[int], limit: int, eos_ids: list[int]) -> list[int]:
+    """A completion up to its first EOS (kept) and at most `limit` tokens, as Target.generate cuts."""
+    stops = set(eos_ids)
+    end = next((i + 1 for i, t in enumerate(completion) if t in stops), len(completion))
+    return completion[: min(end, limit)]
+
+
 def backends(requested: str) -> Backends:
     """The kernels record of a store whose states the engine computed: its own, not observed here."""
     return Backends(
@@ -106,7 +113,7 @@ class VllmCapture:
         self.dir: Path | None = None
         # seconds waiting for the engine's replies (its forwards and its connector's writes), and
         # reading, checking and deleting its files here (the transport's share on this side)
-        self.seconds = {"start_s": 0.0, "engine_s": 0.0, "transport_s": 0.0}
+        self.seconds = {"start_s": 0.0, "engine_s": 0.0, "transport_s": 0.0, "generate_s": 0.0}
 
     @property
     def record(self) -> dict:
@@ -166,11 +173,7 @@ class VllmCapture:
         agreement (matches, tokens). The engine schedules its own forwards, so budget is not used."""
         assert taps == self.taps, "the engine captures the taps it was started with"
         t = time.perf_counter()
-        try:
-            self.proc.stdin.write(json.dumps({"seqs": seqs, "prompt_lens": prompt_lens}) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # the engine is gone: _reply names its exit and its log's error
+        self._send({"seqs": seqs, "prompt_lens": prompt_lens})
         reply = self._reply()
         t_reply = time.perf_counter()
         hidden = torch.cat([self._states(path, seq) for path, seq in zip(reply["files"], seqs)])
@@ -180,6 +183,32 @@ class VllmCapture:
         if prompt_lens is None:
             return hidden
         return hidden, (sum(reply["matches"]), sum(len(s) - p for s, p in zip(seqs, prompt_lens)))
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], eos_ids: list[int]) -> list[list[int]]:
+        """As Target.generate: each prompt's greedy completion by the engine, cut at its first EOS
+        (kept) and its limit; the references of --responses regenerate, so the target is loaded once."""
+        wanted = [i for i, n in enumerate(max_new_tokens) if n > 0]
+        completions: list[list[int]] = [[] for _ in prompts]
+        if not wanted:
+            return completions
+        t = time.perf_counter()
+        request = {
+            "prompts": [prompts[i] for i in wanted],
+            "max_tokens": [max_new_tokens[i] for i in wanted],
+            "stop_token_ids": list(eos_ids),
+        }
+        self._send(request)
+        for i, completion in zip(wanted, self._reply()["completions"]):
+            completions[i] = cut(completion, max_new_tokens[i], eos_ids)
+        self.seconds["generate_s"] += time.perf_counter() - t
+        return completions
+
+    def _send(self, request: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the engine is gone: _reply names its exit and its log's error
 
     def _states(self, path: str, seq: list[int]) -> torch.Tensor:
         """One sequence's states [T, n_taps, H] bf16, checked, its file deleted."""

@@ -342,9 +342,12 @@ class Extractor:
         return ids
 
     def complete(self, ready, shard: int) -> list[list[int]]:
-        """Greedy completions from the target (its progress reported token by token), or the dataset's
+        """Greedy completions from the target (its progress reported token by token) or from the
+        --capture vllm engine (the one that captures: the target is loaded once), or the dataset's
         own responses cut to each limit: its token ids verbatim when it has them, else its text
         tokenized, plus EOS."""
+        if self.config.responses == "regenerate" and self.capturer is not self.target:  # --capture vllm
+            return self.capturer.generate([r.prompt for r in ready], [r.limit for r in ready], self.target.eos_ids)
         if self.config.responses == "regenerate":
             limit = max(r.limit for r in ready)
             return self.target.generate(

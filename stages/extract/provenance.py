@@ -65,7 +65,7 @@ def store_attrs(
         codec=hidden_format.codec,
         hidden_format=hidden_format.recorded,
         conv1d=backends.conv1d,
-        references=engine.identity if engine else None,
+        references=references(config, engine, capture),
         turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None,
         capture=capture,
@@ -101,6 +101,16 @@ def store_attrs(
         engine=asdict(engine) if engine else None,
         format_revision=FORMAT_REVISION,
     )
+
+
+def references(config: ExtractConfig, engine: ServerInfo | None, capture: dict | None) -> str | None:
+    """The engine that made the references when not the target loaded here: the server's identity,
+    or the capturing engine's with --capture vllm --responses regenerate; None otherwise."""
+    if engine is not None:
+        return engine.identity
+    if capture is not None and config.responses == "regenerate":
+        return f"{capture['engine']} {capture['version']} (the capturing engine)"
+    return None
 
 
 def versions() -> dict:

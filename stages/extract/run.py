@@ -253,12 +253,12 @@ def open_target(
     say,
 ) -> tuple[Target, list[int], StoreAttrs, VllmCapture | None]:
     """The target on this process's device, its taps and mask token checked, the kernels probed,
-    with --capture vllm the engine started (and the target here without weights unless it generates
-    the references), and the store attributes this run writes or must match."""
+    with --capture vllm the engine started (it also generates the references; the target here has no
+    weights), and the store attributes this run writes or must match."""
     device = process.device(config.device)
     if engine is not None:
         engine_beside(config.server_url, device)
-    here = vllm_version is None or config.responses == "regenerate"  # forwards in this process
+    here = vllm_version is None  # forwards in this process; with an engine it also makes the references
     target = loading.load(config.target, device, config.dtype, config.linear_attention, with_weights=here)
     if engine is not None:
         engine.check_vocabulary(target.tokenizer)

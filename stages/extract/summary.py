@@ -80,9 +80,11 @@ def modes_line(modes: dict) -> list[str]:
 def engine_line(v: dict, capture_s: float) -> str:
     """--capture vllm: the engine's start, its replies and the states' way out of it."""
     share = v["transport_s"] / capture_s if capture_s else 0.0
+    generating = f"; {v['generate_s']:.1f}s generating the references" if v.get("generate_s") else ""
     return (
         f"capture engine: started in {v['start_s']:.1f}s; of the capture's {capture_s:.1f}s, "
         f"{v['engine_s']:.1f}s waiting on the engine, {v['transport_s']:.2f}s reading its files ({share:.0%})"
+        + generating
     )
 
 

@@ -21,11 +21,14 @@ import os
 from functools import partial
 
 import torch
+import vllm_next_token_fix
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
     extract_from_kv_cache,
 )
+
+vllm_next_token_fix.apply()  # in every engine process that loads this connector (see that module)
 
 
 class _Copied:

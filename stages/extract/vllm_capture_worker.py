@@ -19,6 +19,11 @@ processes log there), its replies go to the original stdout:
   reply   {"files": [path, ..], "matches": [m, ..] or null}      files in request order, written and
           unlocked; matches: per sequence, how many tokens after its prompt are the engine's own
           greedy choice at the position before (from prompt logprobs: rank 1)
+  request {"prompts": [[ids], ..], "max_tokens": [n, ..], "stop_token_ids": [ids]}
+  reply   {"completions": [[ids], ..]}   each prompt's greedy completion by this engine, cut at its
+          first stop token (kept) or its max_tokens; the states the connector wrote for these
+          requests are deleted (the capture is a later prefill of prompt + completion). Generating
+          here is vLLM's multi-token path under extract_hidden_states: vllm_next_token_fix.py.
 End of input: the engine shuts down and the worker exits 0. The caller reads and deletes the files.
 """
 
@@ -70,15 +75,34 @@ def capture(llm, request: dict) -> dict:
         temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=None if lens is None else 1
     )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in request["seqs"]], params, use_tqdm=False)
-    files = []
-    for out in outputs:
-        path = out.kv_transfer_params["hidden_states_path"]
-        with open(path + ".lock") as fh:
-            fcntl.flock(fh, fcntl.LOCK_SH)  # the connector's writer holds it exclusively until written
-        os.remove(path + ".lock")
-        files.append(path)
+    files = [written(out) for out in outputs]
     matches = None if lens is None else [agreeing(o, n) for o, n in zip(outputs, lens)]
     return {"files": files, "matches": matches}
+
+
+def complete(llm, request: dict) -> dict:
+    """Greedy completions of the prompts (max_tokens > 0 each), their connector files deleted."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=request["stop_token_ids"], detokenize=False)
+        for n in request["max_tokens"]
+    ]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        os.remove(written(out))
+    return {"completions": [list(out.outputs[0].token_ids) for out in outputs]}
+
+
+def written(out) -> str:
+    """The file the connector wrote for this request, once written; its lock file removed."""
+    path = out.kv_transfer_params["hidden_states_path"]
+    with open(path + ".lock") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)  # the connector's writer holds it exclusively until written
+    os.remove(path + ".lock")
+    return path
 
 
 def agreeing(out, prompt_len: int) -> int:
@@ -113,7 +137,9 @@ def main(config_path: str) -> int:
     )
     for line in sys.stdin:
         if line.strip():
-            reply.write(json.dumps(capture(llm, json.loads(line))) + "\n")
+            request = json.loads(line)
+            answer = complete(llm, request) if "prompts" in request else capture(llm, request)
+            reply.write(json.dumps(answer) + "\n")
     llm.llm_engine.engine_core.shutdown()
     return 0
 

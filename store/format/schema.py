@@ -84,7 +84,9 @@ class Compat:
     chunk_tokens: int
     shard_tokens: int
     compression_level: int
-    references: str | None = None  # the engine behind --responses server: "vllm 0.32.0 MODEL"
+    # the engine behind --responses server ("vllm 0.32.0 MODEL"), or the capturing one with --capture vllm
+    # --responses regenerate ("vllm 0.32.0 (the capturing engine)"); None: the target loaded here or the dataset
+    references: str | None = None
     turns: str | None = (
         None  # "all": earlier assistant turns carry the loss too; "split": a sample per turn (None: last)
     )

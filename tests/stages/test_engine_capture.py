@@ -393,3 +393,100 @@ def test_the_summary_gives_the_engines_start_and_the_transports_share():
         "capture engine: started in 61.0s; of the capture's 10.0s, 9.0s waiting on the engine, "
         "0.50s reading its files (5%)"
     )
+    generated = engine_line({"start_s": 61.0, "engine_s": 9.0, "transport_s": 0.5, "generate_s": 14.25}, 10.0)
+    assert generated == line + "; 14.2s generating the references"
+
+
+NEXT_TOKEN_PROBE = """
+import json, sys, types, torch
+sys.path.insert(0, sys.argv[1])
+import vllm_next_token_fix
+from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+from vllm.v1.utils import CpuGpuBuffer
+
+proposer = object.__new__(ExtractHiddenStatesProposer)
+proposer.backup_next_token_ids = CpuGpuBuffer(4, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False)
+last = {"a": 40, "b": 41, "c": 42}  # each request's last committed token: the backup when a step has none
+requests = {r: types.SimpleNamespace(get_token_id=lambda i, r=r: last[r]) for r in last}
+batch = types.SimpleNamespace(num_reqs=3, req_ids=["a", "b", "c"], num_tokens_no_spec=[5, 5, 5], vocab_size=100)
+sampled = torch.tensor([[5, 7], [3, -1], [-1, -1]])  # two tokens emitted, one, none
+keep = torch.zeros(3, dtype=torch.bool)
+
+
+def step():
+    ids, count = ExtractHiddenStatesProposer.prepare_next_token_ids_padded(proposer, sampled, requests, batch, keep)
+    return ids.tolist(), count.tolist()
+
+
+before = step()
+applied = [vllm_next_token_fix.apply(), vllm_next_token_fix.apply()]
+print(json.dumps({"applied": applied, "before": before, "after": step()}))
+"""
+
+
+@pytest.mark.engine
+def test_the_capture_engine_continues_a_two_token_step_from_its_last_token(tmp_path):
+    """vLLM #56417: extract_hidden_states continues from the first of two tokens a step emitted. The
+    engine's own method shows it (5 for the row [5, 7]); wrapped once by vllm_next_token_fix, the
+    engine continues from 7 and counts both, and a row with one token or none is as before."""
+    import subprocess
+
+    from stages.extract import engine_capture
+    from tests.engines import build_venv
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(NEXT_TOKEN_PROBE)
+    done = subprocess.run(
+        [str(build_venv()), str(probe), str(engine_capture.WORKER.parent)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["applied"] == ["applied", "already"]
+    assert out["before"] == [[5, 3, 42], [1, 1, 0]]  # the bug: row 0 continues from 5, one token counted
+    assert out["after"] == [[7, 3, 42], [2, 1, 0]]
+
+
+@pytest.mark.engine
+def test_the_capturing_engine_makes_the_references_and_the_target_is_loaded_once(tmp_path):
+    """--capture vllm --responses regenerate: the engine that captures generates the references (the
+    target here has no weights), the generation's connector files are deleted as they come, the
+    references are the engine's own greedy tokens (its prefill agrees on nearly all of them: bf16
+    near-ties between decode and prefill), and the store records where they came from."""
+    from stages.extract.run import run as extract
+    from store.hidden_store import HiddenStore
+    from store.verify import verify
+    from tests.engines import build_venv
+
+    settings = {**STORE_SETTINGS, "responses": "regenerate", "shards": "0"}
+    path = tmp_path / "engine_refs.zarr"
+    engine = dict(capture="vllm", capture_python=str(build_venv()), capture_memory=0.1)
+    config = ExtractConfig(store=str(path), **settings, **engine)
+    summary = extract(config, log=print)
+    store = HiddenStore(str(path))
+    assert verify(store, [0]).ok
+    version = store.attrs.compat.capture["version"]
+    assert store.attrs.compat.references == f"vllm {version} (the capturing engine)"
+    record = store.committed()[0]
+    assert record.run["backends"] is None  # no forward ran in this process: the target had no weights
+    matches, tokens = summary["agreement"]["matches"], summary["agreement"]["tokens"]
+    print(f"\nreferences by the capturing engine: agreement {matches}/{tokens}, {summary['capture_engine']}")
+    assert tokens > 0 and matches >= 0.97 * tokens
+    assert summary["capture_engine"]["generate_s"] > 0
+
+
+@pytest.mark.engine
+def test_generation_leaves_no_connector_files(tmp_path):
+    """The states vLLM's connector writes for generation requests are deleted by the worker."""
+    from pipeline.target import loading
+    from tests.engines import build_venv
+
+    target = loading.load(str(TINY_TARGET), torch.device("cpu"), "bf16", "torch", with_weights=False)
+    capturer = VllmCapture(str(build_venv()), str(TINY_TARGET), [1, 3], target.hidden_size, "bf16", 257, 0.1)
+    try:
+        capturer.start()
+        completions = capturer.generate([[1, 2, 3], [4, 5, 6, 7], [8]], [16, 0, 4], target.eos_ids)
+        left = list((capturer.dir / "states").rglob("*")) if (capturer.dir / "states").exists() else []
+    finally:
+        capturer.close()
+    assert completions[1] == [] and 0 < len(completions[0]) <= 16 and 0 < len(completions[2]) <= 4
+    assert [p for p in left if p.is_file()] == []
