@@ -393,3 +393,123 @@ def test_the_summary_gives_the_engines_start_and_the_transports_share():
         "capture engine: started in 61.0s; of the capture's 10.0s, 9.0s waiting on the engine, "
         "0.50s reading its files (5%)"
     )
+
+
+# ---- an architecture the engine cannot capture: one line before any shard is claimed ----
+
+
+def opt_target(directory: Path) -> Path:
+    """A tiny OPT (random weights, the tiny target's tokenizer): a decoder the project taps, of an
+    architecture vLLM serves whose model class lacks SupportsEagle3, so extract_hidden_states cannot
+    take its layers' states."""
+    import shutil
+
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from pipeline import TINY_TARGET
+
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        word_embed_proj_dim=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    OPTForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_TARGET / name, directory / name)
+    return directory
+
+
+def stub_vllm_without_eagle3(tmp_path) -> tuple[str, Path]:
+    """A Python whose `vllm` 0.32.0 resolves any target to a model class without SupportsEagle3, and
+    whose engine, if it were ever started, leaves a file (the second path)."""
+    where = tmp_path / "vllm-no-eagle3"
+    started = where / "engine-started"
+    files = {
+        "vllm/__init__.py": f"__version__ = '0.32.0'\n\ndef LLM(**kw):\n    open({str(started)!r}, 'w').close()\n",
+        "vllm/engine/__init__.py": "",
+        "vllm/engine/arg_utils.py": (
+            "class OPTForCausalLM:\n    pass\n\n\n"
+            "class Registry:\n    def resolve_model_cls(self, archs, config):\n"
+            "        return OPTForCausalLM, archs[0]\n\n\n"
+            "class ModelConfig:\n    architectures = ['OPTForCausalLM']\n    registry = Registry()\n\n\n"
+            "class EngineArgs:\n    def __init__(self, **kw):\n        pass\n\n"
+            "    def create_model_config(self):\n        return ModelConfig()\n"
+        ),
+        "vllm/model_executor/__init__.py": "",
+        "vllm/model_executor/models/__init__.py": "",
+        "vllm/model_executor/models/interfaces.py": (
+            "def supports_eagle3(model):\n    return getattr(model, 'supports_eagle3', False)\n"
+        ),
+    }
+    for name, text in files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
+    python = where / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python), started
+
+
+UNCAPTURABLE = (
+    r"^--capture vllm: vLLM serves OPTForCausalLM as OPTForCausalLM, which cannot hand out its layers' "
+    r"hidden states \(no set_aux_hidden_state_layers, .*\) \(log /\S+\)$"
+)
+
+
+def test_an_architecture_the_engine_cannot_capture_is_one_line_before_its_engine_starts_or_a_shard_is_claimed(
+    tmp_path,
+):
+    from stages.extract.run import run as extract
+
+    python, started = stub_vllm_without_eagle3(tmp_path)
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        target=str(opt_target(tmp_path / "opt")),
+        capture="vllm",
+        capture_python=python,
+        taps="0,1",
+        dtype="bf16",
+        device="cpu",
+    )
+    with pytest.raises(EngineError, match=UNCAPTURABLE) as refused:
+        extract(config, log=lambda m: None)
+    kept_log(refused.value)
+    assert not started.exists()  # the engine never started: no weight was loaded
+    assert not (tmp_path / "hs.zarr").exists()  # nothing claimed, not even the store's root
+
+
+@pytest.mark.engine
+def test_vllm_refuses_an_architecture_it_cannot_capture_in_one_line_before_loading_it(tmp_path):
+    """The real vLLM: its OPTForCausalLM has no aux hidden states. Refused from the config in
+    seconds (its engine would load the weights first, then stop with RuntimeError 'Model does not
+    support EAGLE3 interface'), before the store exists."""
+    import time
+
+    from stages.extract.run import run as extract
+    from tests.engines import build_venv
+
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        target=str(opt_target(tmp_path / "opt")),
+        capture="vllm",
+        capture_python=str(build_venv()),
+        taps="0,1",
+        dtype="bf16",
+        device="cpu",
+    )
+    t = time.perf_counter()
+    with pytest.raises(EngineError, match=UNCAPTURABLE) as refused:
+        extract(config, log=print)
+    print(f"\nrefused in {time.perf_counter() - t:.1f}s: {refused.value}")
+    log = Path(re.search(r"\(log (/\S+)\)$", str(refused.value)).group(1)).read_text()
+    kept_log(refused.value)
+    assert "\n" not in str(refused.value) and not (tmp_path / "hs.zarr").exists()
+    assert "Loading weights took" not in log  # the engine never loaded the model
