@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import sys
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,10 +76,11 @@ def uncapturable(config: dict) -> str | None:
         args = EngineArgs(model=config["target"], dtype=config["dtype"], max_model_len=config["max_model_len"])
         model_config = args.create_model_config()
         model_class, arch = model_config.registry.resolve_model_cls(model_config.architectures, model_config)
-    except Exception as e:  # vLLM does not serve it: its own reason, without its list of what it serves
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        why = next((line for line in lines if "architecture" in line), lines[0] if lines else type(e).__name__)
-        return f"vLLM cannot serve {config['target']}: {why.split(' Supported architectures')[0]}"
+    except Exception as e:  # vLLM refuses the target (an architecture it does not serve, ...): its first sentence
+        traceback.print_exc()  # the whole of it in the log
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        why = next((line.split("Value error, ", 1)[1] for line in lines if "Value error, " in line), lines[0])
+        return f"vLLM refuses {config['target']}: {why.split(' [type=')[0].split('. ')[0]}"
     if not supports_eagle3(model_class):
         return (
             f"vLLM serves {arch} as {model_class.__name__}, which cannot hand out its layers' hidden states "

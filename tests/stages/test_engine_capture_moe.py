@@ -8,8 +8,9 @@ nearly tied, the two engines' rounding of the router's input can pick a differen
 token's state then departs by more than rounding (a cosine near 0.96-0.99) from that layer on; an
 attention layer then carries a little of it to the later positions. The random router is close to
 uniform (top-2 probabilities ~0.17 and ~0.15, the third ~0.14), so near-ties are common. The engine
-tests therefore hold, per tap: the dense target's median cosine and max abs (test_engine_capture.py),
-a bit-identical share >= SAME_MOE, and at most DIVERGED of the tokens below the dense minimum cosine;
+tests therefore hold, per tap: the dense target's max abs (test_engine_capture.py), a median cosine
+>= COS_MEDIAN_MOE and a bit-identical share >= SAME_MOE (each the dense bound less what the flips
+cost), and at most DIVERGED of the tokens below the dense minimum cosine;
 and they show that the tokens departing at a layer are the ones whose own routing is nearly tied
 there (top-2 against third probability within NEAR_TIE), far more often than tokens at large. The same
 thresholds fail a tap one layer off either way and the last layer after the final norm.
@@ -25,11 +26,14 @@ import torch
 from pipeline import DEFAULT_PROMPTS
 from stages.extract.config import ExtractConfig
 from tests.moe_target import EXPERTS, ROUTED, build_tiny_moe
-from tests.stages.test_engine_capture import COS_MEDIAN, COS_MIN, MAX_ABS, STORE_SETTINGS, stats
+from tests.stages.test_engine_capture import COS_MIN, MAX_ABS, STORE_SETTINGS, stats
 
 TAPS = list(range(8))  # every layer
-# measured on shards 0-1 of 64 of the shipped prompts (CPU, vLLM 0.32.0): see docs/usage.md
-SAME_MOE = 0.10  # bit-identical share per tap; the dense target's 0.15 less what the experts' extra rounding costs
+# Measured on shards 0-1 of 64 of the shipped prompts, 1,742 tokens (CPU, vLLM 0.32.0; docs/usage.md):
+# median cosine 0.99989-1.0, max abs 0.0005-0.027, 11.8-62% bit-identical, 0-8.4% of tokens diverged.
+# One layer off: median cosine 0.91-0.985 and at most 1.1% bit-identical; after the final norm: max abs 4.2.
+COS_MEDIAN_MOE = 0.9995  # the dense 0.9999 less what up to DIVERGED flipped tokens move the median
+SAME_MOE = 0.08  # bit-identical share per tap: the dense 0.15 less the experts' extra rounding
 DIVERGED = 0.15  # share of a tap's tokens below COS_MIN: the routing flips and what attention carries of them
 NEAR_TIE = 2e-3  # top-2 against third routing probability: a pair the engines' rounding may flip
 EXPLAINED = 0.8  # share of the tokens departing at a layer that have a near-tie of their own there
@@ -149,7 +153,7 @@ def moe_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Within bf16 rounding and the routing flips of a MoE (module docstring)."""
     s = stats(a, b)
     return (
-        s["cos_median"] >= COS_MEDIAN
+        s["cos_median"] >= COS_MEDIAN_MOE
         and s["max_abs"] <= MAX_ABS
         and s["same"] >= SAME_MOE
         and diverged(a, b).float().mean().item() <= DIVERGED
@@ -188,10 +192,14 @@ def test_one_layer_off_or_after_the_final_norm_fails_the_moe_thresholds(stores, 
     from pipeline.target import loading
 
     vllm, hf = states(stores["vllm"]), states(stores["hf"])
+    worst = {"cos_median": 0.0, "same": 0.0}
     for j in range(len(TAPS)):
         for off in (j - 1, j + 1):
             if 0 <= off < len(TAPS):
-                assert not moe_equal(vllm[:, j], hf[:, off]), (j, off, stats(vllm[:, j], hf[:, off]))
+                s = stats(vllm[:, j], hf[:, off])
+                worst = {k: max(v, s[k]) for k, v in worst.items()}
+                assert not moe_equal(vllm[:, j], hf[:, off]), (j, off, s)
+    print(f"\none layer off, the highest: median cosine {worst['cos_median']:.4f}, bit-identical {worst['same']:.4f}")
     target = loading.load(str(moe), "cpu", "bf16", "torch")
     normed = target.model.get_decoder().norm(hf[:, -1])
     print(f"\nlast tap against the final norm's output: {stats(vllm[:, -1], normed)}")
