@@ -14,7 +14,8 @@ in the engine's dtype, "token_ids" [T]).
 Line protocol, one JSON object a line. The worker's stdout is moved to stderr at start (vLLM and its
 processes log there), its replies go to the original stdout:
   reply   {"ready": true, "vllm": version, "num_layers", "hidden_size"}  once the engine is up,
-          or {"error": "..."} and exit 3 (vLLM cannot be imported, a layer id out of range)
+          or {"error": "..."} and exit 3 (vLLM cannot be imported, an architecture it cannot capture,
+          found before the engine starts: `uncapturable`; a layer id out of range)
   request {"seqs": [[ids], ..], "prompt_lens": [n, ..] or null}   (token ids, not states)
   reply   {"files": [path, ..], "matches": [m, ..] or null}      files in request order, written and
           unlocked; matches: per sequence, how many tokens after its prompt are the engine's own
@@ -31,6 +32,7 @@ import fcntl
 import json
 import os
 import sys
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,6 +66,32 @@ def engine(config: dict):
         },
         **memory,
     )
+
+
+def uncapturable(config: dict) -> str | None:
+    """Why vLLM cannot capture this target's states, found from its config before any weight loads
+    (None: it can). extract_hidden_states reads the model's aux hidden state outputs, which only a
+    model class with vLLM's SupportsEagle3 interface (`set_aux_hidden_state_layers`) returns; vLLM
+    itself refuses such a model only after loading its weights (the model runner's
+    `_setup_eagle3_aux_hidden_state_outputs`), minutes into a large target's start."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    try:  # the architecture resolved as vLLM's LLM resolves it: natively, or its Transformers backend
+        args = EngineArgs(model=config["target"], dtype=config["dtype"], max_model_len=config["max_model_len"])
+        model_config = args.create_model_config()
+        model_class, arch = model_config.registry.resolve_model_cls(model_config.architectures, model_config)
+    except Exception as e:  # vLLM refuses the target (an architecture it does not serve, ...): its first sentence
+        traceback.print_exc()  # the whole of it in the log
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        why = next((line.split("Value error, ", 1)[1] for line in lines if "Value error, " in line), lines[0])
+        return f"vLLM refuses {config['target']}: {why.split(' [type=')[0].split('. ')[0]}"
+    if not supports_eagle3(model_class):
+        return (
+            f"vLLM serves {arch} as {model_class.__name__}, which cannot hand out its layers' hidden states "
+            "(no set_aux_hidden_state_layers, vLLM's SupportsEagle3 interface, which extract_hidden_states needs)"
+        )
+    return None
 
 
 def capture(llm, request: dict) -> dict:
@@ -124,6 +152,10 @@ def main(config_path: str) -> int:
         return 3
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     sys.path.insert(0, HERE)  # the connector's module, for this process and the engine's
+    why = uncapturable(config)
+    if why:
+        reply.write(json.dumps({"error": why}) + "\n")
+        return 3
     llm = engine(config)
     hf = llm.llm_engine.model_config.hf_text_config
     layers = hf.num_hidden_layers

@@ -94,10 +94,10 @@ def test_an_engine_that_fails_to_start_is_one_line_and_leaves_no_files(tmp_path)
     before = set(glob.glob(pattern))
     engine = VllmCapture(fake_vllm(tmp_path, "0.32.0"), str(TINY_TARGET), [1, 2], 128, "bf16", 256, None)
     with pytest.raises(
-        EngineError, match=r"^--capture vllm: the engine stopped \(exit 1\): ImportError: cannot import"
+        EngineError, match=r"^--capture vllm: the engine stopped \(exit 1\): \w*Error: (cannot import|No module named)"
     ) as failed:
         try:
-            engine.start()  # the stub has no LLM
+            engine.start()  # the stub is a version alone: nothing of vLLM imports from it
         finally:
             engine.close()
     assert set(glob.glob(pattern)) == before
@@ -490,3 +490,150 @@ def test_generation_leaves_no_connector_files(tmp_path):
         capturer.close()
     assert completions[1] == [] and 0 < len(completions[0]) <= 16 and 0 < len(completions[2]) <= 4
     assert [p for p in left if p.is_file()] == []
+
+
+# ---- an architecture the engine cannot capture: one line before any shard is claimed ----
+
+
+def opt_target(directory: Path) -> Path:
+    """A tiny OPT (random weights, the tiny target's tokenizer): a decoder the project taps, of an
+    architecture vLLM serves whose model class lacks SupportsEagle3, so extract_hidden_states cannot
+    take its layers' states."""
+    import shutil
+
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from pipeline import TINY_TARGET
+
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        word_embed_proj_dim=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=8192,  # the default --max-length's prefill and more
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    OPTForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_TARGET / name, directory / name)
+    return directory
+
+
+def stub_vllm_without_eagle3(tmp_path) -> tuple[str, Path]:
+    """A Python whose `vllm` 0.32.0 resolves any target to a model class without SupportsEagle3, and
+    whose engine, if it were ever started, leaves a file (the second path)."""
+    where = tmp_path / "vllm-no-eagle3"
+    started = where / "engine-started"
+    files = {
+        "vllm/__init__.py": f"__version__ = '0.32.0'\n\ndef LLM(**kw):\n    open({str(started)!r}, 'w').close()\n",
+        "vllm/engine/__init__.py": "",
+        "vllm/engine/arg_utils.py": (
+            "class OPTForCausalLM:\n    pass\n\n\n"
+            "class Registry:\n    def resolve_model_cls(self, archs, config):\n"
+            "        return OPTForCausalLM, archs[0]\n\n\n"
+            "class ModelConfig:\n    architectures = ['OPTForCausalLM']\n    registry = Registry()\n\n\n"
+            "class EngineArgs:\n    def __init__(self, **kw):\n        pass\n\n"
+            "    def create_model_config(self):\n        return ModelConfig()\n"
+        ),
+        "vllm/model_executor/__init__.py": "",
+        "vllm/model_executor/models/__init__.py": "",
+        "vllm/model_executor/models/interfaces.py": (
+            "def supports_eagle3(model):\n    return getattr(model, 'supports_eagle3', False)\n"
+        ),
+    }
+    for name, text in files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
+    python = where / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python), started
+
+
+UNCAPTURABLE = (
+    r"^--capture vllm: vLLM serves OPTForCausalLM as OPTForCausalLM, which cannot hand out its layers' "
+    r"hidden states \(no set_aux_hidden_state_layers, .*\) \(log /\S+\)$"
+)
+
+
+def test_an_architecture_the_engine_cannot_capture_is_one_line_before_its_engine_starts_or_a_shard_is_claimed(
+    tmp_path,
+):
+    from stages.extract.run import run as extract
+
+    python, started = stub_vllm_without_eagle3(tmp_path)
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        target=str(opt_target(tmp_path / "opt")),
+        capture="vllm",
+        capture_python=python,
+        taps="0,1",
+        dtype="bf16",
+        device="cpu",
+    )
+    with pytest.raises(EngineError, match=UNCAPTURABLE) as refused:
+        extract(config, log=lambda m: None)
+    kept_log(refused.value)
+    assert not started.exists()  # the engine never started: no weight was loaded
+    assert not (tmp_path / "hs.zarr").exists()  # nothing claimed, not even the store's root
+
+
+def unserved_target(directory: Path) -> Path:
+    """The shipped tiny target under an architecture name no one serves: transformers builds it from
+    its model_type, vLLM has no class of that name."""
+    import shutil
+
+    from pipeline import TINY_TARGET
+
+    shutil.copytree(TINY_TARGET, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
+    return directory
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    "make, refusal",
+    [
+        (opt_target, UNCAPTURABLE),
+        (
+            unserved_target,
+            r"^--capture vllm: vLLM refuses \S+: Model architectures \['FooForCausalLM'\] are not "
+            r"supported for now \(log /\S+\)$",
+        ),
+    ],
+    ids=["served-without-aux-states", "not-served"],
+)
+def test_vllm_refuses_an_architecture_it_cannot_capture_in_one_line_before_loading_it(tmp_path, make, refusal):
+    """The real vLLM: its OPTForCausalLM returns no aux hidden states (its engine would load the
+    weights first, then stop with RuntimeError 'Model does not support EAGLE3 interface'), and it
+    serves no FooForCausalLM. Each refused from the target's config, before the engine starts and
+    before the store exists."""
+    import time
+
+    from stages.extract.run import run as extract
+    from tests.engines import build_venv
+
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        target=str(make(tmp_path / "target")),
+        capture="vllm",
+        capture_python=str(build_venv()),
+        taps="0,1",
+        dtype="bf16",
+        device="cpu",
+        max_length=256,
+    )
+    t = time.perf_counter()
+    with pytest.raises(EngineError, match=refusal) as refused:
+        extract(config, log=print)
+    print(f"\nrefused in {time.perf_counter() - t:.1f}s: {refused.value}")
+    log = Path(re.search(r"\(log (/\S+)\)$", str(refused.value)).group(1)).read_text()
+    kept_log(refused.value)
+    assert not (tmp_path / "hs.zarr").exists()
+    assert "EngineCore" not in log  # no engine process was started
