@@ -28,14 +28,6 @@ def config(path, dataset, **kw) -> ExtractConfig:
     return ExtractConfig(store=str(path), dataset=str(dataset), **settings)
 
 
-@pytest.fixture(scope="module")
-def final_store(tmp_path_factory, small_dataset):
-    """small_store's shards extracted again with --final-state."""
-    path = tmp_path_factory.mktemp("stores") / "final.zarr"
-    run(config(path, small_dataset), log=lambda m: None)
-    return path
-
-
 def samples(path, **kw):
     store = HiddenStore(str(path))
     for shard in store.committed():
