@@ -78,10 +78,11 @@ def check_batch(
     """A batch's stored final states ([T, H] bf16, rows back to back; tokens: [T] long) checked:
     {"matches", "tokens"}: completion tokens hit by the argmax; {"normed", "states"}: states of unit RMS."""
     pos, nxt = completion_positions(lengths, prompt_lens)
+    on = final.to(head.device)  # one copy to where lm_head is (the target's device)
     return {
-        "matches": argmax_matches(final[pos], head, tokens[nxt]),
+        "matches": argmax_matches(on[pos.to(on.device)], head, tokens[nxt]),
         "tokens": len(pos),
-        "normed": normed(final, gain),
+        "normed": normed(on, gain),
         "states": len(final),
     }
 

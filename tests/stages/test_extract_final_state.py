@@ -14,6 +14,7 @@ from pipeline.target import final_state
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.extract.run import run
+from stages.extract.summary import render as render_run
 from store.errors import ConfigError, StoreCorrupt, StoreMismatch
 from store.format import fp8_codec, layout
 from store.hidden_store import HiddenStore
@@ -160,7 +161,8 @@ def test_dataset_responses_report_the_rate_without_enforcing_it(tmp_path, small_
     summary = run(config(path, small_dataset, shards="0-1", responses="dataset"), log=lambda m: None)
     assert summary["agreement"]["rate"] < final_state.MIN_RATE  # human responses: not the target's argmax
     f = summarize(HiddenStore(str(path)))["final_state"]
-    assert f["rate"] == summary["agreement"]["rate"] and f["normed"] == f["states"]
+    assert f["rate"] == summary["agreement"]["rate"] == summary["final_state"]["rate"] and f["normed"] == f["states"]
+    assert "final state: stored per token; argmax of lm_head(final state)" in render_run(summary)
     r = verify_cli(path)
     assert r.exit_code == 0 and "reported only: not greedy references" in r.output
 
