@@ -103,6 +103,12 @@ def test_a_rerun_that_changes_the_flag_is_refused(final_store, tmp_path, small_d
     assert run(config(tmp_path / "s.zarr", small_dataset), log=lambda m: None)["shards_skipped"] == [0, 1, 2, 3]
 
 
+def test_an_old_store_takes_no_final_states(small_store, tmp_path, small_dataset):
+    shutil.copytree(small_store, tmp_path / "s.zarr")
+    with pytest.raises(StoreMismatch, match=r"final_state: store has null, this run has true"):
+        run(config(tmp_path / "s.zarr", small_dataset), log=lambda m: None)
+
+
 def test_refused_with_capture_vllm_or_without_the_agreement_forward():
     with pytest.raises(ConfigError, match=r"--final-state.*goes with --capture transformers.*pre-norm"):
         ExtractConfig(final_state=True, capture="vllm")

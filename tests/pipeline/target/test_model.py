@@ -229,7 +229,7 @@ def test_held_tap_memory_is_one_layer_of_the_budget(target, budget):
 def test_capture_with_the_final_state_adds_hugging_faces_last_hidden_state(target):
     """The taps are bit for bit those of a capture without it; the final state is hidden_states[-1] (after
     the final norm) up to bf16 rounding, batched and chunked alike; the gain is the norm's (1 + w)."""
-    seqs = [p + p[:7] for p in prompt_ids(target, 4)]
+    seqs = budget_seqs(target)  # with a row of 300 tokens: chunked through the cache at budget 64
     for budget in (None, 64):
         plain = target.capture(seqs, [1, 3], budget=budget)
         hidden, final = target.capture(seqs, [1, 3], budget=budget, final_state=True)
