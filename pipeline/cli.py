@@ -73,7 +73,8 @@ def info(store: str, as_json: bool) -> None:
     type=click.FloatRange(0, 1, min_open=True),
     default=None,
     help="Decode only this share of each shard's state chunks, chosen at random (each checked against its "
-    "own checksum in a schema-2 store); the verdict states the coverage. [default: every byte]",
+    "own checksum in a schema-2 store), and recheck the final state (--final-state stores) on this share of "
+    "each shard's samples; the verdict states the coverage. [default: every byte]",
 )
 @click.option(
     "--processes",
