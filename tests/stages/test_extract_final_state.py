@@ -214,3 +214,28 @@ def test_verify_names_a_damaged_or_missing_final_state_array(final_store, tmp_pa
         "final_state: not in the shard's commit file, though the store keeps a final state per token "
         "(written by a version without --final-state)"
     ]
+
+
+def test_a_final_state_with_nan_is_a_nonfinite_row(monkeypatch, tmp_path, small_dataset):
+    """NaN in a row's final state only (its taps finite): the run stops naming the row, or with
+    --skip-nonfinite leaves it out and counts it; the rows kept are checked and stored as ever."""
+    capture = Target.capture
+
+    def nan_in_first_row(self, seqs, taps, prompt_lens=None, *, final_state=False, **kw):
+        if not final_state:  # the start-up probe
+            return capture(self, seqs, taps, prompt_lens, **kw)
+        hidden, final = capture(self, seqs, taps, final_state=True, **kw)
+        final = final.clone()
+        final[len(seqs[0]) - 1] = float("nan")
+        return hidden, final
+
+    monkeypatch.setattr(Target, "capture", nan_in_first_row)
+    with pytest.raises(TargetError, match=r"shard 0: the target's hidden states hold NaN or Inf for dataset row"):
+        run(config(tmp_path / "a.zarr", small_dataset, shards="0"), log=lambda m: None)
+    summary = run(config(tmp_path / "b.zarr", small_dataset, shards="0", skip_nonfinite=True), log=lambda m: None)
+    record = HiddenStore(str(tmp_path / "b.zarr")).commit_record(0)
+    nonfinite = record.skipped["nonfinite"]
+    assert nonfinite == summary["skipped"]["nonfinite"] >= 1 and record.samples + nonfinite == 3  # a batch's first
+    assert record.samples >= 1
+    assert record.final_state["states"] == record.tokens == record.shapes[layout.FINAL_STATE][0]
+    assert record.final_state["matches"] == record.final_state["tokens"] > 0
