@@ -12,7 +12,7 @@ from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
 from store import span_reader
-from store.errors import StoreCorrupt
+from store.errors import StoreCorrupt, StoreMismatch
 from store.format import layout, per_sample_array
 from store.format.read_checks import first_chunk
 from store.format.schema import ShardCommit
@@ -86,12 +86,18 @@ class ShardReader:
 
     @functools.cached_property
     def _final(self):
-        """(direct span reader or None, zarr handle) of the final states; StoreCorrupt naming the shard when
-        it holds none."""
+        """(direct span reader or None, zarr handle) of the final states. A shard without them: StoreMismatch
+        when the store was made without --final-state, else StoreCorrupt naming the shard and what to run."""
+        if not self.has_final_state and not self.store.layout.final_state:
+            raise StoreMismatch(
+                f"{self.store.location}: made without --final-state, so shard {self.shard} holds no final states "
+                "(extract a store with --final-state)"
+            )
         if not self.has_final_state:
-            what = "a store made with --final-state" if self.store.layout.final_state else "made without --final-state"
             raise self._damaged(
-                StoreCorrupt(f"{self._path(layout.FINAL_STATE)}: no final states in this shard ({what})")
+                StoreCorrupt(
+                    f"{self._path(layout.FINAL_STATE)}: missing, though the store keeps a final state per token"
+                )
             )
         direct = None
         if self._direct is not None:
@@ -309,7 +315,7 @@ def read_samples(
                 got = reader._through_zarr(i, a, b, out)
                 results[k] = reader._sample(i, *got, hidden_out, reader._final_through_zarr(i, a, b) if final else None)
                 continue
-        except StoreCorrupt as e:
+        except (StoreCorrupt, StoreMismatch) as e:
             results[k] = e
             continue
         readers = [*reader._direct, *([final[0]] if final else [])]
