@@ -73,7 +73,8 @@ def info(store: str, as_json: bool) -> None:
     type=click.FloatRange(0, 1, min_open=True),
     default=None,
     help="Decode only this share of each shard's state chunks, chosen at random (each checked against its "
-    "own checksum in a schema-2 store); the verdict states the coverage. [default: every byte]",
+    "own checksum in a schema-2 store), and recheck the final state (--final-state stores) on this share of "
+    "each shard's samples; the verdict states the coverage. [default: every byte]",
 )
 @click.option(
     "--processes",
@@ -82,21 +83,30 @@ def info(store: str, as_json: bool) -> None:
     help="Shards checked in parallel processes (at most one per shard). [default: the cores this process may use]",
 )
 def verify(store: str, shard_text: str | None, sample: float | None, processes: int | None) -> None:
-    """Re-read the committed shards of STORE; check shapes, offsets, masks and checksums.
+    """Re-read the committed shards of STORE; check shapes, offsets, masks and checksums (and, in a store
+    made with --final-state, that the argmax of lm_head(final state) is the next token).
 
     Exits non-zero and names the shard on any corrupt shard, or on a shard named by --shards
     that is not committed.
     """
     from tqdm import tqdm
 
+    from pipeline.target import final_state
     from store.hidden_store import HiddenStore
     from store.verify import verify_store
 
-    HiddenStore(store).check_reachable()
+    opened = HiddenStore(store)
+    opened.check_reachable()
     with tqdm(unit="shard", desc="verify", disable=None, file=sys.stderr) as bar:
         report = verify_store(
             store, shard_text, lambda _shard: bar.update(), sample, processes or len(os.sched_getaffinity(0))
         )
+    if opened.layout.final_state:  # its rate recomputed from the stored final states and lm_head
+        sound = [s for s in report.checked if s not in report.problems]
+        totals, problems = final_state.recheck(opened, sound, sample)
+        for shard, problem in problems.items():
+            report.problems[shard] = [problem]
+        log(final_state.describe(totals, opened.attrs.compat.responses))
     for line in report.lines():
         log(line)
     click.echo(report.verdict())

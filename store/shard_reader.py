@@ -12,7 +12,7 @@ from zarr.core.group import GroupMetadata
 from zarr.core.sync import sync
 
 from store import span_reader
-from store.errors import StoreCorrupt
+from store.errors import StoreCorrupt, StoreMismatch
 from store.format import layout, per_sample_array
 from store.format.read_checks import first_chunk
 from store.format.schema import ShardCommit
@@ -32,6 +32,7 @@ class Sample:
     loss_mask: torch.Tensor  # [T] bool, True exactly on completion tokens
     prompt_len: int
     hidden: torch.Tensor  # [T, n_taps, H] bf16
+    final_state: torch.Tensor | None = None  # [T, H] bf16: the target's state after its final norm, when asked for
 
 
 class ShardReader:
@@ -77,6 +78,40 @@ class ShardReader:
     def hidden(self):
         """The states' zarr handle."""
         return self._per_token[-1]
+
+    @property
+    def has_final_state(self) -> bool:
+        """Whether the shard holds the target's final states (a store made with --final-state)."""
+        return layout.FINAL_STATE in self.record.shapes
+
+    @functools.cached_property
+    def _final(self):
+        """(direct span reader or None, zarr handle) of the final states. A shard without them: StoreMismatch
+        when the store was made without --final-state, else StoreCorrupt naming the shard and what to run."""
+        if not self.has_final_state and not self.store.layout.final_state:
+            raise StoreMismatch(
+                f"{self.store.location}: made without --final-state, so shard {self.shard} holds no final states "
+                "(extract a store with --final-state)"
+            )
+        if not self.has_final_state:
+            raise self._damaged(
+                StoreCorrupt(
+                    f"{self._path(layout.FINAL_STATE)}: missing, though the store keeps a final state per token"
+                )
+            )
+        direct = None
+        if self._direct is not None:
+            checks = self.store.read_checks({self.shard: self.record})
+            direct = span_reader.for_array(
+                self.store.fs,
+                self._path(layout.FINAL_STATE),
+                self._metadata(layout.FINAL_STATE),
+                checks.every_chunk(self.shard),
+                self.store.cache,
+                self.store.local,
+                self.store.node_files(self.shard, self.record),
+            )
+        return direct, self._open(layout.FINAL_STATE)
 
     @functools.cached_property
     def _direct(self) -> list | None:
@@ -176,11 +211,14 @@ class ShardReader:
     def __getitem__(self, i: int) -> Sample:
         return self.read(i)
 
-    def read(self, i: int, limit: int | None = None, hidden_out: torch.Tensor | None = None) -> Sample:
+    def read(
+        self, i: int, limit: int | None = None, hidden_out: torch.Tensor | None = None, final_state: bool = False
+    ) -> Sample:
         """Sample i, its first `limit` tokens only when given (only those chunks are read).
         hidden_out: a C-contiguous [n, n_taps, H] bf16 tensor (n: the tokens read) to decode the
-        states straight into, such as a row of a training batch; it is then the sample's `hidden`."""
-        got = read_samples([(self, i, limit, hidden_out)])[0]
+        states straight into, such as a row of a training batch; it is then the sample's `hidden`.
+        final_state: its final states too (`Sample.final_state`; a shard without them is an error)."""
+        got = read_samples([(self, i, limit, hidden_out)], final_state)[0]
         if isinstance(got, Exception):
             raise got
         return got
@@ -209,7 +247,8 @@ class ShardReader:
             out[...], bits = bits, out
         return tokens, mask, bits
 
-    def _sample(self, i: int, tokens, mask, bits, hidden_out: torch.Tensor | None) -> Sample:
+    def _sample(self, i: int, tokens, mask, bits, hidden_out: torch.Tensor | None, final=None) -> Sample:
+        """final: the final states' bits ([T, H] uint16), when read."""
         return Sample(
             shard=self.shard,
             index=i,
@@ -218,7 +257,17 @@ class ShardReader:
             loss_mask=torch.from_numpy(np.asarray(mask).astype(bool)),
             prompt_len=int(self.prompt_lens[i]),
             hidden=layout.from_bits(np.asarray(bits)) if hidden_out is None else hidden_out,
+            final_state=None if final is None else layout.from_bits(np.asarray(final)),
         )
+
+    def _final_through_zarr(self, i: int, a: int, b: int) -> np.ndarray:
+        """Sample i's final states' bits, read by zarr (layouts span_reader does not decode)."""
+        try:
+            return self._final[1][a:b]
+        except (ValueError, RuntimeError, OSError) as e:
+            raise self._damaged(
+                StoreCorrupt(f"{self._path(layout.FINAL_STATE)}: unreadable ({type(e).__name__}: {e})"), i
+            ) from None
 
     def _failing(self, a: int, b: int) -> str:
         """The per-token array whose span a:b zarr cannot decode (after a read of all three failed)."""
@@ -246,31 +295,40 @@ class ShardReader:
             yield self[i]
 
 
-def read_samples(items: list[tuple[ShardReader, int, int | None, torch.Tensor | None]]) -> list:
+def read_samples(
+    items: list[tuple[ShardReader, int, int | None, torch.Tensor | None]], final_state: bool = False
+) -> list:
     """The samples (reader, index, limit, hidden_out) of ShardReader.read, read together: the
     spans of every sample a direct reader holds in one batch of requests (store/span_reader.py:
     on an object store at most two rounds, each in flight at once), the others through zarr. Each
     result is its Sample or, in its place, the StoreCorrupt its read raised (damaged or missing,
-    naming the shard, sample and what to run) or the OSError of a fetch that failed."""
+    naming the shard, sample and what to run) or the OSError of a fetch that failed. final_state:
+    each sample's final states too (a shard without them: its StoreCorrupt)."""
     results: list = [None] * len(items)
     spans, owners = [], []
+    names = (*_PER_TOKEN, layout.FINAL_STATE)[: 3 + final_state]
     for k, (reader, i, limit, hidden_out) in enumerate(items):
-        a, b, out = reader._span(i, limit, hidden_out)
-        if reader._direct is None:
-            try:
-                results[k] = reader._sample(i, *reader._through_zarr(i, a, b, out), hidden_out)
-            except StoreCorrupt as e:
-                results[k] = e
+        try:
+            a, b, out = reader._span(i, limit, hidden_out)
+            final = reader._final if final_state else None
+            if reader._direct is None or (final is not None and final[0] is None):
+                got = reader._through_zarr(i, a, b, out)
+                results[k] = reader._sample(i, *got, hidden_out, reader._final_through_zarr(i, a, b) if final else None)
+                continue
+        except (StoreCorrupt, StoreMismatch) as e:
+            results[k] = e
             continue
-        spans += [span_reader.Span(r, a, b, o) for r, o in zip(reader._direct, (None, None, out))]
+        readers = [*reader._direct, *([final[0]] if final else [])]
+        spans += [span_reader.Span(r, a, b, o) for r, o in zip(readers, (None, None, out, None))]
         owners.append(k)
     got = span_reader.read_spans(spans)
+    n_spans = len(names)
     for n, k in enumerate(owners):
         reader, i, _, hidden_out = items[k]
-        three = got[3 * n : 3 * n + 3]
-        failed = next(((name, x) for name, x in zip(_PER_TOKEN, three) if isinstance(x, Exception)), None)
+        parts = got[n_spans * n : n_spans * (n + 1)]
+        failed = next(((name, x) for name, x in zip(names, parts) if isinstance(x, Exception)), None)
         if failed is None:
-            results[k] = reader._sample(i, *three, hidden_out)
+            results[k] = reader._sample(i, *parts[:3], hidden_out, parts[3] if final_state else None)
         elif isinstance(failed[1], StoreCorrupt):
             results[k] = reader._damaged(failed[1], i)
         elif isinstance(failed[1], FileNotFoundError):  # there when the reader opened: deleted since

@@ -8,8 +8,9 @@ file, in order, once it is encoded. The states handed over and not yet written a
 bytes (`max_held_bytes`; one batch is always taken): at hidden 5120 one batch of 32 x 4k tokens
 is 6.7 GB, so a count of batches would not bound host memory. `commit` drains the queue, writes
 the tail and the small per-sample arrays, checks the lock is still ours, and only then writes the
-commit file. Anything that stops earlier leaves a shard without a commit file, which no reader
-trusts and a rerun redoes.
+commit file. A store made with --final-state has a second state array, `final_state` ([T, H]), taken
+with each batch and cut, encoded and written as `hidden` is. Anything that stops earlier leaves a
+shard without a commit file, which no reader trusts and a rerun redoes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ShardStats:
     skipped: dict = field(default_factory=lambda: {r: 0 for r in layout.SKIP_REASONS})
     truncated: int = 0  # completions cut at --max-length / --max-new-tokens without an EOS
     agreement: dict | None = None  # {"matches", "tokens"}: completion tokens equal to the target's argmax
+    final_state: dict | None = None  # the check of the stored final states (ShardCommit.final_state)
 
 
 class ShardWriter:
@@ -68,6 +70,7 @@ class ShardWriter:
         self.n_taps, self.hidden_size = n_taps, hidden_size
         self.chunk_tokens, self.shard_tokens = chunk_tokens, shard_tokens
         codecs = store.layout.format.codecs(layout.DEFAULT_LEVEL if level is None else level, hidden_size)
+        self.final = store.layout.final_state  # the store's: a final_state array beside hidden
         self.stats = ShardStats()
         self.tokens: list[np.ndarray] = []
         self.loss_mask: list[np.ndarray] = []
@@ -76,13 +79,11 @@ class ShardWriter:
         self.categories: list[str | None] = []
         self.stall_s = 0.0  # time the model thread waited for the writer
         self.busy_s = 0.0  # time the writer thread spent not waiting for states (its pool's time apart)
-        self._crc = 0
         self._written = 0
-        self._pending: deque[np.ndarray] = deque()  # taken, not yet cut into shard files
-        self._pending_len = 0
+        self._pending_len = 0  # tokens taken, not yet cut into shard files (the same in every state array)
         self._cut = 0  # tokens cut into shard files so far
-        self._encoding: deque[tuple[int, list[Future]]] = deque()  # shard files being encoded, in order
-        self._token_bytes = n_taps * hidden_size * 2
+        self._encoding: deque[tuple[int, list[list[Future]]]] = deque()  # shard files being encoded, in order
+        self._token_bytes = (n_taps + self.final) * hidden_size * 2
         self._max_held_tokens = max(1, max_held_bytes // self._token_bytes)
         self._held_tokens = 0  # handed over, not yet written
         self._queued = 0  # handed over, not yet taken by the writer thread
@@ -93,19 +94,13 @@ class ShardWriter:
         g = zarr.open_group(store.location, mode="a", path=layout.shard_group(shard))
         g.attrs.put({"shard": shard})
         self.group = g
-        self.hidden = g.create_array(
-            "hidden",
-            shape=(0, n_taps, hidden_size),
-            dtype=np.uint16,
-            chunks=(chunk_tokens, n_taps, hidden_size),
-            shards=(shard_tokens, n_taps, hidden_size),
-            compressors=codecs,
-            fill_value=0,
-            config=_EVERY_CHUNK,
-            chunk_key_encoding=_KEYS,
-        )
+        rows = {"hidden": (n_taps, hidden_size), layout.FINAL_STATE: (hidden_size,)}
+        self._states = [
+            _StateArray(g, name, rows[name], chunk_tokens, shard_tokens, codecs)
+            for name in layout.STATE_ARRAYS[: 1 + self.final]
+        ]
+        self.hidden = self._states[0].array
         self._queue: queue.Queue = queue.Queue()
-        self._codec = codecs[0]  # whole shard files are encoded here, not by zarr
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"shard-writer-{shard}")
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-{shard}", daemon=True)
         self._thread.start()
@@ -139,12 +134,14 @@ class ShardWriter:
         self.stats.completion_tokens += len(completion)
         self.stats.truncated += int(truncated)
 
-    def add_hidden(self, hidden: torch.Tensor) -> None:
-        """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order. Waits
+    def add_hidden(self, hidden: torch.Tensor, final: torch.Tensor | None = None) -> None:
+        """hidden: [t, n_taps, H] bf16 (CPU), the samples just added, concatenated in order; final: [t, H]
+        bf16 (CPU), their final states, given exactly when the store keeps them. Waits
         while the writer would then hold more than max_held_bytes, but never while the writer thread
         has taken everything handed over and written every shard file it cut: it is then waiting
         for this batch to fill the next file (so the bound can be passed by one shard file's worth
         plus a batch, never deadlocked)."""
+        assert (final is not None) == self.final and (final is None or final.shape == (len(hidden), hidden.shape[-1]))
         t0 = time.perf_counter()
         with self._room:
             while (
@@ -156,11 +153,16 @@ class ShardWriter:
             self._raise_if_failed()
             self._held_tokens += len(hidden)
             self._queued += len(hidden)
-        self._queue.put(hidden)
+        self._queue.put((hidden, final))
         self.stall_s += time.perf_counter() - t0
 
     def skip(self, reason: str) -> None:
         self.stats.skipped[reason] += 1
+
+    def check_final(self, record: dict) -> None:
+        """Add a batch's check of its final states ({"matches", "tokens", "normed", "states"}) to the shard's."""
+        held = self.stats.final_state or dict.fromkeys(record, 0)
+        self.stats.final_state = {k: held[k] + record[k] for k in record}
 
     def agree(self, matches: int, tokens: int) -> None:
         """Count completion tokens checked against the target's own argmax, and how many matched."""
@@ -194,7 +196,7 @@ class ShardWriter:
                 chunk_key_encoding=_KEYS,
             )[:] = data
         checksums = {name: layout.crc32(data) for name, data in arrays.items()}
-        checksums["hidden"] = self._crc
+        checksums.update({a.name: a.crc for a in self._states})
         if lock is not None and not lock.still_held():
             raise StoreError(
                 f"{self.store.location}: lost the lock on shard {self.shard} ({lock.path}); not committing"
@@ -207,7 +209,7 @@ class ShardWriter:
             skipped=self.stats.skipped,
             truncated=self.stats.truncated,
             shapes={
-                "hidden": [self.stats.tokens, self.n_taps, self.hidden_size],
+                **{a.name: [self.stats.tokens, *a.row_shape] for a in self._states},
                 **{k: list(v.shape) for k, v in arrays.items()},
             },
             checksums={"algorithm": "crc32 of the C-order array bytes", **checksums},
@@ -216,9 +218,10 @@ class ShardWriter:
             run=run,
             categories=_categories(self.categories),
             bytes=self.store.shard_bytes(self.shard),
-            metadata=self.store.shard_metadata(self.shard, ["hidden", *arrays]),
+            metadata=self.store.shard_metadata(self.shard, [*(a.name for a in self._states), *arrays]),
             every_chunk=True,
             chunk_separator=_KEYS["separator"],
+            final_state=self.stats.final_state if self.final else None,
         )
         self.store.write_commit(record)
         self._pool.shutdown()
@@ -260,36 +263,33 @@ class ShardWriter:
                 self._error = e
                 self._room.notify_all()
 
-    def _take(self, item: torch.Tensor) -> None:
+    def _take(self, item: tuple) -> None:
+        hidden, final = item
         with self._room:
-            self._queued -= len(item)
+            self._queued -= len(hidden)
             self._room.notify_all()
-        bits = layout.to_bits(item)  # [t, n_taps, H] uint16, a view of the batch
-        self._crc = layout.crc32(bits, self._crc)
-        self._pending.append(bits)
-        self._pending_len += len(bits)
+        for states, a in zip((hidden, final), self._states):
+            a.take(states)
+        self._pending_len += len(hidden)
         while self._pending_len >= self.shard_tokens:
             self._start_file()
 
     def _start_file(self) -> None:
-        """The next whole shard file: its chunks to the pool."""
+        """The next whole shard file of each state array: their chunks to the pool."""
         start, end = self._cut, self._cut + self.shard_tokens
         with self._room:
             self._in_flight += self.shard_tokens
-        chunks = [self._pop(self.chunk_tokens) for _ in range(self.shard_tokens // self.chunk_tokens)]
-        self._encoding.append(
-            (start // self.shard_tokens, [self._pool.submit(shard_file.encode_chunk, self._codec, c) for c in chunks])
-        )
+        per_file = self.shard_tokens // self.chunk_tokens
+        self._encoding.append((start // self.shard_tokens, [a.encode(self._pool, per_file) for a in self._states]))
+        self._pending_len -= self.shard_tokens
         self._cut = end
 
     def _write_encoded(self, wait: bool) -> None:
         """Write the oldest shard files whose chunks are encoded; with wait, wait for the oldest."""
-        while self._encoding and (wait or all(f.done() for f in self._encoding[0][1])):
+        while self._encoding and (wait or all(f.done() for fs in self._encoding[0][1] for f in fs)):
             index, futures = self._encoding.popleft()
-            key = self.hidden.metadata.encode_chunk_key((index, 0, 0))
-            self.store.write_pieces(
-                f"{layout.shard_group(self.shard)}/hidden/{key}", shard_file.assemble([f.result() for f in futures])
-            )
+            for a, fs in zip(self._states, futures):
+                a.write_file(self.store, self.shard, index, fs)
             self._wrote(self.shard_tokens)
             wait = False
 
@@ -298,26 +298,15 @@ class ShardWriter:
         while self._encoding:
             self._write_encoded(wait=True)
         rest = self._pending_len
-        self.hidden.resize((self._cut + rest, self.n_taps, self.hidden_size))
         if rest:
             with self._room:
                 self._in_flight += rest
-            self.hidden[self._cut : self._cut + rest] = self._pop(rest)
-            self._cut += rest
+        for a in self._states:
+            a.write_tail(self._cut, rest)
+        self._cut += rest
+        self._pending_len = 0
+        if rest:
             self._wrote(rest)
-
-    def _pop(self, n: int) -> np.ndarray:
-        """The next n pending tokens: a view of one batch when they lie in one, else joined."""
-        parts, got = [], 0
-        while got < n:
-            p = self._pending.popleft()
-            k = min(len(p), n - got)
-            parts.append(p[:k])
-            got += k
-            if k < len(p):
-                self._pending.appendleft(p[k:])
-        self._pending_len -= n
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _wrote(self, n: int) -> None:
         self._written += n
@@ -325,6 +314,63 @@ class ShardWriter:
             self._held_tokens -= n
             self._in_flight -= n
             self._room.notify_all()
+
+
+class _StateArray:
+    """One state array of the shard (`hidden` [T, n_taps, H]; `final_state` [T, H]), coded in the store's
+    hidden format: its zarr array, the running CRC-32 of its bits, and the bits taken, not yet cut into
+    shard files. Every state array of a shard is cut at the same tokens."""
+
+    def __init__(self, group, name: str, row_shape: tuple, chunk_tokens: int, shard_tokens: int, codecs: list):
+        self.name, self.row_shape, self.chunk_tokens = name, row_shape, chunk_tokens
+        self.array = group.create_array(
+            name,
+            shape=(0, *row_shape),
+            dtype=np.uint16,
+            chunks=(chunk_tokens, *row_shape),
+            shards=(shard_tokens, *row_shape),
+            compressors=codecs,
+            fill_value=0,
+            config=_EVERY_CHUNK,
+            chunk_key_encoding=_KEYS,
+        )
+        self.codec = codecs[0]  # whole shard files are encoded here, not by zarr
+        self.crc = 0
+        self.pending: deque[np.ndarray] = deque()
+
+    def take(self, states: torch.Tensor) -> None:
+        """states: [t, *row_shape] bf16, the next tokens' (their bits viewed, not copied)."""
+        bits = layout.to_bits(states)
+        self.crc = layout.crc32(bits, self.crc)
+        self.pending.append(bits)
+
+    def encode(self, pool: ThreadPoolExecutor, chunks: int) -> list[Future]:
+        """The next `chunks` chunks, each encoded in the pool."""
+        return [pool.submit(shard_file.encode_chunk, self.codec, self.pop(self.chunk_tokens)) for _ in range(chunks)]
+
+    def write_file(self, store: StoreWriter, shard: int, index: int, futures: list[Future]) -> None:
+        key = self.array.metadata.encode_chunk_key((index, *[0] * len(self.row_shape)))
+        store.write_pieces(
+            f"{layout.shard_group(shard)}/{self.name}/{key}", shard_file.assemble([f.result() for f in futures])
+        )
+
+    def write_tail(self, cut: int, rest: int) -> None:
+        """The array resized to its final length, the last `rest` tokens (a partial shard file) through zarr."""
+        self.array.resize((cut + rest, *self.row_shape))
+        if rest:
+            self.array[cut : cut + rest] = self.pop(rest)
+
+    def pop(self, n: int) -> np.ndarray:
+        """The next n pending tokens: a view of one batch when they lie in one, else joined."""
+        parts, got = [], 0
+        while got < n:
+            p = self.pending.popleft()
+            k = min(len(p), n - got)
+            parts.append(p[:k])
+            got += k
+            if k < len(p):
+                self.pending.appendleft(p[k:])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:

@@ -39,6 +39,7 @@ def summarize(store: HiddenStore) -> dict:
         "skipped": skipped,
         "truncated": sum(m.truncated for m in committed.values()),
         "agreement": agreement(committed.values()),
+        "final_state": final_state(committed.values()) if attrs.compat.final_state else None,
         "bytes_on_disk": total,
         "hidden_bytes_on_disk": shard_bytes,
         "hidden_bytes_raw_bf16": hidden_raw,
@@ -96,6 +97,7 @@ def render(s: dict) -> str:
         f"truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
         f"agreement    {fmt_agreement(s['agreement'])}",
+        *([f"final state  {fmt_final_state(s['final_state'])}"] if s.get("final_state") else []),
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
         f"layout       {p['layout']}",
@@ -137,6 +139,31 @@ def agreement(records) -> dict | None:
         "rate": round(matches / tokens, 6) if tokens else None,
         "shards_checked": len(checked),
     }
+
+
+def final_state(records) -> dict:
+    """Totals of the shards' final-state checks (ShardCommit.final_state, written by the extraction): the
+    completion tokens whose next token is the argmax of lm_head(stored final state) and the stored states
+    of unit RMS under the target's final-norm gain, with their rates."""
+    checked = [r.final_state for r in records if r.final_state]
+    total = {k: sum(c[k] for c in checked) for k in ("matches", "tokens", "normed", "states")}
+    return {
+        **total,
+        "rate": round(total["matches"] / total["tokens"], 6) if total["tokens"] else None,
+        "normed_rate": round(total["normed"] / total["states"], 6) if total["states"] else None,
+        "shards_checked": len(checked),
+    }
+
+
+def fmt_final_state(f: dict) -> str:
+    if not f["shards_checked"]:
+        return "stored; no shard checked yet"
+    rate = f"{100 * f['rate']:.2f}%" if f["rate"] is not None else "n/a"
+    return (
+        f"stored per token; argmax of lm_head(final state) is the next token for {rate} of {f['tokens']} "
+        f"completion tokens; {f['normed']} of {f['states']} states of unit RMS under the final norm "
+        f"({f['shards_checked']} shard(s) checked at extraction)"
+    )
 
 
 def fmt_agreement(a: dict | None) -> str:

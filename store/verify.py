@@ -141,10 +141,16 @@ def check_shard(
         return [e.damage], (0, 0)
     try:
         g = store.shard_arrays(shard)
-        names = layout.SHARD_ARRAYS + tuple(n for n in layout.INDEX_ARRAYS if n in record.shapes)
+        optional = (*layout.INDEX_ARRAYS, layout.FINAL_STATE)
+        names = layout.SHARD_ARRAYS + tuple(n for n in optional if n in record.shapes)
         arrays = {name: g[name] for name in names}
     except Exception as e:  # noqa: BLE001
         return [f"arrays missing or unreadable ({type(e).__name__}: {e})"], (0, 0)
+    if store.layout.final_state and layout.FINAL_STATE not in arrays:
+        return [
+            f"{layout.FINAL_STATE}: not in the shard's commit file, though the store keeps a final state per "
+            "token (written by a version without --final-state)"
+        ], (0, 0)
     problems = [
         f"{name}: shape {list(arr.shape)}, commit file says {record.shapes.get(name)}"
         for name, arr in arrays.items()
@@ -159,8 +165,13 @@ def check_shard(
         return problems, (0, 0)
     if tuple(arrays["hidden"].shape[1:]) != (n_taps, hidden_size):
         problems.append(f"hidden: shape {arrays['hidden'].shape}, expected [T, {n_taps}, {hidden_size}]")
+    final = arrays.get(layout.FINAL_STATE)
+    if final is not None and tuple(final.shape) != (arrays["hidden"].shape[0], hidden_size):
+        problems.append(
+            f"{layout.FINAL_STATE}: shape {final.shape}, expected [{arrays['hidden'].shape[0]}, {hidden_size}]"
+        )
     try:
-        small = {name: arr[:] for name, arr in arrays.items() if name != "hidden"}
+        small = {name: arr[:] for name, arr in arrays.items() if name not in layout.STATE_ARRAYS}
     except Exception as e:  # noqa: BLE001
         return problems + [f"small arrays unreadable ({type(e).__name__}: {e})"], (0, 0)
     problems += [
@@ -173,33 +184,38 @@ def check_shard(
         and not np.array_equal(small["first_pairs"], layout.first_pairs(small["loss_mask"], small["offsets"]))
     ):
         problems.append("first_pairs does not match the loss mask")
-    spans = None
-    if sample is not None:  # chunk checksums: read straight from the chunk files, a missing one damage
-        checks = store.read_checks({shard: record})
-        spans = (
-            span_reader.for_array(
-                store.fs, store.path(f"{layout.shard_group(shard)}/hidden"), arrays["hidden"], checks.every_chunk(shard)
+    checked = [0, 0]
+    for name in (n for n in layout.STATE_ARRAYS if n in arrays):
+        spans = None
+        if sample is not None:  # chunk checksums: read straight from the chunk files, a missing one damage
+            checks = store.read_checks({shard: record})
+            spans = (
+                span_reader.for_array(
+                    store.fs, store.path(f"{layout.shard_group(shard)}/{name}"), arrays[name], checks.every_chunk(shard)
+                )
+                if checks.direct_reads
+                else None
             )
-            if checks.direct_reads
-            else None
-        )
-    hidden_problems, chunks = _check_hidden(arrays["hidden"], record.checksums.get("hidden"), sample, shard, spans)
-    return problems + hidden_problems, chunks
+        found, chunks = _check_states(name, arrays[name], record.checksums.get(name), sample, shard, spans)
+        problems += found
+        checked = [checked[0] + chunks[0], checked[1] + chunks[1]]
+    return problems, tuple(checked)
 
 
-def _check_hidden(
-    arr, checksum: int | None, sample: float | None, seed: int, spans=None
+def _check_states(
+    name: str, arr, checksum: int | None, sample: float | None, seed: int, spans=None
 ) -> tuple[list[str], tuple[int, int]]:
-    """Every chunk decoded and the whole array's CRC-32 compared, or (sample) a random share of the
-    chunks decoded, each against its own crc32c; spans: the direct reader of arr (else zarr reads)."""
+    """A state array (`hidden`, `final_state`): every chunk decoded and the whole array's CRC-32 compared, or
+    (sample) a random share of the chunks decoded, each against its own crc32c; spans: the direct reader of
+    arr (else zarr reads)."""
     step = arr.chunks[0]
     total = -(-int(arr.shape[0]) // step)
     if sample is None:
         try:
             if _hidden_crc(arr) != checksum:
-                return ["hidden: checksum mismatch (a chunk file is corrupt, missing or replaced)"], (total, total)
+                return [f"{name}: checksum mismatch (a chunk file is corrupt, missing or replaced)"], (total, total)
         except Exception as e:  # noqa: BLE001 - a chunk that cannot be decoded
-            return [f"hidden: unreadable chunk ({type(e).__name__}: {e})"], (total, total)
+            return [f"{name}: unreadable chunk ({type(e).__name__}: {e})"], (total, total)
         return [], (total, total)
     picks = sorted(np.random.default_rng(seed).permutation(total)[: max(1, round(sample * total))]) if total else []
     for k in picks:
@@ -210,7 +226,7 @@ def _check_hidden(
                 arr[k * step : (k + 1) * step]
         except Exception as e:  # noqa: BLE001
             return [
-                f"hidden: chunk {k} (tokens {k * step}-{(k + 1) * step - 1}) unreadable ({type(e).__name__}: {e})"
+                f"{name}: chunk {k} (tokens {k * step}-{(k + 1) * step - 1}) unreadable ({type(e).__name__}: {e})"
             ], (len(picks), total)
     return [], (len(picks), total)
 

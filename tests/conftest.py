@@ -81,6 +81,22 @@ def fp8_store(tmp_path_factory, small_dataset) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def final_store(tmp_path_factory, small_dataset) -> Path:
+    """small_store's shards extracted again with --final-state."""
+    from stages.extract.config import ExtractConfig
+    from stages.extract.run import run
+
+    path = tmp_path_factory.mktemp("stores") / "final.zarr"
+    run(
+        ExtractConfig(
+            store=str(path), dataset=str(small_dataset), shards="0-3", num_shards=4, final_state=True, **SMALL
+        ),
+        log=lambda m: None,
+    )
+    return path
+
+
 def damage_states(store: Path, shard: int, n: int = 256) -> Path:
     """Flip n bytes in the middle of the first state chunk file of a committed shard; returns the file."""
     hidden = store / f"shards/{shard:05d}/hidden"  # chunk files c.K.0.0, or c/K/0/0 before format revision 5

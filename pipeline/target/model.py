@@ -24,6 +24,8 @@ from pipeline.target.kernels import UNDECIDED, KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
 from store.format.schema import Backends, TargetRecord
 
+FINAL = "final"  # the key of the final state among a capture's taps (_HostCopy)
+
 
 class _HostCopy:
     """A tap hook's receiver for one forward: each tap output [b, w, H] (columns lo..lo+w of the
@@ -124,6 +126,7 @@ class Target:
         *,
         rounding=None,
         budget: int | None = None,
+        final_state: bool = False,
     ):
         """Tap outputs for each sequence, concatenated along tokens.
 
@@ -138,12 +141,19 @@ class Target:
         the agreement (matches, tokens): how many completion tokens equal the target's own argmax
         at the position before. rounding: bf16 states -> bf16 states, applied on the target's
         device before the copy to host (the store's fp8 format: store/format/fp8_codec.quantize,
-        nearly free on a GPU).
+        nearly free on a GPU). final_state: the forward runs on through the final norm and the state
+        there, what lm_head consumes (Hugging Face `hidden_states[-1]`), is kept per token too, rounded
+        alike: returns (hidden, final: [T, H] bf16 on CPU); not with prompt_lens (the extractor checks
+        the stored final state itself: pipeline/target/final_state.py).
         """
+        assert not (final_state and prompt_lens is not None)
         lengths = [len(s) for s in seqs]
         starts = [0, *itertools.accumulate(lengths)][:-1]  # each row's first token in the result
         pinned = self.device.type == "cuda"
-        host = [torch.empty((sum(lengths), self.hidden_size), dtype=torch.bfloat16, pin_memory=pinned) for _ in taps]
+        host = [
+            torch.empty((sum(lengths), self.hidden_size), dtype=torch.bfloat16, pin_memory=pinned)
+            for _ in range(len(taps) + final_state)
+        ]  # per tap, then the final state: [T, H] bf16
         agreement = [0, 0]
         for batch in capture_batches(lengths, budget):
             rows = [seqs[i] for i in batch.rows]
@@ -152,8 +162,11 @@ class Target:
             rows_at, rows_len = [starts[i] for i in batch.rows], [lengths[i] for i in batch.rows]
             with chunk_attention(self.model) if cache is not None else contextlib.nullcontext():
                 for lo, hi in chunks(batch.width, budget):
-                    take = _HostCopy(host, taps, rows_at, rows_len, lo, rounding)
-                    last = self._forward(ids[:, lo:hi], taps, take, cache, stop=prompt_lens is None)
+                    take = _HostCopy(host, [*taps, FINAL][: len(host)], rows_at, rows_len, lo, rounding)
+                    stop = prompt_lens is None and not final_state
+                    last = self._forward(ids[:, lo:hi], taps, take, cache, stop=stop)  # [b, w, H] after the norm
+                    if final_state:
+                        take(FINAL, last)
                     if prompt_lens is not None:
                         plens = [prompt_lens[i] for i in batch.rows]
                         matches, tokens = self._agreement(last, ids, plens, rows_len, lo)
@@ -161,8 +174,24 @@ class Target:
                         agreement[1] += tokens
         if pinned:
             torch.cuda.synchronize(self.device)  # the copies to host were queued without waiting
+        if final_state:
+            return torch.stack(host[:-1], dim=1), host[-1]  # [T, n_taps, H], [T, H]
         hidden = torch.stack(host, dim=1)  # [T, n_taps, H]
         return hidden if prompt_lens is None else (hidden, tuple(agreement))
+
+    def final_norm_gain(self) -> torch.Tensor:
+        """[H] fp32: the gain of the decoder's final norm, the norm applied to a vector of ones (an RMSNorm's
+        gain: (1 + w) for Qwen3.5's x * (1 + w), w for Llama's), for the final state's check
+        (pipeline/target/final_state.py)."""
+        norm = getattr(self.model.get_decoder(), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            raise TargetError(
+                f"{self.path}: its decoder ({type(self.model.get_decoder()).__name__}) has no final norm `norm`, "
+                "so the final state cannot be checked; extract without --final-state"
+            )
+        with torch.inference_mode():
+            ones = torch.ones(1, self.hidden_size, dtype=self.dtype, device=self.device)
+            return norm(ones)[0].float().cpu()
 
     def _forward(self, ids: torch.Tensor, taps: list[int], take, cache, stop: bool) -> torch.Tensor | None:
         """ids: [b, w] through the decoder (after the cache's positions, if a cache is given), each

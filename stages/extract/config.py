@@ -178,6 +178,16 @@ class ExtractConfig:
         "(docs/store.md).",
         choices=hidden_formats.NAMES,
     )
+    final_state: bool = setting(
+        False,
+        "Also store, per token, the target's state after its final norm (what its lm_head consumes: Hugging "
+        "Face hidden_states[-1]) as each shard's `final_state` array, in the store's hidden format: +1/taps of "
+        "the states' bytes (+20% at 5 taps); for soft targets and tau at temperature. Each shard is checked as "
+        "it is written: the argmax of lm_head(stored final state) must be the next reference token (at least "
+        "90% of completion tokens, greedy references only) and the states of unit RMS under the final norm's "
+        "gain; a shard that fails stops the run. Fixed when the store is created. Not with --capture vllm "
+        "(its states are pre-norm residual streams, and the final norm is not loaded there).",
+    )
     agreement: bool = setting(
         True,
         "Run the capture forward on to the target's lm_head along each completion and "
@@ -259,6 +269,19 @@ class ExtractConfig:
             "capture_memory",
             self.capture_memory is None or (self.capture == "vllm" and 0 < self.capture_memory <= 1),
             "goes with --capture vllm, a share of the device's memory in (0, 1]",
+        )
+        require(
+            self,
+            "final_state",
+            not self.final_state or self.capture == "transformers",
+            "goes with --capture transformers: vLLM's aux states are pre-norm residual streams and the "
+            "target's final norm is not loaded with --capture vllm",
+        )
+        require(
+            self,
+            "final_state",
+            not self.final_state or self.agreement,
+            "checks each shard by the agreement of the stored final state: drop --no-agreement",
         )
         if self.capture == "vllm":
             fill(self, "capture_python", self.capture_python or sys.executable)

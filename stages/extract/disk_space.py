@@ -12,10 +12,10 @@ The estimate (`Need`, made by `needed`) is upper-ish, by design:
 - **From the settings** otherwise (a new store, or one with nothing committed yet): per row, the
   prompt plus a completion at its full limit (`--max-new-tokens`, within `--max-length`), the mean
   over a sample of the rows to write (`tokens_per_row` over `SAMPLED_ROWS` rows, `spread` evenly);
-  per token, `n_taps x H x 2` bytes of bf16 states times a conservative stored fraction (its hidden
-  format's `stored_fraction`, store/format/hidden_formats.py), plus the token ids and the loss mask;
-  a new store adds its embedding and lm_head. Completions that end early and better compression only
-  make the real size smaller.
+  per token, `n_taps x H x 2` bytes of bf16 states (`(n_taps + 1) x H x 2` with --final-state) times a
+  conservative stored fraction (its hidden format's `stored_fraction`, store/format/hidden_formats.py),
+  plus the token ids and the loss mask; a new store adds its embedding and lm_head. Completions that
+  end early and better compression only make the real size smaller.
 
 Object stores (any fsspec URL that is not a local path) are not checked: the line says so.
 """
@@ -92,7 +92,9 @@ def needed(
         return need
     root = 0 if store.exists() else 2 * attrs.vocab_size * attrs.hidden_size * 2  # embed_tokens + lm_head, bf16
     per_row = tokens_per_row(config, target, prompt_set, spread(list(rows.values()), SAMPLED_ROWS))
-    return from_limits(counts, per_row, len(attrs.taps), attrs.hidden_size, root, attrs.compat.format)
+    return from_limits(
+        counts, per_row, len(attrs.taps), attrs.hidden_size, root, attrs.compat.format, bool(attrs.compat.final_state)
+    )
 
 
 def from_commits(committed: dict[int, ShardCommit], rows: dict[int, int]) -> Need | None:
@@ -116,16 +118,19 @@ def from_limits(
     hidden_size: int,
     root_raw: int,
     hidden_format: HiddenFormat = hidden_formats.BF16,
+    final_state: bool = False,
 ) -> Need:
     """rows: shard to write -> its dataset rows; tokens_per_row: prompt + completion at its limit, a
-    mean; root_raw: raw bytes of the embedding and lm_head of a store this run creates (else 0)."""
+    mean; root_raw: raw bytes of the embedding and lm_head of a store this run creates (else 0);
+    final_state: a final state per token too (--final-state), one more state of H values."""
     frac = hidden_format.stored_fraction
-    per_token = n_taps * hidden_size * 2 * frac + SMALL_BYTES_PER_TOKEN
+    per_token = (n_taps + final_state) * hidden_size * 2 * frac + SMALL_BYTES_PER_TOKEN
     per_row = tokens_per_row * per_token + SMALL_BYTES_PER_ROW
     return Need(
         {s: ceil(per_row * n) for s, n in rows.items()},
         ceil(root_raw * STORED_FRACTION),
-        f"{tokens_per_row:.0f} tokens per row at the length limits x {n_taps} taps x {hidden_size} x 2 bytes, "
+        f"{tokens_per_row:.0f} tokens per row at the length limits x {n_taps} taps"
+        f"{' + the final state' if final_state else ''} x {hidden_size} x 2 bytes, "
         f"stored at {frac:.2f} of raw bf16",
     )
 

@@ -18,6 +18,7 @@ from pipeline import prompts as prompt_sets
 from pipeline.chat_template import Chat
 from pipeline.errors import DatasetError, TargetError
 from pipeline.reference_server import ReferenceServer
+from pipeline.target import final_state
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.extract.engine_capture import VllmCapture
@@ -88,6 +89,8 @@ class Extractor:
         self.config, self.store, self.target, self.taps = config, store, target, taps
         self.capturer = capturer or target
         self.format = store.layout.format  # the store's, as created or opened (store/format/hidden_formats.py)
+        self.final = store.layout.final_state  # the store's: keep and check the final state (--final-state)
+        self._head_gain = None  # (lm_head [V, H] bf16 on the target's device, final-norm gain [H] fp32)
         self.prompt_set, self.num_shards, self.engine = prompt_set, num_shards, engine
         self.ahead = 0 if engine is None else -(-config.concurrency // config.batch_size)  # batches in flight
         self.summary = {
@@ -184,6 +187,10 @@ class Extractor:
 
     def commit(self, job: OpenShard, open_shards: list, say) -> ShardCommit:
         c, writer = self.config, job.writer
+        if self.final and writer.stats.final_state is not None:
+            final_state.require(
+                writer.stats.final_state, f"{self.store.location}: shard {job.shard}", self.store.attrs.compat.responses
+            )
         record = writer.commit(
             job.lock,
             run={
@@ -246,15 +253,23 @@ class Extractor:
             t = time.perf_counter()
             seqs = [r.prompt + c for r, c in ready]
             rounding, budget = self.format.rounding, self.config.capture_tokens
-            if self.config.agreement:
+            final, agreement = None, None
+            if self.final:  # the agreement is the stored final state's (below)
+                hidden, final = self.capturer.capture(
+                    seqs, self.taps, rounding=rounding, budget=budget, final_state=True
+                )  # [T, n_taps, H], [T, H] bf16
+            elif self.config.agreement:
                 hidden, agreement = self.capturer.capture(
                     seqs, self.taps, [len(r.prompt) for r, _ in ready], rounding=rounding, budget=budget
                 )
             else:
                 hidden = self.capturer.capture(seqs, self.taps, rounding=rounding, budget=budget)  # [T, n_taps, H] bf16
-                agreement = None
             timing["capture_s"] += time.perf_counter() - t
-            kept, hidden = self.finite(ready, hidden, writer, shard)
+            kept, hidden, final = self.finite(ready, hidden, final, writer, shard)
+            if final is not None and kept:
+                checked = self.check_final(kept, final)
+                writer.check_final(checked)
+                agreement = (checked["matches"], checked["tokens"]) if len(kept) == len(ready) else None
             if agreement is not None and len(kept) == len(ready):  # a batch with a row left out: not counted
                 writer.agree(*agreement)
             for r, completion in kept:
@@ -263,24 +278,40 @@ class Extractor:
                     r.row_id, r.prompt, completion, truncated=not ended, answers=r.answers, category=r.row.category
                 )
             if kept:
-                writer.add_hidden(hidden)
+                writer.add_hidden(hidden, final)
             self.summary["tokens"] += len(hidden)
         self.summary["batches"] += 1
         self.progress.done(len(batch.rows), self.summary["tokens"], shard)
 
-    def finite(self, ready: list, hidden: torch.Tensor, writer: ShardWriter, shard: int) -> tuple[list, torch.Tensor]:
-        """The batch's rows whose states are all finite, and their states. hidden: [T, n_taps, H],
-        the rows of `ready` (prepared, completion) back to back. A row with NaN or Inf stops the run
-        naming it, or with --skip-nonfinite is left out and counted. NaN and Inf carry through a
-        sum, so one sum per batch clears it (a reduction: 16 ms for 420 MB of bf16 on 2 CPU cores,
-        where isfinite().all() takes 0.8 s); only a sum that is not finite (or overflowed) has
-        each row checked element by element."""
-        if bool(torch.isfinite(hidden.sum())):
-            return ready, hidden
-        parts = hidden.split([len(r.prompt) + len(c) for r, c in ready])
-        bad = [i for i, part in enumerate(parts) if not bool(torch.isfinite(part).all())]
+    def check_final(self, kept: list, final: torch.Tensor) -> dict:
+        """The batch's final states ([T, H] bf16, the rows of `kept` back to back) checked against the
+        target's lm_head and final-norm gain, exactly as they are stored (pipeline/target/final_state.py)."""
+        if self._head_gain is None:
+            self._head_gain = (
+                self.target.model.get_output_embeddings().weight.detach().to(torch.bfloat16),
+                self.target.final_norm_gain(),
+            )
+        tokens = torch.tensor([t for r, c in kept for t in r.prompt + c], dtype=torch.long)
+        lengths = [len(r.prompt) + len(c) for r, c in kept]
+        return final_state.check_batch(final, tokens, lengths, [len(r.prompt) for r, _ in kept], *self._head_gain)
+
+    def finite(
+        self, ready: list, hidden: torch.Tensor, final: torch.Tensor | None, writer: ShardWriter, shard: int
+    ) -> tuple[list, torch.Tensor, torch.Tensor | None]:
+        """The batch's rows whose states (and final states, when kept) are all finite, and their states.
+        hidden: [T, n_taps, H], final: [T, H] or None, the rows of `ready` (prepared, completion) back to
+        back. A row with NaN or Inf stops the run naming it, or with --skip-nonfinite is left out and
+        counted. NaN and Inf carry through a sum, so one sum per batch clears it (a reduction: 16 ms for
+        420 MB of bf16 on 2 CPU cores, where isfinite().all() takes 0.8 s); only a sum that is not finite
+        (or overflowed) has each row checked element by element."""
+        states = [hidden] if final is None else [hidden, final]
+        if all(bool(torch.isfinite(x.sum())) for x in states):
+            return ready, hidden, final
+        lengths = [len(r.prompt) + len(c) for r, c in ready]
+        parts = [x.split(lengths) for x in states]  # per state array, per row
+        bad = [i for i in range(len(ready)) if not all(bool(torch.isfinite(p[i]).all()) for p in parts)]
         if not bad:
-            return ready, hidden
+            return ready, hidden, final
         rows = ", ".join(str(ready[i][0].row_id) for i in bad)
         if not self.config.skip_nonfinite:
             raise TargetError(
@@ -291,7 +322,8 @@ class Extractor:
         for _ in bad:
             writer.skip("nonfinite")
         keep = [i for i in range(len(ready)) if i not in bad]
-        return [ready[i] for i in keep], torch.cat([parts[i] for i in keep]) if keep else hidden[:0]
+        kept = [torch.cat([p[i] for i in keep]) if keep else x[:0] for p, x in zip(parts, states)]
+        return [ready[i] for i in keep], kept[0], kept[1] if final is not None else None
 
     def prepare(self, rows: list[prompt_sets.Row], writer: ShardWriter) -> list[Prepared]:
         """Each usable sample rendered: a row's, or with --turns split one per assistant turn;

@@ -8,7 +8,7 @@ from pipeline.device import Process
 from stages.extract.config import ExtractConfig
 from store.format.ranges import format_ranges
 from store.hidden_store import HiddenStore
-from store.summary import agreement, fmt_agreement, fmt_counts, human_bytes, summarize
+from store.summary import agreement, final_state, fmt_agreement, fmt_counts, fmt_final_state, human_bytes, summarize
 
 
 def finish_summary(store: HiddenStore, summary: dict) -> dict:
@@ -28,7 +28,9 @@ def finish_summary(store: HiddenStore, summary: dict) -> dict:
             )
         }
     )
-    summary["agreement"] = agreement(summary.pop("records"))
+    records = summary.pop("records")
+    summary["agreement"] = agreement(records)
+    summary["final_state"] = final_state(records) if any(r.final_state for r in records) else None
     summary["backends"] = asdict(summary["backends"])
     summary["tokens_per_s"] = summary["tokens"] / summary["wall_s"] if summary["wall_s"] else 0.0
     return summary
@@ -56,6 +58,7 @@ def _lines(s: dict) -> list[str]:
             f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
             f"skipped rows: {fmt_counts(s['skipped'])}; completions cut at the limit: {s['truncated']}",
             f"agreement: {fmt_agreement(s['agreement'])}",
+            *([f"final state: {fmt_final_state(s['final_state'])}"] if s.get("final_state") else []),
             f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
             f"{human_bytes(s['bytes_on_disk'])} on disk; hidden states {human_bytes(s['hidden_bytes_on_disk'])} "
             f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16 ({ratio})",

@@ -11,6 +11,8 @@
       shards/00003/prompt_lens     [N] int32     prompt tokens at the start of each sample
       shards/00003/row_ids         [N] int64     dataset row of each sample
       shards/00003/first_pairs     [N] int32     first position with loss on it and the next (-1: none)
+      shards/00003/final_state     [T, H] uint16 (bf16 bits), the target's state after its final norm
+                                   (only in stores made with --final-state); coded as `hidden` is
       _commits/root.json           written last when the root is complete
       _commits/00003.json          written last when shard 3 is complete: stats + checksums
       _locks/00003.lock            held while a process writes shard 3
@@ -44,8 +46,13 @@ SHARD_ARRAYS = ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_
 # position of sample i whose token and the next both carry the loss (-1: none), so an index of
 # samples is built from O(samples) bytes, never the per-token mask.
 INDEX_ARRAYS = ("first_pairs",)
+# The optional per-token state array (compat.final_state): one state per token, chunked, sharded and coded
+# as `hidden` is (its hidden format), a state array of width H instead of n_taps x H.
+FINAL_STATE = "final_state"
+STATE_ARRAYS = ("hidden", FINAL_STATE)
 ARRAY_DTYPES = {
     "hidden": np.uint16,
+    FINAL_STATE: np.uint16,
     "tokens": np.int32,
     "loss_mask": np.uint8,
     "offsets": np.int64,

@@ -44,6 +44,7 @@ class Layout:
     revision: int  # the root's format revision (`revision_of`)
     format: HiddenFormat  # the states' hidden format (compat.hidden_format)
     codec: str  # the states' codec (compat.codec; "blosc" where absent: schema 1)
+    final_state: bool = False  # every shard holds a `final_state` array (compat.final_state)
 
     @property
     def format_coded(self) -> bool:
@@ -58,7 +59,8 @@ class Layout:
 
     def describe(self) -> str:
         """`pipeline info`'s words for it."""
-        return f"schema {self.schema}, {self.format.name} states, codec {self.codec}"
+        final = ", with the final state" if self.final_state else ""
+        return f"schema {self.schema}, {self.format.name} states{final}, codec {self.codec}"
 
 
 def layout_of(attrs: StoreAttrs, root: RootCommit) -> Layout:
@@ -68,6 +70,7 @@ def layout_of(attrs: StoreAttrs, root: RootCommit) -> Layout:
         revision=revision_of(attrs, root),
         format=attrs.compat.format,
         codec=attrs.compat.codec or "blosc",
+        final_state=bool(attrs.compat.final_state),
     )
 
 

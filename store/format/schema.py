@@ -101,6 +101,10 @@ class Compat:
     # "version", "dtype", "tensor_parallel", "pipeline_parallel", "layer_ids": the engine's ids of the
     # taps}; None: transformers in the extracting process (every store made before it was recorded).
     capture: dict | None = role("conditioning", default=None)
+    # True: every shard stores the target's state after its final norm, per token (`final_state`, [T, H], in
+    # the hidden format: pipeline extract --final-state); None: not stored (every store made before it could
+    # be). No role: the tap states are the same either way, so a drafter replays stores with and without it.
+    final_state: bool | None = None
 
     @property
     def format(self) -> HiddenFormat:
@@ -275,6 +279,10 @@ class ShardCommit:
     # directory per key level); None: "/" (zarr's default, c/K/0/0). Its arrays' metadata says the same;
     # this lets a reader name a chunk file before it holds the metadata (store/format/layout.py chunk_key).
     chunk_separator: str | None = None
+    # --final-state: the extraction's check of the stored final states ({"matches", "tokens"}: completion
+    # tokens equal to the argmax of lm_head(stored final state) at the position before; {"normed",
+    # "states"}: stored states of unit RMS under the target's final-norm gain); None: none stored
+    final_state: dict | None = None
     run: dict = dataclasses.field(default_factory=dict)
 
     def category(self, index: int) -> str | None:

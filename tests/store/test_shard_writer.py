@@ -157,3 +157,62 @@ def test_a_bound_smaller_than_a_shard_file_never_deadlocks(tmp_path, small_store
     worker.start()
     worker.join(timeout=60)
     assert done.is_set() and store.commit_record(1).tokens == 200
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_final_states_are_written_beside_the_taps_and_read_back_bit_for_bit(tmp_path, final_store, threads):
+    """A store that keeps the final state: the writer takes [t, H] per batch with the taps, cuts, encodes
+    and writes it as `hidden` (whole files byte for byte what zarr writes, the partial last through
+    zarr); it reads back bit for bit through the direct reader and through zarr, and counts in the
+    held bytes."""
+    import numpy as np
+    import zarr
+
+    store = fresh_store(tmp_path, final_store)
+    parts = batches(9, tokens=23)
+    g = torch.Generator().manual_seed(1)
+    finals = [torch.randn(len(p), H, generator=g).to(torch.bfloat16) for p in parts]
+    writer = ShardWriter(store, 1, TAPS, H, chunk_tokens=8, shard_tokens=32, threads=threads)
+    assert writer._token_bytes == (TAPS + 1) * H * 2
+    for i, (h, f) in enumerate(zip(parts, finals)):
+        writer.add(i, [1] * 5, [2] * (len(h) - 5), truncated=False)
+        writer.add_hidden(h, f)
+    writer.check_final({"matches": 3, "tokens": 4, "normed": 5, "states": 5})
+    writer.check_final({"matches": 1, "tokens": 1, "normed": 2, "states": 2})
+    record = writer.commit(None, run={})
+    bits = layout.to_bits(torch.cat(finals))
+    assert record.shapes[layout.FINAL_STATE] == [207, H] and record.checksums[layout.FINAL_STATE] == layout.crc32(bits)
+    assert record.final_state == {"matches": 4, "tokens": 5, "normed": 7, "states": 7}
+    ref = zarr.create_array(
+        str(tmp_path / "ref.zarr"),
+        shape=bits.shape,
+        dtype=np.uint16,
+        chunks=(8, H),
+        shards=(32, H),
+        compressors=hidden_formats.BF16.codecs(1, H),
+        fill_value=0,
+        chunk_key_encoding=layout.chunk_key_encoding(),
+    )
+    ref[:] = bits
+    ours = tmp_path / "copy.zarr" / "shards" / "00001" / layout.FINAL_STATE
+    files = sorted(p.name for p in ours.glob("c.*"))
+    assert len(files) == 7 and files == sorted(p.name for p in (tmp_path / "ref.zarr").glob("c.*"))
+    for f in files[:-1]:  # the whole files, which the writer encodes itself
+        assert (ours / f).read_bytes() == (tmp_path / "ref.zarr" / f).read_bytes(), f
+    reader = ShardReader(store, 1)
+    assert reader._final[0] is not None  # read straight from the chunk files
+    for i, (h, f) in enumerate(zip(parts, finals)):
+        s = reader.read(i, final_state=True)
+        assert torch.equal(s.hidden, h) and torch.equal(s.final_state, f)
+    assert torch.equal(layout.from_bits(reader._final[1][23:46]), finals[1])  # and through zarr
+
+
+def test_a_writer_takes_final_states_exactly_when_its_store_keeps_them(tmp_path, small_store, final_store):
+    plain = ShardWriter(fresh_store(tmp_path / "a", small_store), 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
+    with pytest.raises(AssertionError):
+        plain.add_hidden(batches(1)[0], torch.zeros(20, H, dtype=torch.bfloat16))
+    plain.abort()
+    final = ShardWriter(fresh_store(tmp_path / "b", final_store), 1, TAPS, H, chunk_tokens=8, shard_tokens=32)
+    with pytest.raises(AssertionError):
+        final.add_hidden(batches(1)[0])
+    final.abort()

@@ -224,3 +224,19 @@ def test_held_tap_memory_is_one_layer_of_the_budget(target, budget):
             h.remove()
     assert peak[0] == 0, f"{peak[0]} bytes of taps held on the device"
     assert sizes and max(sizes) <= budget
+
+
+def test_capture_with_the_final_state_adds_hugging_faces_last_hidden_state(target):
+    """The taps are bit for bit those of a capture without it; the final state is hidden_states[-1] (after
+    the final norm) up to bf16 rounding, batched and chunked alike; the gain is the norm's (1 + w)."""
+    seqs = budget_seqs(target)  # with a row of 300 tokens: chunked through the cache at budget 64
+    for budget in (None, 64):
+        plain = target.capture(seqs, [1, 3], budget=budget)
+        hidden, final = target.capture(seqs, [1, 3], budget=budget, final_state=True)
+        assert torch.equal(hidden, plain) and final.shape == (len(hidden), target.hidden_size)
+        at = 0
+        for s in seqs:
+            assert bf16_close(final[at : at + len(s)], reference_states(target, s)[-1][0]), budget
+            at += len(s)
+    gain = target.final_norm_gain()
+    assert torch.allclose(gain, 1 + target.model.get_decoder().norm.weight.float(), atol=1e-5)
