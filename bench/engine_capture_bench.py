@@ -1,7 +1,8 @@
 """Capture inside vLLM against capture by the target loaded here, on the same token sequences.
 
     python -m bench.engine_capture_bench --shards 0-7 --threads 1 [--json bench/results/engine_capture_cpu.json]
-    python -m bench.engine_capture_bench --responses regenerate [--json bench/results/engine_capture_regenerate_cpu.json]
+    python -m bench.engine_capture_bench --responses regenerate --max-new-tokens 128 \
+        [--json bench/results/engine_capture_regenerate_cpu.json]
 
 Extracts the same shards in bf16 with `--responses dataset` (the shipped prompts' own answers, so
 both paths capture identical sequences and nothing is generated): `--capture transformers` and
@@ -11,8 +12,9 @@ over the time in capture calls), the loop's, and for the engine its start-up, th
 its replies (its forwards and its connector's writes) and the time reading, checking and deleting its
 files here: the transport's share of the capture. With `--responses regenerate` each path also makes
 the references (transformers' generate here, the capturing engine's there: the whole of stage one
-with the target loaded once either way), and the time generating them is reported beside. On a CPU the engine and this process share the
-cores and the shipped target is tiny, so the figures weigh fixed costs, not a GPU's forwards.
+with the target loaded once either way), and the time generating them is reported beside. On a CPU
+the engine and this process share the cores and the shipped target is tiny, so the figures weigh
+fixed costs, not a GPU's forwards.
 
 Without the venv, --toy (shard 0, one run of each) prints a "skipped: no vLLM venv" result and exits 0.
 """
