@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from store.format.ranges import format_ranges
+from store.format.schema import to_json
 from store.hidden_store import HiddenStore
 
 TURNS = {"all": ", every assistant turn", "split": ", a sample per assistant turn"}  # compat.turns, as info shows it
@@ -39,6 +40,7 @@ def summarize(store: HiddenStore) -> dict:
         "skipped": skipped,
         "truncated": sum(m.truncated for m in committed.values()),
         "agreement": agreement(committed.values()),
+        "sampled": attrs.compat.sampling is not None,
         "bytes_on_disk": total,
         "hidden_bytes_on_disk": shard_bytes,
         "hidden_bytes_raw_bf16": hidden_raw,
@@ -62,6 +64,7 @@ def summarize(store: HiddenStore) -> dict:
             "dtype": attrs.dtype,
             "dataset": attrs.dataset.source,
             "responses": attrs.compat.responses
+            + (f", sampled: {attrs.compat.sampling.describe()}" if attrs.compat.sampling else "")
             + TURNS.get(attrs.compat.turns, "")
             + (
                 f"; chat template arguments {json.dumps(attrs.compat.chat_template_kwargs)}"
@@ -73,6 +76,7 @@ def summarize(store: HiddenStore) -> dict:
                 if "template_kwargs" in attrs.compat.dataset_fields
                 else ""
             ),
+            "sampling": to_json(attrs.compat.sampling) if attrs.compat.sampling else None,
             "versions": attrs.versions,
             "layout": (
                 f"{store.layout.describe()} level "
@@ -95,7 +99,7 @@ def render(s: dict) -> str:
         f"samples      {s['samples']}  (skipped: {fmt_counts(s['skipped'])}; "
         f"truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
-        f"agreement    {fmt_agreement(s['agreement'])}",
+        f"agreement    {fmt_agreement(s['agreement'], s['sampled'])}",
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
         f"layout       {p['layout']}",
@@ -139,12 +143,16 @@ def agreement(records) -> dict | None:
     }
 
 
-def fmt_agreement(a: dict | None) -> str:
+def fmt_agreement(a: dict | None, sampled: bool = False) -> str:
+    """The agreement line. sampled: the references were sampled (compat.sampling), so the rate is
+    reported as it is, not as a check: a sampled token is the argmax only as often as the
+    temperature lets it be."""
     if not a or not a["tokens"]:
         return "not checked"
     return (
         f"{100 * a['rate']:.2f}% of {a['tokens']} completion tokens are the target's own argmax "
         f"({a['shards_checked']} shard(s) checked)"
+        + ("; sampled references: below 100% by design, reported only" if sampled else "")
     )
 
 

@@ -18,6 +18,7 @@ from pipeline import prompts as prompt_sets
 from pipeline.chat_template import Chat
 from pipeline.errors import DatasetError, TargetError
 from pipeline.reference_server import ReferenceServer
+from pipeline.sampling import row_seed
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
 from stages.extract.engine_capture import VllmCapture
@@ -224,7 +225,7 @@ class Extractor:
         timing["prepare_s"] += time.perf_counter() - t
         if self.engine is not None:
             eos = self.target.eos_ids
-            return Batch(rows, ready, [self.engine.submit(r.prompt, r.limit, eos) for r in ready])
+            return Batch(rows, ready, [self.engine.submit(r.prompt, r.limit, eos, r.row_id) for r in ready])
         t = time.perf_counter()
         completions = self.complete(ready, writer.shard) if ready else []
         timing["generate_s"] += time.perf_counter() - t
@@ -342,15 +343,17 @@ class Extractor:
         return ids
 
     def complete(self, ready, shard: int) -> list[list[int]]:
-        """Greedy completions from the target (its progress reported token by token), or the dataset's
-        own responses cut to each limit: its token ids verbatim when it has them, else its text
-        tokenized, plus EOS."""
+        """Greedy (or with --temperature sampled, each row with its own seed) completions from the
+        target (its progress reported token by token), or the dataset's own responses cut to each
+        limit: its token ids verbatim when it has them, else its text tokenized, plus EOS."""
         if self.config.responses == "regenerate":
-            limit = max(r.limit for r in ready)
+            limit, sampling = max(r.limit for r in ready), self.config.sampling()
             return self.target.generate(
                 [r.prompt for r in ready],
                 [r.limit for r in ready],
                 lambda k: self.progress.generating(shard, k, limit, len(ready)),
+                sampling,
+                None if sampling is None else [row_seed(sampling.seed, r.row_id) for r in ready],
             )
         return [self.dataset_response(r.row, r.limit, r.chat) for r in ready]
 

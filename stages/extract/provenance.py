@@ -69,6 +69,7 @@ def store_attrs(
         turns=None if config.turns == "last" else config.turns,
         chat_template_kwargs=config.template_args() or None,
         capture=capture,
+        sampling=config.sampling(),
     )
     return StoreAttrs(
         fingerprint=fingerprint.sha256_json(to_json(compat)),

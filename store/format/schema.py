@@ -58,6 +58,24 @@ def with_role(cls, name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How sampled references were drawn (`--temperature` > 0; a greedy store records none): each
+    row's tokens from the target's distribution at `temperature`, cut to the `top_k` most likely
+    and then to the nucleus of mass `top_p` (None: not cut), with the row's own seed derived from
+    `seed` and its dataset row (pipeline/sampling.py)."""
+
+    temperature: float
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+
+    def describe(self) -> str:
+        """'temperature 0.7, top-p 0.95, top-k 20, seed 0' (a cut not made is left out)."""
+        cuts = [f"top-p {self.top_p:g}"] * (self.top_p is not None) + [f"top-k {self.top_k}"] * (self.top_k is not None)
+        return ", ".join([f"temperature {self.temperature:g}", *cuts, f"seed {self.seed}"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Compat:
     """Every setting a shard's content depends on. Runs that differ in any of them may not add
     shards to the same store; the store's fingerprint is the hash of this record. Fields with a
@@ -99,6 +117,9 @@ class Compat:
     # "version", "dtype", "tensor_parallel", "pipeline_parallel", "layer_ids": the engine's ids of the
     # taps}; None: transformers in the extracting process (every store made before it was recorded).
     capture: dict | None = role("conditioning", default=None)
+    # Sampled references (`--temperature` > 0): how they were drawn; None: greedy (every store made before
+    # it was recorded). Not conditioning: it decides which tokens are stored, not the state a token gets.
+    sampling: Sampling | None = None
 
     @property
     def format(self) -> HiddenFormat:
