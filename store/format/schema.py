@@ -71,8 +71,12 @@ class Sampling:
 
     def describe(self) -> str:
         """'temperature 0.7, top-p 0.95, top-k 20, seed 0' (a cut not made is left out)."""
-        cuts = [f"top-p {self.top_p:g}"] * (self.top_p is not None) + [f"top-k {self.top_k}"] * (self.top_k is not None)
-        return ", ".join([f"temperature {self.temperature:g}", *cuts, f"seed {self.seed}"])
+        parts = [f"temperature {self.temperature:g}"]
+        if self.top_p is not None:
+            parts.append(f"top-p {self.top_p:g}")
+        if self.top_k is not None:
+            parts.append(f"top-k {self.top_k}")
+        return ", ".join([*parts, f"seed {self.seed}"])
 
 
 @dataclass(frozen=True, kw_only=True)
