@@ -1,12 +1,16 @@
-"""Sampled references, reproducible row by row: each row's seed, its uniform draws, and one sampling
-step over a batch of logits.
+"""Sampled references, reproducible row by row: each row's seed, its noise, and one sampling step over
+a batch of logits.
 
-A row's seed is a hash of the run's seed and the row's dataset index (`row_seed`), and its k-th
-completion token is drawn by inverse CDF with the k-th uniform of that seed (`uniform`): a counter,
-not a random stream, so a row's draws depend on nothing but (seed, row, k). Which rows share its
-batch, the batch size, the shard schedule and the processes never enter. The token then depends only
-on the row's own logits; where batching changes those (kernels, padding), only a draw that falls
-within that difference of a boundary between two tokens can change, as greedy's near-ties can.
+A row's seed is a hash of the run's seed and the row's dataset index (`row_seed`). Its k-th completion
+token is drawn by the Gumbel-max rule (exponential race): the kept token j with the largest
+p_j / E_j, where E_j = -log U_j and U_j is a uniform hashed from (row seed, k, j) (`uniforms`: a
+counter, not a random stream, computed the same on any device). Which rows share its batch, the
+batch size, the shard schedule and the processes never enter: a row's token depends on its seed, its
+step and its own logits only. Where batching changes those logits (kernels, padding, bf16 rounding)
+the token changes only when the two best of the race are within that difference: as rare as a
+greedy near-tie, where an inverse-CDF draw moves with the error summed over the vocabulary (on the
+tiny target in bf16, 1 row of 32 changed between batch sizes 16 and 1 at T = 0.7, as greedy's 2,
+against 15 with an inverse CDF: docs/usage.md).
 
 `RowSampler` is that step as a transformers logits processor: it draws each row's token and leaves
 it the only finite score, so `generate`'s greedy argmax (do_sample=False) takes it. transformers'
@@ -15,46 +19,73 @@ own sampling draws the whole batch from one global generator, which is why it is
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from transformers import LogitsProcessor
 
 from store.format.schema import Sampling
 
-_SCALE = 2.0**-53  # 53 random bits -> a double in [0, 1)
+_MASK = (1 << 64) - 1
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
 
 
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+def mix64(x: int) -> int:
+    """splitmix64's step on a 64-bit integer: the reference the tensor version (`_mix64`) must equal."""
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * _M1) & _MASK
+    x = ((x ^ (x >> 27)) * _M2) & _MASK
+    return x ^ (x >> 31)
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> keeps the sign)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """mix64 on int64 tensors, with the wrapping arithmetic of 64-bit integers."""
+    x = x + _signed(_GOLDEN)
+    x = (x ^ _shr(x, 30)) * _signed(_M1)
+    x = (x ^ _shr(x, 27)) * _signed(_M2)
+    return x ^ _shr(x, 31)
 
 
 def row_seed(seed: int, row: int) -> int:
     """The seed of dataset row `row` under the run's `seed`: 63 bits, what a server's request carries."""
-    return _hash64(f"dflash-sample:{seed}:{row}") >> 1
+    return mix64(mix64(seed & _MASK) ^ (row & _MASK)) >> 1
 
 
-def uniform(seed: int, step: int) -> float:
-    """The draw of completion token `step` (0-based) of the row with seed `seed` (row_seed): in [0, 1)."""
-    return (_hash64(f"{seed}:{step}") >> 11) * _SCALE
+def step_key(seed: int, step: int) -> int:
+    """The key of completion token `step` (0-based) of the row whose seed is `seed` (row_seed)."""
+    return mix64(seed ^ mix64(step & _MASK))
+
+
+def uniforms(keys: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(keys), vocab] float64 in (0, 1): token j's uniform under key k is the top 52 bits of
+    mix64(k + j x GOLDEN), plus a half, over 2^52 (the same bits on every device)."""
+    k = torch.tensor([_signed(x) for x in keys], dtype=torch.int64, device=device)[:, None]  # [B, 1]
+    j = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)  # [V], wrapping
+    return (_shr(_mix64(k + j), 12).double() + 0.5) * 2.0**-52
 
 
 def draw(logits: torch.Tensor, u: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """One token per row. logits: [B, V] float; u: [B] in [0, 1). The distribution is softmax(logits /
-    temperature) cut to the top_k most likely tokens, then to the nucleus: the tokens whose more
-    likely tokens weigh less than top_p (the smallest most-likely set reaching top_p; both cuts keep
-    every token tied with the last one kept, so no order among equals is needed). The token is where
-    u * (the mass kept) falls on the cumulative sum of what is kept, in vocabulary order (float64).
-    Returns [B] long."""
+    """One token per row. logits: [B, V] float; u: [B, V] uniforms in (0, 1) (`uniforms`). The
+    distribution is softmax(logits / temperature) cut to the top_k most likely tokens, then to the
+    nucleus: the tokens whose more likely tokens weigh less than top_p (the smallest most-likely set
+    reaching top_p; both cuts keep every token tied with the last one kept, so no order among equals is
+    needed). The token is the kept j with the largest p_j / -log(u_j), which is token j with
+    probability p_j / (the mass kept). Returns [B] long."""
     probs = (logits.double() / sampling.temperature).softmax(-1)  # [B, V]
     if sampling.top_k is not None and sampling.top_k < probs.shape[-1]:
         kth = probs.topk(sampling.top_k, dim=-1).values[:, -1:]  # [B, 1]
         probs = probs.masked_fill(probs < kth, 0.0)
     if sampling.top_p is not None:
         probs = probs.masked_fill(probs < _nucleus_floor(probs, sampling.top_p), 0.0)
-    cdf = probs.cumsum(-1)  # [B, V]
-    at = (u.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
-    return torch.searchsorted(cdf, at, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
+    return (probs.log() - (-u.to(probs).log()).log()).argmax(-1)  # log p_j - log E_j; cut tokens -inf
 
 
 def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -76,12 +107,11 @@ class RowSampler(LogitsProcessor):
     seeds: one per row of the batch (row_seed); width: the batch's padded prompt width, so that the
     step of a call is input_ids' width less it."""
 
-    def __init__(self, sampling: Sampling, seeds: list[int], width: int, steps: int) -> None:
-        self.sampling, self.width = sampling, width
-        self.u = torch.tensor([[uniform(s, k) for k in range(steps)] for s in seeds], dtype=torch.float64)  # [B, S]
+    def __init__(self, sampling: Sampling, seeds: list[int], width: int) -> None:
+        self.sampling, self.seeds, self.width = sampling, seeds, width
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.width
-        tokens = draw(scores, self.u[:, step].to(scores.device), self.sampling)  # [B]
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, tokens.unsqueeze(1), 0.0)
+        u = uniforms([step_key(s, step) for s in self.seeds], scores.shape[-1], scores.device)  # [B, V]
+        tokens = draw(scores, u, self.sampling)  # [B]
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens.unsqueeze(1), 0.0)

@@ -64,7 +64,7 @@ class FakeEngine:
         sampled = []
         if body["temperature"] > 0:
             s = Sampling(temperature=body["temperature"], top_p=body.get("top_p"), top_k=body.get("top_k"))
-            sampled = [RowSampler(s, [body["seed"]], len(body["prompt"]), body["max_tokens"])]
+            sampled = [RowSampler(s, [body["seed"]], len(body["prompt"]))]
         with self._lock, torch.inference_mode():
             self.bodies.append(body)
             new = t.model.generate(

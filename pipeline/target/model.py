@@ -107,7 +107,7 @@ class Target:
         ids, mask = self._pad(prompts, left=True)
         width = ids.shape[1]
         assert sampling is None or (seeds is not None and len(seeds) == len(prompts)), "a seed per prompt"
-        processors = LogitsProcessorList([] if sampling is None else [RowSampler(sampling, seeds, width, longest)])
+        processors = LogitsProcessorList([] if sampling is None else [RowSampler(sampling, seeds, width)])
         # A fresh config: pure argmax (over what RowSampler leaves, when sampling), none of the
         # checkpoint's sampling or repetition settings.
         config = GenerationConfig(
