@@ -4,7 +4,8 @@ a batch of logits.
 A row's seed is a hash of the run's seed and the row's dataset index (`row_seed`). Its k-th completion
 token is drawn by the Gumbel-max rule (exponential race): the kept token j with the largest
 p_j / E_j, where E_j = -log U_j and U_j is a uniform hashed from (row seed, k, j) (`uniforms`: a
-counter, not a random stream, computed the same on any device). Which rows share its batch, the
+counter, not a random stream, in 64-bit integer arithmetic that no device changes; checked on CPU
+against the Python-integer reference `mix64`). Which rows share its batch, the
 batch size, the shard schedule and the processes never enter: a row's token depends on its seed, its
 step and its own logits only. Where batching changes those logits (kernels, padding, bf16 rounding)
 the token changes only when the two best of the race are within that difference: as rare as a

@@ -74,9 +74,10 @@ class ExtractConfig:
     temperature: float = setting(
         0.0,
         "Sample the references (--responses regenerate or server) at this temperature; 0: greedy. Reproducible "
-        "row by row: a row's completion depends on --seed, its dataset row and its logits only, never on the "
-        "rows beside it, the batch size or the shards' order (a server's only where its seeded sampling is "
-        "batch-invariant: docs/usage.md). Recorded in the store.",
+        "row by row: a row's completion depends on --seed, its dataset row and its own logits only, never on "
+        "the rows beside it or the shards' order (the batch size only through the target's numerics, as "
+        "greedy's near-ties; a server's rows only where its seeded sampling is batch-invariant: docs/usage.md). "
+        "Recorded in the store.",
     )
     top_p: float | None = setting(
         None,
