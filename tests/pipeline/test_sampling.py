@@ -76,3 +76,13 @@ def test_the_processor_leaves_each_row_its_own_draw_at_its_step():
     out = RowSampler(s, seeds, width)(torch.zeros(2, width + 2, dtype=torch.long), scores.clone())
     want = draw(scores, uniforms([step_key(seeds[0], 2), step_key(seeds[1], 2)], 50), s)
     assert torch.equal(out.argmax(-1), want) and torch.isfinite(out).sum(-1).tolist() == [1, 1]
+
+
+def test_a_batch_wider_than_a_chunk_draws_each_row_as_alone(monkeypatch):
+    monkeypatch.setattr(RowSampler, "ROWS", 3)
+    torch.manual_seed(2)
+    s, seeds, width = Sampling(temperature=0.9, top_k=40), [row_seed(1, r) for r in range(8)], 5
+    scores, ids = torch.randn(8, 300), torch.zeros(8, width + 1, dtype=torch.long)
+    batch = RowSampler(s, seeds, width)(ids, scores.clone()).argmax(-1)
+    alone = [RowSampler(s, [seeds[i]], width)(ids[i : i + 1], scores[i : i + 1].clone()).argmax(-1) for i in range(8)]
+    assert torch.equal(batch, torch.cat(alone))
