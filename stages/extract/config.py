@@ -324,7 +324,8 @@ class ExtractConfig:
             require(self, name, getattr(self, name) is None or self.temperature > 0, "goes with --temperature above 0")
         require(self, "top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]")
         at_least(self, 0, "top_k", "seed")
-        fill(self, "top_p", None if self.top_p == 1 else self.top_p)
+        fill(self, "temperature", float(self.temperature))  # 1 and 1.0 record alike (the fingerprint hashes JSON)
+        fill(self, "top_p", None if self.top_p in (None, 1) else float(self.top_p))
         fill(self, "top_k", self.top_k or None)
         if self.temperature > 0:
             fill(self, "seed", self.seed or 0)

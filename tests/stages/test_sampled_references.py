@@ -3,6 +3,7 @@ reproducible row by row (the same store twice from one seed; another batch size,
 another seed, other rows), recorded, refused where they do not apply, shown by `pipeline info`."""
 
 import functools
+import json
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from pipeline.sampling import row_seed
 from stages.extract.config import ExtractConfig
 from stages.extract.run import run
 from store.errors import ConfigError, StoreMismatch
-from store.format.schema import Sampling
+from store.format.schema import Sampling, to_json
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from store.summary import render, summarize
@@ -115,6 +116,9 @@ def test_cuts_that_cut_nothing_are_recorded_as_none():
     c = ExtractConfig(device="cpu", temperature=0.7, top_p=1.0, top_k=0)
     assert c.sampling() == Sampling(temperature=0.7, top_p=None, top_k=None, seed=0)
     assert ExtractConfig(device="cpu").sampling() is None
+    ints = ExtractConfig(device="cpu", temperature=1, top_p=0.5).sampling()  # from Python: recorded as the CLI's
+    assert to_json(ints) == to_json(ExtractConfig(device="cpu", temperature=1.0, top_p=0.5).sampling())
+    assert json.dumps(to_json(ints)) == '{"temperature": 1.0, "top_p": 0.5, "seed": 0}'
 
 
 def test_server_references_are_sampled_with_each_rows_seed(sampled_store, small_dataset, target, tmp_path, monkeypatch):
