@@ -106,7 +106,7 @@ def verify(store: str, shard_text: str | None, sample: float | None, processes: 
         totals, problems = final_state.recheck(opened, sound, sample)
         for shard, problem in problems.items():
             report.problems[shard] = [problem]
-        log(final_state.describe(totals, opened.attrs.compat.responses))
+        log(final_state.describe(totals, opened.attrs.compat))
     for line in report.lines():
         log(line)
     click.echo(report.verdict())

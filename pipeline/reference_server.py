@@ -2,8 +2,9 @@
 
 Prompts go out as the token ids the store records (the chat template is rendered here, never by
 the server) and completions come back as the engine's token ids: text never round-trips, since
-that changes ids. Requests are greedy (temperature 0), limited to `max_tokens` and stopped at the
-target's EOS ids; many are in flight at once (the engine batches them) while the caller captures
+that changes ids. Requests are greedy (temperature 0), or sampled (`Sampling`: temperature, top-p,
+top-k, and a seed per request, the row's: pipeline/sampling.py), limited to `max_tokens` and stopped
+at the target's EOS ids; many are in flight at once (the engine batches them) while the caller captures
 earlier ones. Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried
 with backoff; a prompt the server rejects (HTTP 400: too long, ...) comes back as None, to be
 skipped and counted.
@@ -30,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pipeline.errors import EngineError
+from pipeline.sampling import row_seed
+from store.format.schema import Sampling
 
 TRANSIENT = {408, 429, 500, 502, 503, 504}
 PROBE = "def probe(x):\n    return [x, 'probe']  # vocabulary check"
@@ -72,8 +75,11 @@ class ReferenceServer:
         timeout_s: float = 600.0,
         retries: int = 4,
         backoff_s: float = 1.0,
+        sampling: Sampling | None = None,
     ) -> None:
+        """sampling: the references sampled so (None: greedy), each request with its row's seed."""
         self.url, self.model = server_root(url), model  # http://host:port and http://host:port/v1 alike
+        self.sampling = sampling
         self.headers = {"Content-Type": "application/json", **_auth(url)}
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.info: ServerInfo | None = None
@@ -124,26 +130,40 @@ class ReferenceServer:
             )
 
     # -- completions -----------------------------------------------------------------------
-    def submit(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> Future:
-        """A future of the completion's token ids (EOS kept), or None when the server rejects it."""
-        return self._pool.submit(self.complete, prompt, max_tokens, stop_ids)
+    def submit(self, prompt: list[int], max_tokens: int, stop_ids: list[int], row: int = 0) -> Future:
+        """A future of the completion's token ids (EOS kept), or None when the server rejects it. row: the
+        prompt's dataset row, whose seed a sampled request carries (pipeline/sampling.py)."""
+        return self._pool.submit(self.complete, prompt, max_tokens, stop_ids, row)
 
-    def complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> list[int] | None:
+    def complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int], row: int = 0) -> list[int] | None:
         if max_tokens <= 0:
             return []
         t0 = time.perf_counter()
         try:
-            return self._complete(prompt, max_tokens, stop_ids)
+            return self._complete(prompt, max_tokens, stop_ids, row)
         finally:
             with self._timing:
                 self.requests += 1
                 self.request_s += time.perf_counter() - t0
 
-    def _complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int]) -> list[int] | None:
+    def _sampling_params(self, row: int, seed_key: str) -> dict:
+        """The request's sampling settings: temperature 0 (greedy), or the temperature, the cuts made
+        and the row's seed under the engine's name for it (vLLM `seed`, SGLang `sampling_seed`)."""
+        s = self.sampling
+        if s is None:
+            return {"temperature": 0}
+        cuts = {k: v for k, v in (("top_p", s.top_p), ("top_k", s.top_k)) if v is not None}
+        return {"temperature": s.temperature, **cuts, seed_key: row_seed(s.seed, row)}
+
+    def _complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int], row: int) -> list[int] | None:
         if self.info is not None and self.info.engine == "sglang":
             body = {
                 "input_ids": prompt,
-                "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "stop_token_ids": stop_ids},
+                "sampling_params": {
+                    **self._sampling_params(row, "sampling_seed"),
+                    "max_new_tokens": max_tokens,
+                    "stop_token_ids": stop_ids,
+                },
             }
             out = self._post("/generate", body, rejected_ok=True)
             if out is None:
@@ -158,7 +178,7 @@ class ReferenceServer:
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
-            "temperature": 0,
+            **self._sampling_params(row, "seed"),
             "stop_token_ids": stop_ids,
             "return_token_ids": True,
             "skip_special_tokens": False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from store.format.ranges import format_ranges
+from store.format.schema import to_json
 from store.hidden_store import HiddenStore
 
 TURNS = {"all": ", every assistant turn", "split": ", a sample per assistant turn"}  # compat.turns, as info shows it
@@ -40,6 +41,7 @@ def summarize(store: HiddenStore) -> dict:
         "truncated": sum(m.truncated for m in committed.values()),
         "agreement": agreement(committed.values()),
         "final_state": final_state(committed.values()) if attrs.compat.final_state else None,
+        "sampled": attrs.compat.sampling is not None,
         "bytes_on_disk": total,
         "hidden_bytes_on_disk": shard_bytes,
         "hidden_bytes_raw_bf16": hidden_raw,
@@ -63,6 +65,7 @@ def summarize(store: HiddenStore) -> dict:
             "dtype": attrs.dtype,
             "dataset": attrs.dataset.source,
             "responses": attrs.compat.responses
+            + (f", sampled: {attrs.compat.sampling.describe()}" if attrs.compat.sampling else "")
             + TURNS.get(attrs.compat.turns, "")
             + (
                 f"; chat template arguments {json.dumps(attrs.compat.chat_template_kwargs)}"
@@ -74,6 +77,7 @@ def summarize(store: HiddenStore) -> dict:
                 if "template_kwargs" in attrs.compat.dataset_fields
                 else ""
             ),
+            "sampling": to_json(attrs.compat.sampling) if attrs.compat.sampling else None,
             "versions": attrs.versions,
             "layout": (
                 f"{store.layout.describe()} level "
@@ -96,7 +100,7 @@ def render(s: dict) -> str:
         f"samples      {s['samples']}  (skipped: {fmt_counts(s['skipped'])}; "
         f"truncated at the length limit: {s['truncated']})",
         f"tokens       {s['tokens']}  ({s['completion_tokens']} completion)",
-        f"agreement    {fmt_agreement(s['agreement'])}",
+        f"agreement    {fmt_agreement(s['agreement'], s['sampled'])}",
         *([f"final state  {fmt_final_state(s['final_state'])}"] if s.get("final_state") else []),
         f"bytes        {human_bytes(s['bytes_on_disk'])} on disk; hidden {human_bytes(s['hidden_bytes_on_disk'])} "
         f"vs {human_bytes(s['hidden_bytes_raw_bf16'])} raw bf16, ratio {ratio}",
@@ -166,12 +170,16 @@ def fmt_final_state(f: dict) -> str:
     )
 
 
-def fmt_agreement(a: dict | None) -> str:
+def fmt_agreement(a: dict | None, sampled: bool = False) -> str:
+    """The agreement line. sampled: the references were sampled (compat.sampling), so the rate is
+    reported as it is, not as a check: a sampled token is the argmax only as often as the
+    temperature lets it be."""
     if not a or not a["tokens"]:
         return "not checked"
     return (
         f"{100 * a['rate']:.2f}% of {a['tokens']} completion tokens are the target's own argmax "
         f"({a['shards_checked']} shard(s) checked)"
+        + ("; sampled references: below 100% by design, reported only" if sampled else "")
     )
 
 

@@ -1,8 +1,9 @@
 """An OpenAI-compatible server on 127.0.0.1 that answers like vLLM (the facts measured against the
 real one: /v1/models, /version, /tokenize, /v1/completions with token-id prompts and
-`return_token_ids`), with the tiny target's own greedy completions. Faults on demand: the first N
-completion requests fail with 503, prompts longer than a limit are rejected with 400, the server
-stops answering after K completions, or it serves another vocabulary."""
+`return_token_ids`), with the tiny target's own greedy completions (sampled ones at a temperature,
+with the request's seed). Faults on demand: the first N completion requests fail with 503, prompts
+longer than a limit are rejected with 400, the server stops answering after K completions, or it
+serves another vocabulary."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
+from pipeline.sampling import RowSampler
 from pipeline.target.model import _cut
+from store.format.schema import Sampling
 
 
 class FakeEngine:
@@ -30,6 +33,7 @@ class FakeEngine:
         self.fail_first, self.reject_longer_than, self.die_after = fail_first, reject_longer_than, die_after
         self.vocab_shift = vocab_shift
         self.requests = 0
+        self.bodies: list[dict] = []  # every completion request answered
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -44,8 +48,10 @@ class FakeEngine:
         self.server.server_close()
 
     def completion(self, body: dict) -> dict:
-        """The target's greedy completion of the prompt ids; EOS kept, finish_reason as vLLM says it.
-        (Plain Hugging Face generate: the target's kernel recorder belongs to the extraction.)"""
+        """The target's greedy completion of the prompt ids, or with a temperature its completion
+        sampled with the request's seed as extraction samples a row with it (pipeline/sampling.py); EOS
+        kept, finish_reason as vLLM says it. (Plain Hugging Face generate: the target's kernel recorder
+        belongs to the extraction.)"""
         t = self.target
         config = GenerationConfig(
             max_new_tokens=body["max_tokens"],
@@ -55,8 +61,18 @@ class FakeEngine:
             pad_token_id=t.pad_id,
         )
         ids = torch.tensor([body["prompt"]])
+        sampled = []
+        if body["temperature"] > 0:
+            s = Sampling(temperature=body["temperature"], top_p=body.get("top_p"), top_k=body.get("top_k"))
+            sampled = [RowSampler(s, [body["seed"]], len(body["prompt"]))]
         with self._lock, torch.inference_mode():
-            new = t.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            self.bodies.append(body)
+            new = t.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                logits_processor=LogitsProcessorList(sampled),
+            )
         out = _cut(new[0, len(body["prompt"]) :].tolist(), t.eos_ids, body["max_tokens"])
         stopped = bool(out) and out[-1] in body.get("stop_token_ids", [])
         return {

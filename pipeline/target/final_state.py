@@ -37,10 +37,11 @@ MIN_NORMED = 0.99  # the share of a shard's stored states that must be so
 CHUNK = 1024  # positions whose logits are made at once ([CHUNK, V], never [tokens, V])
 
 
-def greedy(responses: str) -> bool:
-    """Whether references of this --responses mode are the target's greedy output, so that the argmax rate
-    is enforced (regenerate, server); dataset responses are anyone's."""
-    return responses != "dataset"
+def greedy(compat) -> bool:
+    """Whether a store's references (its `compat` record) are the target's greedy output, so that the argmax
+    rate is enforced: regenerate and server without --temperature; dataset responses are anyone's, and
+    sampled ones the argmax only as often as their temperature lets them be."""
+    return compat.responses != "dataset" and compat.sampling is None
 
 
 def argmax_matches(final: torch.Tensor, head: torch.Tensor, want: torch.Tensor) -> int:
@@ -92,7 +93,7 @@ def rate(record: dict) -> float | None:
     return record["matches"] / record["tokens"] if record["tokens"] else None
 
 
-def require(record: dict, where: str, responses: str) -> None:
+def require(record: dict, where: str, compat) -> None:
     """A shard's check passed, or TargetError in one line naming it (`where`) and the figure that failed."""
     if record["states"] and record["normed"] < MIN_NORMED * record["states"]:
         raise TargetError(
@@ -102,7 +103,7 @@ def require(record: dict, where: str, responses: str) -> None:
             "after the final norm; the shard is not committed"
         )
     r = rate(record)
-    if greedy(responses) and r is not None and r < MIN_RATE:
+    if greedy(compat) and r is not None and r < MIN_RATE:
         raise TargetError(
             f"{where}: argmax of lm_head(final state) is the next reference token for {r:.1%} of "
             f"{record['tokens']} completion tokens (expected at least {MIN_RATE:.0%} on greedy references): "
@@ -136,7 +137,7 @@ def recheck(store, shards: list[int], sample: float | None = None) -> tuple[dict
         got = recheck_shard(store, shard, head, sample)
         totals = {k: totals[k] + got[k] for k in totals}
         r = rate(got)
-        if greedy(store.attrs.compat.responses) and r is not None and r < MIN_RATE:
+        if greedy(store.attrs.compat) and r is not None and r < MIN_RATE:
             problems[shard] = (
                 f"{FINAL_STATE}: argmax of lm_head(stored final state) is the next token for {r:.1%} of "
                 f"{got['tokens']} completion tokens (at least {MIN_RATE:.0%} expected on greedy references): "
@@ -145,11 +146,11 @@ def recheck(store, shards: list[int], sample: float | None = None) -> tuple[dict
     return {**totals, "rate": rate(totals)}, problems
 
 
-def describe(totals: dict, responses: str) -> str:
+def describe(totals: dict, compat) -> str:
     """`pipeline verify`'s line for the recomputed rate."""
     if not totals["tokens"]:
         return "final state: no completion token to check"
-    enforced = f"at least {MIN_RATE:.0%} required" if greedy(responses) else "reported only: not greedy references"
+    enforced = f"at least {MIN_RATE:.0%} required" if greedy(compat) else "reported only: not greedy references"
     return (
         f"final state: argmax of lm_head(stored final state) is the next token for {rate(totals):.2%} of "
         f"{totals['tokens']} completion tokens ({enforced})"

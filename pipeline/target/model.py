@@ -1,4 +1,4 @@
-"""The loaded target: greedy generation, tap capture, and which kernels served them.
+"""The loaded target: greedy (or sampled) generation, tap capture, and which kernels served them.
 
 `capture` runs ONE forward over prompt+completion and keeps the OUTPUT of decoder layer k for
 every tap k (Hugging Face `hidden_states[k+1]`, see taps.py); the forward stops after the last
@@ -14,15 +14,16 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from pipeline.errors import TargetError
+from pipeline.sampling import RowSampler
 from pipeline.target.capture_batches import capture_batches, chunks
 from pipeline.target.chunk_attention import chunk_attention
 from pipeline.target.kernels import UNDECIDED, KernelRecorder, interpreted
 from pipeline.target.taps import StopForward, tapping
-from store.format.schema import Backends, TargetRecord
+from store.format.schema import Backends, Sampling, TargetRecord
 
 FINAL = "final"  # the key of the final state among a capture's taps (_HostCopy)
 
@@ -88,9 +89,18 @@ class Target:
         return pad if pad is not None else self.eos_ids[0]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], on_token=None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        on_token=None,
+        sampling: Sampling | None = None,
+        seeds: list[int] | None = None,
+    ) -> list[list[int]]:
         """Greedy completions, batched with left padding; each cut at its first EOS (kept) and limit.
-        on_token(k), if given, is called as the batch's k-th completion token is made (progress)."""
+        on_token(k), if given, is called as the batch's k-th completion token is made (progress).
+        sampling: sampled instead, each row with its own seed (seeds, one per prompt: pipeline/sampling.py),
+        so that a row's completion does not depend on the rows beside it."""
         if not prompts:
             return []
         longest = max(max_new_tokens)
@@ -98,7 +108,10 @@ class Target:
             return [[] for _ in prompts]
         ids, mask = self._pad(prompts, left=True)
         width = ids.shape[1]
-        # A fresh config: pure argmax, none of the checkpoint's sampling or repetition settings.
+        assert sampling is None or (seeds is not None and len(seeds) == len(prompts)), "a seed per prompt"
+        processors = LogitsProcessorList([] if sampling is None else [RowSampler(sampling, seeds, width)])
+        # A fresh config: pure argmax (over what RowSampler leaves, when sampling), none of the
+        # checkpoint's sampling or repetition settings.
         config = GenerationConfig(
             max_new_tokens=longest,
             do_sample=False,
@@ -112,6 +125,7 @@ class Target:
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 generation_config=config,
+                logits_processor=processors,
                 streamer=None if on_token is None else _TokenCount(on_token),
             )
         new = out[:, width:].tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from pipeline.target.taps import DEFAULT_NUM_TAPS
 from stages.settings import at_least, check_choices, fill, flag_of, require, setting
 from store.errors import ConfigError
 from store.format import hidden_formats, layout
+from store.format.schema import Sampling
 from store.io.locks import LEASE_S
 
 # Shards of a new store unless --num-shards says otherwise: one per ROWS_PER_SHARD rows, at least
@@ -67,8 +69,29 @@ class ExtractConfig:
         "regenerate: the target's greedy completion, generated here (with --capture vllm, by the capturing "
         "engine: the target is loaded once); server: the "
         "greedy completion of the engine at --server-url (vLLM, SGLang); dataset: "
-        "the dataset's own assistant turn.",
+        "the dataset's own assistant turn. --temperature samples the first two instead.",
         choices=("regenerate", "server", "dataset"),
+    )
+    temperature: float = setting(
+        0.0,
+        "Sample the references (--responses regenerate or server) at this temperature; 0: greedy. Reproducible "
+        "row by row: a row's completion depends on --seed, its dataset row and its own logits only, never on "
+        "the rows beside it or the shards' order (the batch size only through the target's numerics, as "
+        "greedy's near-ties; a server's rows only where its seeded sampling is batch-invariant: docs/usage.md). "
+        "Recorded in the store.",
+    )
+    top_p: float | None = setting(
+        None,
+        "With --temperature: sample from the smallest set of the most likely tokens of this mass, in (0, 1].",
+        default_text="none",
+    )
+    top_k: int | None = setting(
+        None, "With --temperature: sample from this many most likely tokens (0: all).", default_text="none"
+    )
+    seed: int | None = setting(
+        None,
+        "With --temperature: the seed each row's own seed is derived from (with its dataset row).",
+        default_text="0 with --temperature",
     )
     turns: str = setting(
         "last",
@@ -193,7 +216,8 @@ class ExtractConfig:
         "Run the capture forward on to the target's lm_head along each completion and "
         "record how often the completion token is the target's own argmax (per shard and "
         "in `pipeline info`; ~100% for regenerated references, lower for another engine "
-        "on near-ties; low means a wrong server, template or tokenizer).",
+        "on near-ties; low means a wrong server, template or tokenizer). For sampled references "
+        "(--temperature) the rate is reported, not judged: it falls with the temperature.",
     )
     writer_threads: int = setting(
         2,
@@ -252,6 +276,7 @@ class ExtractConfig:
             "concurrency",
             "writer_threads",
         )
+        self.check_sampling()
         require(
             self,
             "turns",
@@ -308,6 +333,40 @@ class ExtractConfig:
             "must be a JSON object, e.g. '{\"enable_thinking\": false}'",
         )
         fill(self, "device", self.device or devices.default_device())  # last: it imports torch, the checks need none
+
+    def check_sampling(self) -> None:
+        """--temperature and its cuts and seed: only for references drawn here or by a server, the cuts
+        and the seed only when sampling; top-k 0 and top-p 1 cut nothing and are recorded as none."""
+        require(self, "temperature", math.isfinite(self.temperature) and self.temperature >= 0, "must be at least 0")
+        require(
+            self,
+            "temperature",
+            self.temperature == 0 or self.responses != "dataset",
+            "goes with --responses regenerate or server (the dataset's responses are not sampled here)",
+        )
+        require(
+            self,
+            "temperature",
+            self.temperature == 0 or not (self.capture == "vllm" and self.responses == "regenerate"),
+            "not with --capture vllm --responses regenerate: the capturing engine samples through its "
+            "speculative path, where a seeded row is not reproducible (the same seed twice in one batch gave "
+            "two rows); draw them with --responses server from a plain engine, or capture with transformers",
+        )
+        for name in ("top_p", "top_k", "seed"):
+            require(self, name, getattr(self, name) is None or self.temperature > 0, "goes with --temperature above 0")
+        require(self, "top_p", self.top_p is None or 0 < self.top_p <= 1, "must be in (0, 1]")
+        at_least(self, 0, "top_k", "seed")
+        fill(self, "temperature", float(self.temperature))  # 1 and 1.0 record alike (the fingerprint hashes JSON)
+        fill(self, "top_p", None if self.top_p in (None, 1) else float(self.top_p))
+        fill(self, "top_k", self.top_k or None)
+        if self.temperature > 0:
+            fill(self, "seed", self.seed or 0)
+
+    def sampling(self) -> Sampling | None:
+        """How the references are sampled, as the store records it; None: greedy."""
+        if self.temperature == 0:
+            return None
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
 
     def template_args(self) -> dict:
         """--chat-template-kwargs as a dict."""

@@ -18,6 +18,7 @@ from pipeline import prompts as prompt_sets
 from pipeline.chat_template import Chat
 from pipeline.errors import DatasetError, TargetError
 from pipeline.reference_server import ReferenceServer
+from pipeline.sampling import row_seed
 from pipeline.target import final_state
 from pipeline.target.model import Target
 from stages.extract.config import ExtractConfig
@@ -189,7 +190,7 @@ class Extractor:
         c, writer = self.config, job.writer
         if self.final and writer.stats.final_state is not None:
             final_state.require(
-                writer.stats.final_state, f"{self.store.location}: shard {job.shard}", self.store.attrs.compat.responses
+                writer.stats.final_state, f"{self.store.location}: shard {job.shard}", self.store.attrs.compat
             )
         record = writer.commit(
             job.lock,
@@ -231,7 +232,7 @@ class Extractor:
         timing["prepare_s"] += time.perf_counter() - t
         if self.engine is not None:
             eos = self.target.eos_ids
-            return Batch(rows, ready, [self.engine.submit(r.prompt, r.limit, eos) for r in ready])
+            return Batch(rows, ready, [self.engine.submit(r.prompt, r.limit, eos, r.row_id) for r in ready])
         t = time.perf_counter()
         completions = self.complete(ready, writer.shard) if ready else []
         timing["generate_s"] += time.perf_counter() - t
@@ -374,18 +375,23 @@ class Extractor:
         return ids
 
     def complete(self, ready, shard: int) -> list[list[int]]:
-        """Greedy completions from the target (its progress reported token by token) or from the
-        --capture vllm engine (the one that captures: the target is loaded once), or the dataset's
-        own responses cut to each limit: its token ids verbatim when it has them, else its text
-        tokenized, plus EOS."""
+        """Greedy (or with --temperature sampled, each row with its own seed) completions from the
+        target (its progress reported token by token) or from the --capture vllm engine (the one that
+        captures: the target is loaded once), or the dataset's own responses cut to each limit: its
+        token ids verbatim when it has them, else its text tokenized, plus EOS."""
+        sampling = self.config.sampling()
+        seeds = None if sampling is None else [row_seed(sampling.seed, r.row_id) for r in ready]
         if self.config.responses == "regenerate" and self.capturer is not self.target:  # --capture vllm
-            return self.capturer.generate([r.prompt for r in ready], [r.limit for r in ready], self.target.eos_ids)
+            prompts, limits = [r.prompt for r in ready], [r.limit for r in ready]
+            return self.capturer.generate(prompts, limits, self.target.eos_ids)  # greedy: the config refuses sampling
         if self.config.responses == "regenerate":
             limit = max(r.limit for r in ready)
             return self.target.generate(
                 [r.prompt for r in ready],
                 [r.limit for r in ready],
                 lambda k: self.progress.generating(shard, k, limit, len(ready)),
+                sampling,
+                seeds,
             )
         return [self.dataset_response(r.row, r.limit, r.chat) for r in ready]
 

@@ -70,6 +70,7 @@ def store_attrs(
         chat_template_kwargs=config.template_args() or None,
         capture=capture,
         final_state=config.final_state or None,
+        sampling=config.sampling(),
     )
     return StoreAttrs(
         fingerprint=fingerprint.sha256_json(to_json(compat)),

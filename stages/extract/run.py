@@ -226,7 +226,9 @@ def connect(config: ExtractConfig, say) -> ReferenceServer | None:
     model fails in seconds)."""
     if config.responses != "server":
         return None
-    engine = ReferenceServer(config.server_url, config.server_model, config.concurrency, config.server_timeout_s)
+    engine = ReferenceServer(
+        config.server_url, config.server_model, config.concurrency, config.server_timeout_s, sampling=config.sampling()
+    )
     say(f"references from {engine.connect().identity} at {engine.info.url}")
     return engine
 

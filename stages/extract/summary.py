@@ -25,6 +25,7 @@ def finish_summary(store: HiddenStore, summary: dict) -> dict:
                 "shards_done",
                 "num_shards",
                 "missing",
+                "sampled",
             )
         }
     )
@@ -57,7 +58,7 @@ def _lines(s: dict) -> list[str]:
             ),
             f"samples {s['samples']}, tokens {s['tokens']} ({s['tokens_per_s']:.0f} tokens/s over {s['wall_s']:.1f}s); "
             f"skipped rows: {fmt_counts(s['skipped'])}; completions cut at the limit: {s['truncated']}",
-            f"agreement: {fmt_agreement(s['agreement'])}",
+            f"agreement: {fmt_agreement(s['agreement'], s['sampled'])}",
             *([f"final state: {fmt_final_state(s['final_state'])}"] if s.get("final_state") else []),
             f"store {s['store']}: {s['shards_done']}/{s['num_shards']} shards committed, "
             f"{human_bytes(s['bytes_on_disk'])} on disk; hidden states {human_bytes(s['hidden_bytes_on_disk'])} "

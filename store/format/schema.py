@@ -58,6 +58,28 @@ def with_role(cls, name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How sampled references were drawn (`--temperature` > 0; a greedy store records none): each
+    row's tokens from the target's distribution at `temperature`, cut to the `top_k` most likely
+    and then to the nucleus of mass `top_p` (None: not cut), with the row's own seed derived from
+    `seed` and its dataset row (pipeline/sampling.py)."""
+
+    temperature: float
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int = 0
+
+    def describe(self) -> str:
+        """'temperature 0.7, top-p 0.95, top-k 20, seed 0' (a cut not made is left out)."""
+        parts = [f"temperature {self.temperature:g}"]
+        if self.top_p is not None:
+            parts.append(f"top-p {self.top_p:g}")
+        if self.top_k is not None:
+            parts.append(f"top-k {self.top_k}")
+        return ", ".join([*parts, f"seed {self.seed}"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Compat:
     """Every setting a shard's content depends on. Runs that differ in any of them may not add
     shards to the same store; the store's fingerprint is the hash of this record. Fields with a
@@ -105,6 +127,9 @@ class Compat:
     # the hidden format: pipeline extract --final-state); None: not stored (every store made before it could
     # be). No role: the tap states are the same either way, so a drafter replays stores with and without it.
     final_state: bool | None = None
+    # Sampled references (`--temperature` > 0): how they were drawn; None: greedy (every store made before
+    # it was recorded). Not conditioning: it decides which tokens are stored, not the state a token gets.
+    sampling: Sampling | None = None
 
     @property
     def format(self) -> HiddenFormat:

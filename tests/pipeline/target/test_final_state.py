@@ -1,10 +1,13 @@
 """The final state's check: positions, argmax in fp32, unit RMS under the norm's gain, and the refusals."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pipeline.errors import TargetError
 from pipeline.target import final_state
+from store.format.schema import Sampling
 
 
 def test_completion_positions_are_the_states_before_each_completion_token():
@@ -29,16 +32,23 @@ def check(matches=100, tokens=100, normed=50, states=50) -> dict:
     return {"matches": matches, "tokens": tokens, "normed": normed, "states": states}
 
 
+def made(responses: str, sampling=None):
+    """The fields of a store's compat record the check reads."""
+    return SimpleNamespace(responses=responses, sampling=sampling)
+
+
 def test_require_refuses_a_low_rate_on_greedy_references_only():
-    final_state.require(check(matches=90), "s: shard 3", "regenerate")  # at the threshold
+    final_state.require(check(matches=90), "s: shard 3", made("regenerate"))  # at the threshold
     with pytest.raises(TargetError, match=r"^s: shard 3: argmax of lm_head\(final state\) .* for 89\.0% of 100 "):
-        final_state.require(check(matches=89), "s: shard 3", "server")
-    final_state.require(check(matches=10), "s: shard 3", "dataset")  # reported, not enforced
-    final_state.require(check(matches=0, tokens=0), "s: shard 3", "regenerate")  # nothing to check
+        final_state.require(check(matches=89), "s: shard 3", made("server"))
+    final_state.require(check(matches=10), "s: shard 3", made("dataset"))  # reported, not enforced
+    sampled = Sampling(temperature=1.0, top_p=None, top_k=None, seed=0)
+    final_state.require(check(matches=10), "s: shard 3", made("regenerate", sampled))  # sampled: reported only
+    final_state.require(check(matches=0, tokens=0), "s: shard 3", made("regenerate"))  # nothing to check
 
 
 def test_require_refuses_states_not_of_unit_rms_whatever_the_references():
-    final_state.require(check(normed=99, states=100), "s: shard 1", "regenerate")
+    final_state.require(check(normed=99, states=100), "s: shard 1", made("regenerate"))
     for responses in ("regenerate", "dataset"):
         with pytest.raises(TargetError, match=r"^s: shard 1: only 98 of 100 final states \(98\.0%\) have unit RMS"):
-            final_state.require(check(normed=98, states=100), "s: shard 1", responses)
+            final_state.require(check(normed=98, states=100), "s: shard 1", made(responses))

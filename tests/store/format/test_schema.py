@@ -20,6 +20,7 @@ from store.format.schema import (
     CONDITIONING,
     PLACEMENT,
     Compat,
+    Sampling,
     ShardCommit,
     StoreAttrs,
     to_json,
@@ -217,6 +218,20 @@ def test_the_digests_of_existing_stores_are_unchanged(small_store):
     new = HiddenStore(str(small_store)).attrs.compat
     assert new.conv1d == "torch" and new.conditioning() != SMALL_CONDITIONING
     assert replace(new, conv1d=None).conditioning() == SMALL_CONDITIONING and new.placement() == SMALL_PLACEMENT
+
+
+def test_old_stores_read_as_greedy_and_a_sampled_record_round_trips():
+    """compat.sampling: absent (greedy) in every store made before it; a sampled store's record is read
+    back as written, changes the fingerprint, and neither the conditioning nor the placement."""
+    old = StoreAttrs.from_json(load("root_attributes.json"), "old store")
+    assert old.compat.sampling is None
+    sampled = replace(old.compat, sampling=Sampling(temperature=0.7, top_p=0.95, seed=3))
+    body = to_json(sampled)
+    assert body["sampling"] == {"temperature": 0.7, "top_p": 0.95, "seed": 3}  # the cut not made left out
+    back = StoreAttrs.from_json({**load("root_attributes.json"), "compat": body}, "sampled").compat
+    assert back == sampled and back.sampling.describe() == "temperature 0.7, top-p 0.95, seed 3"
+    assert fingerprint.sha256_json(body) != fingerprint.sha256_json(to_json(old.compat))
+    assert (sampled.conditioning(), sampled.placement()) == (old.compat.conditioning(), old.compat.placement())
 
 
 def test_a_store_in_a_hidden_format_this_version_does_not_know_is_refused_naming_the_field():
