@@ -42,8 +42,9 @@ def parameters(path: Path) -> int:
 def notice(config: ExtractConfig) -> str | None:
     """With --responses regenerate and a target of more than LARGE parameters, the line that says
     what its references cost and the command that uses an engine; else None. A directory without
-    config.json or weights is left to the loading to refuse."""
-    if config.responses != "regenerate":
+    config.json or weights is left to the loading to refuse. With --capture vllm the capturing engine
+    generates them: nothing to say."""
+    if config.responses != "regenerate" or config.capture == "vllm":
         return None
     path = loading.resolve(config.target)
     if not (path / "config.json").is_file():
@@ -59,5 +60,6 @@ def notice(config: ExtractConfig) -> str | None:
         f"generate: for this {n / 1e9:.1f}B-parameter target that costs ~10x the GPU time of a serving engine (at "
         f"27B, ~2.5M prompts: ~2,000-4,000 GPU-h of references against ~210-350). To use one, serve the target "
         f"(`vllm serve {config.target} --port 8000`, or SGLang) and add `--responses server --server-url "
-        f'http://127.0.0.1:8000` to this command (docs/usage.md, "Where the greedy references come from").'
+        f"http://127.0.0.1:8000` to this command, or have vLLM make and capture them (`--capture vllm`; "
+        f'docs/usage.md, "Where the greedy references come from" and "Capture inside vLLM").'
     )

@@ -47,6 +47,8 @@ def test_a_large_target_is_told_the_cost_of_regenerate_and_the_server_flags(tmp_
     assert not (tmp_path / "hs.zarr").exists()
     server = ExtractConfig(target=str(big), responses="server", server_url="http://127.0.0.1:8000")
     assert reference_cost.notice(server) is None  # already through an engine
+    inside = ExtractConfig(target=str(big), capture="vllm", device="cpu")
+    assert reference_cost.notice(inside) is None  # the capturing engine makes them
 
 
 def test_the_shipped_tiny_target_is_not_told(target):
