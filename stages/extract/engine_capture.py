@@ -96,11 +96,22 @@ class VllmCapture:
         max_model_len: int,
         memory_share: float | None,
         version: str | None = None,
+        *,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        quantization: str | None = None,
     ) -> None:
-        """version: vLLM's in `python` when already checked (check_python), else checked by start()."""
+        """version: vLLM's in `python` when already checked (check_python), else checked by start().
+        quantization: vLLM's `quantization=` (None: the checkpoint's own, none if it has none)."""
         self.python, self.target, self.taps, self.hidden_size = python, target, list(taps), hidden_size
         self.dtype, self.max_model_len, self.memory_share = DTYPES[dtype], max_model_len, memory_share
         self.version = version
+        self.requested = {
+            "tensor_parallel_size": tensor_parallel,
+            "pipeline_parallel_size": pipeline_parallel,
+            "quantization": quantization,
+        }
+        self.layout: dict | None = None  # what the engine reports it runs with (its ready reply)
         self.log: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
@@ -110,13 +121,18 @@ class VllmCapture:
 
     @property
     def record(self) -> dict:
-        """How the states were made, as the store's conditioning records it."""
+        """How the states were made, as the store's conditioning records it: the parallel layout,
+        quantization and kernels are the ones the started engine reports, not the ones asked for."""
+        assert self.layout is not None, "the engine reports its layout once started"
         return {
             "engine": "vllm",
             "version": self.version,
             "dtype": self.dtype,
-            "tensor_parallel": 1,
-            "pipeline_parallel": 1,
+            "tensor_parallel": self.layout["tensor_parallel"],
+            "pipeline_parallel": self.layout["pipeline_parallel"],
+            "quantization": self.layout["quantization"],
+            "checkpoint_quantization": self.layout["checkpoint_quantization"],
+            "kernels": self.layout["kernels"],
             "layer_ids": vllm_layer_ids(self.taps),
         }
 
@@ -131,7 +147,7 @@ class VllmCapture:
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
             "gpu_memory_utilization": self.memory_share,
-            "tensor_parallel_size": 1,
+            **self.requested,
             "transport_dir": str(self.dir / "states"),
             "seed": 0,
         }
@@ -150,6 +166,7 @@ class VllmCapture:
         reply = self._reply()
         if reply.get("hidden_size") != self.hidden_size:
             self._fail(f"the engine's hidden size {reply.get('hidden_size')} is not the target's {self.hidden_size}")
+        self.layout = reply["layout"]
         self.seconds["start_s"] = time.perf_counter() - t
         return self
 

@@ -80,6 +80,178 @@ def fake_vllm(tmp_path, version: str) -> str:
     return str(python)
 
 
+STUB_ENGINE = """
+import json, os, types
+import torch
+from safetensors.torch import save_file
+
+__version__ = "0.32.0"
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class LLM:
+    \"\"\"Echoes its arguments as the layout an engine reports; each prompt's states: its token ids.\"\"\"
+
+    def __init__(self, **kwargs):
+        with open(os.environ["STUB_VLLM_KWARGS"], "w") as fh:
+            json.dump(kwargs, fh)
+        self.kwargs = kwargs
+        with open(os.path.join(kwargs["model"], "config.json")) as fh:
+            hf = types.SimpleNamespace(**json.load(fh))
+        parallel = types.SimpleNamespace(
+            tensor_parallel_size=kwargs["tensor_parallel_size"], pipeline_parallel_size=kwargs["pipeline_parallel_size"]
+        )
+        model = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, quantization=kwargs["quantization"])
+        self.llm_engine = types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(parallel_config=parallel, model_config=model),
+            model_config=model,
+            engine_core=types.SimpleNamespace(shutdown=lambda: None),
+        )
+        self.taps = len(kwargs["speculative_config"]["draft_model_config"]["hf_config"][
+            "eagle_aux_hidden_state_layer_ids"])
+        self.hidden, self.dir = hf.hidden_size, kwargs["kv_transfer_config"]["kv_connector_extra_config"][
+            "shared_storage_path"]
+
+    def collective_rpc(self, method):
+        module, name = self.kwargs["worker_extension_cls"].rsplit(".", 1)
+        extension = getattr(__import__(module), name)
+        backend = types.SimpleNamespace(get_name=lambda: "STUB_ATTN")
+        group = types.SimpleNamespace(backend=backend)
+        layer = torch.nn.Linear(2, 2)
+        layer.quant_method = types.SimpleNamespace(fp8_linear=None, kernel=None)
+        worker = type("Worker", (extension,), {})()
+        worker.model_runner = types.SimpleNamespace(attn_groups=[[group]], model=torch.nn.Sequential(layer))
+        return [getattr(worker, method)()] * self.kwargs["tensor_parallel_size"]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        os.makedirs(self.dir, exist_ok=True)
+        outs = []
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor(prompt.prompt_token_ids)
+            states = (ids[:, None, None] + 1).expand(-1, self.taps, self.hidden).to(torch.bfloat16)
+            path = os.path.join(self.dir, f"{os.getpid()}-{id(prompt)}-{i}.safetensors")
+            save_file({"hidden_states": states.contiguous(), "token_ids": ids}, path)
+            open(path + ".lock", "w").close()
+            ranks = [None] + [{t: types.SimpleNamespace(rank=1)} for t in prompt.prompt_token_ids[1:]]
+            outs.append(types.SimpleNamespace(
+                kv_transfer_params={"hidden_states_path": path}, prompt_token_ids=prompt.prompt_token_ids,
+                prompt_logprobs=ranks))
+        return outs
+"""
+
+
+def stub_engine(tmp_path) -> str:
+    """A Python whose `vllm` is a stub engine: it records the arguments its LLM gets (in the file
+    $STUB_VLLM_KWARGS), reports them back as its layout, and captures each token's state as its id + 1."""
+    where = tmp_path / "vllm-stub-engine"
+    (where / "vllm").mkdir(parents=True, exist_ok=True)
+    (where / "vllm" / "__init__.py").write_text(STUB_ENGINE)
+    (where / "vllm" / "inputs.py").write_text(
+        "class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
+        "        self.prompt_token_ids = prompt_token_ids\n"
+    )
+    python = where / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_the_parallel_sizes_and_quantization_reach_the_engine_and_its_report_is_the_record(tmp_path, monkeypatch):
+    kwargs = tmp_path / "kwargs.json"
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(kwargs))
+    engine = VllmCapture(
+        stub_engine(tmp_path),
+        str(TINY_TARGET),
+        [1, 2],
+        128,
+        "bf16",
+        256,
+        None,
+        tensor_parallel=2,
+        pipeline_parallel=3,
+        quantization="fp8_per_tensor",
+    )
+    try:
+        engine.start()
+        states = engine.capture([[5, 6, 7]], [1, 2])  # [3, 2, 128]: each token's id + 1
+    finally:
+        engine.close()
+    given = json.loads(kwargs.read_text())
+    assert (given["tensor_parallel_size"], given["pipeline_parallel_size"], given["quantization"]) == (
+        2,
+        3,
+        "fp8_per_tensor",
+    )
+    assert engine.record == {
+        "engine": "vllm",
+        "version": "0.32.0",
+        "dtype": "bfloat16",
+        "tensor_parallel": 2,
+        "pipeline_parallel": 3,
+        "quantization": "fp8_per_tensor",
+        "checkpoint_quantization": None,
+        "kernels": {"attention": ["STUB_ATTN"], "linear": ["SimpleNamespace"]},
+        "layer_ids": [2, 3],
+    }
+    assert states[:, 0, 0].tolist() == [6.0, 7.0, 8.0]
+
+
+def test_a_checkpoints_own_quantization_is_recorded_as_the_engine_reports_it(tmp_path, monkeypatch):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(TINY_TARGET, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
+    engine = VllmCapture(stub_engine(tmp_path), str(target), [0], 128, "bf16", 256, None)
+    try:
+        engine.start()
+    finally:
+        engine.close()
+    given = json.loads((tmp_path / "kwargs.json").read_text())
+    assert (given["tensor_parallel_size"], given["pipeline_parallel_size"], given["quantization"]) == (1, 1, None)
+    record = engine.record
+    assert (record["tensor_parallel"], record["quantization"], record["checkpoint_quantization"]) == (1, None, "fp8")
+
+
+def test_a_store_refuses_a_rerun_with_another_engine_layout_before_any_shard_is_claimed(tmp_path, monkeypatch):
+    from stages.extract.run import run as extract
+    from store.errors import StoreMismatch
+    from store.hidden_store import HiddenStore
+    from store.summary import render, summarize
+
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
+    settings = dict(STORE_SETTINGS, store=str(tmp_path / "hs.zarr"), taps="1,3", capture="vllm")
+    settings.update(capture_python=stub_engine(tmp_path), shards="0", capture_tp=2)
+    extract(ExtractConfig(**settings), log=lambda m: None)
+    store = HiddenStore(settings["store"])
+    capture = store.attrs.compat.capture
+    assert (capture["tensor_parallel"], capture["pipeline_parallel"], capture["quantization"]) == (2, 1, None)
+    assert "tensor parallel 2, pipeline parallel 1, quantization none" in render(summarize(store))
+    for changed in (dict(capture_tp=1), dict(capture_pp=2), dict(capture_quantization="fp8_per_tensor")):
+        with pytest.raises(StoreMismatch, match=r"refusing to add shards \(capture: store has"):
+            extract(ExtractConfig(**{**settings, "shards": "1", **changed}), log=lambda m: None)
+        assert sorted(HiddenStore(settings["store"]).committed()) == [0]
+
+
+def test_a_drafter_is_refused_on_states_of_another_engine_layout():
+    import dataclasses
+
+    from store.format.schema import Compat
+
+    fields = {f.name: "x" for f in dataclasses.fields(Compat)}
+    one = Compat(**{**fields, "capture": {"engine": "vllm", "tensor_parallel": 1, "quantization": None}})
+    for other in ({"tensor_parallel": 2}, {"quantization": "fp8_per_tensor"}):
+        changed = dataclasses.replace(one, capture={**one.capture, **other})
+        assert changed.conditioning() != one.conditioning() and changed.placement() == one.placement()
+
+
 def test_a_too_old_vllm_is_refused(tmp_path):
     with pytest.raises(EngineError, match=r"vLLM 0.11.2 is older than 0.32"):
         check_python(fake_vllm(tmp_path, "0.11.2"))
@@ -126,6 +298,16 @@ def test_capture_flags_go_with_capture_vllm():
     with pytest.raises(ConfigError, match="--capture-memory"):
         ExtractConfig(capture="vllm", capture_memory=1.5, device="cpu")
     assert ExtractConfig(capture="vllm", device="cpu").capture_python == sys.executable
+    for flag, value in (("capture_tp", 2), ("capture_pp", 2), ("capture_quantization", "fp8_per_tensor")):
+        with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}.*goes with --capture vllm"):
+            ExtractConfig(device="cpu", **{flag: value})
+    for flag in ("capture_tp", "capture_pp"):
+        with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}.*must be at least 1"):
+            ExtractConfig(capture="vllm", device="cpu", **{flag: 0})
+    with pytest.raises(ConfigError, match="--capture-quantization.*quantization method's name"):
+        ExtractConfig(capture="vllm", capture_quantization="FP8 please", device="cpu")
+    engine = ExtractConfig(capture="vllm", device="cpu")
+    assert (engine.capture_tp, engine.capture_pp, engine.capture_quantization) == (1, 1, None)
 
 
 @pytest.fixture(scope="module")
