@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import EngineError
+from store.errors import ConfigError
 from store.format.schema import Backends
 
 WORKER = Path(__file__).with_name("vllm_capture_worker.py")
@@ -70,6 +71,21 @@ def check_python(python: str) -> str:
 def first_error(lines: list[str]) -> list[str]:
     """The root cause in an engine's log: its first 'SomethingError: message' (none: [])."""
     return [m.group(1) for m in map(re.compile(r"\b(\w+Error: \S.*)").search, lines) if m][:1]
+
+
+def check_split(config, tensor_parallel: int) -> None:
+    """Refuse, in one line, a tensor-parallel size that does not divide the target's Gated DeltaNet
+    heads: vLLM 0.32 splits them over its ranks without checking, and its first forward fails on a
+    shape (qwen_gdn_linear_attn.py, rearrange_mixed_qkv: a rank's share of one 64-wide key head is 32
+    values). Its attention heads vLLM checks itself. config: the target's transformers config."""
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % tensor_parallel:
+            raise ConfigError(
+                "--capture-tp",
+                tensor_parallel,
+                f"must divide the target's {name} ({heads}): vLLM splits the Gated DeltaNet heads over its ranks",
+            )
 
 
 def backends(requested: str) -> Backends:

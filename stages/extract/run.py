@@ -284,6 +284,7 @@ def open_target(
 
 def start_capture(config: ExtractConfig, target: Target, taps: list[int], version: str, say) -> VllmCapture:
     """--capture vllm: the engine up with the taps' layer ids, or one line (it is stopped again)."""
+    engine_capture.check_split(target.model.config, config.capture_tp)
     say(
         f"starting vLLM {version} ({config.capture_python}) to capture taps {taps} of {config.target}, "
         f"tensor parallel {config.capture_tp}, pipeline parallel {config.capture_pp}, "

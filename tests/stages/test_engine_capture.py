@@ -225,16 +225,18 @@ def test_a_store_refuses_a_rerun_with_another_engine_layout_before_any_shard_is_
     from store.errors import StoreMismatch
     from store.hidden_store import HiddenStore
     from store.summary import render, summarize
+    from tests.targets import two_way_target
 
     monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
     settings = dict(STORE_SETTINGS, store=str(tmp_path / "hs.zarr"), taps="1,3", capture="vllm")
+    settings["target"] = str(two_way_target(tmp_path / "two_way"))  # heads that split over two ranks
     settings.update(capture_python=stub_engine(tmp_path), shards="0", capture_tp=2)
     extract(ExtractConfig(**settings), log=lambda m: None)
     store = HiddenStore(settings["store"])
     capture = store.attrs.compat.capture
     assert (capture["tensor_parallel"], capture["pipeline_parallel"], capture["quantization"]) == (2, 1, None)
     assert "tensor parallel 2, pipeline parallel 1, quantization none" in render(summarize(store))
-    for changed in (dict(capture_tp=1), dict(capture_pp=2), dict(capture_quantization="fp8_per_tensor")):
+    for changed in (dict(capture_tp=1), dict(capture_quantization="fp8_per_block")):  # pp: the same record
         with pytest.raises(StoreMismatch, match=r"refusing to add shards \(capture: store has"):
             extract(ExtractConfig(**{**settings, "shards": "1", **changed}), log=lambda m: None)
         assert sorted(HiddenStore(settings["store"]).committed()) == [0]
@@ -389,6 +391,71 @@ def test_the_engine_agrees_with_the_target_on_its_greedy_tokens(captured):
     print(f"\nagreement: vLLM {vm}/{vt}, transformers {hm}/{ht}")
     assert vt == ht == sum(map(len, captured["seqs"])) - sum(captured["lens"])
     assert abs(vm - hm) <= 2  # near-ties of a random target may fall either way in bf16
+
+
+def test_the_two_way_target_is_the_shipped_target_bit_for_bit(tmp_path, target_bf16):
+    """The tensor-parallel tests' target (two Gated DeltaNet key heads, equal) computes what the
+    shipped one does, so the TP 2 engine's states are held to the shipped target's."""
+    from pipeline.target import loading
+    from tests.targets import reference_states, two_way_target
+
+    two_way = loading.load(str(two_way_target(tmp_path / "two_way")), "cpu", "bf16", "auto")
+    assert two_way.model.config.linear_num_key_heads == 2 * target_bf16.model.config.linear_num_key_heads
+    seq = list(range(5, 80))
+    for a, b in zip(reference_states(target_bf16, seq), reference_states(two_way, seq), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_the_engine_starts(tmp_path):
+    from stages.extract.run import run as extract
+
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        capture="vllm",
+        capture_python=fake_vllm(tmp_path, "0.32.0"),  # no engine in it: refused before one would start
+        capture_tp=2,
+        dtype="bf16",
+        device="cpu",
+    )
+    with pytest.raises(ConfigError, match=r"^--capture-tp 2: must divide the target's linear_num_key_heads \(1\)"):
+        extract(config, log=lambda m: None)
+    assert not (tmp_path / "hs.zarr").exists()
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(captured, tmp_path_factory):
+    """The sequences of `captured` through vLLM at tensor parallel 2 (the two-way target: the shipped
+    one's function with heads that split in two), each rank's threads unbound (this host has one NUMA
+    node, vLLM's automatic binding wants one a rank)."""
+    from tests.engines import build_venv
+    from tests.targets import two_way_target
+
+    target = two_way_target(tmp_path_factory.mktemp("tp") / "two_way")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        engine = VllmCapture(str(build_venv()), str(target), TAPS, 128, "bf16", 256, 0.1, tensor_parallel=2).start()
+        try:
+            states, agreement = engine.capture(captured["seqs"], TAPS, captured["lens"])
+        finally:
+            engine.close()
+    return {"vllm": states, "agreement": agreement, "record": engine.record}
+
+
+@pytest.mark.engine
+def test_tensor_parallel_2_states_equal_transformers_and_tensor_parallel_1_tap_for_tap(tensor_parallel, captured):
+    tp2, tp1, hf = tensor_parallel["vllm"], captured["vllm"], captured["hf"]
+    assert tp2.shape == hf.shape and tp2.dtype == torch.bfloat16
+    assert not (tp2 == 0).all(dim=-1).any()
+    for j, k in enumerate(TAPS):
+        to_hf, to_tp1 = stats(tp2[:, j], hf[:, j]), stats(tp2[:, j], tp1[:, j])
+        print(f"\ntap {k}: TP2 vs transformers " + ", ".join(f"{n} {v:.5f}" for n, v in to_hf.items()))
+        print(f"tap {k}: TP2 vs TP1 " + ", ".join(f"{n} {v:.5f}" for n, v in to_tp1.items()))
+        assert equal(to_hf) and equal(to_tp1), (k, to_hf, to_tp1)
+    record = tensor_parallel["record"]
+    assert (record["tensor_parallel"], record["pipeline_parallel"], record["quantization"]) == (2, 1, None)
+    (matches, tokens), (hf_matches, hf_tokens) = tensor_parallel["agreement"], captured["agreement"][1]
+    print(f"agreement: TP2 {matches}/{tokens}, transformers {hf_matches}/{hf_tokens}")
+    assert tokens == hf_tokens and abs(matches - hf_matches) <= 2
 
 
 STORE_SETTINGS = dict(  # two shards of the shipped prompts with their own answers: the same sequences either way
