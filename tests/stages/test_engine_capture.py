@@ -31,6 +31,7 @@ from store.errors import ConfigError
 TAPS = list(range(8))  # every layer of the tiny target
 TAU_TOLERANCE = 0.02  # |tau on the other store / tau on its own - 1|: as the served test's (test_engine_served.py)
 COS_MEDIAN, COS_MIN, MAX_ABS, SAME = 0.9999, 0.999, 0.125, 0.15  # measured: 0.99996-0.99998, 0.99989, 0.0625, 21-30%
+FP8_COS_MEAN = 0.999  # fp8_per_block against bf16 transformers, mean cosine per tap; measured 0.99978-0.99982
 
 
 def stats(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -642,3 +643,86 @@ def test_the_summary_gives_the_engines_start_and_the_transports_share():
         "capture engine: started in 61.0s; of the capture's 10.0s, 9.0s waiting on the engine, "
         "0.50s reading its files (5%)"
     )
+
+
+FP8 = "fp8_per_block"  # the one online FP8 scheme vLLM 0.32's CPU build runs (docs/usage.md, 'Capture inside vLLM')
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """Shards 0-1 of the shipped prompts on the FP8-ready tiny target (tests/targets.fp8_block_target),
+    captured by transformers (bf16), by vLLM in bf16 and by vLLM with its weights in FP8."""
+    from stages.extract.run import run as extract
+    from tests.engines import build_venv
+    from tests.targets import fp8_block_target
+
+    root = tmp_path_factory.mktemp("fp8")
+    settings = dict(STORE_SETTINGS, target=str(fp8_block_target(root / "target")))
+    engine = dict(capture="vllm", capture_python=str(build_venv()), capture_memory=0.1)
+    out = {"root": root}
+    for name, extra in (("hf", {}), ("bf16", engine), ("fp8", dict(engine, capture_quantization=FP8))):
+        out[name] = root / f"{name}.zarr"
+        extract(ExtractConfig(store=str(out[name]), **settings, **extra), log=print)
+    return out
+
+
+@pytest.mark.engine
+def test_an_fp8_capture_records_its_quantization_and_moves_the_states_beyond_bf16_rounding(quantized):
+    from bench.parity import per_tap
+    from store.hidden_store import HiddenStore
+    from store.summary import render, summarize
+
+    hf, bf16, fp8 = (HiddenStore(str(quantized[n])) for n in ("hf", "bf16", "fp8"))
+    capture = fp8.attrs.compat.capture
+    assert (capture["quantization"], capture["checkpoint_quantization"]) == (FP8, None)
+    assert "CPUFp8BlockScaledMMKernel" in capture["kernels"]["linear"]
+    assert bf16.attrs.compat.capture["quantization"] is None
+    assert f"quantization {FP8}" in render(summarize(fp8))
+    assert fp8.attrs.compat.conditioning() != bf16.attrs.compat.conditioning()
+    assert fp8.attrs.compat.placement() == bf16.attrs.compat.placement()
+    for row in per_tap(hf, bf16)["taps"]:  # the engine in bf16 on this target: bf16 rounding, as on the shipped one
+        assert row["cos_min"] >= COS_MIN and row["max_abs"] <= MAX_ABS and row["bit_identical"] >= SAME, row
+    figures = per_tap(hf, fp8)
+    print(f"\n{FP8} against transformers bf16, {figures['tokens']} tokens:")
+    for row in figures["taps"]:
+        print({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()})
+    rows = figures["taps"]
+    assert min(r["cos_mean"] for r in rows) >= FP8_COS_MEAN  # the same states, FP8-rounded weights
+    assert any(r["cos_min"] < COS_MIN or r["bit_identical"] < SAME for r in rows)  # not bf16 parity
+
+
+@pytest.mark.engine
+def test_a_drafter_trained_on_bf16_engine_states_is_refused_on_fp8_states_unless_allowed(quantized):
+    from pipeline.errors import DrafterError
+    from stages.evaluate.config import EvalConfig
+    from stages.evaluate.run import run as evaluate
+    from stages.train.config import TrainConfig
+    from stages.train.run import run as train
+
+    run_dir = quantized["root"] / "run"
+    train(
+        TrainConfig.of(
+            store=str(quantized["bf16"]), out=str(run_dir), eval_shards="1", max_steps=60, batch_size=4, anchors=32
+        ),
+        log=lambda m: None,
+    )
+
+    def replay(store: str, allow: bool) -> dict:
+        config = EvalConfig(
+            store=str(quantized[store]),
+            checkpoints=(str(run_dir / "final"),),
+            shards="1",
+            out=str(quantized["root"] / f"eval-{store}-{allow}"),
+            ddtree=(),
+            max_prompts=10,
+            allow_mismatch=allow,
+            device="cpu",
+        )
+        return evaluate(config, log=lambda m: None)["checkpoints"][0]
+
+    same = replay("bf16", False)
+    with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
+        replay("fp8", False)
+    other = replay("fp8", True)
+    assert other["check"].startswith("mismatch (allowed)")
+    print(f"\nchain tau: on the bf16 engine store {same['tau']:.4f}, on the {FP8} store {other['tau']:.4f}")
