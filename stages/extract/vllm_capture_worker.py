@@ -15,8 +15,9 @@ in the engine's dtype, "token_ids" [T]).
 Line protocol, one JSON object a line. The worker's stdout is moved to stderr at start (vLLM and its
 processes log there), its replies go to the original stdout:
   reply   {"ready": true, "vllm": version, "num_layers", "hidden_size", "layout": {...}}  once the
-          engine is up (layout: what the engine reports it runs with, `layout()`), or {"error": "..."}
-          and exit 3 (vLLM cannot be imported, a layer id out of range)
+          engine is up and has captured a few tokens (`warm_up`; layout: what the engine reports it
+          runs with, `layout()`), or {"error": "..."} and exit 3 (vLLM cannot be imported, a layer id
+          out of range)
   request {"seqs": [[ids], ..], "prompt_lens": [n, ..] or null}   (token ids, not states)
   reply   {"files": [path, ..], "matches": [m, ..] or null}      files in request order, written and
           unlocked; matches: per sequence, how many tokens after its prompt are the engine's own
@@ -123,6 +124,14 @@ def capture(llm, request: dict) -> dict:
     return {"files": files, "matches": matches}
 
 
+def warm_up(llm) -> None:
+    """One capture of a few tokens before the ready reply, its file removed: an engine that loads but
+    cannot run this target's forward (a kernel it lacks, heads its ranks cannot split) stops here, its
+    error in the log, before the caller claims any work."""
+    for path in capture(llm, {"seqs": [list(range(1, 9))], "prompt_lens": None})["files"]:
+        os.remove(path)
+
+
 def agreeing(out, prompt_len: int) -> int:
     """Tokens after the prompt that were the engine's argmax at the position before (rank 1)."""
     ids, logprobs = out.prompt_token_ids, out.prompt_logprobs
@@ -149,6 +158,7 @@ def main(config_path: str) -> int:
     if bad:
         reply.write(json.dumps({"error": f"layer id(s) {bad} outside 1-{layers} ({config['target']})"}) + "\n")
         return 3
+    warm_up(llm)
     ready = {"ready": True, "vllm": vllm.__version__, "num_layers": layers, "hidden_size": hf.hidden_size}
     reply.write(json.dumps({**ready, "layout": layout(llm)}) + "\n")
     for line in sys.stdin:

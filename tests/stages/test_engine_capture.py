@@ -129,6 +129,8 @@ class LLM:
         return [getattr(worker, method)()] * self.kwargs["tensor_parallel_size"]
 
     def generate(self, prompts, params, use_tqdm=False):
+        if os.environ.get("STUB_VLLM_FORWARD_FAILS"):
+            raise RuntimeError(os.environ["STUB_VLLM_FORWARD_FAILS"])
         os.makedirs(self.dir, exist_ok=True)
         outs = []
         for i, prompt in enumerate(prompts):
@@ -241,6 +243,22 @@ def test_a_store_refuses_a_rerun_with_another_engine_layout_before_any_shard_is_
         with pytest.raises(StoreMismatch, match=r"refusing to add shards \(capture: store has"):
             extract(ExtractConfig(**{**settings, "shards": "1", **changed}), log=lambda m: None)
         assert sorted(HiddenStore(settings["store"]).committed()) == [0]
+
+
+def test_an_engine_that_loads_but_cannot_run_the_forward_is_one_line_before_the_store_is_made(tmp_path, monkeypatch):
+    from stages.extract.run import run as extract
+
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
+    monkeypatch.setenv("STUB_VLLM_FORWARD_FAILS", "CHECK_EQ(mat1.size(1), K) failed. 128 vs 4")  # as vLLM's CPU FP8
+    config = ExtractConfig(
+        **dict(STORE_SETTINGS, store=str(tmp_path / "hs.zarr"), capture="vllm", capture_python=stub_engine(tmp_path))
+    )
+    with pytest.raises(
+        EngineError, match=r"^--capture vllm: the engine stopped \(exit 1\): RuntimeError: CHECK_EQ"
+    ) as e:
+        extract(config, log=lambda m: None)
+    kept_log(e.value)
+    assert not (tmp_path / "hs.zarr").exists()
 
 
 def test_a_drafter_is_refused_on_states_of_another_engine_layout():
