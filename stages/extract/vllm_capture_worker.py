@@ -78,7 +78,9 @@ def layout(llm) -> dict:
         "tensor_parallel": config.parallel_config.tensor_parallel_size,
         "pipeline_parallel": config.parallel_config.pipeline_parallel_size,
         "quantization": config.model_config.quantization,
-        "checkpoint_quantization": (own or {}).get("quant_method") if isinstance(own, dict) else own,
+        "checkpoint_quantization": own.get("quant_method")
+        if isinstance(own, dict)
+        else getattr(own, "quant_method", None),
         "kernels": merged(llm.collective_rpc("dflash_kernels")),
     }
 
