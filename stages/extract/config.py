@@ -163,7 +163,9 @@ class ExtractConfig:
     capture_pp: int | None = setting(
         None,
         "Pipeline-parallel size of the --capture vllm engine (vLLM's pipeline_parallel_size): the "
-        "devices its layers are split across. Recorded in the store's conditioning.",
+        "devices its layers are split across. Recorded in the store's conditioning. vLLM 0.32 refuses "
+        "more than 1 with the capture's extract_hidden_states method (its draft model has no "
+        "pipeline-parallel support), in one line before any shard is claimed.",
         default_text="1",
     )
     capture_quantization: str | None = setting(
