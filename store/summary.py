@@ -127,7 +127,7 @@ def capture_text(capture: dict | None) -> str:
     return (
         f"{capture['engine']} {capture['version']}, {capture['dtype']}, tensor parallel "
         f"{capture['tensor_parallel']}, pipeline parallel {capture['pipeline_parallel']}, "
-        f"layer ids {capture['layer_ids']}"
+        f"quantization {capture.get('quantization') or 'none'}, layer ids {capture['layer_ids']}"
     )
 
 

@@ -79,3 +79,56 @@ def damaged_checkpoint(directory: Path, edit) -> Path:
     edit(state)
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def two_way_target(directory: Path) -> Path:
+    """The shipped target with its one Gated DeltaNet key head written as two equal ones, so that
+    vLLM can split every head over two ranks (tensor parallel 2), written to directory. The same
+    function: the shipped target's two value heads both read its one key head, here each reads its
+    own copy of it (the query and key rows of in_proj_qkv and their convolution channels repeated);
+    every other tensor is the shipped one. bf16, as shipped."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(TINY_TARGET)
+    width = config.linear_num_key_heads * config.linear_key_head_dim  # the query's rows, and the key's
+    state = load_file(TINY_TARGET / "model.safetensors")
+    for name, w in state.items():
+        if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+            q, k, v = w.split([width, width, w.shape[0] - 2 * width])  # rows: [query, key, value]
+            state[name] = torch.cat([q, q, k, k, v])
+    config.linear_num_key_heads *= 2
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(TINY_TARGET / name, directory / name)
+    return directory
+
+
+def fp8_block_target(directory: Path) -> Path:
+    """A tiny target whose every quantizable linear layer vLLM's CPU FP8 block kernel takes: the
+    shipped one with 16 Gated DeltaNet value heads instead of 2, so that in_proj_ba has 32 outputs
+    (the shipped one's 4 fail the kernel: it packs outputs in multiples of 32). The shipped weights
+    where the shapes stay (embedding, attention, MLPs, norms, lm_head), the Gated DeltaNet layers'
+    others drawn as transformers initialises them, seed 0; bf16. Written to directory."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(TINY_TARGET)
+    config.linear_num_value_heads = 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    state = model.state_dict()
+    shipped = load_file(TINY_TARGET / "model.safetensors")
+    state.update({k: w for k, w in shipped.items() if k in state and state[k].shape == w.shape})
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(TINY_TARGET / name, directory / name)
+    return directory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 
@@ -175,6 +176,30 @@ class ExtractConfig:
         "gpu_memory_utilization; on CPU a share of host memory).",
         default_text="vLLM's default",
     )
+    capture_tp: int | None = setting(
+        None,
+        "Tensor-parallel size of the --capture vllm engine (vLLM's tensor_parallel_size): the devices "
+        "one engine spreads each layer over. Data parallel is not an engine setting here: run several "
+        "`pipeline extract` processes (one engine each, under a launcher or on several nodes), which "
+        "claim shards by leases. Recorded in the store's conditioning.",
+        default_text="1",
+    )
+    capture_pp: int | None = setting(
+        None,
+        "Pipeline-parallel size of the --capture vllm engine (vLLM's pipeline_parallel_size): the "
+        "devices its layers are split across. Recorded in the store's conditioning. vLLM 0.32 refuses "
+        "more than 1 with the capture's extract_hidden_states method (its draft model has no "
+        "pipeline-parallel support), in one line before any shard is claimed.",
+        default_text="1",
+    )
+    capture_quantization: str | None = setting(
+        None,
+        "Quantization the --capture vllm engine applies (vLLM's quantization=, e.g. fp8_per_tensor: "
+        "FP8 weights made from a bf16 checkpoint at load). The states change with it: what the engine "
+        "ran with is recorded in the store's conditioning, so drafters trained on unquantized states "
+        "are refused on them unless allowed.",
+        default_text="the checkpoint's own (none if it has none)",
+    )
     taps: str | None = setting(
         None,
         "Tap layers: '1,16,31' (layer ids, 0-based; tap k = output of layer k) or 'n=5'.",
@@ -308,8 +333,24 @@ class ExtractConfig:
             not self.final_state or self.agreement,
             "checks each shard by the agreement of the stored final state: drop --no-agreement",
         )
+        for name in ("capture_tp", "capture_pp"):
+            size = getattr(self, name)
+            require(self, name, size is None or self.capture == "vllm", "goes with --capture vllm")
+            require(self, name, size is None or size >= 1, "must be at least 1")
+        quantization = self.capture_quantization
+        require(
+            self, "capture_quantization", quantization is None or self.capture == "vllm", "goes with --capture vllm"
+        )
+        require(
+            self,
+            "capture_quantization",
+            quantization is None or re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", quantization) is not None,
+            "must be a vLLM quantization method's name (lower case), e.g. fp8_per_tensor",
+        )
         if self.capture == "vllm":
             fill(self, "capture_python", self.capture_python or sys.executable)
+            fill(self, "capture_tp", self.capture_tp or 1)
+            fill(self, "capture_pp", self.capture_pp or 1)
         require(self, "writer_memory_gb", self.writer_memory_gb > 0, "must be positive")
         require(self, "lease_s", self.lease_s >= 2, "must be at least 2 seconds (S3 times leases to the second)")
         lo, hi = layout.LEVELS

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import EngineError
+from store.errors import ConfigError
 from store.format.schema import Backends
 
 WORKER = Path(__file__).with_name("vllm_capture_worker.py")
@@ -79,6 +80,21 @@ def cut(completion: list[int], limit: int, eos_ids: list[int]) -> list[int]:
     return completion[: min(end, limit)]
 
 
+def check_split(config, tensor_parallel: int) -> None:
+    """Refuse, in one line, a tensor-parallel size that does not divide the target's Gated DeltaNet
+    heads: vLLM 0.32 splits them over its ranks without checking, and its first forward fails on a
+    shape (qwen_gdn_linear_attn.py, rearrange_mixed_qkv: a rank's share of one 64-wide key head is 32
+    values). Its attention heads vLLM checks itself. config: the target's transformers config."""
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % tensor_parallel:
+            raise ConfigError(
+                "--capture-tp",
+                tensor_parallel,
+                f"must divide the target's {name} ({heads}): vLLM splits the Gated DeltaNet heads over its ranks",
+            )
+
+
 def backends(requested: str) -> Backends:
     """The kernels record of a store whose states the engine computed: its own, not observed here."""
     return Backends(
@@ -103,11 +119,22 @@ class VllmCapture:
         max_model_len: int,
         memory_share: float | None,
         version: str | None = None,
+        *,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        quantization: str | None = None,
     ) -> None:
-        """version: vLLM's in `python` when already checked (check_python), else checked by start()."""
+        """version: vLLM's in `python` when already checked (check_python), else checked by start().
+        quantization: vLLM's `quantization=` (None: the checkpoint's own, none if it has none)."""
         self.python, self.target, self.taps, self.hidden_size = python, target, list(taps), hidden_size
         self.dtype, self.max_model_len, self.memory_share = DTYPES[dtype], max_model_len, memory_share
         self.version = version
+        self.requested = {
+            "tensor_parallel_size": tensor_parallel,
+            "pipeline_parallel_size": pipeline_parallel,
+            "quantization": quantization,
+        }
+        self.layout: dict | None = None  # what the engine reports it runs with (its ready reply)
         self.log: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
@@ -117,13 +144,18 @@ class VllmCapture:
 
     @property
     def record(self) -> dict:
-        """How the states were made, as the store's conditioning records it."""
+        """How the states were made, as the store's conditioning records it: the parallel layout,
+        quantization and kernels are the ones the started engine reports, not the ones asked for."""
+        assert self.layout is not None, "the engine reports its layout once started"
         return {
             "engine": "vllm",
             "version": self.version,
             "dtype": self.dtype,
-            "tensor_parallel": 1,
-            "pipeline_parallel": 1,
+            "tensor_parallel": self.layout["tensor_parallel"],
+            "pipeline_parallel": self.layout["pipeline_parallel"],
+            "quantization": self.layout["quantization"],
+            "checkpoint_quantization": self.layout["checkpoint_quantization"],
+            "kernels": self.layout["kernels"],
             "layer_ids": vllm_layer_ids(self.taps),
         }
 
@@ -138,7 +170,7 @@ class VllmCapture:
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
             "gpu_memory_utilization": self.memory_share,
-            "tensor_parallel_size": 1,
+            **self.requested,
             "transport_dir": str(self.dir / "states"),
             "seed": 0,
         }
@@ -157,6 +189,7 @@ class VllmCapture:
         reply = self._reply()
         if reply.get("hidden_size") != self.hidden_size:
             self._fail(f"the engine's hidden size {reply.get('hidden_size')} is not the target's {self.hidden_size}")
+        self.layout = reply["layout"]
         self.seconds["start_s"] = time.perf_counter() - t
         return self
 

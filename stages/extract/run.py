@@ -286,7 +286,12 @@ def open_target(
 
 def start_capture(config: ExtractConfig, target: Target, taps: list[int], version: str, say) -> VllmCapture:
     """--capture vllm: the engine up with the taps' layer ids, or one line (it is stopped again)."""
-    say(f"starting vLLM {version} ({config.capture_python}) to capture taps {taps} of {config.target}")
+    engine_capture.check_split(target.model.config, config.capture_tp)
+    say(
+        f"starting vLLM {version} ({config.capture_python}) to capture taps {taps} of {config.target}, "
+        f"tensor parallel {config.capture_tp}, pipeline parallel {config.capture_pp}, "
+        f"quantization {config.capture_quantization or 'as the checkpoint has it'}"
+    )
     capturer = VllmCapture(
         config.capture_python,
         config.target,
@@ -296,6 +301,9 @@ def start_capture(config: ExtractConfig, target: Target, taps: list[int], versio
         config.max_length + 1,  # the prefill of a whole sequence, and the one token vLLM makes after it
         config.capture_memory,
         version,
+        tensor_parallel=config.capture_tp,
+        pipeline_parallel=config.capture_pp,
+        quantization=config.capture_quantization,
     )
     try:
         return capturer.start()

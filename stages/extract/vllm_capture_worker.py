@@ -5,7 +5,8 @@
 
 CONFIG: {"target", "layer_ids": [vLLM aux layer ids: id L = the output of decoder layer L-1],
          "dtype", "max_model_len", "gpu_memory_utilization" (null: vLLM's default),
-         "tensor_parallel_size", "transport_dir", "seed"}
+         "tensor_parallel_size", "pipeline_parallel_size", "quantization" (null: the checkpoint's own),
+         "transport_dir", "seed"}
 The engine prefills each sequence once (max_tokens=1: no multi-token generation is involved) with
 speculative method `extract_hidden_states` and the connector of vllm_capture_connector.py, which
 leaves each sequence's states in TRANSPORT_DIR/<request>.safetensors ("hidden_states" [T, n_taps, H]
@@ -13,9 +14,11 @@ in the engine's dtype, "token_ids" [T]).
 
 Line protocol, one JSON object a line. The worker's stdout is moved to stderr at start (vLLM and its
 processes log there), its replies go to the original stdout:
-  reply   {"ready": true, "vllm": version, "num_layers", "hidden_size"}  once the engine is up,
-          or {"error": "..."} and exit 3 (vLLM cannot be imported, an architecture it cannot capture,
-          found before the engine starts: `uncapturable`; a layer id out of range)
+  reply   {"ready": true, "vllm": version, "num_layers", "hidden_size", "layout": {...}}  once the
+          engine is up and has captured a few tokens (`warm_up`; layout: what the engine reports it
+          runs with, `layout()`), or {"error": "..."} and exit 3 (vLLM cannot be imported, an
+          architecture it cannot capture, found before the engine starts: `uncapturable`; a layer id
+          out of range)
   request {"seqs": [[ids], ..], "prompt_lens": [n, ..] or null}   (token ids, not states)
   reply   {"files": [path, ..], "matches": [m, ..] or null}      files in request order, written and
           unlocked; matches: per sequence, how many tokens after its prompt are the engine's own
@@ -49,10 +52,13 @@ def engine(config: dict):
         seed=config["seed"],
         max_model_len=config["max_model_len"],
         tensor_parallel_size=config["tensor_parallel_size"],
+        pipeline_parallel_size=config["pipeline_parallel_size"],
+        quantization=config["quantization"],
         # Off: every position's state comes from this request's own prefill (a cached prefix is not
         # run again), and on CPU a hybrid target's prefix cache needs a Triton kernel.
         enable_prefix_caching=False,
         enforce_eager=not torch.cuda.is_available(),
+        worker_extension_cls="vllm_capture_worker.KernelReport",
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -94,6 +100,45 @@ def uncapturable(config: dict) -> str | None:
     return None
 
 
+def layout(llm) -> dict:
+    """What the engine runs with, as it reports it after start: its parallel sizes, the quantization
+    it applies (None: none) and the checkpoint's own (its quantization_config's method, None: none),
+    and the kernels its workers chose (attention backends by name, the linear layers' methods and
+    kernels), asked of every worker once."""
+    config = llm.llm_engine.vllm_config
+    own = getattr(config.model_config.hf_config, "quantization_config", None)
+    return {
+        "tensor_parallel": config.parallel_config.tensor_parallel_size,
+        "pipeline_parallel": config.parallel_config.pipeline_parallel_size,
+        "quantization": config.model_config.quantization,
+        "checkpoint_quantization": own.get("quant_method")
+        if isinstance(own, dict)
+        else getattr(own, "quant_method", None),
+        "kernels": merged(llm.collective_rpc("dflash_kernels")),
+    }
+
+
+class KernelReport:
+    """Mixed into each engine worker (vLLM's worker_extension_cls), so the worker can be asked by
+    name: vLLM sends a method's name to its workers, a function only with pickling allowed."""
+
+    def dflash_kernels(self) -> dict:
+        """This worker's attention backends and its linear layers' kernels (or methods), by name."""
+        groups = getattr(self.model_runner, "attn_groups", [])
+        found = {"attention": {g.backend.get_name() for gs in groups for g in gs}, "linear": set()}
+        for module in self.model_runner.model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(module, "weight"):
+                kernel = getattr(method, "fp8_linear", None) or getattr(method, "kernel", None)
+                found["linear"].add(type(kernel if kernel is not None else method).__name__)
+        return {k: sorted(v) for k, v in found.items()}
+
+
+def merged(replies: list[dict]) -> dict:
+    """The workers' kernels as one record (every name any worker reported)."""
+    return {k: sorted({n for r in replies for n in r.get(k, [])}) for k in ("attention", "linear")}
+
+
 def capture(llm, request: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -133,6 +178,14 @@ def written(out) -> str:
     return path
 
 
+def warm_up(llm) -> None:
+    """One capture of a few tokens before the ready reply, its file removed: an engine that loads but
+    cannot run this target's forward (a kernel it lacks, heads its ranks cannot split) stops here, its
+    error in the log, before the caller claims any work."""
+    for path in capture(llm, {"seqs": [list(range(1, 9))], "prompt_lens": None})["files"]:
+        os.remove(path)
+
+
 def agreeing(out, prompt_len: int) -> int:
     """Tokens after the prompt that were the engine's argmax at the position before (rank 1)."""
     ids, logprobs = out.prompt_token_ids, out.prompt_logprobs
@@ -163,10 +216,9 @@ def main(config_path: str) -> int:
     if bad:
         reply.write(json.dumps({"error": f"layer id(s) {bad} outside 1-{layers} ({config['target']})"}) + "\n")
         return 3
-    reply.write(
-        json.dumps({"ready": True, "vllm": vllm.__version__, "num_layers": layers, "hidden_size": hf.hidden_size})
-        + "\n"
-    )
+    warm_up(llm)
+    ready = {"ready": True, "vllm": vllm.__version__, "num_layers": layers, "hidden_size": hf.hidden_size}
+    reply.write(json.dumps({**ready, "layout": layout(llm)}) + "\n")
     for line in sys.stdin:
         if line.strip():
             request = json.loads(line)

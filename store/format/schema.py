@@ -120,8 +120,10 @@ class Compat:
     # "none", "mixed": Backends.conv1d); None: not recorded (stores made before it was).
     conv1d: str | None = role("conditioning", default=None)
     # What computed the states when not the target loaded in-process (`--capture vllm`): {"engine": "vllm",
-    # "version", "dtype", "tensor_parallel", "pipeline_parallel", "layer_ids": the engine's ids of the
-    # taps}; None: transformers in the extracting process (every store made before it was recorded).
+    # "version", "dtype", "tensor_parallel", "pipeline_parallel", "quantization" (the engine's, None:
+    # none), "checkpoint_quantization" (the checkpoint's method, None: none), "kernels" ({"attention",
+    # "linear"}: names the engine's workers report), "layer_ids": the engine's ids of the taps}, as the
+    # started engine reports them; None: transformers in the extracting process.
     capture: dict | None = role("conditioning", default=None)
     # True: every shard stores the target's state after its final norm, per token (`final_state`, [T, H], in
     # the hidden format: pipeline extract --final-state); None: not stored (every store made before it could

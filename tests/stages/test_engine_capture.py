@@ -9,7 +9,12 @@ of bit-identical bf16 values >= SAME. The same thresholds fail the states one la
 (tap k against k-1 and k+1: the off-by-one of SPEC section 3) and the last layer's output after the
 final norm (a capture taken at the wrong end of the norm), so the tap convention is what passes.
 Every position has its state (none all zeros, the first of each sequence included) and the engine's
-greedy agreement is the target's. The checks that need no engine run in the default suite.
+greedy agreement is the target's. Tensor parallel 2 is held to the same thresholds against
+transformers and against tensor parallel 1 (on the shipped target's function with heads that split in
+two), and an FP8 capture (vLLM's fp8_per_block, the one its CPU build runs) has its quantization
+recorded and its distance from bf16 reported, not held to bf16 parity. The checks that need no
+engine run in the default suite, with a stub vLLM where an engine's replies are needed (the flags
+reaching vLLM, its report recorded, a rerun with another layout refused).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from store.errors import ConfigError
 TAPS = list(range(8))  # every layer of the tiny target
 TAU_TOLERANCE = 0.02  # |tau on the other store / tau on its own - 1|: as the served test's (test_engine_served.py)
 COS_MEDIAN, COS_MIN, MAX_ABS, SAME = 0.9999, 0.999, 0.125, 0.15  # measured: 0.99996-0.99998, 0.99989, 0.0625, 21-30%
+FP8_COS_MEAN = 0.999  # fp8_per_block against bf16 transformers, mean cosine per tap; measured 0.99978-0.99982
 
 
 def stats(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -80,6 +86,217 @@ def fake_vllm(tmp_path, version: str) -> str:
     return str(python)
 
 
+STUB_ENGINE = """
+import json, os, types
+import torch
+from safetensors.torch import save_file
+
+__version__ = "0.32.0"
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class LLM:
+    \"\"\"Echoes its arguments as the layout an engine reports; each prompt's states: its token ids.\"\"\"
+
+    def __init__(self, **kwargs):
+        with open(os.environ["STUB_VLLM_KWARGS"], "w") as fh:
+            json.dump(kwargs, fh)
+        self.kwargs = kwargs
+        with open(os.path.join(kwargs["model"], "config.json")) as fh:
+            hf = types.SimpleNamespace(**json.load(fh))
+        parallel = types.SimpleNamespace(
+            tensor_parallel_size=kwargs["tensor_parallel_size"], pipeline_parallel_size=kwargs["pipeline_parallel_size"]
+        )
+        model = types.SimpleNamespace(hf_config=hf, hf_text_config=hf, quantization=kwargs["quantization"])
+        self.llm_engine = types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(parallel_config=parallel, model_config=model),
+            model_config=model,
+            engine_core=types.SimpleNamespace(shutdown=lambda: None),
+        )
+        self.taps = len(kwargs["speculative_config"]["draft_model_config"]["hf_config"][
+            "eagle_aux_hidden_state_layer_ids"])
+        self.hidden, self.dir = hf.hidden_size, kwargs["kv_transfer_config"]["kv_connector_extra_config"][
+            "shared_storage_path"]
+
+    def collective_rpc(self, method):
+        module, name = self.kwargs["worker_extension_cls"].rsplit(".", 1)
+        extension = getattr(__import__(module), name)
+        backend = types.SimpleNamespace(get_name=lambda: "STUB_ATTN")
+        group = types.SimpleNamespace(backend=backend)
+        layer = torch.nn.Linear(2, 2)
+        layer.quant_method = types.SimpleNamespace(fp8_linear=None, kernel=None)
+        worker = type("Worker", (extension,), {})()
+        worker.model_runner = types.SimpleNamespace(attn_groups=[[group]], model=torch.nn.Sequential(layer))
+        return [getattr(worker, method)()] * self.kwargs["tensor_parallel_size"]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        if os.environ.get("STUB_VLLM_FORWARD_FAILS"):
+            raise RuntimeError(os.environ["STUB_VLLM_FORWARD_FAILS"])
+        os.makedirs(self.dir, exist_ok=True)
+        outs = []
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor(prompt.prompt_token_ids)
+            states = (ids[:, None, None] + 1).expand(-1, self.taps, self.hidden).to(torch.bfloat16)
+            path = os.path.join(self.dir, f"{os.getpid()}-{id(prompt)}-{i}.safetensors")
+            save_file({"hidden_states": states.contiguous(), "token_ids": ids}, path)
+            open(path + ".lock", "w").close()
+            ranks = [None] + [{t: types.SimpleNamespace(rank=1)} for t in prompt.prompt_token_ids[1:]]
+            outs.append(types.SimpleNamespace(
+                kv_transfer_params={"hidden_states_path": path}, prompt_token_ids=prompt.prompt_token_ids,
+                prompt_logprobs=ranks))
+        return outs
+"""
+
+
+def stub_engine(tmp_path) -> str:
+    """A Python whose `vllm` is a stub engine: it records the arguments its LLM gets (in the file
+    $STUB_VLLM_KWARGS), reports them back as its layout, and captures each token's state as its id + 1."""
+    where = tmp_path / "vllm-stub-engine"
+    (where / "vllm").mkdir(parents=True, exist_ok=True)
+    (where / "vllm" / "__init__.py").write_text(STUB_ENGINE)
+    (where / "vllm" / "inputs.py").write_text(
+        "class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
+        "        self.prompt_token_ids = prompt_token_ids\n"
+    )
+    capturable = {  # the worker's check before the engine starts: any target resolves to a class that can
+        "vllm/engine/__init__.py": "",
+        "vllm/engine/arg_utils.py": (
+            "class Qwen3_5ForCausalLM:\n    supports_eagle3 = True\n\n\n"
+            "class Registry:\n    def resolve_model_cls(self, archs, config):\n"
+            "        return Qwen3_5ForCausalLM, archs[0]\n\n\n"
+            "class ModelConfig:\n    architectures = ['Qwen3_5ForCausalLM']\n    registry = Registry()\n\n\n"
+            "class EngineArgs:\n    def __init__(self, **kw):\n        pass\n\n"
+            "    def create_model_config(self):\n        return ModelConfig()\n"
+        ),
+        "vllm/model_executor/__init__.py": "",
+        "vllm/model_executor/models/__init__.py": "",
+        "vllm/model_executor/models/interfaces.py": (
+            "def supports_eagle3(model):\n    return getattr(model, 'supports_eagle3', False)\n"
+        ),
+    }
+    for name, text in capturable.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
+    python = where / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+def test_the_parallel_sizes_and_quantization_reach_the_engine_and_its_report_is_the_record(tmp_path, monkeypatch):
+    kwargs = tmp_path / "kwargs.json"
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(kwargs))
+    engine = VllmCapture(
+        stub_engine(tmp_path),
+        str(TINY_TARGET),
+        [1, 2],
+        128,
+        "bf16",
+        256,
+        None,
+        tensor_parallel=2,
+        pipeline_parallel=3,
+        quantization="fp8_per_tensor",
+    )
+    try:
+        engine.start()
+        states = engine.capture([[5, 6, 7]], [1, 2])  # [3, 2, 128]: each token's id + 1
+    finally:
+        engine.close()
+    given = json.loads(kwargs.read_text())
+    assert (given["tensor_parallel_size"], given["pipeline_parallel_size"], given["quantization"]) == (
+        2,
+        3,
+        "fp8_per_tensor",
+    )
+    assert engine.record == {
+        "engine": "vllm",
+        "version": "0.32.0",
+        "dtype": "bfloat16",
+        "tensor_parallel": 2,
+        "pipeline_parallel": 3,
+        "quantization": "fp8_per_tensor",
+        "checkpoint_quantization": None,
+        "kernels": {"attention": ["STUB_ATTN"], "linear": ["SimpleNamespace"]},
+        "layer_ids": [2, 3],
+    }
+    assert states[:, 0, 0].tolist() == [6.0, 7.0, 8.0]
+
+
+def test_a_checkpoints_own_quantization_is_recorded_as_the_engine_reports_it(tmp_path, monkeypatch):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(TINY_TARGET, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
+    engine = VllmCapture(stub_engine(tmp_path), str(target), [0], 128, "bf16", 256, None)
+    try:
+        engine.start()
+    finally:
+        engine.close()
+    given = json.loads((tmp_path / "kwargs.json").read_text())
+    assert (given["tensor_parallel_size"], given["pipeline_parallel_size"], given["quantization"]) == (1, 1, None)
+    record = engine.record
+    assert (record["tensor_parallel"], record["quantization"], record["checkpoint_quantization"]) == (1, None, "fp8")
+
+
+def test_a_store_refuses_a_rerun_with_another_engine_layout_before_any_shard_is_claimed(tmp_path, monkeypatch):
+    from stages.extract.run import run as extract
+    from store.errors import StoreMismatch
+    from store.hidden_store import HiddenStore
+    from store.summary import render, summarize
+    from tests.targets import two_way_target
+
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
+    settings = dict(STORE_SETTINGS, store=str(tmp_path / "hs.zarr"), taps="1,3", capture="vllm")
+    settings["target"] = str(two_way_target(tmp_path / "two_way"))  # heads that split over two ranks
+    settings.update(capture_python=stub_engine(tmp_path), shards="0", capture_tp=2)
+    extract(ExtractConfig(**settings), log=lambda m: None)
+    store = HiddenStore(settings["store"])
+    capture = store.attrs.compat.capture
+    assert (capture["tensor_parallel"], capture["pipeline_parallel"], capture["quantization"]) == (2, 1, None)
+    assert "tensor parallel 2, pipeline parallel 1, quantization none" in render(summarize(store))
+    for changed in (dict(capture_tp=1), dict(capture_quantization="fp8_per_block")):  # pp: the same record
+        with pytest.raises(StoreMismatch, match=r"refusing to add shards \(capture: store has"):
+            extract(ExtractConfig(**{**settings, "shards": "1", **changed}), log=lambda m: None)
+        assert sorted(HiddenStore(settings["store"]).committed()) == [0]
+
+
+def test_an_engine_that_loads_but_cannot_run_the_forward_is_one_line_before_the_store_is_made(tmp_path, monkeypatch):
+    from stages.extract.run import run as extract
+
+    monkeypatch.setenv("STUB_VLLM_KWARGS", str(tmp_path / "kwargs.json"))
+    monkeypatch.setenv("STUB_VLLM_FORWARD_FAILS", "CHECK_EQ(mat1.size(1), K) failed. 128 vs 4")  # as vLLM's CPU FP8
+    config = ExtractConfig(
+        **dict(STORE_SETTINGS, store=str(tmp_path / "hs.zarr"), capture="vllm", capture_python=stub_engine(tmp_path))
+    )
+    with pytest.raises(
+        EngineError, match=r"^--capture vllm: the engine stopped \(exit 1\): RuntimeError: CHECK_EQ"
+    ) as e:
+        extract(config, log=lambda m: None)
+    kept_log(e.value)
+    assert not (tmp_path / "hs.zarr").exists()
+
+
+def test_a_drafter_is_refused_on_states_of_another_engine_layout():
+    import dataclasses
+
+    from store.format.schema import Compat
+
+    fields = {f.name: "x" for f in dataclasses.fields(Compat)}
+    one = Compat(**{**fields, "capture": {"engine": "vllm", "tensor_parallel": 1, "quantization": None}})
+    for other in ({"tensor_parallel": 2}, {"quantization": "fp8_per_tensor"}):
+        changed = dataclasses.replace(one, capture={**one.capture, **other})
+        assert changed.conditioning() != one.conditioning() and changed.placement() == one.placement()
+
+
 def test_a_too_old_vllm_is_refused(tmp_path):
     with pytest.raises(EngineError, match=r"vLLM 0.11.2 is older than 0.32"):
         check_python(fake_vllm(tmp_path, "0.11.2"))
@@ -126,6 +343,16 @@ def test_capture_flags_go_with_capture_vllm():
     with pytest.raises(ConfigError, match="--capture-memory"):
         ExtractConfig(capture="vllm", capture_memory=1.5, device="cpu")
     assert ExtractConfig(capture="vllm", device="cpu").capture_python == sys.executable
+    for flag, value in (("capture_tp", 2), ("capture_pp", 2), ("capture_quantization", "fp8_per_tensor")):
+        with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}.*goes with --capture vllm"):
+            ExtractConfig(device="cpu", **{flag: value})
+    for flag in ("capture_tp", "capture_pp"):
+        with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}.*must be at least 1"):
+            ExtractConfig(capture="vllm", device="cpu", **{flag: 0})
+    with pytest.raises(ConfigError, match="--capture-quantization.*quantization method's name"):
+        ExtractConfig(capture="vllm", capture_quantization="FP8 please", device="cpu")
+    engine = ExtractConfig(capture="vllm", device="cpu")
+    assert (engine.capture_tp, engine.capture_pp, engine.capture_quantization) == (1, 1, None)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +434,71 @@ def test_the_engine_agrees_with_the_target_on_its_greedy_tokens(captured):
     print(f"\nagreement: vLLM {vm}/{vt}, transformers {hm}/{ht}")
     assert vt == ht == sum(map(len, captured["seqs"])) - sum(captured["lens"])
     assert abs(vm - hm) <= 2  # near-ties of a random target may fall either way in bf16
+
+
+def test_the_two_way_target_is_the_shipped_target_bit_for_bit(tmp_path, target_bf16):
+    """The tensor-parallel tests' target (two Gated DeltaNet key heads, equal) computes what the
+    shipped one does, so the TP 2 engine's states are held to the shipped target's."""
+    from pipeline.target import loading
+    from tests.targets import reference_states, two_way_target
+
+    two_way = loading.load(str(two_way_target(tmp_path / "two_way")), "cpu", "bf16", "auto")
+    assert two_way.model.config.linear_num_key_heads == 2 * target_bf16.model.config.linear_num_key_heads
+    seq = list(range(5, 80))
+    for a, b in zip(reference_states(target_bf16, seq), reference_states(two_way, seq), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_the_engine_starts(tmp_path):
+    from stages.extract.run import run as extract
+
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        capture="vllm",
+        capture_python=fake_vllm(tmp_path, "0.32.0"),  # no engine in it: refused before one would start
+        capture_tp=2,
+        dtype="bf16",
+        device="cpu",
+    )
+    with pytest.raises(ConfigError, match=r"^--capture-tp 2: must divide the target's linear_num_key_heads \(1\)"):
+        extract(config, log=lambda m: None)
+    assert not (tmp_path / "hs.zarr").exists()
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(captured, tmp_path_factory):
+    """The sequences of `captured` through vLLM at tensor parallel 2 (the two-way target: the shipped
+    one's function with heads that split in two), each rank's threads unbound (this host has one NUMA
+    node, vLLM's automatic binding wants one a rank)."""
+    from tests.engines import build_venv
+    from tests.targets import two_way_target
+
+    target = two_way_target(tmp_path_factory.mktemp("tp") / "two_way")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        engine = VllmCapture(str(build_venv()), str(target), TAPS, 128, "bf16", 256, 0.1, tensor_parallel=2).start()
+        try:
+            states, agreement = engine.capture(captured["seqs"], TAPS, captured["lens"])
+        finally:
+            engine.close()
+    return {"vllm": states, "agreement": agreement, "record": engine.record}
+
+
+@pytest.mark.engine
+def test_tensor_parallel_2_states_equal_transformers_and_tensor_parallel_1_tap_for_tap(tensor_parallel, captured):
+    tp2, tp1, hf = tensor_parallel["vllm"], captured["vllm"], captured["hf"]
+    assert tp2.shape == hf.shape and tp2.dtype == torch.bfloat16
+    assert not (tp2 == 0).all(dim=-1).any()
+    for j, k in enumerate(TAPS):
+        to_hf, to_tp1 = stats(tp2[:, j], hf[:, j]), stats(tp2[:, j], tp1[:, j])
+        print(f"\ntap {k}: TP2 vs transformers " + ", ".join(f"{n} {v:.5f}" for n, v in to_hf.items()))
+        print(f"tap {k}: TP2 vs TP1 " + ", ".join(f"{n} {v:.5f}" for n, v in to_tp1.items()))
+        assert equal(to_hf) and equal(to_tp1), (k, to_hf, to_tp1)
+    record = tensor_parallel["record"]
+    assert (record["tensor_parallel"], record["pipeline_parallel"], record["quantization"]) == (2, 1, None)
+    (matches, tokens), (hf_matches, hf_tokens) = tensor_parallel["agreement"], captured["agreement"][1]
+    print(f"agreement: TP2 {matches}/{tokens}, transformers {hf_matches}/{hf_tokens}")
+    assert tokens == hf_tokens and abs(matches - hf_matches) <= 2
 
 
 STORE_SETTINGS = dict(  # two shards of the shipped prompts with their own answers: the same sequences either way
@@ -497,3 +789,230 @@ def test_sampled_references_are_not_made_by_the_capturing_engine():
     with pytest.raises(ConfigError, match=r"^--temperature 0\.7: not with --capture vllm --responses regenerate"):
         ExtractConfig(capture="vllm", responses="regenerate", temperature=0.7, device="cpu")
     ExtractConfig(capture="vllm", responses="dataset", device="cpu")  # greedy or dataset answers: fine
+
+
+FP8 = "fp8_per_block"  # the one online FP8 scheme vLLM 0.32's CPU build runs (docs/usage.md, 'Capture inside vLLM')
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """Shards 0-1 of the shipped prompts on the FP8-ready tiny target (tests/targets.fp8_block_target),
+    captured by transformers (bf16), by vLLM in bf16 and by vLLM with its weights in FP8."""
+    from stages.extract.run import run as extract
+    from tests.engines import build_venv
+    from tests.targets import fp8_block_target
+
+    root = tmp_path_factory.mktemp("fp8")
+    settings = dict(STORE_SETTINGS, target=str(fp8_block_target(root / "target")))
+    engine = dict(capture="vllm", capture_python=str(build_venv()), capture_memory=0.1)
+    out = {"root": root}
+    for name, extra in (("hf", {}), ("bf16", engine), ("fp8", dict(engine, capture_quantization=FP8))):
+        out[name] = root / f"{name}.zarr"
+        extract(ExtractConfig(store=str(out[name]), **settings, **extra), log=print)
+    return out
+
+
+@pytest.mark.engine
+def test_an_fp8_capture_records_its_quantization_and_moves_the_states_beyond_bf16_rounding(quantized):
+    from bench.parity import per_tap
+    from store.hidden_store import HiddenStore
+    from store.summary import render, summarize
+
+    hf, bf16, fp8 = (HiddenStore(str(quantized[n])) for n in ("hf", "bf16", "fp8"))
+    capture = fp8.attrs.compat.capture
+    assert (capture["quantization"], capture["checkpoint_quantization"]) == (FP8, None)
+    assert "CPUFp8BlockScaledMMKernel" in capture["kernels"]["linear"]
+    assert bf16.attrs.compat.capture["quantization"] is None
+    assert f"quantization {FP8}" in render(summarize(fp8))
+    assert fp8.attrs.compat.conditioning() != bf16.attrs.compat.conditioning()
+    assert fp8.attrs.compat.placement() == bf16.attrs.compat.placement()
+    for row in per_tap(hf, bf16)["taps"]:  # the engine in bf16 on this target: bf16 rounding, as on the shipped one
+        assert row["cos_min"] >= COS_MIN and row["max_abs"] <= MAX_ABS and row["bit_identical"] >= SAME, row
+    figures = per_tap(hf, fp8)
+    print(f"\n{FP8} against transformers bf16, {figures['tokens']} tokens:")
+    for row in figures["taps"]:
+        print({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()})
+    rows = figures["taps"]
+    assert min(r["cos_mean"] for r in rows) >= FP8_COS_MEAN  # the same states, FP8-rounded weights
+    assert any(r["cos_min"] < COS_MIN or r["bit_identical"] < SAME for r in rows)  # not bf16 parity
+
+
+@pytest.mark.engine
+def test_a_drafter_trained_on_bf16_engine_states_is_refused_on_fp8_states_unless_allowed(quantized):
+    from pipeline.errors import DrafterError
+    from stages.evaluate.config import EvalConfig
+    from stages.evaluate.run import run as evaluate
+    from stages.train.config import TrainConfig
+    from stages.train.run import run as train
+
+    run_dir = quantized["root"] / "run"
+    train(
+        TrainConfig.of(
+            store=str(quantized["bf16"]), out=str(run_dir), eval_shards="1", max_steps=60, batch_size=4, anchors=32
+        ),
+        log=lambda m: None,
+    )
+
+    def replay(store: str, allow: bool) -> dict:
+        config = EvalConfig(
+            store=str(quantized[store]),
+            checkpoints=(str(run_dir / "final"),),
+            shards="1",
+            out=str(quantized["root"] / f"eval-{store}-{allow}"),
+            ddtree=(),
+            max_prompts=10,
+            allow_mismatch=allow,
+            device="cpu",
+        )
+        return evaluate(config, log=lambda m: None)["checkpoints"][0]
+
+    same = replay("bf16", False)
+    with pytest.raises(DrafterError, match="not trained on this store's conditioning"):
+        replay("fp8", False)
+    other = replay("fp8", True)
+    assert other["check"].startswith("mismatch (allowed)")
+    print(f"\nchain tau: on the bf16 engine store {same['tau']:.4f}, on the {FP8} store {other['tau']:.4f}")
+
+
+def opt_target(directory: Path) -> Path:
+    """A tiny OPT (random weights, the tiny target's tokenizer): a decoder the project taps, of an
+    architecture vLLM serves whose model class lacks SupportsEagle3, so extract_hidden_states cannot
+    take its layers' states."""
+    import shutil
+
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from pipeline import TINY_TARGET
+
+    torch.manual_seed(0)
+    config = OPTConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        word_embed_proj_dim=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=8192,  # the default --max-length's prefill and more
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    OPTForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_TARGET / name, directory / name)
+    return directory
+
+
+def stub_vllm_without_eagle3(tmp_path) -> tuple[str, Path]:
+    """A Python whose `vllm` 0.32.0 resolves any target to a model class without SupportsEagle3, and
+    whose engine, if it were ever started, leaves a file (the second path)."""
+    where = tmp_path / "vllm-no-eagle3"
+    started = where / "engine-started"
+    files = {
+        "vllm/__init__.py": f"__version__ = '0.32.0'\n\ndef LLM(**kw):\n    open({str(started)!r}, 'w').close()\n",
+        "vllm/engine/__init__.py": "",
+        "vllm/engine/arg_utils.py": (
+            "class OPTForCausalLM:\n    pass\n\n\n"
+            "class Registry:\n    def resolve_model_cls(self, archs, config):\n"
+            "        return OPTForCausalLM, archs[0]\n\n\n"
+            "class ModelConfig:\n    architectures = ['OPTForCausalLM']\n    registry = Registry()\n\n\n"
+            "class EngineArgs:\n    def __init__(self, **kw):\n        pass\n\n"
+            "    def create_model_config(self):\n        return ModelConfig()\n"
+        ),
+        "vllm/model_executor/__init__.py": "",
+        "vllm/model_executor/models/__init__.py": "",
+        "vllm/model_executor/models/interfaces.py": (
+            "def supports_eagle3(model):\n    return getattr(model, 'supports_eagle3', False)\n"
+        ),
+    }
+    for name, text in files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
+    python = where / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return str(python), started
+
+
+UNCAPTURABLE = (
+    r"^--capture vllm: vLLM serves OPTForCausalLM as OPTForCausalLM, which cannot hand out its layers' "
+    r"hidden states \(no set_aux_hidden_state_layers, .*\) \(log /\S+\)$"
+)
+
+
+def test_an_architecture_the_engine_cannot_capture_is_one_line_before_its_engine_starts_or_a_shard_is_claimed(
+    tmp_path,
+):
+    from stages.extract.run import run as extract
+
+    python, started = stub_vllm_without_eagle3(tmp_path)
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        target=str(opt_target(tmp_path / "opt")),
+        capture="vllm",
+        capture_python=python,
+        taps="0,1",
+        dtype="bf16",
+        device="cpu",
+    )
+    with pytest.raises(EngineError, match=UNCAPTURABLE) as refused:
+        extract(config, log=lambda m: None)
+    kept_log(refused.value)
+    assert not started.exists()  # the engine never started: no weight was loaded
+    assert not (tmp_path / "hs.zarr").exists()  # nothing claimed, not even the store's root
+
+
+def unserved_target(directory: Path) -> Path:
+    """The shipped tiny target under an architecture name no one serves: transformers builds it from
+    its model_type, vLLM has no class of that name."""
+    import shutil
+
+    from pipeline import TINY_TARGET
+
+    shutil.copytree(TINY_TARGET, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
+    return directory
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    "make, refusal",
+    [
+        (opt_target, UNCAPTURABLE),
+        (
+            unserved_target,
+            r"^--capture vllm: vLLM refuses \S+: Model architectures \['FooForCausalLM'\] are not "
+            r"supported for now \(log /\S+\)$",
+        ),
+    ],
+    ids=["served-without-aux-states", "not-served"],
+)
+def test_vllm_refuses_an_architecture_it_cannot_capture_in_one_line_before_loading_it(tmp_path, make, refusal):
+    """The real vLLM: its OPTForCausalLM returns no aux hidden states (its engine would load the
+    weights first, then stop with RuntimeError 'Model does not support EAGLE3 interface'), and it
+    serves no FooForCausalLM. Each refused from the target's config, before the engine starts and
+    before the store exists."""
+    import time
+
+    from stages.extract.run import run as extract
+    from tests.engines import build_venv
+
+    config = ExtractConfig(
+        store=str(tmp_path / "hs.zarr"),
+        target=str(make(tmp_path / "target")),
+        capture="vllm",
+        capture_python=str(build_venv()),
+        taps="0,1",
+        dtype="bf16",
+        device="cpu",
+        max_length=256,
+    )
+    t = time.perf_counter()
+    with pytest.raises(EngineError, match=refusal) as refused:
+        extract(config, log=print)
+    print(f"\nrefused in {time.perf_counter() - t:.1f}s: {refused.value}")
+    log = Path(re.search(r"\(log (/\S+)\)$", str(refused.value)).group(1)).read_text()
+    kept_log(refused.value)
+    assert not (tmp_path / "hs.zarr").exists()
+    assert "EngineCore" not in log  # no engine process was started
