@@ -95,6 +95,45 @@ def check_split(config, tensor_parallel: int) -> None:
             )
 
 
+# What a launcher (torchrun, accelerate) sets for its own process group: kept from the engine, which
+# starts a group of its own (its tensor-parallel ranks) and would otherwise join or clash with ours.
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def engine_env(env: dict, device: str, world: int, per_engine: int, gpus: int) -> dict:
+    """The engine's environment: this process's, less its launcher's variables, and under a launcher on
+    CUDA (world > 1, device cuda:R) its own GPUs: R*n to R*n + n - 1 (n = per_engine, the engine's
+    tensor x pipeline size) of those this process sees (CUDA_VISIBLE_DEVICES, else the `gpus` there
+    are), so the engines of one node's processes share no GPU. More engines than GPUs: one line."""
+    out = {k: v for k, v in env.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    if world == 1 or not device.startswith("cuda:"):
+        return out
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(gpus)]
+    first = int(device.split(":")[1]) * per_engine
+    last = first + per_engine - 1
+    if last >= len(ids):
+        raise EngineError(
+            f"--capture vllm: the engine of local rank {first // per_engine} needs GPUs {first}-{last} ({per_engine} "
+            f"a process: --capture-tp x --capture-pp) but this process sees {len(ids)}; start at most "
+            f"{len(ids) // per_engine} process(es) a node"
+        )
+    out["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first : first + per_engine])
+    return out
+
+
 def backends(requested: str) -> Backends:
     """The kernels record of a store whose states the engine computed: its own, not observed here."""
     return Backends(
@@ -123,9 +162,12 @@ class VllmCapture:
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         quantization: str | None = None,
+        env: dict | None = None,
     ) -> None:
         """version: vLLM's in `python` when already checked (check_python), else checked by start().
-        quantization: vLLM's `quantization=` (None: the checkpoint's own, none if it has none)."""
+        quantization: vLLM's `quantization=` (None: the checkpoint's own, none if it has none).
+        env: the engine's environment (`engine_env`; None: this process's)."""
+        self.env = dict(os.environ if env is None else env)
         self.python, self.target, self.taps, self.hidden_size = python, target, list(taps), hidden_size
         self.dtype, self.max_model_len, self.memory_share = DTYPES[dtype], max_model_len, memory_share
         self.version = version
@@ -183,7 +225,7 @@ class VllmCapture:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**self.env, "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,  # its engine processes with it: close() can stop them all
             )
         reply = self._reply()

@@ -11,6 +11,7 @@ overlapping ranges alike: a shard's lease decides who writes it, and no process 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 from tqdm import tqdm
@@ -276,7 +277,7 @@ def open_target(
     if vllm_version is None:
         attrs = store_attrs(config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info)
         return target, taps, attrs, None
-    capturer = start_capture(config, target, taps, vllm_version, say)
+    capturer = start_capture(config, target, taps, vllm_version, str(device), process.world, say)
     backends = engine_capture.backends(config.linear_attention)
     attrs = store_attrs(
         config, target, taps, mask_id, num_shards, prompt_set, backends, engine and engine.info, capturer.record
@@ -284,9 +285,15 @@ def open_target(
     return target, taps, attrs, capturer
 
 
-def start_capture(config: ExtractConfig, target: Target, taps: list[int], version: str, say) -> VllmCapture:
-    """--capture vllm: the engine up with the taps' layer ids, or one line (it is stopped again)."""
+def start_capture(
+    config: ExtractConfig, target: Target, taps: list[int], version: str, device: str, world: int, say
+) -> VllmCapture:
+    """--capture vllm: the engine up with the taps' layer ids, on this process's share of the node's GPUs
+    under a launcher (`engine_capture.engine_env`), or one line (it is stopped again)."""
+    import torch
+
     engine_capture.check_split(target.model.config, config.capture_tp)
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     say(
         f"starting vLLM {version} ({config.capture_python}) to capture taps {taps} of {config.target}, "
         f"tensor parallel {config.capture_tp}, pipeline parallel {config.capture_pp}, "
@@ -304,6 +311,7 @@ def start_capture(config: ExtractConfig, target: Target, taps: list[int], versio
         tensor_parallel=config.capture_tp,
         pipeline_parallel=config.capture_pp,
         quantization=config.capture_quantization,
+        env=engine_capture.engine_env(dict(os.environ), device, world, config.capture_tp * config.capture_pp, gpus),
     )
     try:
         return capturer.start()

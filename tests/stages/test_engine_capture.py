@@ -1016,3 +1016,27 @@ def test_vllm_refuses_an_architecture_it_cannot_capture_in_one_line_before_loadi
     kept_log(refused.value)
     assert not (tmp_path / "hs.zarr").exists()
     assert "EngineCore" not in log  # no engine process was started
+
+
+def test_under_a_launcher_each_engine_gets_its_own_gpus_and_none_of_the_launchers_variables():
+    from stages.extract.engine_capture import engine_env
+
+    launched = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "3",
+        "MASTER_ADDR": "n0",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+        "HF_HOME": "/hf",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    alone = engine_env({"HF_HOME": "/hf"}, "cuda:0", 1, 8, 8)
+    assert alone == {"HF_HOME": "/hf"}  # one process: the engine sees what it sees (TP 8 over all)
+    one_each = engine_env(launched, "cuda:3", 8, 1, 8)
+    assert one_each == {"HF_HOME": "/hf", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "CUDA_VISIBLE_DEVICES": "3"}
+    halves = engine_env({**launched, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "cuda:1", 2, 2, 4)
+    assert halves["CUDA_VISIBLE_DEVICES"] == "6,7"  # rank 1's two of the four this process may use
+    assert engine_env(launched, "cpu", 8, 2, 0) == {"HF_HOME": "/hf", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with pytest.raises(EngineError, match=r"^--capture vllm: the engine of local rank 3 needs GPUs 6-7 .* sees 4; "):
+        engine_env({**launched, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "cuda:3", 8, 2, 8)
