@@ -38,7 +38,7 @@ def multimodal_checkpoint(directory: Path, mtp_tensors: int = 1) -> Path:
     """The shipped target as a Qwen3.5/3.6-style release: `Qwen3_5ForConditionalGeneration` with the
     text weights under `model.language_model.*`, a one-block vision tower under `model.visual.*` and
     `mtp.*` tensors, written to directory."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 
@@ -60,14 +60,7 @@ def multimodal_checkpoint(directory: Path, mtp_tensors: int = 1) -> Path:
         state[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = w
     for i in range(mtp_tensors):
         state[f"mtp.layers.{i}.weight"] = torch.zeros(4, 4)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(directory)
-    save_file(
-        {k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(TINY_TARGET / name, directory / name)
-    return directory
+    return written(directory, model.config, state)
 
 
 def damaged_checkpoint(directory: Path, edit) -> Path:
@@ -87,7 +80,7 @@ def two_way_target(directory: Path) -> Path:
     function: the shipped target's two value heads both read its one key head, here each reads its
     own copy of it (the query and key rows of in_proj_qkv and their convolution channels repeated);
     every other tensor is the shipped one. bf16, as shipped."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(TINY_TARGET)
@@ -98,14 +91,7 @@ def two_way_target(directory: Path) -> Path:
             q, k, v = w.split([width, width, w.shape[0] - 2 * width])  # rows: [query, key, value]
             state[name] = torch.cat([q, q, k, k, v])
     config.linear_num_key_heads *= 2
-    directory.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(directory)
-    save_file(
-        {k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"), metadata={"format": "pt"}
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(TINY_TARGET / name, directory / name)
-    return directory
+    return written(directory, config, state)
 
 
 def fp8_block_target(directory: Path) -> Path:
@@ -114,7 +100,7 @@ def fp8_block_target(directory: Path) -> Path:
     (the shipped one's 4 fail the kernel: it packs outputs in multiples of 32). The shipped weights
     where the shapes stay (embedding, attention, MLPs, norms, lm_head), the Gated DeltaNet layers'
     others drawn as transformers initialises them, seed 0; bf16. Written to directory."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(TINY_TARGET)
@@ -124,6 +110,14 @@ def fp8_block_target(directory: Path) -> Path:
     state = model.state_dict()
     shipped = load_file(TINY_TARGET / "model.safetensors")
     state.update({k: w for k, w in shipped.items() if k in state and state[k].shape == w.shape})
+    return written(directory, config, state)
+
+
+def written(directory: Path, config, state: dict) -> Path:
+    """A target directory: `config`, the weights `state` (one safetensors file) and the shipped tiny
+    target's tokenizer, template and generation config."""
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
     save_file(

@@ -162,29 +162,8 @@ def stub_engine(tmp_path) -> str:
         "class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
         "        self.prompt_token_ids = prompt_token_ids\n"
     )
-    capturable = {  # the worker's check before the engine starts: any target resolves to a class that can
-        "vllm/engine/__init__.py": "",
-        "vllm/engine/arg_utils.py": (
-            "class Qwen3_5ForCausalLM:\n    supports_eagle3 = True\n\n\n"
-            "class Registry:\n    def resolve_model_cls(self, archs, config):\n"
-            "        return Qwen3_5ForCausalLM, archs[0]\n\n\n"
-            "class ModelConfig:\n    architectures = ['Qwen3_5ForCausalLM']\n    registry = Registry()\n\n\n"
-            "class EngineArgs:\n    def __init__(self, **kw):\n        pass\n\n"
-            "    def create_model_config(self):\n        return ModelConfig()\n"
-        ),
-        "vllm/model_executor/__init__.py": "",
-        "vllm/model_executor/models/__init__.py": "",
-        "vllm/model_executor/models/interfaces.py": (
-            "def supports_eagle3(model):\n    return getattr(model, 'supports_eagle3', False)\n"
-        ),
-    }
-    for name, text in capturable.items():
-        (where / name).parent.mkdir(parents=True, exist_ok=True)
-        (where / name).write_text(text)
-    python = where / "python"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
-    python.chmod(0o755)
-    return str(python)
+    resolving_to(where, "Qwen3_5ForCausalLM", eagle3=True)  # the worker's check before the engine starts
+    return shim(where)
 
 
 def test_the_parallel_sizes_and_quantization_reach_the_engine_and_its_report_is_the_record(tmp_path, monkeypatch):
@@ -569,22 +548,24 @@ def test_an_engine_captured_store_verifies_and_equals_the_transformers_one(store
     assert "capture_engine" not in stores["hf_summary"]
 
 
+def trained(store: Path, run_dir: Path) -> Path:
+    """A drafter trained 60 steps on `store`, shard 1 held out, in run_dir."""
+    from stages.train.config import TrainConfig
+    from stages.train.run import run as train
+
+    config = TrainConfig.of(store=str(store), out=str(run_dir), eval_shards="1", max_steps=60, batch_size=4, anchors=32)
+    train(config, log=lambda m: None)
+    return run_dir
+
+
 @pytest.mark.engine
 def test_a_drafter_trained_on_engine_states_is_refused_on_transformers_states_and_replays_alike(stores):
     """Refused without --allow-mismatch; with it, the same replay tau within TAU_TOLERANCE."""
     from pipeline.errors import DrafterError
     from stages.evaluate.config import EvalConfig
     from stages.evaluate.run import run as evaluate
-    from stages.train.config import TrainConfig
-    from stages.train.run import run as train
 
-    run_dir = stores["root"] / "run"
-    train(
-        TrainConfig.of(
-            store=str(stores["vllm"]), out=str(run_dir), eval_shards="1", max_steps=60, batch_size=4, anchors=32
-        ),
-        log=lambda m: None,
-    )
+    run_dir = trained(stores["vllm"], stores["root"] / "run")
 
     def replay(store: str, out: str, allow: bool) -> dict:
         return evaluate(
@@ -842,16 +823,8 @@ def test_a_drafter_trained_on_bf16_engine_states_is_refused_on_fp8_states_unless
     from pipeline.errors import DrafterError
     from stages.evaluate.config import EvalConfig
     from stages.evaluate.run import run as evaluate
-    from stages.train.config import TrainConfig
-    from stages.train.run import run as train
 
-    run_dir = quantized["root"] / "run"
-    train(
-        TrainConfig.of(
-            store=str(quantized["bf16"]), out=str(run_dir), eval_shards="1", max_steps=60, batch_size=4, anchors=32
-        ),
-        log=lambda m: None,
-    )
+    run_dir = trained(quantized["bf16"], quantized["root"] / "run")
 
     def replay(store: str, allow: bool) -> dict:
         config = EvalConfig(
@@ -908,14 +881,24 @@ def stub_vllm_without_eagle3(tmp_path) -> tuple[str, Path]:
     whose engine, if it were ever started, leaves a file (the second path)."""
     where = tmp_path / "vllm-no-eagle3"
     started = where / "engine-started"
+    (where / "vllm").mkdir(parents=True, exist_ok=True)
+    (where / "vllm" / "__init__.py").write_text(
+        f"__version__ = '0.32.0'\n\ndef LLM(**kw):\n    open({str(started)!r}, 'w').close()\n"
+    )
+    resolving_to(where, "OPTForCausalLM", eagle3=False)
+    return shim(where), started
+
+
+def resolving_to(where: Path, model_class: str, eagle3: bool) -> None:
+    """The parts of a stub `vllm` under `where` that the worker's check before the engine starts reads:
+    EngineArgs resolving any target to `model_class`, which has SupportsEagle3 or not."""
     files = {
-        "vllm/__init__.py": f"__version__ = '0.32.0'\n\ndef LLM(**kw):\n    open({str(started)!r}, 'w').close()\n",
         "vllm/engine/__init__.py": "",
         "vllm/engine/arg_utils.py": (
-            "class OPTForCausalLM:\n    pass\n\n\n"
+            f"class {model_class}:\n    supports_eagle3 = {eagle3}\n\n\n"
             "class Registry:\n    def resolve_model_cls(self, archs, config):\n"
-            "        return OPTForCausalLM, archs[0]\n\n\n"
-            "class ModelConfig:\n    architectures = ['OPTForCausalLM']\n    registry = Registry()\n\n\n"
+            f"        return {model_class}, archs[0]\n\n\n"
+            f"class ModelConfig:\n    architectures = [{model_class!r}]\n    registry = Registry()\n\n\n"
             "class EngineArgs:\n    def __init__(self, **kw):\n        pass\n\n"
             "    def create_model_config(self):\n        return ModelConfig()\n"
         ),
@@ -928,10 +911,14 @@ def stub_vllm_without_eagle3(tmp_path) -> tuple[str, Path]:
     for name, text in files.items():
         (where / name).parent.mkdir(parents=True, exist_ok=True)
         (where / name).write_text(text)
+
+
+def shim(where: Path) -> str:
+    """A `python` that runs this interpreter with the stub packages under `where` first on its path."""
     python = where / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={where} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    return str(python), started
+    return str(python)
 
 
 UNCAPTURABLE = (
