@@ -107,6 +107,7 @@ class BatchReplay:
         self.active = np.zeros((slots, self.P), bool)
         self.counts: list[PromptCounts | None] = [None] * slots
         self.histogram = [[0] * self.B for _ in range(self.P)]  # [P][B]: rounds by accepted drafts, per policy
+        self.alpha: dict[int, np.ndarray] = {}  # with a temperature, per slot this round's chain acceptances [D]
 
     def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
         """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
@@ -197,7 +198,8 @@ class BatchReplay:
     def _draft(self, busy: np.ndarray, lanes: list[np.ndarray]) -> dict:
         """The forward of one round: busy slot r drafts a block per live lane, as anchors of row r
         ([K, W] with W the most live lanes of a slot, the rest invalid); logits only for live lanes;
-        then the round's one device-to-host copy -> {(slot, lane): result}."""
+        then the round's one device-to-host copy -> {(slot, lane): result}, and with a temperature
+        {(slot, "alpha"): each chain slot's acceptance under sampling [D]}."""
         m, B, dev = self.m, self.B, self.m.fc.weight.device
         K, W = len(busy), max(len(live) for live in lanes)
         starts, valid = np.zeros((K, W), np.int64), np.zeros((K, W), bool)

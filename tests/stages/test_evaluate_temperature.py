@@ -5,6 +5,7 @@ import json
 import pytest
 
 from stages.evaluate.config import EvalConfig
+from stages.evaluate.report import console
 from stages.evaluate.run import run
 from store.errors import ConfigError
 
@@ -31,7 +32,8 @@ def test_tau_at_temperature_beside_unchanged_greedy_figures(final_store, trained
     assert x["tau"] == pytest.approx(sum(means) / len(means))
     saved = json.loads((tmp_path / "t1" / "report.json").read_text())
     assert saved["checkpoints"][0]["tau_at_temperature"] == x and "tau_at_temperature" in saved["conventions"]
-    assert "tau@1" in (tmp_path / "t1" / "report.md").read_text()
+    assert "tau@1" in (tmp_path / "t1" / "report.md").read_text() and "tau@1 95% CI" in console(rep)
+    assert "tau@" not in console(plain)
 
 
 def test_a_low_temperature_gives_greedy_tau(final_store, trained_drafter, tmp_path):
@@ -52,6 +54,28 @@ def test_a_store_without_final_states_is_refused_naming_the_flag(small_store, tr
 def test_a_temperature_must_be_positive(bad):
     with pytest.raises(ConfigError, match="--temperature"):
         EvalConfig(checkpoints=("ck",), temperature=bad)
+
+
+def test_tau_at_temperature_per_category_is_the_mean_over_its_prompts():
+    from pipeline.decode.batch_replay import PromptCounts
+    from stages.evaluate import groups, report
+
+    def counts(index, rounds, expected):
+        return PromptCounts(0, index, index, 5, 20, [rounds], [rounds], sampled_tokens=expected)
+
+    members = [counts(0, 4, 6.0), counts(1, 2, 5.0), counts(2, 5, 5.0)]
+    label = {(0, 0): "a", (0, 1): "a", (0, 2): "b"}
+    by = groups.by_category(members, (), label)
+    assert by["a"]["tau_at_temperature"]["tau"] == pytest.approx((6 / 4 + 5 / 2) / 2)
+    assert by["b"]["tau_at_temperature"] == {"tau": 1.0, "tau_ci95": None}
+    rep = {
+        "ddtree_budgets": [],
+        "checkpoints": [{"name": "x", "tau_at_temperature": {"temperature": 0.7}, "per_category": by}],
+    }
+    rows = report.group_table(rep, "per_category", "category")
+    assert rows[0][4] == "tau@0.7 (95% CI)" and rows[1][4].startswith("2.000 (") and rows[2][4] == "1.000 (-)"
+    plain = [counts(0, 4, None)]
+    assert "tau_at_temperature" not in groups.by_category(plain, (), {(0, 0): "a"})["a"]
 
 
 def live_drafter(store, directory):
