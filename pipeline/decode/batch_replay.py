@@ -25,7 +25,12 @@ import torch
 
 from pipeline.decode import ddtree
 from pipeline.decode.acceptance import CONTEXT_LABELS, accepted, context_bucket, round_tokens
-from pipeline.decode.sampled_acceptance import expected_tokens, slot_acceptance
+from pipeline.decode.sampled_acceptance import (
+    expected_tokens,
+    expected_tokens_low,
+    reference_acceptance,
+    slot_acceptance,
+)
 from pipeline.drafter import masks
 from pipeline.drafter.model import Drafter
 from store.shard_reader import Sample
@@ -47,6 +52,7 @@ class PromptCounts:
     context_rounds: list[list[int]] = field(default_factory=list)
     context_tokens: list[list[int]] = field(default_factory=list)
     sampled_tokens: float | None = None  # with a temperature: the chain rounds' expected tokens under sampling
+    sampled_low: float | None = None  # and their lower bound (sampled_acceptance.expected_tokens_low)
 
     def tau(self, lane: int) -> float:
         """Mean tokens per round of policy `lane` (NaN without a round)."""
@@ -107,7 +113,7 @@ class BatchReplay:
         self.active = np.zeros((slots, self.P), bool)
         self.counts: list[PromptCounts | None] = [None] * slots
         self.histogram = [[0] * self.B for _ in range(self.P)]  # [P][B]: rounds by accepted drafts, per policy
-        self.alpha: dict[int, np.ndarray] = {}  # with a temperature, per slot this round's chain acceptances [D]
+        self.alpha: dict[int, np.ndarray] = {}  # with a temperature, per slot this round's chain acceptances [2, D]
 
     def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
         """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
@@ -153,6 +159,7 @@ class BatchReplay:
             [[0] * buckets for _ in range(self.P)],
             [[0] * buckets for _ in range(self.P)],
             None if self.temperature is None else 0.0,
+            None if self.temperature is None else 0.0,
         )
 
     @torch.no_grad()
@@ -182,7 +189,9 @@ class BatchReplay:
         if lane == 0 and c.chain_rounds is not None:
             c.chain_rounds.append((acc, n))
         if lane == 0 and c.sampled_tokens is not None:
-            c.sampled_tokens += expected_tokens(self.alpha.pop(slot), T - 1 - start)
+            alpha, on_reference = self.alpha.pop(slot)
+            c.sampled_tokens += expected_tokens(alpha, T - 1 - start)
+            c.sampled_low += expected_tokens_low(alpha, on_reference, T - 1 - start)
         self.start[slot, lane] = start + n
         if start + n >= T - 1 or (self.max_rounds is not None and c.rounds[lane] >= self.max_rounds):
             self.active[slot, lane] = False
@@ -199,7 +208,7 @@ class BatchReplay:
         """The forward of one round: busy slot r drafts a block per live lane, as anchors of row r
         ([K, W] with W the most live lanes of a slot, the rest invalid); logits only for live lanes;
         then the round's one device-to-host copy -> {(slot, lane): result}, and with a temperature
-        {(slot, "alpha"): each chain slot's acceptance under sampling [D]}."""
+        {(slot, "alpha"): each chain slot's acceptance under sampling and on the reference [2, D]}."""
         m, B, dev = self.m, self.B, self.m.fc.weight.device
         K, W = len(busy), max(len(live) for live in lanes)
         starts, valid = np.zeros((K, W), np.int64), np.zeros((K, W), bool)
@@ -227,25 +236,28 @@ class BatchReplay:
             if k is None:
                 parts.append(logits.argmax(-1))  # [n, D] chain drafts
                 if self.temperature is not None:
-                    parts.append(self._acceptance(logits, [slot for slot, _ in where[lane]]))  # [n, D]
+                    parts.append(self._acceptance(logits, [slot for slot, _ in where[lane]]))  # [n, 2, D]
             else:
                 parts += ddtree.top_k_device(ddtree.slot_logprobs(logits.flatten(0, 1)), k)  # [n*D, k] twice
         flat = torch.cat([p.flatten().double() for p in parts]).cpu().numpy() if parts else np.zeros(0)  # one copy
         return self._unpack(flat, where)
 
     def _acceptance(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """logits: [n, D, V], the chain blocks of these slots -> alpha [n, D]: each slot's acceptance under
-        speculative sampling at the temperature, the target's distribution for slot i (token start + i)
-        from the final state at position start + i - 1 along the stored reference (clamped to the sample's
-        last position: slots past its end are cut by the round's count)."""
+        """logits: [n, D, V], the chain blocks of these slots -> [n, 2, D]: each slot's acceptance under
+        speculative sampling at the temperature (alpha), and its acceptance of the reference token (m),
+        the target's distribution for slot i (token start + i) from the final state at position
+        start + i - 1 along the stored reference (clamped to the sample's last position: slots past its
+        end are cut by the round's count)."""
         D, dev = self.B - 1, logits.device
-        rows = []
+        states, reference = [], []
         for slot in slots:
             s, start = self.samples[slot], int(self.start[slot, 0])
-            at = torch.arange(start, start + D).clamp(max=len(s.tokens) - 1)
-            rows.append(s.final_state[at])  # [D, H] bf16
-        target = self.m.logits(torch.stack(rows).to(dev))  # [n, D, V]: lm_head(final state)
-        return slot_acceptance(target, logits, self.temperature)
+            at = torch.arange(start, start + D).clamp(max=len(s.tokens) - 2)
+            states.append(s.final_state[at])  # [D, H] bf16
+            reference.append(s.tokens[at + 1])  # [D]
+        target = self.m.logits(torch.stack(states).to(dev))  # [n, D, V]: lm_head(final state)
+        on_reference = reference_acceptance(target, logits, torch.stack(reference).to(dev), self.temperature)
+        return torch.stack([slot_acceptance(target, logits, self.temperature), on_reference], dim=1)
 
     def _unpack(self, flat: np.ndarray, where: dict) -> dict:
         D, at, out = self.B - 1, 0, {}
@@ -257,7 +269,7 @@ class BatchReplay:
                 drafts, at = flat[at : at + n * D].reshape(n, D).astype(np.int64), at + n * D
                 out.update({(slot, 0): drafts[i] for i, (slot, _) in enumerate(where[lane])})
                 if self.temperature is not None:
-                    alpha, at = flat[at : at + n * D].reshape(n, D), at + n * D
+                    alpha, at = flat[at : at + n * 2 * D].reshape(n, 2, D), at + n * 2 * D
                     out.update({(slot, "alpha"): alpha[i] for i, (slot, _) in enumerate(where[lane])})
                 continue
             vals = flat[at : at + n * D * k].reshape(n, D, k)

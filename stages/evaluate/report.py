@@ -46,7 +46,9 @@ SAMPLED = (
     "min(1, p/q), p = softmax(lm_head(stored final state) / T); slot i accepted with probability "
     "sum_x min(p, q) given the slots before it accepted, chained; bonus counted and cut as tau's), over the "
     "blocks greedy replay drafts; the target's p at a block's later slots is the one along the stored "
-    "reference, not along the sampled drafts (exact where they equal the reference's tokens)"
+    "reference, not along the sampled drafts (exact where they equal the reference's tokens); tau_low: the same "
+    "mean of a lower bound that holds whatever the target does off the reference (slots 1..k-1 accepted as the "
+    "reference's tokens, probability min(p(r), q(r)) each, then slot k accepted)"
 )
 
 
@@ -80,7 +82,8 @@ def sampled_label(rep: dict) -> str | None:
 def _sampled_cells(r: dict) -> list[str]:
     """tau@T and its interval of a checkpoint's results (or a group's), as table cells."""
     x = r["tau_at_temperature"]
-    return [f"{x['tau']:.3f}", f"{x['tau_ci95'][0]:.3f}-{x['tau_ci95'][1]:.3f}" if x["tau_ci95"] else "-"]
+    ci = f"{x['tau_ci95'][0]:.3f}-{x['tau_ci95'][1]:.3f}" if x["tau_ci95"] else "-"
+    return [f"{x['tau']:.3f}", ci, f"{x['tau_low']:.3f}"]
 
 
 def table(rep: dict) -> list[list[str]]:
@@ -90,7 +93,7 @@ def table(rep: dict) -> list[list[str]]:
             "checkpoint",
             "tau",
             "tau 95% CI",
-            *([at, f"{at} 95% CI"] if at else []),
+            *([at, f"{at} 95% CI", f"{at} lower bound"] if at else []),
             "tau pooled",
             *[f"DDTree-{b} tau" for b in budgets],
             "rounds",
