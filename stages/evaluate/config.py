@@ -46,8 +46,8 @@ class EvalConfig:
         "(drafts sampled from the drafter's softmax(logits/T), accepted with probability min(1, p/q) against "
         "the target's softmax(lm_head(final state)/T)), over the chain rounds greedy replay makes. The target's "
         "distribution at a block's later slots is the one along the stored reference, not along the drafts "
-        "sampled before them: exact where those equal the reference's tokens. Needs a store made with "
-        "`pipeline extract --final-state`.",
+        "sampled before them: exact where those equal the reference's tokens; a lower bound free of that "
+        "assumption is reported beside it. Needs a store made with `pipeline extract --final-state`.",
         default_text="off (greedy tau only)",
     )
     out: str = setting("report", "Report directory.")
