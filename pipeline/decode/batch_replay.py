@@ -168,7 +168,7 @@ class BatchReplay:
         busy = np.flatnonzero(self.active.any(1))
         lanes = [np.flatnonzero(self.active[slot]) for slot in busy]  # live lanes, packed left per slot
         host = self._draft(busy, lanes)
-        self.alpha = {key[0]: host.pop(key) for key in [k for k in host if k[1] == "alpha"]}  # slot -> alpha [D]
+        self.alpha = {key[0]: host.pop(key) for key in [k for k in host if k[1] == "alpha"]}  # slot -> [2, D]
         finished = []
         for slot, live in zip(busy, lanes):
             s, c = self.samples[slot], self.counts[slot]
@@ -246,8 +246,8 @@ class BatchReplay:
         """logits: [n, D, V], the chain blocks of these slots -> [n, 2, D]: each slot's acceptance under
         speculative sampling at the temperature (alpha), and its acceptance of the reference token (m),
         the target's distribution for slot i (token start + i) from the final state at position
-        start + i - 1 along the stored reference (clamped to the sample's last position: slots past its
-        end are cut by the round's count)."""
+        start + i - 1 along the stored reference (clamped to the sample's last but one position: slots past
+        its end are cut by the round's count)."""
         D, dev = self.B - 1, logits.device
         states, reference = [], []
         for slot in slots:
