@@ -158,9 +158,10 @@ def test_replayed_tau_at_temperature_is_inside_live_speculative_sampling(
 def test_live_target_along_the_sampled_drafts(final_store, trained_drafter, target, tmp_path, T):
     """What replay's approximation costs: the same teacher-forced blocks with the target's p_T along the
     drafts actually sampled (a live verify), 100 runs; and fully live free-running sampled decoding, 5 runs a
-    prompt, for information. Measured on the tiny target with the 40-step test drafter: T = 1 replay 1.838,
-    live blocks 1.741 (1.716-1.765): replay +5.6%; T = 0.7 replay 2.043, live 1.983 (1.957-2.008): +3.0%. A
-    draft accepted off the reference leads the target off the path the drafter was trained on. ~4 min each."""
+    prompt, for information. Measured on the tiny target with the 40-step test drafter: T = 1 replay 1.838
+    (bound 1.674), live blocks 1.741 (1.716-1.765): replay +5.6%, free-running 1.396; T = 0.7 replay 2.043
+    (bound 1.957), live 1.983 (1.957-2.008): +3.0%, free-running 1.585. A draft accepted off the reference
+    leads the target off the path the drafter was trained on. ~4 min each."""
     import torch
 
     from store.hidden_store import HiddenStore
