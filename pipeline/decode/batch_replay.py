@@ -9,6 +9,10 @@ start: masks.allowed), so the cache is shared by all policies. What the host nee
 (chain drafts; per depth the DDTree top-K log-probs and ids) leaves the device in one copy. A slot
 whose lanes are all done takes the next prompt. Per prompt only counts are kept: rounds, tokens and
 the histogram of accepted drafts per policy (the chain's rounds too for the prompts asked for).
+
+With a temperature (the samples carry their final states), each chain round also adds the tokens it
+would commit in expectation under speculative sampling at that temperature, drafted from the same
+block (pipeline/decode/sampled_acceptance.py): the rounds, and so the blocks' starts, stay greedy's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ import torch
 
 from pipeline.decode import ddtree
 from pipeline.decode.acceptance import CONTEXT_LABELS, accepted, context_bucket, round_tokens
+from pipeline.decode.sampled_acceptance import (
+    expected_tokens,
+    expected_tokens_low,
+    reference_acceptance,
+    slot_acceptance,
+)
 from pipeline.drafter import masks
 from pipeline.drafter.model import Drafter
 from store.shard_reader import Sample
@@ -41,6 +51,8 @@ class PromptCounts:
     # per policy and context bucket (acceptance.CONTEXT_EDGES): rounds, and tokens committed in them
     context_rounds: list[list[int]] = field(default_factory=list)
     context_tokens: list[list[int]] = field(default_factory=list)
+    sampled_tokens: float | None = None  # with a temperature: the chain rounds' expected tokens under sampling
+    sampled_low: float | None = None  # and their lower bound (sampled_acceptance.expected_tokens_low)
 
     def tau(self, lane: int) -> float:
         """Mean tokens per round of policy `lane` (NaN without a round)."""
@@ -81,9 +93,17 @@ class BatchReplay:
     """Replays samples `slots` at a time under chain drafting plus one DDTree per budget."""
 
     def __init__(
-        self, m: Drafter, budgets: tuple[int, ...], slots: int, capacity: int, max_rounds: int | None = None
+        self,
+        m: Drafter,
+        budgets: tuple[int, ...],
+        slots: int,
+        capacity: int,
+        max_rounds: int | None = None,
+        temperature: float | None = None,
     ) -> None:
-        self.m, self.budgets, self.max_rounds = m, tuple(budgets), max_rounds
+        """temperature: also the chain's expected tokens under speculative sampling at it (the samples
+        must carry their final states)."""
+        self.m, self.budgets, self.max_rounds, self.temperature = m, tuple(budgets), max_rounds, temperature
         self.B = m.config.block_size
         self.P = 1 + len(self.budgets)
         self.k = [min(b, m.config.vocab_size) for b in self.budgets]  # top-K per depth per tree
@@ -93,6 +113,7 @@ class BatchReplay:
         self.active = np.zeros((slots, self.P), bool)
         self.counts: list[PromptCounts | None] = [None] * slots
         self.histogram = [[0] * self.B for _ in range(self.P)]  # [P][B]: rounds by accepted drafts, per policy
+        self.alpha: dict[int, np.ndarray] = {}  # with a temperature, per slot this round's chain acceptances [2, D]
 
     def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
         """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
@@ -120,6 +141,7 @@ class BatchReplay:
         T, P = len(s.tokens), s.prompt_len
         if T > self.cache.capacity:
             raise ValueError(f"sample ({s.shard}, {s.index}) has {T} tokens, the cache holds {self.cache.capacity}")
+        assert self.temperature is None or s.final_state is not None, "a temperature needs the final states"
         self.samples[slot] = s
         self.cache.fill(slot, s.hidden)
         self.start[slot] = P
@@ -136,6 +158,8 @@ class BatchReplay:
             [] if (s.shard, s.index) in self.keep else None,
             [[0] * buckets for _ in range(self.P)],
             [[0] * buckets for _ in range(self.P)],
+            None if self.temperature is None else 0.0,
+            None if self.temperature is None else 0.0,
         )
 
     @torch.no_grad()
@@ -144,6 +168,7 @@ class BatchReplay:
         busy = np.flatnonzero(self.active.any(1))
         lanes = [np.flatnonzero(self.active[slot]) for slot in busy]  # live lanes, packed left per slot
         host = self._draft(busy, lanes)
+        self.alpha = {key[0]: host.pop(key) for key in [k for k in host if k[1] == "alpha"]}  # slot -> [2, D]
         finished = []
         for slot, live in zip(busy, lanes):
             s, c = self.samples[slot], self.counts[slot]
@@ -163,6 +188,10 @@ class BatchReplay:
         self.histogram[lane][min(acc, self.B - 1)] += 1
         if lane == 0 and c.chain_rounds is not None:
             c.chain_rounds.append((acc, n))
+        if lane == 0 and c.sampled_tokens is not None:
+            alpha, on_reference = self.alpha.pop(slot)
+            c.sampled_tokens += expected_tokens(alpha, T - 1 - start)
+            c.sampled_low += expected_tokens_low(alpha, on_reference, T - 1 - start)
         self.start[slot, lane] = start + n
         if start + n >= T - 1 or (self.max_rounds is not None and c.rounds[lane] >= self.max_rounds):
             self.active[slot, lane] = False
@@ -178,7 +207,8 @@ class BatchReplay:
     def _draft(self, busy: np.ndarray, lanes: list[np.ndarray]) -> dict:
         """The forward of one round: busy slot r drafts a block per live lane, as anchors of row r
         ([K, W] with W the most live lanes of a slot, the rest invalid); logits only for live lanes;
-        then the round's one device-to-host copy -> {(slot, lane): result}."""
+        then the round's one device-to-host copy -> {(slot, lane): result}, and with a temperature
+        {(slot, "alpha"): each chain slot's acceptance under sampling and on the reference [2, D]}."""
         m, B, dev = self.m, self.B, self.m.fc.weight.device
         K, W = len(busy), max(len(live) for live in lanes)
         starts, valid = np.zeros((K, W), np.int64), np.zeros((K, W), bool)
@@ -205,10 +235,29 @@ class BatchReplay:
             logits = m.logits(h[torch.as_tensor([i for _, i in where[lane]], device=dev)])  # [n, D, V]
             if k is None:
                 parts.append(logits.argmax(-1))  # [n, D] chain drafts
+                if self.temperature is not None:
+                    parts.append(self._acceptance(logits, [slot for slot, _ in where[lane]]))  # [n, 2, D]
             else:
                 parts += ddtree.top_k_device(ddtree.slot_logprobs(logits.flatten(0, 1)), k)  # [n*D, k] twice
         flat = torch.cat([p.flatten().double() for p in parts]).cpu().numpy() if parts else np.zeros(0)  # one copy
         return self._unpack(flat, where)
+
+    def _acceptance(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """logits: [n, D, V], the chain blocks of these slots -> [n, 2, D]: each slot's acceptance under
+        speculative sampling at the temperature (alpha), and its acceptance of the reference token (m),
+        the target's distribution for slot i (token start + i) from the final state at position
+        start + i - 1 along the stored reference (clamped to the sample's last but one position: slots past
+        its end are cut by the round's count)."""
+        D, dev = self.B - 1, logits.device
+        states, reference = [], []
+        for slot in slots:
+            s, start = self.samples[slot], int(self.start[slot, 0])
+            at = torch.arange(start, start + D).clamp(max=len(s.tokens) - 2)
+            states.append(s.final_state[at])  # [D, H] bf16
+            reference.append(s.tokens[at + 1])  # [D]
+        target = self.m.logits(torch.stack(states).to(dev))  # [n, D, V]: lm_head(final state)
+        on_reference = reference_acceptance(target, logits, torch.stack(reference).to(dev), self.temperature)
+        return torch.stack([slot_acceptance(target, logits, self.temperature), on_reference], dim=1)
 
     def _unpack(self, flat: np.ndarray, where: dict) -> dict:
         D, at, out = self.B - 1, 0, {}
@@ -219,6 +268,9 @@ class BatchReplay:
             if k is None:
                 drafts, at = flat[at : at + n * D].reshape(n, D).astype(np.int64), at + n * D
                 out.update({(slot, 0): drafts[i] for i, (slot, _) in enumerate(where[lane])})
+                if self.temperature is not None:
+                    alpha, at = flat[at : at + n * 2 * D].reshape(n, 2, D), at + n * 2 * D
+                    out.update({(slot, "alpha"): alpha[i] for i, (slot, _) in enumerate(where[lane])})
                 continue
             vals = flat[at : at + n * D * k].reshape(n, D, k)
             ids = flat[at + n * D * k : at + 2 * n * D * k].reshape(n, D, k).astype(np.int64)

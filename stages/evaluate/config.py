@@ -40,6 +40,16 @@ class EvalConfig:
         default_text=",".join(map(str, DDTREE_BUDGETS)),
         parse=parse_budgets,
     )
+    temperature: float | None = setting(
+        None,
+        "Also report tau@T: the tokens per round expected under speculative sampling at this temperature "
+        "(drafts sampled from the drafter's softmax(logits/T), accepted with probability min(1, p/q) against "
+        "the target's softmax(lm_head(final state)/T)), over the chain rounds greedy replay makes. The target's "
+        "distribution at a block's later slots is the one along the stored reference, not along the drafts "
+        "sampled before them: exact where those equal the reference's tokens; a lower bound free of that "
+        "assumption is reported beside it. Needs a store made with `pipeline extract --final-state`.",
+        default_text="off (greedy tau only)",
+    )
     out: str = setting("report", "Report directory.")
     force: bool = setting(
         False,
@@ -131,6 +141,12 @@ class EvalConfig:
         check_choices(self)
         cache_flags.check(self)
         require(self, "ddtree", all(b >= 1 for b in self.ddtree), "budgets must be at least 1")
+        require(
+            self,
+            "temperature",
+            self.temperature is None or 0 < self.temperature < float("inf"),
+            "expected a temperature above 0 (greedy tau is always reported)",
+        )
         require(self, "target", self.target or not self.live, "--live needs --target DIR (the store's target model)")
         require(
             self,

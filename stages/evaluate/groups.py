@@ -1,5 +1,6 @@
 """tau per group of prompts, as the field reports it per benchmark: per category label (extraction's
---category-field) and per context-length bucket of the rounds (pipeline/decode/acceptance.py).
+--category-field, with tau@T under evaluate.py --temperature) and per context-length bucket of the
+rounds (pipeline/decode/acceptance.py).
 
 A group's tau is the report's own (`tau_over_prompts`, as for the whole sample): the mean over its
 prompts of each prompt's mean tokens per round, with its 95% interval over those prompts. For a
@@ -27,9 +28,15 @@ def by_category(counts: list[PromptCounts], budgets: tuple[int, ...], category: 
         label: {
             **_group(members[label], budgets, lambda c, lane: (c.rounds[lane], c.tokens[lane])),
             "available": available[label],
+            **_sampled_of(members[label]),
         }
         for label in sorted(members)
     }
+
+
+def _sampled_of(members: list[PromptCounts]) -> dict:
+    """{"tau_at_temperature": ...} when the replay had a temperature, else {} (the report as without it)."""
+    return {"tau_at_temperature": sampled(members)} if members[0].sampled_tokens is not None else {}
 
 
 def by_context(counts: list[PromptCounts], budgets: tuple[int, ...]) -> dict:
@@ -42,6 +49,15 @@ def by_context(counts: list[PromptCounts], budgets: tuple[int, ...]) -> dict:
                 reached, budgets, lambda c, lane, b=b: (c.context_rounds[lane][b], c.context_tokens[lane][b])
             )
     return out
+
+
+def sampled(members: list[PromptCounts]) -> dict:
+    """tau@T over members (evaluate.py --temperature): the mean over prompts of each prompt's expected
+    tokens per chain round under speculative sampling at T, with its interval, as tau's; tau_low, the
+    same mean of the rounds' lower bounds (pipeline/decode/sampled_acceptance.py)."""
+    over = tau_over_prompts([(c.rounds[0], c.sampled_tokens) for c in members])
+    low = tau_over_prompts([(c.rounds[0], c.sampled_low) for c in members])
+    return {"tau": over["tau"], "tau_ci95": over["tau_ci95"], "tau_low": low["tau"]}
 
 
 def _group(members: list[PromptCounts], budgets: tuple[int, ...], of) -> dict:

@@ -75,10 +75,12 @@ class Prompts:
                 reader = ShardReader(self.store, shard, self.records[shard])
             yield reader, i
 
-    def read(self, refs: list[Ref], ahead: int = 8, threads: int = READ_THREADS) -> Iterator[Sample]:
+    def read(
+        self, refs: list[Ref], ahead: int = 8, threads: int = READ_THREADS, final_state: bool = False
+    ) -> Iterator[Sample]:
         """The samples of refs, in order, read by `threads` threads up to `ahead` samples early (at
         least one a thread). Each thread keeps a reader of the last shard it read (one reader per
-        thread: ShardReader reuses its decoding buffers)."""
+        thread: ShardReader reuses its decoding buffers). final_state: with their final states."""
         local = threading.local()
 
         def one(ref: Ref) -> Sample:
@@ -86,7 +88,7 @@ class Prompts:
             reader = getattr(local, "reader", None)
             if reader is None or reader.shard != shard:
                 reader = local.reader = ShardReader(self.store, shard, self.records[shard])
-            return reader[i]
+            return reader.read(i, final_state=final_state)
 
         pending: queue.Queue[Future | None] = queue.Queue(maxsize=max(ahead, threads))
         stop = threading.Event()

@@ -40,6 +40,16 @@ CONVENTIONS = {
     "replay": "greedy speculative decoding replayed from the stored states and the stored greedy completion; "
     "rounds start at the first completion token (produced by the prefill)",
 }
+SAMPLED = (
+    "--temperature T: tau@T, the mean over prompts of each prompt's expected tokens per chain round under "
+    "speculative sampling at T (drafts sampled from softmax(drafter logits / T), each accepted with probability "
+    "min(1, p/q), p = softmax(lm_head(stored final state) / T); slot i accepted with probability "
+    "sum_x min(p, q) given the slots before it accepted, chained; bonus counted and cut as tau's), over the "
+    "blocks greedy replay drafts; the target's p at a block's later slots is the one along the stored "
+    "reference, not along the sampled drafts (exact where they equal the reference's tokens); tau_low: the same "
+    "mean of a lower bound that holds whatever the target does off the reference (slots 1..k-1 accepted as the "
+    "reference's tokens, probability min(p(r), q(r)) each, then slot k accepted)"
+)
 
 
 def build(config, attrs: StoreAttrs, replayed, warnings: list[str], results: list[dict], sample: dict) -> dict:
@@ -58,15 +68,37 @@ def build(config, attrs: StoreAttrs, replayed, warnings: list[str], results: lis
         "shards_reason": replayed.reason,
         "sample": sample,
         "warnings": warnings,
-        "conventions": CONVENTIONS,
+        "conventions": {**CONVENTIONS, **({"tau_at_temperature": SAMPLED} if config.temperature else {})},
         "checkpoints": results,
     }
 
 
+def sampled_label(rep: dict) -> str | None:
+    """'tau@T' of a report replayed with --temperature T, else None."""
+    r = rep["checkpoints"][0] if rep["checkpoints"] else {}
+    return f"tau@{r['tau_at_temperature']['temperature']:g}" if "tau_at_temperature" in r else None
+
+
+def _sampled_cells(r: dict) -> list[str]:
+    """tau@T and its interval of a checkpoint's results (or a group's), as table cells."""
+    x = r["tau_at_temperature"]
+    ci = f"{x['tau_ci95'][0]:.3f}-{x['tau_ci95'][1]:.3f}" if x["tau_ci95"] else "-"
+    return [f"{x['tau']:.3f}", ci, f"{x['tau_low']:.3f}"]
+
+
 def table(rep: dict) -> list[list[str]]:
-    budgets = rep["ddtree_budgets"]
+    budgets, at = rep["ddtree_budgets"], sampled_label(rep)
     rows = [
-        ["checkpoint", "tau", "tau 95% CI", "tau pooled", *[f"DDTree-{b} tau" for b in budgets], "rounds", "prompts"]
+        [
+            "checkpoint",
+            "tau",
+            "tau 95% CI",
+            *([at, f"{at} 95% CI", f"{at} lower bound"] if at else []),
+            "tau pooled",
+            *[f"DDTree-{b} tau" for b in budgets],
+            "rounds",
+            "prompts",
+        ]
     ]
     for r in rep["checkpoints"]:
         ci = r["tau_ci95"]
@@ -75,6 +107,7 @@ def table(rep: dict) -> list[list[str]]:
                 r["name"],
                 f"{r['tau']:.3f}",
                 f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-",
+                *(_sampled_cells(r) if at else []),
                 f"{r['tau_pooled']:.3f}",
                 *[f"{r['ddtree'][str(b)]:.3f}" for b in budgets],
                 str(r["rounds"]),
@@ -91,22 +124,21 @@ def group_table(rep: dict, key: str, column: str) -> list[list[str]]:
     """Rows of tau per group (groups.py) of every checkpoint, chain and DDTree each with its interval;
     [] when no checkpoint has such groups."""
     budgets = rep["ddtree_budgets"]
+    at = sampled_label(rep) if key == "per_category" else None  # a context bucket keeps no tau@T
     rows = [
         [
             r["name"],
             name,
             str(g["prompts"]),
             f"{g['tau']:.3f} {_ci(g['tau_ci95'])}",
+            *([f"{g['tau_at_temperature']['tau']:.3f} {_ci(g['tau_at_temperature']['tau_ci95'])}"] if at else []),
             *[f"{g['ddtree'][str(b)]:.3f} {_ci(g['ddtree_ci95'][str(b)])}" for b in budgets],
         ]
         for r in rep["checkpoints"]
         for name, g in r.get(key, {}).items()
     ]
-    return (
-        [["checkpoint", column, "prompts", "tau (95% CI)", *[f"DDTree-{b} tau (95% CI)" for b in budgets]], *rows]
-        if rows
-        else []
-    )
+    header = ["checkpoint", column, "prompts", "tau (95% CI)", *([f"{at} (95% CI)"] if at else [])]
+    return [[*header, *[f"DDTree-{b} tau (95% CI)" for b in budgets]], *rows] if rows else []
 
 
 def _ci(ci) -> str:

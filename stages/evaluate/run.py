@@ -30,24 +30,24 @@ from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
 from stages.evaluate.shards import choose_shards
 from store import index_file
-from store.errors import StoreCorrupt, StoreError
+from store.errors import ConfigError, StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
 from store.index_file import StoreIndex
 
 
 def replay_part(m, prompts: Prompts, mine: list, config: EvalConfig, keep: set, label: str) -> dict:
     """This process's prompts replayed -> {"counts": [PromptCounts], "histogram": [P][B], "seconds"}."""
-    engine = BatchReplay(
-        m, config.ddtree, min(config.batch_prompts, max(1, len(mine))), prompts.max_length, config.max_rounds
-    )
+    slots, T = min(config.batch_prompts, max(1, len(mine))), config.temperature
+    engine = BatchReplay(m, config.ddtree, slots, prompts.max_length, config.max_rounds, T)
     t0 = time.perf_counter()
-    counts = list(
-        tqdm(engine.run(prompts.read(mine), keep), total=len(mine), desc=f"replay {label}", unit="prompt", disable=None)
-    )
+    samples = prompts.read(mine, final_state=T is not None)
+    counts = list(tqdm(engine.run(samples, keep), total=len(mine), desc=f"replay {label}", unit="prompt", disable=None))
     return {"counts": counts, "histogram": engine.histogram, "seconds": time.perf_counter() - t0}
 
 
-def summarize_parts(parts: list[dict], budgets: tuple[int, ...], prompts: Prompts) -> tuple[dict, dict]:
+def summarize_parts(
+    parts: list[dict], budgets: tuple[int, ...], prompts: Prompts, temperature: float | None = None
+) -> tuple[dict, dict]:
     """The ranks' parts -> (the checkpoint's results, chain rounds of the kept prompts by (shard, index))."""
     counts = sorted((c for p in parts for c in p["counts"]), key=lambda c: (c.shard, c.index))
     B = len(parts[0]["histogram"][0])
@@ -81,6 +81,10 @@ def summarize_parts(parts: list[dict], budgets: tuple[int, ...], prompts: Prompt
             for c in counts
         ],
     }
+    if temperature is not None:
+        out["tau_at_temperature"] = {"temperature": temperature, **groups.sampled(counts)}
+        for p, c in zip(out["per_prompt"], counts):
+            p["tau_at_temperature"] = c.sampled_tokens / c.rounds[0] if c.rounds[0] else float("nan")
     out["per_category"] = groups.by_category(counts, budgets, prompts.category)
     out["per_context"] = groups.by_context(counts, budgets)
     return out, {(c.shard, c.index): c.chain_rounds for c in counts if c.chain_rounds is not None}
@@ -104,6 +108,13 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store, node_cache=cache_flags.make(config, lambda m: log(f"warning: {m}")))
     warnings: list[str] = list(filter(None, [store.read_checks().warning(), cache_flags.warning(config, store)]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
+    if config.temperature is not None and not store.layout.final_state:
+        raise ConfigError(
+            "--temperature",
+            config.temperature,
+            f"{config.store} holds no final states (the target's p at T comes from them); "
+            "extract the store with `pipeline extract --final-state`",
+        )
     index = _index(store)
     shards = choose_shards(config, store, checked, warnings, index.records if index.records else None)
     if proc.rank == 0:
@@ -175,7 +186,7 @@ def replay_all(
         parts = process_group.gather(proc, {**part, "device": device})
         if proc.rank != 0:
             continue
-        res, rounds = summarize_parts(parts, config.ddtree, prompts)
+        res, rounds = summarize_parts(parts, config.ddtree, prompts, config.temperature)
         results.append(
             {
                 "name": _name(x.path, i),
