@@ -153,7 +153,7 @@ def test_replayed_tau_at_temperature_is_inside_live_speculative_sampling(
     assert high - low < 0.05  # an interval narrow enough to mean something (tau@1 - greedy tau: -1.8)
 
 
-@pytest.mark.bench
+@pytest.mark.sampling_live
 @pytest.mark.parametrize("T", [1.0, 0.7])
 def test_live_target_along_the_sampled_drafts(final_store, trained_drafter, target, tmp_path, T):
     """What replay's approximation costs: the same teacher-forced blocks with the target's p_T along the
