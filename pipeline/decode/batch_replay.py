@@ -23,7 +23,15 @@ from pipeline.decode import ddtree
 from pipeline.decode.acceptance import CONTEXT_LABELS, accepted, context_bucket, round_tokens
 from pipeline.drafter import masks
 from pipeline.drafter.model import Drafter
+from pipeline.errors import DrafterError
 from store.shard_reader import Sample
+
+# DDTree builds its tree from per-depth top-K lists independent of the path; a dspark drafter's slot k
+# depends on the token chosen at slot k-1, so each branch would need its own distribution.
+DDTREE_REFUSED = (
+    "--ddtree: a dspark drafter drafts slot after slot (each slot's logits depend on the token before "
+    "it), which DDTree's per-depth top-K tree does not model; pass --ddtree none"
+)
 
 
 @dataclass
@@ -83,6 +91,8 @@ class BatchReplay:
     def __init__(
         self, m: Drafter, budgets: tuple[int, ...], slots: int, capacity: int, max_rounds: int | None = None
     ) -> None:
+        if budgets and m.config.head == "dspark":
+            raise DrafterError(DDTREE_REFUSED)
         self.m, self.budgets, self.max_rounds = m, tuple(budgets), max_rounds
         self.B = m.config.block_size
         self.P = 1 + len(self.budgets)
@@ -202,10 +212,11 @@ class BatchReplay:
         for lane, k in enumerate((None, *self.k)):
             if not where[lane]:
                 continue
-            logits = m.logits(h[torch.as_tensor([i for _, i in where[lane]], device=dev)])  # [n, D, V]
-            if k is None:
-                parts.append(logits.argmax(-1))  # [n, D] chain drafts
+            rows = torch.as_tensor([i for _, i in where[lane]], device=dev)
+            if k is None:  # [n, D] chain drafts (a dspark drafter's slot after slot, from each anchor)
+                parts.append(m.chain_drafts(h[rows], ids.view(K * W, B)[rows, 0]))
             else:
+                logits = m.logits(h[rows])  # [n, D, V]
                 parts += ddtree.top_k_device(ddtree.slot_logprobs(logits.flatten(0, 1)), k)  # [n*D, k] twice
         flat = torch.cat([p.flatten().double() for p in parts]).cpu().numpy() if parts else np.zeros(0)  # one copy
         return self._unpack(flat, where)
