@@ -90,6 +90,8 @@ ON_DEFAULTS: dict[str, dict] = {
     # only with `run --processes 2` or more, paired against `default` at the same number of processes
     # (default@p2 ran when fp32 was the default, as its train_config records; bf16 is the default since)
     "grad-bf16": {"grad_comm": "bf16"},
+    # the DSpark head (docs/training.md, The DSpark head): chain only, DDTree does not apply to it
+    "dspark": {"head": "dspark"},
 }
 METRICS = (
     "tau",

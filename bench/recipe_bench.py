@@ -150,6 +150,11 @@ TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
 
 
+def replay_flags(fields: dict) -> list[str]:
+    """REPLAY, chain only for a dspark drafter (evaluate.py refuses DDTree for it)."""
+    return [*REPLAY[:2], "--ddtree", "none", *REPLAY[4:]] if fields.get("head") == "dspark" else REPLAY
+
+
 def argv(fields: dict) -> list[str]:
     return [x for k, v in fields.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
@@ -253,7 +258,7 @@ def one_run(
             str(report),
             "--force",
             *held_out,
-            *REPLAY,
+            *replay_flags(recipe_flags(name)),
             *mismatch,
         ],
         env,
@@ -372,8 +377,8 @@ def collect(
         "tau": rep["tau"],
         "tau_ci95": rep["tau_ci95"],
         "tau_pooled": rep["tau_pooled"],
-        "ddtree16": rep["ddtree"]["16"],
-        "ddtree64": rep["ddtree"]["64"],
+        "ddtree16": rep["ddtree"].get("16"),  # None: chain only (a dspark drafter)
+        "ddtree64": rep["ddtree"].get("64"),
         "check": rep["check"],
         "prompts": prompts,
     }

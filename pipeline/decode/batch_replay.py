@@ -33,7 +33,19 @@ from pipeline.decode.sampled_acceptance import (
 )
 from pipeline.drafter import masks
 from pipeline.drafter.model import Drafter
+from pipeline.errors import DrafterError
 from store.shard_reader import Sample
+
+# DDTree builds its tree from per-depth top-K lists independent of the path; a dspark drafter's slot k
+# depends on the token chosen at slot k-1, so each branch would need its own distribution.
+TEMPERATURE_REFUSED = (
+    "--temperature: a dspark drafter's slot distribution depends on the token drafted before it, which "
+    "tau at temperature by replay does not model yet; evaluate it greedily"
+)
+DDTREE_REFUSED = (
+    "--ddtree: a dspark drafter drafts slot after slot (each slot's logits depend on the token before "
+    "it), which DDTree's per-depth top-K tree does not model; pass --ddtree none"
+)
 
 
 @dataclass
@@ -103,6 +115,10 @@ class BatchReplay:
     ) -> None:
         """temperature: also the chain's expected tokens under speculative sampling at it (the samples
         must carry their final states)."""
+        if budgets and m.config.head == "dspark":
+            raise DrafterError(DDTREE_REFUSED)
+        if temperature is not None and m.config.head == "dspark":
+            raise DrafterError(TEMPERATURE_REFUSED)
         self.m, self.budgets, self.max_rounds, self.temperature = m, tuple(budgets), max_rounds, temperature
         self.B = m.config.block_size
         self.P = 1 + len(self.budgets)
@@ -232,12 +248,15 @@ class BatchReplay:
         for lane, k in enumerate((None, *self.k)):
             if not where[lane]:
                 continue
-            logits = m.logits(h[torch.as_tensor([i for _, i in where[lane]], device=dev)])  # [n, D, V]
-            if k is None:
+            rows = torch.as_tensor([i for _, i in where[lane]], device=dev)
+            if k is None and self.temperature is not None:  # a dflash drafter (dspark is refused): one forward
+                logits = m.logits(h[rows])  # [n, D, V]
                 parts.append(logits.argmax(-1))  # [n, D] chain drafts
-                if self.temperature is not None:
-                    parts.append(self._acceptance(logits, [slot for slot, _ in where[lane]]))  # [n, 2, D]
+                parts.append(self._acceptance(logits, [slot for slot, _ in where[lane]]))  # [n, 2, D]
+            elif k is None:  # [n, D] chain drafts (a dspark drafter's slot after slot, from each anchor)
+                parts.append(m.chain_drafts(h[rows], ids.view(K * W, B)[rows, 0]))
             else:
+                logits = m.logits(h[rows])  # [n, D, V]
                 parts += ddtree.top_k_device(ddtree.slot_logprobs(logits.flatten(0, 1)), k)  # [n*D, k] twice
         flat = torch.cat([p.flatten().double() for p in parts]).cpu().numpy() if parts else np.zeros(0)  # one copy
         return self._unpack(flat, where)

@@ -46,7 +46,7 @@ def speculative(
     start = P  # position of the last committed token
     while first not in eos and start < P + max_new_tokens - 1:
         left = P + max_new_tokens - 1 - start  # tokens still allowed after position start
-        drafts = session.draft(run.tokens[-1]).argmax(-1).tolist()[: min(B - 1, left)]
+        drafts = session.chain(run.tokens[-1]).tolist()[: min(B - 1, left)]
         run.drafts.append(drafts)
         posterior, block_states = target.verify(torch.tensor([run.tokens[-1], *drafts]))
         acc = accepted(drafts, posterior.tolist())

@@ -58,6 +58,17 @@ class DraftSession:
         """Logits for slots 1..B-1 of the block [token, MASK x (B-1)] at positions length.. : [B-1, V] fp32.
 
         The context must hold exactly the states strictly before the block's start."""
+        return self.m.logits(self._block(token)[0, 1:]).float()
+
+    @torch.no_grad()
+    def chain(self, token: int) -> torch.Tensor:
+        """Greedy chain drafts for slots 1..B-1 of the block [token, MASK x (B-1)]: [B-1] long (a dspark
+        drafter's slot after slot: Drafter.chain_drafts)."""
+        h = self._block(token)[:, 1:]  # [1, B-1, H]
+        return self.m.chain_drafts(h, torch.tensor([token], device=h.device))[0]
+
+    def _block(self, token: int) -> torch.Tensor:
+        """The block [token, MASK x (B-1)] at positions length.. through the drafter: [1, B, H] normed."""
         c, dev = self.m.config, self.m.fc.weight.device
         B, start = c.block_size, self.length
         ids = torch.full((1, B), c.mask_token_id, dtype=torch.long, device=dev)
@@ -65,5 +76,4 @@ class DraftSession:
         positions = torch.arange(start, start + B, device=dev)[None]
         anchors = torch.tensor([[start]], device=dev)
         mk = masks.build(self.m.rules, anchors, torch.ones_like(anchors, dtype=torch.bool), start, B, "dense")
-        h = self.m.run_block(self.kv, ids, positions, mk)  # [1, B, H]
-        return self.m.logits(h[0, 1:]).float()
+        return self.m.run_block(self.kv, ids, positions, mk)

@@ -48,6 +48,16 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
                 p + "mlp.down_proj.weight": (H, c.intermediate_size),
             }
         )
+    if c.head == "dspark":  # vLLM 0.32 Qwen3DSparkModel's names (pipeline/drafter/dspark.py)
+        r = c.markov_rank
+        out.update(
+            {
+                "markov_head.markov_w1.weight": (c.vocab_size, r),
+                "markov_head.markov_w2.weight": (c.vocab_size, r),
+                "confidence_head.proj.weight": (1, H + r),
+                "confidence_head.proj.bias": (1,),
+            }
+        )
     return out
 
 

@@ -18,6 +18,9 @@ from store.errors import ConfigError
 from store.format.schema import StoreAttrs, from_json, to_json
 
 ARCHITECTURE = "DFlashDraftModel"
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # vLLM 0.32's DSpark drafter on the DFlash backbone (head "dspark")
+HEADS = ("dflash", "dspark")  # dspark: + a low-rank Markov transition head and a confidence head (dspark.py)
+MARKOV_RANK = 256  # the Markov head's rank r when none is given
 LAYER_TYPES = ("full_attention", "sliding_attention")
 OUR_KEY = "dflash_pipeline"  # config.json key for what we add (store fingerprint, shards)
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SPEC §2: loss decay per block size
@@ -75,6 +78,8 @@ class DrafterConfig:
     rope_parameters: dict = architecture(default_factory=lambda: DrafterConfig.default_rope())
     max_position_embeddings: int = architecture(40960)
     input_embedding_scale: float = architecture(1.0)
+    head: str = architecture("dflash")  # HEADS
+    markov_rank: int = architecture(MARKOV_RANK)  # the dspark head's rank r (unused by dflash)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(t) for t in self.target_layer_ids))
@@ -108,6 +113,8 @@ class DrafterConfig:
             f"mask_token_id {self.mask_token_id} is outside the vocabulary (0-{self.vocab_size - 1})",
         )
         need(len(self.target_layer_ids) >= 1, "target_layer_ids is empty")
+        need(self.head in HEADS, f"head {self.head!r}: expected one of {HEADS}")
+        need(self.markov_rank >= 1, f"markov_rank {self.markov_rank} must be at least 1")
 
     @staticmethod
     def default_rope() -> dict:
@@ -137,7 +144,7 @@ class DrafterConfig:
             "tie_word_embeddings": False,
             "use_cache": True,
             "use_sliding_window": "sliding_attention" in self.layer_types,
-            **{k: v for k, v in d.items() if k not in ("is_causal", "input_embedding_scale") and v is not None},
+            **{k: v for k, v in d.items() if k not in _NOT_WRITTEN and v is not None},
             "dflash_config": {
                 "block_size": self.block_size,
                 "mask_token_id": self.mask_token_id,
@@ -149,6 +156,8 @@ class DrafterConfig:
         out.update(legacy_rope(self.rope_parameters))  # for loaders that read the v4 fields
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
+        if self.head == "dspark":
+            out.update(dspark_fields(self.markov_rank))
         if record is not None:
             out[OUR_KEY] = to_json(record)
         return out
@@ -156,8 +165,12 @@ class DrafterConfig:
     @classmethod
     def from_hf(cls, d: dict, where: str = "config.json") -> "DrafterConfig":
         arch = d.get("architectures") or [ARCHITECTURE]
-        if arch[0] != ARCHITECTURE:
-            raise DrafterError(f"{where}: architectures {arch}: only {ARCHITECTURE} is supported")
+        if arch[0] not in (ARCHITECTURE, DSPARK_ARCHITECTURE):
+            raise DrafterError(
+                f"{where}: architectures {arch}: only {ARCHITECTURE} and {DSPARK_ARCHITECTURE} are supported"
+            )
+        if arch[0] == DSPARK_ARCHITECTURE:
+            check_dspark(d, where)
         if d.get("attention_bias"):
             raise DrafterError(f"{where}: attention_bias true is not supported (released drafters have none)")
         dflash = d.get("dflash_config") or {}
@@ -192,7 +205,40 @@ class DrafterConfig:
             rope_parameters=_rope(d),
             max_position_embeddings=int(get("max_position_embeddings", default["max_position_embeddings"])),
             input_embedding_scale=float(get("input_embedding_scale", default["input_embedding_scale"], inner=True)),
+            head="dspark" if arch[0] == DSPARK_ARCHITECTURE else "dflash",
+            markov_rank=int(get("markov_rank", default["markov_rank"])),
         )
+
+
+_NOT_WRITTEN = ("is_causal", "input_embedding_scale", "head", "markov_rank")  # written their own way
+
+
+def dspark_fields(rank: int) -> dict:
+    """The config.json fields vLLM 0.32's Qwen3DSparkModel reads beside the DFlash ones: the Markov
+    head's rank, a confidence head over [hidden, Markov embedding], and the DFlash block layout
+    (anchor, then B-1 masks predicted at their own positions: sample_from_anchor false)."""
+    return {
+        "architectures": [DSPARK_ARCHITECTURE],
+        "markov_rank": rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "sample_from_anchor": False,
+    }
+
+
+def check_dspark(d: dict, where: str) -> None:
+    """A Qwen3DSparkModel config.json is ours to read only in the layout dspark_fields writes."""
+    rank = d.get("markov_rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise DrafterError(f"{where}: markov_rank is {rank!r}, expected a positive integer")
+    want = dspark_fields(rank)
+    for name in ("markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
+        if d.get(name) != want[name]:
+            raise DrafterError(f"{where}: {name} is {d.get(name)!r}, expected {want[name]!r} (the layout written here)")
+    anchor = d.get("sample_from_anchor", True)  # vLLM's default: the anchor predicts slot 1
+    if anchor is not False:
+        raise DrafterError(f"{where}: sample_from_anchor is {anchor!r}, expected False (the DFlash block layout)")
 
 
 def architecture_fields() -> tuple[str, ...]:

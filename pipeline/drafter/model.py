@@ -15,7 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.drafter.attention import attend
 from pipeline.drafter.config import DrafterConfig
+from pipeline.drafter.dspark import ConfidenceHead, MarkovHead, sequential_drafts
 from pipeline.drafter.masks import LayerRule
+
+HEAD_MODULES = ("markov_head.", "confidence_head.")  # the dspark head's parameters (dspark.py)
 
 
 class RMSNorm(nn.Module):
@@ -147,6 +150,9 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = Rotary(c)
+        if c.head == "dspark":  # vLLM's names: markov_head.markov_w1/w2, confidence_head.proj
+            self.markov_head = MarkovHead(c)
+            self.confidence_head = ConfidenceHead(c)
         # Frozen target tensors: [V, H], never saved (non-persistent), never trained, never copied.
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
@@ -159,11 +165,18 @@ class Drafter(nn.Module):
         return [layer.rule for layer in self.layers]
 
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Normal(0, std) linears, unit norms (Qwen3's initializer); reproducible with a generator."""
-        for name, p in sorted(self.named_parameters()):
+        """Normal(0, std) linears, unit norms (Qwen3's initializer); reproducible with a generator. The
+        dspark heads come after the backbone (whose draws are then a DFlash drafter's of the same seed):
+        markov_w2 and the confidence bias start at zero, so the head starts as no bias at all."""
+        params = sorted(self.named_parameters())
+        backbone = [(n, p) for n, p in params if not n.startswith(HEAD_MODULES)]
+        heads = [(n, p) for n, p in params if n.startswith(HEAD_MODULES)]
+        for name, p in backbone + heads:
             with torch.no_grad():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif name in ("markov_head.markov_w2.weight", "confidence_head.proj.bias"):
+                    p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
@@ -208,3 +221,10 @@ class Drafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         # h: [..., H] -> [..., V] (under autocast both run in bf16)
         return F.linear(h.to(self.lm_head.dtype), self.lm_head)
+
+    def chain_drafts(self, h: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Greedy chain drafts: h [n, D, H] slots 1..B-1 of n blocks, first [n] long their anchors ->
+        [n, D] long. DFlash: each slot's argmax; dspark: sequential with the transition bias."""
+        if self.config.head == "dspark":
+            return sequential_drafts(self.logits(h), first, self.markov_head)
+        return self.logits(h).argmax(-1)

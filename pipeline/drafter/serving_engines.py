@@ -62,6 +62,11 @@ def serving_warnings(config: DrafterConfig, target: TargetRecord | None) -> list
             f"input_embedding_scale {config.input_embedding_scale}: no serving consumer applies it, so "
             "every one will draft from differently scaled embeddings"
         )
+    if config.head == "dspark":
+        out.append(
+            "dspark head: only vLLM (0.32 or later, method dspark, its V2 model runner) drafts with the Markov "
+            "transition head; SGLang and modeling_dflash.py do not load this Qwen3DSparkModel checkpoint as it is"
+        )
     problem = vllm_kv_problem(config, target)
     if problem:
         out.append(problem)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.decode.acceptance import round_tokens, summarize
+from pipeline.drafter.config import read_config
 from pipeline.errors import EngineError
 from stages.evaluate.engine_device import EngineDevice
 from store.format.schema import StoreAttrs
@@ -49,6 +50,7 @@ class ServedBench:
         return {
             "target": self.target,
             "drafter": str(Path(drafter).resolve()),
+            "method": read_config(drafter)[0].head,  # dflash, or dspark (vLLM's Qwen3DSparkModel)
             "dtype": "bfloat16",
             "seed": 0,
             "num_speculative_tokens": block_size - 1,

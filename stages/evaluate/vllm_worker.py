@@ -3,7 +3,7 @@ that has vLLM (usually its own venv), never imported by dflash-pipeline: stdlib 
 
     python vllm_worker.py REQUEST.json RESULT.json
 
-REQUEST: {"target", "drafter", "num_speculative_tokens", "max_model_len", "dtype", "seed",
+REQUEST: {"target", "drafter", "method" (dflash or dspark), "num_speculative_tokens", "max_model_len", "dtype", "seed",
           "gpu_memory_utilization" (null on CPU), "stop_token_ids": [..],
           "prompts": [{"prompt": [ids], "max_tokens": n}, ..]}
 The GPU is the one CUDA_VISIBLE_DEVICES names (set by the caller).
@@ -18,6 +18,10 @@ import sys
 
 
 def engine(req: dict):
+    import os
+
+    if req.get("method") == "dspark":  # vLLM's DSpark speculator exists in its V2 model runner only
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     import torch
     from vllm import LLM
 
@@ -33,7 +37,7 @@ def engine(req: dict):
         per_request_spec_decode_metrics="detailed",
         disable_log_stats=False,  # get_metrics() needs the stats
         speculative_config={
-            "method": "dflash",
+            "method": req.get("method", "dflash"),
             "model": req["drafter"],
             "num_speculative_tokens": req["num_speculative_tokens"],
         },

@@ -239,9 +239,9 @@ def _tau(c: CardRecord) -> list[str]:
 
 def _usage(c: CardRecord) -> list[str]:
     d, target = c.drafter, served_as(c.target)
-    spec = json.dumps({"method": "dflash", "model": c.out, "num_speculative_tokens": d.block_size - 1})
+    spec = json.dumps({"method": d.head, "model": c.out, "num_speculative_tokens": d.block_size - 1})
     mixed = len(set(d.layer_types)) > 1
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed else ""
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed or d.head == "dspark" else ""
     out = [
         "## Usage",
         "",
@@ -257,6 +257,12 @@ def _usage(c: CardRecord) -> list[str]:
         out += [
             "vLLM serves a drafter that mixes sliding and full attention layers only with its V2 model runner "
             "(`VLLM_USE_V2_MODEL_RUNNER=1`).",
+            "",
+        ]
+    if d.head == "dspark":
+        out += [
+            "vLLM drafts with the DSpark head (Qwen3DSparkModel: the Markov transition head, slot after slot) "
+            "only in its V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`).",
             "",
         ]
     out += [

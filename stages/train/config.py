@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import device as devices
-from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, NORMS, NUM_LAYERS, ROPE_THETA
+from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, HEADS, MARKOV_RANK, NORMS, NUM_LAYERS, ROPE_THETA
 from stages import cache_flags
 from stages.settings import at_least, build, check_choices, fill, flat, parse_count, part, require, setting
 from stages.train.node_order import DATA_ORDERS
@@ -316,6 +316,22 @@ class DrafterArchConfig:
         None, "RoPE base.", default_text=f"--drafter-config's, else {ROPE_THETA:.0e}".replace("e+0", "e")
     )
     mask_token_id: int | None = setting(None, "Mask token for the draft slots.", default_text="the store's")
+    head: str | None = setting(
+        None,
+        "dspark: add DSpark's low-rank Markov transition head (the previous token's "
+        "bias on each slot's logits, drafted slot after slot) and its confidence "
+        "head, trained with 0.9 TV + 0.1 CE; exported as vLLM's Qwen3DSparkModel "
+        "(docs/training.md, The DSpark head).",
+        choices=HEADS,
+        default_text="--drafter-config's, else dflash",
+        drafter="head",
+    )
+    markov_rank: int | None = setting(
+        None,
+        "Rank r of the dspark Markov head (two [vocab, r] matrices).",
+        default_text=f"--drafter-config's, else {MARKOV_RANK}",
+        drafter="markov_rank",
+    )
     drafter_config: str | None = setting(
         None,
         "Take the architecture (sizes, layer types, window, RoPE) from this "
@@ -329,6 +345,10 @@ class DrafterArchConfig:
         "optimizer and schedule start afresh: to continue a trained drafter, lower "
         "--lr.",
     )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        at_least(self, 1, "markov_rank")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,10 +10,12 @@ import torch
 from pipeline.drafter import masks
 from pipeline.drafter.blocks import make_blocks, sample_anchors
 from pipeline.drafter.config import DrafterConfig
+from pipeline.drafter.dspark_loss import dspark_loss, previous_tokens
 from pipeline.drafter.loss import GPU_LOGITS_BYTES, LOGITS_BYTES, LossOut, dflash_loss, rows_within
 from pipeline.drafter.model import Drafter
 from stages.train.config import LossConfig
 from stages.train.recipe import slot_gamma
+from store.errors import ConfigError
 
 CTX_BUCKET = 512  # flex (CUDA): context lengths are rounded up to this
 
@@ -41,6 +43,10 @@ class LossPlan:
         """From the loss's settings and the drafter's config (an --init-from checkpoint's block size);
         packed: --batching packed."""
         gamma = slot_gamma(config, drafter.block_size)
+        if drafter.head == "dspark" and config.acceptance_weight:
+            raise ConfigError(
+                "--acceptance-weight", config.acceptance_weight, "is not used with --head dspark (its own TV + CE mix)"
+            )
         alpha = None if config.slot_weights == "exp" else config.dpace_alpha
         return cls(
             config.anchors,
@@ -105,6 +111,19 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
         None if starts is None else blocks.starts,
     )
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
+    if raw.config.head == "dspark":
+        return dspark_loss(
+            h,
+            blocks.labels,
+            previous_tokens(batch.tokens, anchors, plan.block_size),  # [b, N, B]
+            raw.lm_head,
+            raw.markov_head,
+            raw.confidence_head,
+            plan.gamma,
+            dpace=plan.dpace_alpha,
+            chunk_rows=loss_chunk_rows(raw.lm_head.shape[0], h.device),
+            norm=plan.loss_norm,
+        )
     return dflash_loss(
         h,
         blocks.labels,

@@ -418,3 +418,15 @@ def test_cli_prints_the_summary(measured, monkeypatch, capsys, tmp_path):
     assert code == 0 and err == ""
     assert out.startswith(f"exported {ck} -> {tmp_path / 'out'}: config.json (") and "model.safetensors (" in out
     assert "step: 7; replay tau: " in out
+
+
+def test_a_dspark_drafter_exports_as_vllms_dspark_model(small_store, tmp_path):
+    ck = drafter_checkpoint(small_store, tmp_path / "ck", train={"head": "dspark", "markov_rank": 8})
+    result, lines = run(ck, tmp_path / "out")
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf["architectures"] == ["Qwen3DSparkModel"] and hf["markov_rank"] == 8
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.bias"} <= set(tensors)
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert '"method": "dspark"' in text and "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in text
+    assert any("dspark head: only vLLM" in w for w in result["warnings"])

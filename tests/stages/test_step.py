@@ -387,3 +387,22 @@ def test_the_losss_chunk_is_compute_bound_on_a_gpu_and_small_elsewhere(small_sto
             model, model, batch, st.LossPlan.of(config.loss, dc, False), st.step_generator(0, 1, 0, 0, "cpu")
         )
     assert seen == [rows_within(model.lm_head.shape[0])]
+
+
+def test_the_expected_acceptance_term_is_refused_with_the_dspark_head():
+    from stages.train.step import LossPlan
+    from tests.drafters import config
+
+    assert LossPlan.of(LossConfig(), config(head="dspark"), flex=False).acceptance == 0
+    with pytest.raises(ConfigError, match=r"--acceptance-weight 0.5: is not used with --head dspark"):
+        LossPlan.of(LossConfig(acceptance_weight=0.5), config(head="dspark"), flex=False)
+    assert LossPlan.of(LossConfig(acceptance_weight=0.5), config(), flex=False).acceptance == 0.5
+
+
+def test_a_bad_head_or_rank_is_named():
+    from stages.train.config import DrafterArchConfig
+
+    with pytest.raises(ConfigError, match="--head medusa: expected one of dflash, dspark"):
+        DrafterArchConfig(head="medusa")
+    with pytest.raises(ConfigError, match="--markov-rank 0"):
+        DrafterArchConfig(markov_rank=0)

@@ -34,12 +34,14 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize(
-    "recipe", [[], OPTIONS, ["--acceptance-weight", 0.5]], ids=["defaults", "options", "acceptance"]
+    "recipe",
+    [[], OPTIONS, ["--acceptance-weight", 0.5], ["--head", "dspark", "--markov-rank", 8]],
+    ids=["defaults", "options", "acceptance", "dspark"],
 )
 def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     """The defaults (Muon's and AdamW's states, random batches, D-PACE) and every other option (AdamW alone, the
     linear schedule, packed epochs, uniform noise, exp weights, label normalisation, single anchors, the
-    expected-acceptance term mixed in) resume exactly."""
+    expected-acceptance term mixed in, the dspark head and its objective) resume exactly."""
     common = ["--store", small_store, "--max-steps", 20, "--save-every", 10, "--noise-std", 0.05, *TINY, *recipe]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     r = train([*common, "--out", straight])
@@ -55,6 +57,7 @@ def test_resume_equals_uninterrupted(small_store, tmp_path, recipe):
     a, b = checkpoint.load(straight / "final")[1], checkpoint.load(resumed / "final")[1]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert losses(straight)[-1] < losses(straight)[0] - 1.0  # it learns
+    assert ("markov_head.markov_w2.weight" in a) == ("dspark" in recipe)
 
 
 def test_a_checkpoint_in_accelerates_layout_still_resumes(small_store, tmp_path):

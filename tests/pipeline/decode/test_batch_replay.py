@@ -8,6 +8,7 @@ import torch
 from pipeline.decode import ddtree
 from pipeline.decode.batch_replay import BatchReplay
 from pipeline.drafter.model import Drafter
+from pipeline.errors import DrafterError
 from store.shard_reader import Sample
 from tests.drafters import TAPS, H, config
 from tests.pipeline.decode import reference_replay as replay
@@ -110,3 +111,49 @@ def test_device_top_k_equals_the_reference_with_ties():
         vals, ids = ddtree.top_k_device(lp, k)
         ref_v, ref_i = ddtree.top_k(lp, k)
         assert ids.tolist() == ref_i and np.allclose(vals.numpy(), ref_v, rtol=0, atol=0)
+
+
+def dspark_drafter() -> Drafter:
+    m = small_drafter(head="dspark", markov_rank=3)
+    with torch.no_grad():  # a head that biases (markov_w2 starts at zero)
+        m.markov_head.markov_w2.weight.copy_(torch.randn(V, 3, generator=torch.Generator().manual_seed(5)) * 3)
+    return m
+
+
+def dspark_reference(m: Drafter, s: Sample) -> list[tuple[int, int]]:
+    """One prompt's chain rounds, drafting slot after slot by hand from the session's base logits."""
+    w1, w2 = m.markov_head.markov_w1.weight, m.markov_head.markov_w2.weight
+    rounds, start, T = [], s.prompt_len, len(s.tokens)
+    session = replay.DraftSession(m)
+    session.extend(s.hidden[:start])
+    while start < T - 1:
+        base, prev, drafts = session.draft(int(s.tokens[start])), int(s.tokens[start]), []
+        for k in range(m.config.block_size - 1):
+            prev = int((base[k] + (w2 @ w1[prev]).to(base.dtype)).argmax())
+            drafts.append(prev)
+        acc = replay.accepted(drafts, s.tokens[start + 1 : start + m.config.block_size].tolist())
+        n = replay.round_tokens(acc, T - 1 - start)
+        rounds.append((acc, n))
+        session.extend(s.hidden[start : start + n])
+        start += n
+    return rounds
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_dspark_drafters_chain_drafts_slot_after_slot(slots):
+    m, ss = dspark_drafter(), samples(7, seed=4)
+    got = {(c.shard, c.index): c for c in BatchReplay(m, (), slots, 40).run(ss, {(s.shard, s.index) for s in ss})}
+    plain = {(s.shard, s.index): replay.replay(m, s).rounds for s in ss}  # the backbone's argmax alone
+    for s in ss:
+        assert got[(s.shard, s.index)].chain_rounds == dspark_reference(m, s)
+    assert any(got[k].chain_rounds != plain[k] for k in plain)  # the head changed some rounds
+
+
+def test_ddtree_with_a_dspark_drafter_is_refused_in_one_line():
+    with pytest.raises(DrafterError, match="--ddtree: a dspark drafter .* pass --ddtree none"):
+        BatchReplay(dspark_drafter(), (8,), 1, 40)
+
+
+def test_tau_at_temperature_with_a_dspark_drafter_is_refused_in_one_line():
+    with pytest.raises(DrafterError, match="^--temperature: a dspark drafter's slot distribution depends on"):
+        BatchReplay(dspark_drafter(), (), 1, 40, temperature=1.0)

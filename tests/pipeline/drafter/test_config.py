@@ -19,12 +19,13 @@ ARCHITECTURE_BEFORE = (
     "max_position_embeddings",
     "input_embedding_scale",
 )
+HEAD_FIELDS = ("head", "markov_rank")  # the dspark head (issue 52), architecture since it was added
 
 
 def test_architecture_fields_are_the_ones_a_drafter_config_gives():
     """--drafter-config carries exactly these DrafterConfig fields; the store gives the rest."""
     names = architecture_fields()
-    assert len(names) == len(set(names)) == 12 and set(names) == set(ARCHITECTURE_BEFORE)
+    assert len(names) == len(set(names)) == 14 and set(names) == set(ARCHITECTURE_BEFORE + HEAD_FIELDS)
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
     assert set(names) <= fields
     assert not {

@@ -1,0 +1,84 @@
+"""A dspark drafter's export loads in vLLM 0.32's own Qwen3DSparkModel, and vLLM's Markov bias and
+confidence equal ours. Opt-in: `pytest -m engine` (the vLLM CPU venv; about a minute).
+
+vLLM drafts with DSpark only in its V2 model runner, which needs Triton's GPU backends: no CPU engine
+serves it, so the served-equals-replay check (`evaluate.py --served vllm`, method dspark) needs a GPU.
+Here vLLM's model is built outside an engine, the way its loader builds it (tests/vllm_dspark_load.py)."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from pipeline import TINY_TARGET
+from pipeline.drafter import checkpoint
+from pipeline.drafter.config import DrafterConfig
+from pipeline.drafter.model import Drafter
+from tests.conftest import REPO
+from tests.engines import build_venv, free_port
+
+pytestmark = pytest.mark.engine
+R = 16
+
+
+def tiny_dspark(directory) -> Drafter:
+    """A random dspark drafter for the shipped tiny target (its KV layout, taps 1, 3, 5), saved."""
+    target = json.loads((TINY_TARGET / "config.json").read_text())
+    c = DrafterConfig(
+        hidden_size=target["hidden_size"],
+        intermediate_size=448,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=target["vocab_size"],
+        block_size=8,
+        mask_token_id=target["vocab_size"] - 1,
+        target_layer_ids=(1, 3, 5),
+        num_target_layers=target["num_hidden_layers"],
+        layer_types=("full_attention",),
+        head="dspark",
+        markov_rank=R,
+    )
+    g = torch.Generator().manual_seed(0)
+    m = Drafter(c, torch.randn(c.vocab_size, c.hidden_size, generator=g), torch.randn(c.vocab_size, c.hidden_size))
+    m.init_weights(torch.Generator().manual_seed(1))
+    with torch.no_grad():  # markov_w2 and the confidence bias start at zero: give them values to compare
+        m.markov_head.markov_w2.weight.normal_(generator=g)
+        m.confidence_head.proj.bias.fill_(0.25)
+    checkpoint.save(directory, c, m.state_dict())
+    return m
+
+
+def test_vllm_loads_the_dspark_export_and_computes_our_bias_and_confidence(tmp_path):
+    m = tiny_dspark(tmp_path / "drafter")
+    out = tmp_path / "result.json"
+    subprocess.run(
+        [
+            str(build_venv()),
+            str(REPO / "tests" / "vllm_dspark_load.py"),
+            str(TINY_TARGET),
+            str(tmp_path / "drafter"),
+            out,
+        ],
+        check=True,
+        env={**__import__("os").environ, "PORT": str(free_port())},
+    )
+    r = json.loads(out.read_text())
+    assert r["method"] == "dspark" and r["architectures"] == ["Qwen3DSparkModel"]
+    assert r["head_parameters"] == [
+        "model.confidence_head.proj.bias",
+        "model.confidence_head.proj.weight",
+        "model.markov_head.markov_w1.weight",
+        "model.markov_head.markov_w2.weight",
+    ]
+    assert r["equal"] and all(r["equal"].values()), r["equal"]
+    bf = m.to(torch.bfloat16)  # vLLM holds the heads in bf16 (the confidence head in fp32, from bf16 weights)
+    prev = torch.tensor(r["prev"])
+    with torch.no_grad():
+        embed = bf.markov_head.embed(prev)
+        ours = bf.markov_head.bias(embed).float()
+        conf = torch.sigmoid(bf.confidence_head(torch.zeros(len(prev), bf.config.hidden_size), embed))
+    torch.testing.assert_close(torch.tensor(r["bias"]), ours, rtol=0, atol=0)
+    torch.testing.assert_close(torch.tensor(r["confidence"]), conf, rtol=1e-6, atol=1e-6)
