@@ -187,5 +187,5 @@ def test_field_roles_come_from_the_settings():
     assert {"store", "lr", "seed", "batch_size", "schedule"} <= set(RESUME_FIXED)
     assert not {"out", "workers", "resume", "save_every", "grad_checkpoint"} & set(RESUME_FIXED)
     roles = with_role(TrainConfig, "drafter")
-    assert roles["num_layers"] == "num_hidden_layers" and len(roles) == 6
+    assert roles["num_layers"] == "num_hidden_layers" and len(roles) == 8  # with head, markov_rank (dspark)
     assert set(roles.values()) <= {f.name for f in dataclasses.fields(DrafterConfig)}

@@ -77,7 +77,11 @@ FLAT_DEFAULTS = {
     "mixed_precision": "auto",
     "audit": False,
 }
-LATER = {"acceptance_weight": 0.0}  # settings added since, each at a default that trains as before it existed
+LATER = {
+    "acceptance_weight": 0.0,
+    "head": None,
+    "markov_rank": None,
+}  # settings added since, each at a default that trains as before it existed
 UNSET = {"follow_poll": None}  # defaults now unset: --follow-poll's 30 s is filled in only with --follow
 RECORD = FLAT_DEFAULTS | LATER | UNSET
 OLD_CHECKPOINT = Path(__file__).parents[1] / "data" / "schema1" / "checkpoint_config.json"  # a drafter of an early run
