@@ -15,7 +15,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from pipeline.sampling import RowSampler
-from pipeline.target.model import _cut
+from pipeline.target.model import cut
 from store.format.schema import Sampling
 
 
@@ -73,7 +73,7 @@ class FakeEngine:
                 generation_config=config,
                 logits_processor=LogitsProcessorList(sampled),
             )
-        out = _cut(new[0, len(body["prompt"]) :].tolist(), t.eos_ids, body["max_tokens"])
+        out = cut(new[0, len(body["prompt"]) :].tolist(), t.eos_ids, body["max_tokens"])
         stopped = bool(out) and out[-1] in body.get("stop_token_ids", [])
         return {
             "id": "cmpl-fake",

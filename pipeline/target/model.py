@@ -129,7 +129,7 @@ class Target:
                 streamer=None if on_token is None else _TokenCount(on_token),
             )
         new = out[:, width:].tolist()
-        return [_cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
+        return [cut(seq, self.eos_ids, limit) for seq, limit in zip(new, max_new_tokens)]
 
     @torch.inference_mode()
     def capture(
@@ -306,7 +306,9 @@ class Target:
         return None
 
 
-def _cut(seq: list[int], eos_ids: list[int], limit: int) -> list[int]:
+def cut(seq: list[int], eos_ids: list[int], limit: int) -> list[int]:
+    """A completion up to its first EOS (kept) and at most `limit` tokens: every generator's references
+    (this target's, an engine's) are cut alike."""
     seq = seq[:limit]
     for i, t in enumerate(seq):
         if t in eos_ids:

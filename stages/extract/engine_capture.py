@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import EngineError
+from pipeline.target.model import cut
 from store.errors import ConfigError
 from store.format.schema import Backends
 
@@ -71,13 +72,6 @@ def check_python(python: str) -> str:
 def first_error(lines: list[str]) -> list[str]:
     """The root cause in an engine's log: its first 'SomethingError: message' (none: [])."""
     return [m.group(1) for m in map(re.compile(r"\b(\w+Error: \S.*)").search, lines) if m][:1]
-
-
-def cut(completion: list[int], limit: int, eos_ids: list[int]) -> list[int]:
-    """A completion up to its first EOS (kept) and at most `limit` tokens, as Target.generate cuts."""
-    stops = set(eos_ids)
-    end = next((i + 1 for i, t in enumerate(completion) if t in stops), len(completion))
-    return completion[: min(end, limit)]
 
 
 def check_split(config, tensor_parallel: int) -> None:
@@ -274,7 +268,7 @@ class VllmCapture:
         }
         self._send(request)
         for i, completion in zip(wanted, self._reply()["completions"]):
-            completions[i] = cut(completion, max_new_tokens[i], eos_ids)
+            completions[i] = cut(completion, eos_ids, max_new_tokens[i])
         self.seconds["generate_s"] += time.perf_counter() - t
         return completions
 

@@ -111,29 +111,15 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
         None if starts is None else blocks.starts,
     )
     h = model(hidden, blocks.block_ids, ctx_pos, blocks.positions, mask, noise)
-    if raw.config.head == "dspark":
-        return dspark_loss(
-            h,
-            blocks.labels,
-            previous_tokens(batch.tokens, anchors, plan.block_size),  # [b, N, B]
-            raw.lm_head,
-            raw.markov_head,
-            raw.confidence_head,
-            plan.gamma,
-            dpace=plan.dpace_alpha,
-            chunk_rows=loss_chunk_rows(raw.lm_head.shape[0], h.device),
-            norm=plan.loss_norm,
-        )
-    return dflash_loss(
-        h,
-        blocks.labels,
-        raw.lm_head,
-        plan.gamma,
-        dpace=plan.dpace_alpha,
-        chunk_rows=loss_chunk_rows(raw.lm_head.shape[0], h.device),
-        norm=plan.loss_norm,
-        acceptance=plan.acceptance,
+    # the slot weighting and chunking both objectives share
+    weighting = dict(
+        dpace=plan.dpace_alpha, chunk_rows=loss_chunk_rows(raw.lm_head.shape[0], h.device), norm=plan.loss_norm
     )
+    if raw.config.head == "dspark":
+        previous = previous_tokens(batch.tokens, anchors, plan.block_size)  # [b, N, B]
+        heads = (raw.lm_head, raw.markov_head, raw.confidence_head)
+        return dspark_loss(h, blocks.labels, previous, *heads, plan.gamma, **weighting)
+    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, acceptance=plan.acceptance, **weighting)
 
 
 def loss_chunk_rows(vocab: int, device: torch.device) -> int:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pipeline.target.model import _cut
+from pipeline.target.model import cut
 from tests.targets import bf16_close, prompt_ids, reference_states
 
 
@@ -45,7 +45,7 @@ def test_generate_is_the_targets_greedy_generate(target):
     for p, limit, got in zip(prompts, limits, batched):
         with torch.inference_mode():
             out = target.model.generate(torch.tensor([p]), max_new_tokens=limit, do_sample=False)
-        assert got == _cut(out[0, len(p) :].tolist(), target.eos_ids, limit)
+        assert got == cut(out[0, len(p) :].tolist(), target.eos_ids, limit)
         assert len(got) <= limit
 
 
@@ -68,9 +68,9 @@ def test_linear_attention_path_is_recorded_from_the_calls(target):
 
 
 def test_cut_keeps_the_eos():
-    assert _cut([5, 6, 2, 7], [2], 10) == [5, 6, 2]
-    assert _cut([5, 6, 2, 7], [2], 2) == [5, 6]
-    assert _cut([5, 6], [2], 10) == [5, 6]
+    assert cut([5, 6, 2, 7], [2], 10) == [5, 6, 2]
+    assert cut([5, 6, 2, 7], [2], 2) == [5, 6]
+    assert cut([5, 6], [2], 10) == [5, 6]
 
 
 @pytest.mark.parametrize("bad", ["/nonexistent/model", "."])
