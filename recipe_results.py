@@ -92,10 +92,16 @@ ON_DEFAULTS: dict[str, dict] = {
     "grad-bf16": {"grad_comm": "bf16"},
     # the DSpark head (docs/training.md, The DSpark head): chain only, DDTree does not apply to it
     "dspark": {"head": "dspark"},
+    # soft targets (docs/training.md, Soft targets): on a store with final states, each mixed half and half
+    # with the CE; default+dspark+soft-tv: the DSpark head's TV toward the target's distribution
+    "soft-kl": {"soft_targets": "kl"},
+    "soft-tv": {"soft_targets": "tv"},
+    "soft-accept": {"soft_targets": "accept"},
 }
 METRICS = (
     "tau",
     "tau_pooled",
+    "tau_t1",  # tau at T=1 along the reference (runs replayed on a store with final states; None before)
     "ddtree16",
     "ddtree64",
     "tau_eos",

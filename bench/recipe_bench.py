@@ -7,7 +7,7 @@ held-out prompts of the shipped tiny target, several seeds per recipe, paired ag
 
 `run` trains one drafter per (recipe, seed) with train.py on shards 0-55 and replays it with
 evaluate.py on every prompt of the held-out shards 56-63 (80 prompts; chain and DDTree-16/64;
-fp32, see REPLAY), then keeps what it measured in RESULTS/STEPS/RECIPE/sSEED.json: the
+fp32, see REPLAY; on a store with final states also tau at T=1, REPLAY_TEMPERATURE), then keeps what it measured in RESULTS/STEPS/RECIPE/sSEED.json: the
 recipe's flags, the checkpoint's train_config, the held-out loss, streak tau and training
 validation's replayed tau, s/step, and the report's tau figures with every prompt's tau, its
 completion length and whether the completion ended in EOS or was cut at the length limit. A run
@@ -148,6 +148,16 @@ TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 # CPU (no native bf16 matmul) bf16 replay took 4.7x as long (172 s against 37 s on 80 prompts), and the
 # two gave chain tau 1.140 and 1.137, DDTree-64 1.981 and 1.982 on the same drafter.
 REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
+# On a replay store with final states every run also reports tau at this temperature (evaluate.py
+# --temperature: along the stored reference), kept as tau_t1.
+REPLAY_TEMPERATURE = 1.0
+
+
+def temperature_flags(replay_store: str) -> list[str]:
+    """--temperature REPLAY_TEMPERATURE when the replay store holds final states, else nothing."""
+    from store.hidden_store import HiddenStore
+
+    return ["--temperature", f"{REPLAY_TEMPERATURE:g}"] if HiddenStore(replay_store).layout.final_state else []
 
 
 def replay_flags(fields: dict) -> list[str]:
@@ -259,6 +269,7 @@ def one_run(
             "--force",
             *held_out,
             *replay_flags(recipe_flags(name)),
+            *temperature_flags(replay_store),
             *mismatch,
         ],
         env,
@@ -357,6 +368,7 @@ def collect(
                 "completion_len": p["completion_len"],
                 "eos": ended,
                 "tau": p["tau"],
+                "tau_t1": p.get("tau_at_temperature"),
                 "ddtree": p["ddtree"],
             }
         )
@@ -377,6 +389,7 @@ def collect(
         "tau": rep["tau"],
         "tau_ci95": rep["tau_ci95"],
         "tau_pooled": rep["tau_pooled"],
+        "tau_t1": rep["tau_at_temperature"]["tau"] if "tau_at_temperature" in rep else None,
         "ddtree16": rep["ddtree"].get("16"),  # None: chain only (a dspark drafter)
         "ddtree64": rep["ddtree"].get("64"),
         "check": rep["check"],
@@ -388,6 +401,7 @@ def markdown(t: dict) -> str:
     cols = [
         ("tau", "chain tau"),
         ("tau_pooled", "pooled"),
+        ("tau_t1", "tau@1"),
         ("ddtree16", "DDTree-16"),
         ("ddtree64", "DDTree-64"),
         ("tau_eos", "tau, EOS-ended"),

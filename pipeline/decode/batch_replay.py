@@ -13,6 +13,9 @@ the histogram of accepted drafts per policy (the chain's rounds too for the prom
 With a temperature (the samples carry their final states), each chain round also adds the tokens it
 would commit in expectation under speculative sampling at that temperature, drafted from the same
 block (pipeline/decode/sampled_acceptance.py): the rounds, and so the blocks' starts, stay greedy's.
+A dspark drafter's slot i then has the transition bias of the reference's token at slot i-1, as the
+target's p there is conditioned on the reference (the along-the-reference reading of
+sampled_acceptance.py, applied to the drafter's side alike).
 """
 
 from __future__ import annotations
@@ -32,16 +35,13 @@ from pipeline.decode.sampled_acceptance import (
     slot_acceptance,
 )
 from pipeline.drafter import masks
+from pipeline.drafter.dspark import sequential_drafts
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from store.shard_reader import Sample
 
 # DDTree builds its tree from per-depth top-K lists independent of the path; a dspark drafter's slot k
 # depends on the token chosen at slot k-1, so each branch would need its own distribution.
-TEMPERATURE_REFUSED = (
-    "--temperature: a dspark drafter's slot distribution depends on the token drafted before it, which "
-    "tau at temperature by replay does not model yet; evaluate it greedily"
-)
 DDTREE_REFUSED = (
     "--ddtree: a dspark drafter drafts slot after slot (each slot's logits depend on the token before "
     "it), which DDTree's per-depth top-K tree does not model; pass --ddtree none"
@@ -117,8 +117,6 @@ class BatchReplay:
         must carry their final states)."""
         if budgets and m.config.head == "dspark":
             raise DrafterError(DDTREE_REFUSED)
-        if temperature is not None and m.config.head == "dspark":
-            raise DrafterError(TEMPERATURE_REFUSED)
         self.m, self.budgets, self.max_rounds, self.temperature = m, tuple(budgets), max_rounds, temperature
         self.B = m.config.block_size
         self.P = 1 + len(self.budgets)
@@ -249,10 +247,16 @@ class BatchReplay:
             if not where[lane]:
                 continue
             rows = torch.as_tensor([i for _, i in where[lane]], device=dev)
-            if k is None and self.temperature is not None:  # a dflash drafter (dspark is refused): one forward
+            if k is None and self.temperature is not None:
+                chosen = [slot for slot, _ in where[lane]]
                 logits = m.logits(h[rows])  # [n, D, V]
-                parts.append(logits.argmax(-1))  # [n, D] chain drafts
-                parts.append(self._acceptance(logits, [slot for slot, _ in where[lane]]))  # [n, 2, D]
+                if m.config.head == "dspark":  # drafts slot after slot; each slot's p_T with the reference's bias
+                    head = m.markov_head
+                    parts.append(sequential_drafts(logits, ids.view(K * W, B)[rows, 0], head))  # [n, D]
+                    logits = logits + head.bias(head.embed(self._previous(chosen).to(dev)), logits.dtype)
+                else:
+                    parts.append(logits.argmax(-1))  # [n, D] chain drafts
+                parts.append(self._acceptance(logits, chosen))  # [n, 2, D]
             elif k is None:  # [n, D] chain drafts (a dspark drafter's slot after slot, from each anchor)
                 parts.append(m.chain_drafts(h[rows], ids.view(K * W, B)[rows, 0]))
             else:
@@ -277,6 +281,15 @@ class BatchReplay:
         target = self.m.logits(torch.stack(states).to(dev))  # [n, D, V]: lm_head(final state)
         on_reference = reference_acceptance(target, logits, torch.stack(reference).to(dev), self.temperature)
         return torch.stack([slot_acceptance(target, logits, self.temperature), on_reference], dim=1)
+
+    def _previous(self, slots: list[int]) -> torch.Tensor:
+        """[n, D] long: the reference's token before each chain slot of these slots' blocks (slot 1: the
+        anchor), clamped to the sample's last token as `_acceptance` clamps its positions."""
+        out = []
+        for slot in slots:
+            s, start = self.samples[slot], int(self.start[slot, 0])
+            out.append(s.tokens[torch.arange(start, start + self.B - 1).clamp(max=len(s.tokens) - 1)])
+        return torch.stack(out)
 
     def _unpack(self, flat: np.ndarray, where: dict) -> dict:
         D, at, out = self.B - 1, 0, {}

@@ -137,3 +137,15 @@ def make_blocks(tokens, loss_mask, anchors, valid, block_size: int, mask_token_i
         valid,
         first,
     )
+
+
+def before_slots(values: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """values: [b, T, ...] per token; anchors: [b, N] -> [b, N, B, ...]: each slot's value at the position
+    before it (slot k: anchor + k - 1, so slot 1's is the anchor's; slot 0, never labelled, clamped to 0).
+    The token before each slot (a dspark drafter's transition), the final state that predicted it (soft
+    targets)."""
+    T = values.shape[1]
+    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device) - 1  # [b, N, B]
+    pos = pos.clamp(0, T - 1)
+    row = torch.arange(values.shape[0], device=values.device)[:, None, None]
+    return values[row, pos]

@@ -2,7 +2,8 @@
 
 loss = sum over labelled slots of w_k * CE_k / sum of their w_k (norm "weights", SPEC), or / their
 number (norm "labels", as speculators normalises); slot 0 (the anchor's own token) never has a
-label. Hard labels only. Two slot weightings:
+label. Hard labels, and with --soft-targets the target's distribution too (soft_targets.py). Two slot
+weightings:
 
 - exp (SPEC §2, the default): w_k = exp(-(k-1)/gamma) for k >= 1.
 - dpace (D-PACE, arXiv:2605.18810): per block, each labelled slot's confidence q_k = exp(-CE_k) is
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.drafter.blocks import IGNORE
+from pipeline.drafter.soft_targets import rejection_log, slot_terms
 
 LOGITS_BYTES = 256 * 2**20  # fp32 logits of one chunk; with a bf16 lm_head the chunk's peak is about 1.5x this
 # The fused loss's chunk on a GPU (arithmetic). Each chunk of r rows reads the whole lm_head [V, H]
@@ -148,20 +150,34 @@ def dflash_loss(
     chunk_rows: int | None = None,
     norm: str = "weights",
     acceptance: float = 0.0,
+    soft: str = "none",
+    soft_weight: float = 0.5,
+    target: torch.Tensor | None = None,
 ) -> LossOut:
     """h: [b, N*B, H] drafter output (after its norm); labels: [b, N, B] (IGNORE = no loss);
     lm_head: [V, H] frozen. Slot weights: exp(-(k-1)/gamma), or D-PACE with smoothing alpha = dpace
     when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES).
     norm: divide the weighted CE by the sum of the weights or by the number of labels (config.NORMS).
     acceptance: the expected-acceptance term's weight in [0, 1] (module doc); 0: the weighted CE alone.
+    soft: soft_targets.SOFT_TARGETS, mixed in with soft_weight (soft_targets.py); target: [b, N, B, H] the
+    final states before each slot (soft_targets' p), needed unless soft is "none".
     The sums (metrics) are the same whatever the weight: their `loss` is the weighted CE."""
     b, n, B = labels.shape
     keep = labels != IGNORE
     h_sel = h.reshape(b, n, B, -1)[keep]  # [M, H]
     y = labels[keep]  # [M]
-    ce, pred = linear_cross_entropy(h_sel, lm_head, y, chunk_rows)  # [M] fp32, [M] long
+    if soft == "none":
+        ce, pred = linear_cross_entropy(h_sel, lm_head, y, chunk_rows)  # [M] fp32, [M] long
+    else:
+        terms = slot_terms(h_sel, lm_head, y, chunk_rows or rows_within(lm_head.shape[0]), target[keep])
+        ce, pred = terms.ce, terms.pred
     w = _weights(ce, keep, gamma, dpace)  # [M] fp32, no grad
-    loss = (w * ce).sum() / (w.sum() if norm == "weights" else w.new_tensor(float(len(w)))).clamp_min(1e-12)
+    denom = (w.sum() if norm == "weights" else w.new_tensor(float(len(w)))).clamp_min(1e-12)
+    loss = (w * ce).sum() / denom
+    if soft in ("kl", "tv"):
+        loss = soft_weight * (w * getattr(terms, soft)).sum() / denom + (1 - soft_weight) * loss
+    elif soft == "accept":
+        loss = soft_weight * acceptance_loss(rejection_log(terms.tv), keep) + (1 - soft_weight) * loss
     if acceptance == 1:
         loss = acceptance_loss(ce, keep)
     elif acceptance:

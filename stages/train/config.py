@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pipeline import device as devices
 from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, HEADS, MARKOV_RANK, NORMS, NUM_LAYERS, ROPE_THETA
+from pipeline.drafter.soft_targets import SOFT_TARGETS
 from stages import cache_flags
 from stages.settings import at_least, build, check_choices, fill, flat, parse_count, part, require, setting
 from stages.train.node_order import DATA_ORDERS
@@ -271,6 +272,22 @@ class LossConfig:
         "weight the CE part only (at 1, nothing). 0: cross-entropy alone.",
         resume="fixed",
     )
+    soft_targets: str = setting(
+        "none",
+        "Also learn the target's distribution, p = softmax(lm_head(final state)) of the position before "
+        "each slot (a store extracted with --final-state): kl: KL(p || q); tv: total variation, 1 - the "
+        "chance a sampled draft is accepted; accept: the expected-acceptance term with those chances; "
+        "each mixed with the CE by --soft-weight. A dspark drafter takes tv (its TV share). none: hard "
+        "labels only (docs/training.md, Soft targets).",
+        choices=SOFT_TARGETS,
+        resume="fixed",
+    )
+    soft_weight: float = setting(
+        0.5,
+        "Weight w of --soft-targets: loss = w soft + (1 - w) the weighted CE (not used by a dspark drafter, "
+        "whose mix is 0.9 TV + 0.1 CE).",
+        resume="fixed",
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -280,6 +297,13 @@ class LossConfig:
         require(self, "gamma", self.gamma is None or self.slot_weights == "exp", "is only used by --slot-weights exp")
         require(self, "dpace_alpha", 0 < self.dpace_alpha <= 1, "expected 0 < alpha <= 1")
         require(self, "acceptance_weight", 0 <= self.acceptance_weight <= 1, "expected 0 <= weight <= 1")
+        require(self, "soft_weight", 0 < self.soft_weight <= 1, "expected 0 < weight <= 1")
+        require(
+            self,
+            "acceptance_weight",
+            not self.acceptance_weight or self.soft_targets == "none",
+            "is the hard-label form of --soft-targets accept; pass one of them",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

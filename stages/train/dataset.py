@@ -25,6 +25,7 @@ class Batch:
     lengths: torch.Tensor  # [b] long: tokens of each row
     refs: torch.Tensor  # [D, 2] long: (shard, index) of the D samples, row after row
     starts: torch.Tensor  # [b, T] long: where each token's sample begins in its row (all 0 for one a row)
+    final: torch.Tensor | None = None  # [b, T, H] bf16, 0 past each length: the final states (--soft-targets)
     corrupt: tuple = ()  # (shard, index, why) of the samples left empty: their read failed (damaged or missing)
     cache_trouble: str | None = None  # why the worker reads without the node cache (--cache-dir), if it does
 
@@ -47,17 +48,21 @@ class StoreBatches(torch.utils.data.Dataset):
     the process that made it (--workers 0), it reads through the store it was given."""
 
     def __init__(
-        self, store: HiddenStore | str, batches: Batches | list[list[Row]] = (), node_cache: NodeCache | None = None
+        self,
+        store: HiddenStore | str,
+        batches: Batches | list[list[Row]] = (),
+        node_cache: NodeCache | None = None,
+        final_state: bool = False,
     ) -> None:
         """store: the process's open store (the run's one: stages/train/setup.py), or its location,
         opened at the first read. A loader worker opens its own at the same location and node cache:
         a forked copy of the parent's file system (an object store's sessions, bound to the parent's
         event loop) is not the worker's to use. node_cache: a node-local cache of an object store's
         shard files (--cache-dir), which the readers fetch through (with an open store: the one it
-        was opened with)."""
+        was opened with). final_state: the batches carry the samples' final states too (Batch.final)."""
         opened = isinstance(store, HiddenStore)
         self.location = store.location if opened else store
-        self.batches, self.node_cache = batches, node_cache
+        self.batches, self.node_cache, self.final_state = batches, node_cache, final_state
         self._store: HiddenStore | None = store if opened else None
         self._pid = os.getpid()  # the process _store is open in
         self._readers: dict[int, ShardReader] = {}
@@ -117,6 +122,7 @@ class StoreBatches(torch.utils.data.Dataset):
             lengths=torch.tensor(lengths),
             refs=torch.tensor([[r.shard, r.index] for row in rows for r in row]),
             starts=torch.zeros(b, T, dtype=torch.long),
+            final=torch.zeros(b, T, states[1], dtype=torch.bfloat16) if self.final_state else None,
         )
         corrupt, places, items = [], [], []
         for j, row in enumerate(rows):
@@ -131,7 +137,9 @@ class StoreBatches(torch.utils.data.Dataset):
                 except StoreError as e:
                     corrupt.append((r.shard, r.index, str(e)))
                     out.lengths[j] -= r.length
-        for (j, span, r), s in zip(places, read_samples(items)):  # the batch's requests in flight together
+        for (j, span, r), s in zip(
+            places, read_samples(items, self.final_state)
+        ):  # the batch's requests in flight together
             if isinstance(s, StoreError):  # damaged, or deleted under the run: its span stays empty (no tokens,
                 # no loss, seen by no other sample), and the main process decides
                 out.hidden[j, span] = 0
@@ -141,6 +149,8 @@ class StoreBatches(torch.utils.data.Dataset):
                 raise s
             else:
                 out.tokens[j, span], out.loss_mask[j, span] = s.tokens, s.loss_mask
+                if out.final is not None:
+                    out.final[j, span] = s.final_state
         out.corrupt = tuple(corrupt)
         out.cache_trouble = None if self.node_cache is None else self.node_cache.trouble
         return out

@@ -34,6 +34,7 @@ def loader(
     *,
     store: HiddenStore,
     node_cache: NodeCache | None,
+    final_state: bool = False,
 ):
     """Batches read and padded by --workers worker processes, in order. `batches` may be endless
     (every epoch's, formed as they are reached): its batches go to the workers as they are taken,
@@ -41,8 +42,9 @@ def loader(
     stops the run (--on-corrupt stop: one line naming the file and the fix) or is left out of its
     batch and added to `skipped` (skip). A node cache that cannot be written is said once (to warn).
     store: the process's open store, opened with node_cache (the run's: stages/train/setup.py),
-    read through with --workers 0; each worker opens its own (dataset.py)."""
-    dataset = StoreBatches(store, node_cache=node_cache)
+    read through with --workers 0; each worker opens its own (dataset.py). final_state: the batches carry
+    the final states too (--soft-targets)."""
+    dataset = StoreBatches(store, node_cache=node_cache, final_state=final_state)
     workers = torch.utils.data.DataLoader(
         dataset,
         sampler=batches,

@@ -297,4 +297,5 @@ def micro_batches(setup: Setup, config: DataConfig, log=None):
         log,
         store=setup.store,
         node_cache=setup.node_cache,
+        final_state=setup.plan.soft != "none",
     )

@@ -239,6 +239,13 @@ def _prepare(config: TrainConfig, log) -> Setup:
     cache = cache_flags.make(data)
     store = HiddenStore(data.store, node_cache=cache)  # once per process (loader workers open their own)
     attrs = store.attrs
+    if config.loss.soft_targets != "none" and not store.layout.final_state:
+        raise ConfigError(
+            "--soft-targets",
+            config.loss.soft_targets,
+            f"{data.store} holds no final states (the target's distribution comes from them); "
+            "extract the store with `pipeline extract --final-state`",
+        )
     acc = make_accelerator(config.run, optim.grad_accum)
     shared_out(acc, out)
     rdir, previous = on_main(acc, lambda: resume_point(config, attrs.fingerprint))  # one decides, all follow
@@ -274,7 +281,14 @@ def _prepare(config: TrainConfig, log) -> Setup:
     if not train_refs:
         raise StoreError(f"{data.store}: shards {format_ranges(train_ids)} hold no sample with a completion")
     check_shared_memory(
-        data, shared_memory_need(data, train_refs + eval_refs, len(attrs.taps), attrs.hidden_size, local)
+        data,
+        shared_memory_need(
+            data,
+            train_refs + eval_refs,
+            len(attrs.taps) + (config.loss.soft_targets != "none"),
+            attrs.hidden_size,
+            local,
+        ),
     )
     check_shards(data, train_refs.shard, layout)
     micro = epoch_length(data, train_refs, 0, layout) // acc.num_processes  # each rank's batches of epoch 0

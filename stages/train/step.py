@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.drafter import masks
-from pipeline.drafter.blocks import make_blocks, sample_anchors
+from pipeline.drafter.blocks import before_slots, make_blocks, sample_anchors
 from pipeline.drafter.config import DrafterConfig
-from pipeline.drafter.dspark_loss import dspark_loss, previous_tokens
+from pipeline.drafter.dspark_loss import dspark_loss
 from pipeline.drafter.loss import GPU_LOGITS_BYTES, LOGITS_BYTES, LossOut, dflash_loss, rows_within
 from pipeline.drafter.model import Drafter
 from stages.train.config import LossConfig
@@ -37,6 +37,8 @@ class LossPlan:
     noise: str = "gaussian"  # recipe.NOISES
     packed: bool = False  # --batching packed: rows hold several documents (batch.starts is read)
     acceptance: float = 0.0  # the expected-acceptance term's weight (loss.dflash_loss); 0: CE alone
+    soft: str = "none"  # soft_targets.SOFT_TARGETS: the batches then carry the final states
+    soft_weight: float = 0.5
 
     @classmethod
     def of(cls, config: LossConfig, drafter: DrafterConfig, flex: bool, packed: bool = False) -> LossPlan:
@@ -46,6 +48,10 @@ class LossPlan:
         if drafter.head == "dspark" and config.acceptance_weight:
             raise ConfigError(
                 "--acceptance-weight", config.acceptance_weight, "is not used with --head dspark (its own TV + CE mix)"
+            )
+        if drafter.head == "dspark" and config.soft_targets not in ("none", "tv"):
+            raise ConfigError(
+                "--soft-targets", config.soft_targets, "a dspark drafter takes tv (the TV share of its 0.9 TV + 0.1 CE)"
             )
         alpha = None if config.slot_weights == "exp" else config.dpace_alpha
         return cls(
@@ -62,6 +68,8 @@ class LossPlan:
             config.noise,
             packed,
             config.acceptance_weight,
+            config.soft_targets,
+            config.soft_weight,
         )
 
     @property
@@ -115,11 +123,14 @@ def forward_loss(model, raw: Drafter, batch, plan: LossPlan, gen: torch.Generato
     weighting = dict(
         dpace=plan.dpace_alpha, chunk_rows=loss_chunk_rows(raw.lm_head.shape[0], h.device), norm=plan.loss_norm
     )
+    # the final state that predicted each slot's token: [b, N, B, H] bf16 (soft targets' p)
+    target = None if plan.soft == "none" else before_slots(batch.final, anchors, plan.block_size)
     if raw.config.head == "dspark":
-        previous = previous_tokens(batch.tokens, anchors, plan.block_size)  # [b, N, B]
+        previous = before_slots(batch.tokens, anchors, plan.block_size)  # [b, N, B]
         heads = (raw.lm_head, raw.markov_head, raw.confidence_head)
-        return dspark_loss(h, blocks.labels, previous, *heads, plan.gamma, **weighting)
-    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, acceptance=plan.acceptance, **weighting)
+        return dspark_loss(h, blocks.labels, previous, *heads, plan.gamma, target=target, **weighting)
+    soft = dict(soft=plan.soft, soft_weight=plan.soft_weight, target=target)
+    return dflash_loss(h, blocks.labels, raw.lm_head, plan.gamma, acceptance=plan.acceptance, **weighting, **soft)
 
 
 def loss_chunk_rows(vocab: int, device: torch.device) -> int:

@@ -45,6 +45,7 @@ def validate(setup, config: TrainConfig, replay: bool = True) -> dict:
             setup.skipped,
             store=setup.store,
             node_cache=setup.node_cache,
+            final_state=setup.plan.soft != "none",
         )
     ):
         batch = batch.to(acc.device)

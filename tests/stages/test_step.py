@@ -406,3 +406,73 @@ def test_a_bad_head_or_rank_is_named():
         DrafterArchConfig(head="medusa")
     with pytest.raises(ConfigError, match="--markov-rank 0"):
         DrafterArchConfig(markov_rank=0)
+
+
+def test_soft_targets_see_the_final_state_that_predicted_each_slots_token(final_store, monkeypatch):
+    """The step hands the loss, for each slot, the stored final state of the position before it: on a greedy
+    store the target's argmax there is the slot's label (the reference token); one position later it is not."""
+    import torch
+
+    import stages.train.step as st
+    from pipeline.drafter.blocks import IGNORE
+    from pipeline.drafter.model import Drafter
+    from stages.train.dataset import StoreBatches
+    from stages.train.samples import index_samples
+    from stages.train.setup import drafter_config
+    from store.hidden_store import HiddenStore
+    from store.shard_reader import ShardReader
+
+    store = HiddenStore(str(final_store))
+    config = TrainConfig.of(num_layers=1, soft_targets="kl")
+    dc, _ = drafter_config(config, store.attrs, None)
+    model = Drafter(dc, store.embedding("embed_tokens").float(), store.embedding("lm_head").float()).eval()
+    refs = index_samples(store, [0], 400)[:3]
+    batch = StoreBatches(str(final_store), [[(r,) for r in refs]], final_state=True)[0]
+    for j, r in enumerate(refs):
+        sample = ShardReader(store, r.shard).read(r.index, final_state=True)
+        assert torch.equal(batch.final[j, : r.length], sample.final_state[: r.length])
+    seen, real = {}, st.dflash_loss
+    monkeypatch.setattr(st, "dflash_loss", lambda *a, **k: seen.update(labels=a[1], **k) or real(*a, **k))
+    with torch.no_grad():
+        plan = st.LossPlan.of(config.loss, dc, False)
+        st.forward_loss(model, model, batch, plan, st.step_generator(0, 1, 0, 0, torch.device("cpu")))
+    keep = seen["labels"] != IGNORE
+    top = model.logits(seen["target"][keep].float()).argmax(-1)
+    assert seen["soft"] == "kl" and (top == seen["labels"][keep]).float().mean() > 0.9
+    both = keep[..., :-1] & keep[..., 1:]
+    own = seen["target"][..., 1:, :][both]  # slot k's own position's state (the one before slot k + 1)
+    assert (model.logits(own.float()).argmax(-1) == seen["labels"][..., :-1][both]).float().mean() < 0.5
+
+
+def test_soft_targets_are_checked_against_the_weights_and_the_head():
+    from stages.train.step import LossPlan
+    from tests.drafters import config
+
+    with pytest.raises(ConfigError, match=r"--acceptance-weight 0.5: is the hard-label form of --soft-targets accept"):
+        LossConfig(acceptance_weight=0.5, soft_targets="accept")
+    with pytest.raises(ConfigError, match=r"--soft-weight 0.0: expected 0 < weight <= 1"):
+        LossConfig(soft_targets="kl", soft_weight=0.0)
+    with pytest.raises(ConfigError, match=r"--soft-targets kl: a dspark drafter takes tv"):
+        LossPlan.of(LossConfig(soft_targets="kl"), config(head="dspark"), flex=False)
+    plan = LossPlan.of(LossConfig(soft_targets="tv", soft_weight=0.25), config(), flex=False)
+    assert (plan.soft, plan.soft_weight) == ("tv", 0.25)
+
+
+def test_soft_targets_train_through_loader_workers_and_are_recorded(final_store, small_store, tmp_path):
+    from pipeline.drafter import checkpoint
+    from stages.train.run import run
+
+    def config(store, out, **over):
+        fields = dict(max_steps=12, save_every=0, log_every=1, workers=1, threads=1, num_layers=1, anchors=16)
+        return TrainConfig.of(store=str(store), out=str(tmp_path / out), batch_size=2, **fields, **over)
+
+    with pytest.raises(
+        ConfigError, match=r"--soft-targets kl: .*holds no final states.*pipeline extract --final-state"
+    ):
+        run(config(small_store, "refused", soft_targets="kl"), log=lambda m: None)
+    run(config(final_store, "run", soft_targets="kl", soft_weight=0.7), log=lambda m: None)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert len(train) == 12 and train[-1]["ce"] < train[0]["ce"] - 0.5  # it learns the reference tokens too
+    _, _, record = checkpoint.load(tmp_path / "run" / "final")
+    assert (record.train_config["soft_targets"], record.train_config["soft_weight"]) == ("kl", 0.7)

@@ -81,6 +81,8 @@ LATER = {
     "acceptance_weight": 0.0,
     "head": None,
     "markov_rank": None,
+    "soft_targets": "none",
+    "soft_weight": 0.5,
 }  # settings added since, each at a default that trains as before it existed
 UNSET = {"follow_poll": None}  # defaults now unset: --follow-poll's 30 s is filled in only with --follow
 RECORD = FLAT_DEFAULTS | LATER | UNSET

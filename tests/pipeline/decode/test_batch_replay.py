@@ -1,12 +1,16 @@
 """Batched replay gives every prompt the rounds of the one-prompt reference (replay.py), for chain
 and DDTree lanes alike, whatever the slot count; the exact top-K on the device equals ddtree.top_k."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipeline.decode import ddtree
 from pipeline.decode.batch_replay import BatchReplay
+from pipeline.decode.sampled_acceptance import expected_tokens, slot_acceptance
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from store.shard_reader import Sample
@@ -154,6 +158,47 @@ def test_ddtree_with_a_dspark_drafter_is_refused_in_one_line():
         BatchReplay(dspark_drafter(), (8,), 1, 40)
 
 
-def test_tau_at_temperature_with_a_dspark_drafter_is_refused_in_one_line():
-    with pytest.raises(DrafterError, match="^--temperature: a dspark drafter's slot distribution depends on"):
-        BatchReplay(dspark_drafter(), (), 1, 40, temperature=1.0)
+def with_final_states(ss: list[Sample], seed: int = 9) -> list[Sample]:
+    """The samples with random final states (the target's p at a temperature comes from them)."""
+    g = torch.Generator().manual_seed(seed)
+    return [dataclasses.replace(s, final_state=torch.randn(len(s.tokens), H, generator=g)) for s in ss]
+
+
+def dspark_expected_tokens(m: Drafter, s: Sample, T: float) -> float:
+    """One prompt's expected tokens under sampling at T over its greedy chain rounds, by hand: slot i's
+    drafter logits are the base's plus the bias of the reference's token before it, the target's p from
+    the final state before the slot's own token (clamped as BatchReplay clamps it)."""
+    w1, w2 = m.markov_head.markov_w1.weight, m.markov_head.markov_w2.weight
+    session, total = replay.DraftSession(m), 0.0
+    session.extend(s.hidden[: s.prompt_len])
+    D, n = m.config.block_size - 1, len(s.tokens)
+    for start, (acc, tokens) in zip(round_starts(s, dspark_reference(m, s)), dspark_reference(m, s)):
+        base = session.draft(int(s.tokens[start]))  # [D, V]
+        at = [min(start + k, n - 2) for k in range(D)]
+        prev = [int(s.tokens[min(start + k, n - 1)]) for k in range(D)]
+        q = torch.stack([base[k] + w2 @ w1[prev[k]] for k in range(D)])
+        p = F.linear(s.final_state[at].float(), m.lm_head.float())
+        alpha = slot_acceptance(p, q, T).tolist()
+        total += expected_tokens(alpha, n - 1 - start)
+        session.extend(s.hidden[start : start + tokens])
+    return total
+
+
+def round_starts(s: Sample, rounds: list[tuple[int, int]]) -> list[int]:
+    starts, at = [], s.prompt_len
+    for _, n in rounds:
+        starts.append(at)
+        at += n
+    return starts
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_dspark_drafters_tau_at_temperature_biases_each_slot_by_the_reference_token_before_it(slots):
+    m, ss = dspark_drafter(), with_final_states(samples(6, seed=4))
+    got = {(c.shard, c.index): c for c in BatchReplay(m, (), slots, 40, temperature=1.0).run(ss)}
+    plain = BatchReplay(small_drafter(), (), slots, 40, temperature=1.0).run(ss)  # the same backbone, no head
+    for s in ss:
+        c = got[(s.shard, s.index)]
+        assert c.sampled_tokens == pytest.approx(dspark_expected_tokens(m, s, 1.0), rel=1e-5)
+        assert c.rounds[0] == len(dspark_reference(m, s))  # the rounds stay greedy's
+    assert {(c.shard, c.index): c.sampled_tokens for c in plain} != {k: c.sampled_tokens for k, c in got.items()}

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.drafter import checkpoint
-from pipeline.drafter.blocks import IGNORE
+from pipeline.drafter.blocks import IGNORE, before_slots
 from pipeline.drafter.config import DrafterConfig
 from pipeline.drafter.dspark import sequential_drafts
-from pipeline.drafter.dspark_loss import CONFIDENCE_WEIGHT, TV_WEIGHT, dspark_loss, previous_tokens
+from pipeline.drafter.dspark_loss import CONFIDENCE_WEIGHT, TV_WEIGHT, dspark_loss
 from pipeline.drafter.loss import slot_weights
 from pipeline.errors import DrafterError
 from tests.drafters import B, H, V, config, drafter
@@ -97,22 +97,25 @@ def test_a_transition_the_head_makes_certain_is_drafted_in_turn():
     assert drafts.tolist() == [[4, 5, 6], [11, 12, 13]]
 
 
-def test_previous_tokens_are_the_anchor_then_the_targets_tokens():
+def test_the_token_before_each_slot_is_the_anchor_then_the_targets_tokens():
     tokens = torch.arange(100, 110)[None]
-    prev = previous_tokens(tokens, torch.tensor([[2, 8]]), B)
+    prev = before_slots(tokens, torch.tensor([[2, 8]]), B)
     assert prev[0, 0, 1:].tolist() == [102, 103, 104]
     assert prev[0, 1, 1:].tolist() == [108, 109, 109]  # past the end: clamped, and never labelled
 
 
-def _direct(m, h, labels, prev, gamma):
-    """The objective from full logits, slot by slot."""
+def _direct(m, h, labels, prev, gamma, target=None):
+    """The objective from full logits, slot by slot (target: the final states before the slots, soft TV)."""
     keep = labels != IGNORE
     w = slot_weights(B, gamma).expand(labels.shape)[keep]
     hs = h.reshape(*labels.shape, -1)[keep]
     e = m.markov_head.markov_w1.weight[prev[keep]]
     z = hs @ m.lm_head.T + e @ m.markov_head.markov_w2.weight.T
     p = torch.softmax(z, -1).gather(1, labels[keep][:, None]).squeeze(1)
-    mix = TV_WEIGHT * (1 - p) + (1 - TV_WEIGHT) * -torch.log(p)
+    tv = 1 - p
+    if target is not None:
+        tv = 0.5 * (torch.softmax(target[keep] @ m.lm_head.T, -1) - torch.softmax(z, -1)).abs().sum(-1)
+    mix = TV_WEIGHT * tv + (1 - TV_WEIGHT) * -torch.log(p)
     hit = (z.argmax(-1) == labels[keep]).float()
     conf = torch.cat([hs, e], -1) @ m.confidence_head.proj.weight[0] + m.confidence_head.proj.bias
     return (w * mix).sum() / w.sum() + CONFIDENCE_WEIGHT * F.binary_cross_entropy_with_logits(conf, hit)
@@ -134,6 +137,22 @@ def test_the_loss_is_the_tv_ce_mix_and_the_confidence_bce(rows):
     assert m.markov_head.markov_w1.weight.grad.abs().sum() > 0
     assert m.markov_head.markov_w2.weight.grad.abs().sum() > 0
     assert m.confidence_head.proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_soft_targets_put_the_tv_toward_the_targets_distribution(rows):
+    m = dspark().float()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 3 * B, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (2, 3, B), generator=g)
+    labels[..., 0] = IGNORE
+    prev = torch.randint(0, V, (2, 3, B), generator=g)
+    target = torch.randn(2, 3, B, H, generator=g)
+    heads = (m.lm_head, m.markov_head, m.confidence_head)
+    out = dspark_loss(h, labels, prev, *heads, 2.0, chunk_rows=rows, target=target)
+    torch.testing.assert_close(out.loss, _direct(m, h, labels, prev, 2.0, target), rtol=1e-5, atol=1e-6)
+    hard = dspark_loss(h, labels, prev, *heads, 2.0, chunk_rows=rows)
+    assert torch.equal(out.sums, hard.sums) and not torch.isclose(out.loss, hard.loss)
 
 
 def test_the_confidence_head_moves_nothing_else():
