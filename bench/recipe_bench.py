@@ -7,11 +7,12 @@ held-out prompts of the shipped tiny target, several seeds per recipe, paired ag
 
 `run` trains one drafter per (recipe, seed) with train.py on shards 0-55 and replays it with
 evaluate.py on every prompt of the held-out shards 56-63 (80 prompts; chain and DDTree-16/64;
-fp32, see REPLAY; on a store with final states also tau at T=1, REPLAY_TEMPERATURE), then keeps what it measured in RESULTS/STEPS/RECIPE/sSEED.json: the
-recipe's flags, the checkpoint's train_config, the held-out loss, streak tau and training
-validation's replayed tau, s/step, and the report's tau figures with every prompt's tau, its
-completion length and whether the completion ended in EOS or was cut at the length limit. A run
-whose file exists is not redone, so a later session adds recipes without rerunning the others.
+fp32, see REPLAY; on a store with final states also tau at T=1: REPLAY_TEMPERATURE), then keeps
+what it measured in RESULTS/STEPS/RECIPE/sSEED.json: the recipe's flags, the checkpoint's
+train_config, the held-out loss, streak tau and training validation's replayed tau, s/step, and the
+report's tau figures with every prompt's tau, its completion length and whether the completion
+ended in EOS or was cut at the length limit. A run whose file exists is not redone, so a later
+session adds recipes without rerunning the others.
 --jobs 2 (the default for one process) runs two single-threaded runs side by side: both cores of
 the development machine.
 

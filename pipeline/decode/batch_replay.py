@@ -29,6 +29,7 @@ import torch
 from pipeline.decode import ddtree
 from pipeline.decode.acceptance import CONTEXT_LABELS, accepted, context_bucket, round_tokens
 from pipeline.decode.sampled_acceptance import (
+    draft_acceptance,
     expected_tokens,
     expected_tokens_low,
     reference_acceptance,
@@ -65,6 +66,7 @@ class PromptCounts:
     context_tokens: list[list[int]] = field(default_factory=list)
     sampled_tokens: float | None = None  # with a temperature: the chain rounds' expected tokens under sampling
     sampled_low: float | None = None  # and their lower bound (sampled_acceptance.expected_tokens_low)
+    greedy_drafts: float | None = None  # and with greedy drafts verified at the temperature (draft_acceptance)
 
     def tau(self, lane: int) -> float:
         """Mean tokens per round of policy `lane` (NaN without a round)."""
@@ -127,7 +129,7 @@ class BatchReplay:
         self.active = np.zeros((slots, self.P), bool)
         self.counts: list[PromptCounts | None] = [None] * slots
         self.histogram = [[0] * self.B for _ in range(self.P)]  # [P][B]: rounds by accepted drafts, per policy
-        self.alpha: dict[int, np.ndarray] = {}  # with a temperature, per slot this round's chain acceptances [2, D]
+        self.alpha: dict[int, np.ndarray] = {}  # with a temperature, per slot this round's chain acceptances [3, D]
 
     def run(self, samples: Iterable[Sample], keep_rounds: set[tuple[int, int]] = frozenset()) -> Iterator[PromptCounts]:
         """Each sample's counts, as its prompt finishes (not in input order). keep_rounds: (shard,
@@ -174,6 +176,7 @@ class BatchReplay:
             [[0] * buckets for _ in range(self.P)],
             None if self.temperature is None else 0.0,
             None if self.temperature is None else 0.0,
+            None if self.temperature is None else 0.0,
         )
 
     @torch.no_grad()
@@ -203,9 +206,10 @@ class BatchReplay:
         if lane == 0 and c.chain_rounds is not None:
             c.chain_rounds.append((acc, n))
         if lane == 0 and c.sampled_tokens is not None:
-            alpha, on_reference = self.alpha.pop(slot)
+            alpha, on_reference, greedy = self.alpha.pop(slot)
             c.sampled_tokens += expected_tokens(alpha, T - 1 - start)
             c.sampled_low += expected_tokens_low(alpha, on_reference, T - 1 - start)
+            c.greedy_drafts += expected_tokens(greedy, T - 1 - start)
         self.start[slot, lane] = start + n
         if start + n >= T - 1 or (self.max_rounds is not None and c.rounds[lane] >= self.max_rounds):
             self.active[slot, lane] = False
@@ -222,7 +226,8 @@ class BatchReplay:
         """The forward of one round: busy slot r drafts a block per live lane, as anchors of row r
         ([K, W] with W the most live lanes of a slot, the rest invalid); logits only for live lanes;
         then the round's one device-to-host copy -> {(slot, lane): result}, and with a temperature
-        {(slot, "alpha"): each chain slot's acceptance under sampling and on the reference [2, D]}."""
+        {(slot, "alpha"): each chain slot's acceptance under sampling, on the reference and of its greedy draft
+        [3, D]}."""
         m, B, dev = self.m, self.B, self.m.fc.weight.device
         K, W = len(busy), max(len(live) for live in lanes)
         starts, valid = np.zeros((K, W), np.int64), np.zeros((K, W), bool)
@@ -250,13 +255,13 @@ class BatchReplay:
             if k is None and self.temperature is not None:
                 chosen = [slot for slot, _ in where[lane]]
                 logits = m.logits(h[rows])  # [n, D, V]
-                if m.config.head == "dspark":  # drafts slot after slot; each slot's p_T with the reference's bias
+                if m.config.head == "dspark":  # drafts slot after slot; each slot's q_T with the reference's bias
                     head = m.markov_head
-                    parts.append(sequential_drafts(logits, ids.view(K * W, B)[rows, 0], head))  # [n, D]
+                    drafts = sequential_drafts(logits, ids.view(K * W, B)[rows, 0], head)  # [n, D]
                     logits = logits + head.bias(head.embed(self._previous(chosen).to(dev)), logits.dtype)
                 else:
-                    parts.append(logits.argmax(-1))  # [n, D] chain drafts
-                parts.append(self._acceptance(logits, chosen))  # [n, 2, D]
+                    drafts = logits.argmax(-1)  # [n, D] chain drafts
+                parts += [drafts, self._acceptance(logits, chosen, drafts)]  # [n, D], [n, 3, D]
             elif k is None:  # [n, D] chain drafts (a dspark drafter's slot after slot, from each anchor)
                 parts.append(m.chain_drafts(h[rows], ids.view(K * W, B)[rows, 0]))
             else:
@@ -265,9 +270,10 @@ class BatchReplay:
         flat = torch.cat([p.flatten().double() for p in parts]).cpu().numpy() if parts else np.zeros(0)  # one copy
         return self._unpack(flat, where)
 
-    def _acceptance(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """logits: [n, D, V], the chain blocks of these slots -> [n, 2, D]: each slot's acceptance under
-        speculative sampling at the temperature (alpha), and its acceptance of the reference token (m),
+    def _acceptance(self, logits: torch.Tensor, slots: list[int], drafts: torch.Tensor) -> torch.Tensor:
+        """logits: [n, D, V], the chain blocks of these slots; drafts: [n, D] their greedy drafts -> [n, 3, D]:
+        each slot's acceptance under speculative sampling at the temperature (alpha), its acceptance of the
+        reference token (m), and its greedy draft's acceptance (sampled_acceptance.draft_acceptance),
         the target's distribution for slot i (token start + i) from the final state at position
         start + i - 1 along the stored reference (clamped to the sample's last but one position: slots past
         its end are cut by the round's count)."""
@@ -280,7 +286,8 @@ class BatchReplay:
             reference.append(s.tokens[at + 1])  # [D]
         target = self.m.logits(torch.stack(states).to(dev))  # [n, D, V]: lm_head(final state)
         on_reference = reference_acceptance(target, logits, torch.stack(reference).to(dev), self.temperature)
-        return torch.stack([slot_acceptance(target, logits, self.temperature), on_reference], dim=1)
+        greedy = draft_acceptance(target, drafts, self.temperature)
+        return torch.stack([slot_acceptance(target, logits, self.temperature), on_reference, greedy], dim=1)
 
     def _previous(self, slots: list[int]) -> torch.Tensor:
         """[n, D] long: the reference's token before each chain slot of these slots' blocks (slot 1: the
@@ -301,7 +308,7 @@ class BatchReplay:
                 drafts, at = flat[at : at + n * D].reshape(n, D).astype(np.int64), at + n * D
                 out.update({(slot, 0): drafts[i] for i, (slot, _) in enumerate(where[lane])})
                 if self.temperature is not None:
-                    alpha, at = flat[at : at + n * 2 * D].reshape(n, 2, D), at + n * 2 * D
+                    alpha, at = flat[at : at + n * 3 * D].reshape(n, 3, D), at + n * 3 * D
                     out.update({(slot, "alpha"): alpha[i] for i, (slot, _) in enumerate(where[lane])})
                 continue
             vals = flat[at : at + n * D * k].reshape(n, D, k)

@@ -17,6 +17,10 @@ tokens with probability m_1 ... m_(k-1), m_j = min(p_j(r_j), q_j(r_j)) (the targ
 stored one), and slot k is then accepted with alpha_k, so P(accepted >= k) >= m_1 ... m_(k-1) alpha_k:
 `expected_tokens_low`, a lower bound on live sampling from the same context (DFlash's q does not depend
 on the drafts sampled before a slot: the block is drafted in one pass).
+
+Greedy drafts (vLLM's default draft_sample_method "greedy"): the drafter's argmax d is verified as if its
+draft probability were 1, so it is accepted with probability min(1, p_T(d)) = p_T(d): `draft_acceptance`,
+chained as alpha is, along the reference alike. At T -> 0 on a greedy store both figures are greedy tau.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ def reference_acceptance(
     p, q = distribution(target_logits, temperature), distribution(draft_logits, temperature)
     at = reference[..., None]
     return torch.minimum(p.gather(-1, at), q.gather(-1, at))[..., 0]
+
+
+def draft_acceptance(target_logits: torch.Tensor, drafts: torch.Tensor, temperature: float) -> torch.Tensor:
+    """target_logits: [..., V]; drafts: [...] the drafter's greedy tokens of those slots -> [...] fp32: the
+    probability that each greedy draft is accepted against p_T, p_T(draft) (module doc)."""
+    return distribution(target_logits, temperature).gather(-1, drafts[..., None])[..., 0]
 
 
 def expected_tokens_low(alpha: Sequence[float], on_reference: Sequence[float], remaining: int) -> float:

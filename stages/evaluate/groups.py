@@ -54,10 +54,18 @@ def by_context(counts: list[PromptCounts], budgets: tuple[int, ...]) -> dict:
 def sampled(members: list[PromptCounts]) -> dict:
     """tau@T over members (evaluate.py --temperature): the mean over prompts of each prompt's expected
     tokens per chain round under speculative sampling at T, with its interval, as tau's; tau_low, the
-    same mean of the rounds' lower bounds (pipeline/decode/sampled_acceptance.py)."""
+    same mean of the rounds' lower bounds; tau_greedy_drafts, the same tau with greedy drafts verified at T
+    (vLLM's default draft_sample_method; pipeline/decode/sampled_acceptance.py)."""
     over = tau_over_prompts([(c.rounds[0], c.sampled_tokens) for c in members])
     low = tau_over_prompts([(c.rounds[0], c.sampled_low) for c in members])
-    return {"tau": over["tau"], "tau_ci95": over["tau_ci95"], "tau_low": low["tau"]}
+    greedy = tau_over_prompts([(c.rounds[0], c.greedy_drafts) for c in members])
+    return {
+        "tau": over["tau"],
+        "tau_ci95": over["tau_ci95"],
+        "tau_low": low["tau"],
+        "tau_greedy_drafts": greedy["tau"],
+        "tau_greedy_drafts_ci95": greedy["tau_ci95"],
+    }
 
 
 def _group(members: list[PromptCounts], budgets: tuple[int, ...], of) -> dict:

@@ -48,7 +48,9 @@ SAMPLED = (
     "blocks greedy replay drafts; the target's p at a block's later slots is the one along the stored "
     "reference, not along the sampled drafts (exact where they equal the reference's tokens); tau_low: the same "
     "mean of a lower bound that holds whatever the target does off the reference (slots 1..k-1 accepted as the "
-    "reference's tokens, probability min(p(r), q(r)) each, then slot k accepted)"
+    "reference's tokens, probability min(p(r), q(r)) each, then slot k accepted); tau_greedy_drafts: the same "
+    "tau with the drafter's greedy drafts verified at T as vLLM's default draft_sample_method 'greedy' does "
+    "(each accepted with probability p(draft), the draft probability taken as 1)"
 )
 
 
@@ -83,7 +85,7 @@ def _sampled_cells(r: dict) -> list[str]:
     """tau@T and its interval of a checkpoint's results (or a group's), as table cells."""
     x = r["tau_at_temperature"]
     ci = f"{x['tau_ci95'][0]:.3f}-{x['tau_ci95'][1]:.3f}" if x["tau_ci95"] else "-"
-    return [f"{x['tau']:.3f}", ci, f"{x['tau_low']:.3f}"]
+    return [f"{x['tau']:.3f}", ci, f"{x['tau_low']:.3f}", f"{x['tau_greedy_drafts']:.3f}"]
 
 
 def table(rep: dict) -> list[list[str]]:
@@ -93,7 +95,7 @@ def table(rep: dict) -> list[list[str]]:
             "checkpoint",
             "tau",
             "tau 95% CI",
-            *([at, f"{at} 95% CI", f"{at} lower bound"] if at else []),
+            *([at, f"{at} 95% CI", f"{at} lower bound", f"{at} greedy drafts"] if at else []),
             "tau pooled",
             *[f"DDTree-{b} tau" for b in budgets],
             "rounds",

@@ -28,7 +28,7 @@ def test_tau_at_temperature_beside_unchanged_greedy_figures(final_store, trained
     assert "tau_at_temperature" not in greedy and "tau_at_temperature" not in plain["conventions"]
     x = r["tau_at_temperature"]
     assert x["temperature"] == 1.0 and 1 <= x["tau"] <= 16 and x["tau_ci95"][0] < x["tau"] < x["tau_ci95"][1]
-    assert 1 <= x["tau_low"] < x["tau"]
+    assert 1 <= x["tau_low"] < x["tau"] and 1 <= x["tau_greedy_drafts"] <= 16
     means = [p["tau_at_temperature"] for p in r["per_prompt"]]
     assert x["tau"] == pytest.approx(sum(means) / len(means))
     saved = json.loads((tmp_path / "t1" / "report.json").read_text())
@@ -42,6 +42,7 @@ def test_a_low_temperature_gives_greedy_tau(final_store, trained_drafter, tmp_pa
     is the target's, the stored reference token on a greedy store, so tau@T is greedy tau."""
     r = evaluate(final_store, trained_drafter, tmp_path / "rep", temperature=1e-4, dtype="fp32")["checkpoints"][0]
     assert r["tau_at_temperature"]["tau"] == pytest.approx(r["tau"], abs=0.02)
+    assert r["tau_at_temperature"]["tau_greedy_drafts"] == pytest.approx(r["tau"], abs=0.02)
     assert r["tau"] > 1.2  # drafts were accepted: not the trivial all-rejected case
 
 
@@ -62,14 +63,17 @@ def test_tau_at_temperature_per_category_is_the_mean_over_its_prompts():
     from stages.evaluate import groups, report
 
     def counts(index, rounds, expected):
-        low = None if expected is None else expected / 2
-        return PromptCounts(0, index, index, 5, 20, [rounds], [rounds], sampled_tokens=expected, sampled_low=low)
+        low, greedy = (None, None) if expected is None else (expected / 2, expected / 4)
+        return PromptCounts(
+            0, index, index, 5, 20, [rounds], [rounds], sampled_tokens=expected, sampled_low=low, greedy_drafts=greedy
+        )
 
     members = [counts(0, 4, 6.0), counts(1, 2, 5.0), counts(2, 5, 5.0)]
     label = {(0, 0): "a", (0, 1): "a", (0, 2): "b"}
     by = groups.by_category(members, (), label)
     assert by["a"]["tau_at_temperature"]["tau"] == pytest.approx((6 / 4 + 5 / 2) / 2)
-    assert by["b"]["tau_at_temperature"] == {"tau": 1.0, "tau_ci95": None, "tau_low": 0.5}
+    want = {"tau": 1.0, "tau_ci95": None, "tau_low": 0.5, "tau_greedy_drafts": 0.25, "tau_greedy_drafts_ci95": None}
+    assert by["b"]["tau_at_temperature"] == want
     rep = {
         "ddtree_budgets": [],
         "checkpoints": [{"name": "x", "tau_at_temperature": {"temperature": 0.7}, "per_category": by}],

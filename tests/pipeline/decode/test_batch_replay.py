@@ -164,12 +164,13 @@ def with_final_states(ss: list[Sample], seed: int = 9) -> list[Sample]:
     return [dataclasses.replace(s, final_state=torch.randn(len(s.tokens), H, generator=g)) for s in ss]
 
 
-def dspark_expected_tokens(m: Drafter, s: Sample, T: float) -> float:
-    """One prompt's expected tokens under sampling at T over its greedy chain rounds, by hand: slot i's
-    drafter logits are the base's plus the bias of the reference's token before it, the target's p from
-    the final state before the slot's own token (clamped as BatchReplay clamps it)."""
+def dspark_expected_tokens(m: Drafter, s: Sample, T: float) -> tuple[float, float]:
+    """One prompt's expected tokens at T over its greedy chain rounds, by hand, with sampled drafts and with
+    greedy ones: slot i's drafter logits are the base's plus the bias of the reference's token before it, the
+    target's p from the final state before the slot's own token (clamped as BatchReplay clamps it); a greedy
+    draft (slot after slot, each biased by the draft before it) is accepted with probability p(draft)."""
     w1, w2 = m.markov_head.markov_w1.weight, m.markov_head.markov_w2.weight
-    session, total = replay.DraftSession(m), 0.0
+    session, total, greedy = replay.DraftSession(m), 0.0, 0.0
     session.extend(s.hidden[: s.prompt_len])
     D, n = m.config.block_size - 1, len(s.tokens)
     for start, (acc, tokens) in zip(round_starts(s, dspark_reference(m, s)), dspark_reference(m, s)):
@@ -180,8 +181,14 @@ def dspark_expected_tokens(m: Drafter, s: Sample, T: float) -> float:
         p = F.linear(s.final_state[at].float(), m.lm_head.float())
         alpha = slot_acceptance(p, q, T).tolist()
         total += expected_tokens(alpha, n - 1 - start)
+        drafts, before = [], int(s.tokens[start])
+        for k in range(D):
+            before = int((base[k] + w2 @ w1[before]).argmax())
+            drafts.append(before)
+        chance = torch.softmax(p / T, -1).gather(1, torch.tensor(drafts)[:, None])[:, 0]
+        greedy += expected_tokens(chance.tolist(), n - 1 - start)
         session.extend(s.hidden[start : start + tokens])
-    return total
+    return total, greedy
 
 
 def round_starts(s: Sample, rounds: list[tuple[int, int]]) -> list[int]:
@@ -199,6 +206,9 @@ def test_a_dspark_drafters_tau_at_temperature_biases_each_slot_by_the_reference_
     plain = BatchReplay(small_drafter(), (), slots, 40, temperature=1.0).run(ss)  # the same backbone, no head
     for s in ss:
         c = got[(s.shard, s.index)]
-        assert c.sampled_tokens == pytest.approx(dspark_expected_tokens(m, s, 1.0), rel=1e-5)
+        sampled, greedy = dspark_expected_tokens(m, s, 1.0)
+        assert c.sampled_tokens == pytest.approx(sampled, rel=1e-5) and c.greedy_drafts == pytest.approx(
+            greedy, rel=1e-5
+        )
         assert c.rounds[0] == len(dspark_reference(m, s))  # the rounds stay greedy's
     assert {(c.shard, c.index): c.sampled_tokens for c in plain} != {k: c.sampled_tokens for k, c in got.items()}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.decode.acceptance import round_tokens
-from pipeline.decode.sampled_acceptance import distribution, expected_tokens, slot_acceptance
+from pipeline.decode.sampled_acceptance import distribution, draft_acceptance, expected_tokens, slot_acceptance
 
 
 def test_slot_acceptance_is_the_probability_that_a_sampled_draft_is_accepted():
@@ -26,6 +26,17 @@ def test_a_low_temperature_accepts_exactly_where_the_argmaxes_agree():
     p = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
     q = torch.tensor([[2.0, 0.0, 1.0], [2.0, 0.0, 1.0]])  # agrees with p's argmax on the first slot only
     assert slot_acceptance(p, q, 1e-3).tolist() == pytest.approx([1.0, 0.0], abs=1e-6)
+
+
+def test_a_greedy_draft_is_accepted_with_the_targets_probability_of_it():
+    """vLLM's draft_sample_method greedy: the rule's ratio min(1, p(x) / 1) for the drafter's argmax x,
+    counted out by drawing the uniform; at a low temperature: 1 where the argmaxes agree, else 0."""
+    p = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    drafts = torch.tensor([0, 0])
+    u = torch.rand(200_000, 1, generator=torch.Generator().manual_seed(0))
+    counted = (u < distribution(p, 1.0).gather(1, drafts[:, None]).T).float().mean(0)
+    assert draft_acceptance(p, drafts, 1.0).tolist() == pytest.approx(counted.tolist(), abs=0.005)
+    assert draft_acceptance(p, drafts, 1e-3).tolist() == pytest.approx([1.0, 0.0], abs=1e-6)
 
 
 @pytest.mark.parametrize("remaining", [1, 2, 3, 4, 5, 9])
