@@ -365,7 +365,8 @@ class DrafterArchConfig:
     init_from: str | None = setting(
         None,
         "Start from this drafter checkpoint (loaded strictly; must fit the store). "
-        "Its architecture and block size are used; size flags are ignored. The "
+        "Its architecture and block size are used; size flags are ignored (a --head "
+        "or --markov-rank other than its own is refused). The "
         "optimizer and schedule start afresh: to continue a trained drafter, lower "
         "--lr.",
     )

@@ -138,10 +138,25 @@ def drafter_config(
         dc, _ = read_config(resume_dir)
     elif arch.init_from:
         dc, tensors, _ = checkpoint.load(arch.init_from)
+        check_head_kept(arch, dc)
     else:
         dc = fresh_config(arch, config.loss.block_size, attrs)
     check_against_store(dc, attrs, arch.init_from or resume_dir or "the drafter config")
     return with_target_facts(dc, attrs), tensors
+
+
+def check_head_kept(arch: DrafterArchConfig, dc: DrafterConfig) -> None:
+    """--init-from keeps the checkpoint's architecture (size flags are ignored), but a --head or
+    --markov-rank that asks for another drafter is refused rather than silently not given."""
+    asked = {"head": arch.head, "markov_rank": arch.markov_rank if dc.head == "dspark" else None}
+    for name, value in asked.items():
+        if value is not None and value != getattr(dc, name):
+            raise ConfigError(
+                flag_of(arch, name),
+                value,
+                f"{arch.init_from} is a drafter with {name} {getattr(dc, name)}, and --init-from keeps its"
+                " architecture",
+            )
 
 
 def with_target_facts(dc: DrafterConfig, attrs: StoreAttrs) -> DrafterConfig:

@@ -275,6 +275,15 @@ def test_init_from_must_fit_the_store(small_store, tmp_path):
     assert "hidden_size: drafter has 32, store has 128" in msg
 
 
+def test_init_from_refuses_a_head_it_would_not_give(small_store, tmp_path):
+    from tests.drafters import config, drafter
+
+    m = drafter(config())
+    checkpoint.save(tmp_path / "dflash", m.config, m.state_dict())
+    msg = setup_error(small_store, tmp_path, init_from=str(tmp_path / "dflash"), head="dspark")
+    assert msg.startswith("--head dspark: ") and "is a drafter with head dflash, and --init-from keeps" in msg
+
+
 def test_cli_error_is_one_line(tmp_path):
     r = train(["--store", tmp_path / "nope.zarr", "--out", tmp_path / "o"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: ")
