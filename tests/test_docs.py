@@ -69,6 +69,7 @@ def test_an_option_cell_names_its_seeds_when_fewer_than_the_reference_has(doc_ta
     full = {**paired, "seeds": [0, 1, 2]}
     assert doc_tables._option_cell({"tau": {"paired": full}}, "tau", ref) == "-0.100 (-1.1%) [-0.500, +0.300]"
     assert doc_tables._option_cell(None, "tau", ref) == "not run"
+    assert doc_tables._option_cell({"seeds": [0], "tau_t1": {"mean": None}}, "tau_t1", ref) == "-"  # not measured
 
 
 @pytest.fixture

@@ -161,7 +161,8 @@ BUDGETS = (200, 1000)
 
 def options_table(names: list[str]) -> str:
     """REF's mean figures, then each option's flags and its paired differences from REF (chain tau, EOS-ended,
-    pooled) at each budget of the recipe bench, as its `table` computes them (recipe_results.py)."""
+    pooled, and tau at T=1 when REF's runs have it) at each budget of the recipe bench, as its `table`
+    computes them (recipe_results.py)."""
     _importable()
     from recipe_results import RESULTS, recipe_flags, table
 
@@ -176,6 +177,8 @@ def options_table(names: list[str]) -> str:
                 f"{', '.join(stores[other[0]])}, {ref} on {', '.join(stores[ref])}: no paired figure"
             )
     keys = (("tau", "chain tau"), ("tau_eos", "EOS-ended"), ("tau_pooled", "pooled"))
+    if any(runs[steps].get(ref, {}).get("tau_t1", {}).get("mean") is not None for steps in BUDGETS):
+        keys += (("tau_t1", "tau@1"),)  # replayed on a store with final states (recipe_bench REPLAY_TEMPERATURE)
     head = " | ".join(f"{label}, {steps:,} steps" for steps in BUDGETS for _, label in keys)
     lines = [f"| option | flags | {head} |", "| --- | --- |" + " --- |" * len(BUDGETS) * len(keys)]
     for name in (ref, *options):
@@ -197,6 +200,8 @@ def _option_cell(row: dict | None, key: str, ref: dict | None) -> str:
 
     if row is None:
         return "not run"
+    if row[key].get("mean", 0) is None:  # a figure these runs did not measure (tau@1 without final states)
+        return "-"
     if row is ref:
         return f"{row[key]['mean']:.3f} ({len(row['seeds'])} seeds)"
     paired = row[key].get("paired")
