@@ -159,7 +159,7 @@ def dflash_loss(
     when that is given (gamma unused). chunk_rows: logits rows per chunk (default from LOGITS_BYTES).
     norm: divide the weighted CE by the sum of the weights or by the number of labels (config.NORMS).
     acceptance: the expected-acceptance term's weight in [0, 1] (module doc); 0: the weighted CE alone.
-    soft: soft_targets.SOFT_TARGETS, mixed in with soft_weight (soft_targets.py); target: [b, N, B, H] the
+    soft: config.SOFT_TARGETS, mixed in with soft_weight (soft_targets.py); target: [b, N, B, H] the
     final states before each slot (soft_targets' p), needed unless soft is "none".
     The sums (metrics) are the same whatever the weight: their `loss` is the weighted CE."""
     b, n, B = labels.shape

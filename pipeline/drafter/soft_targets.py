@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-SOFT_TARGETS = ("none", "kl", "tv", "accept")
 SOFT_CHUNK = 4  # the soft terms' chunk holds about this many [rows, V] fp32 tensors: rows / SOFT_CHUNK a chunk
 
 

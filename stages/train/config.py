@@ -8,8 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline import device as devices
-from pipeline.drafter.config import ANCHOR_RULES, BLOCK_SIZE, GAMMA, HEADS, MARKOV_RANK, NORMS, NUM_LAYERS, ROPE_THETA
-from pipeline.drafter.soft_targets import SOFT_TARGETS
+from pipeline.drafter.config import (
+    ANCHOR_RULES,
+    BLOCK_SIZE,
+    GAMMA,
+    HEADS,
+    MARKOV_RANK,
+    NORMS,
+    NUM_LAYERS,
+    ROPE_THETA,
+    SOFT_TARGETS,
+)
 from stages import cache_flags
 from stages.settings import at_least, build, check_choices, fill, flat, parse_count, part, require, setting
 from stages.train.node_order import DATA_ORDERS

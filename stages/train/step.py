@@ -37,7 +37,7 @@ class LossPlan:
     noise: str = "gaussian"  # recipe.NOISES
     packed: bool = False  # --batching packed: rows hold several documents (batch.starts is read)
     acceptance: float = 0.0  # the expected-acceptance term's weight (loss.dflash_loss); 0: CE alone
-    soft: str = "none"  # soft_targets.SOFT_TARGETS: the batches then carry the final states
+    soft: str = "none"  # drafter config's SOFT_TARGETS: the batches then carry the final states
     soft_weight: float = 0.5
 
     @classmethod
