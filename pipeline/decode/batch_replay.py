@@ -36,7 +36,6 @@ from pipeline.decode.sampled_acceptance import (
     slot_acceptance,
 )
 from pipeline.drafter import masks
-from pipeline.drafter.dspark import sequential_drafts
 from pipeline.drafter.model import Drafter
 from pipeline.errors import DrafterError
 from store.shard_reader import Sample
@@ -185,7 +184,7 @@ class BatchReplay:
         busy = np.flatnonzero(self.active.any(1))
         lanes = [np.flatnonzero(self.active[slot]) for slot in busy]  # live lanes, packed left per slot
         host = self._draft(busy, lanes)
-        self.alpha = {key[0]: host.pop(key) for key in [k for k in host if k[1] == "alpha"]}  # slot -> [2, D]
+        self.alpha = {key[0]: host.pop(key) for key in [k for k in host if k[1] == "alpha"]}  # slot -> [3, D]
         finished = []
         for slot, live in zip(busy, lanes):
             s, c = self.samples[slot], self.counts[slot]
@@ -253,15 +252,9 @@ class BatchReplay:
                 continue
             rows = torch.as_tensor([i for _, i in where[lane]], device=dev)
             if k is None and self.temperature is not None:
-                chosen = [slot for slot, _ in where[lane]]
                 logits = m.logits(h[rows])  # [n, D, V]
-                if m.config.head == "dspark":  # drafts slot after slot; each slot's q_T with the reference's bias
-                    head = m.markov_head
-                    drafts = sequential_drafts(logits, ids.view(K * W, B)[rows, 0], head)  # [n, D]
-                    logits = logits + head.bias(head.embed(self._previous(chosen).to(dev)), logits.dtype)
-                else:
-                    drafts = logits.argmax(-1)  # [n, D] chain drafts
-                parts += [drafts, self._acceptance(logits, chosen, drafts)]  # [n, D], [n, 3, D]
+                drafts = m.drafts_of(logits, ids.view(K * W, B)[rows, 0])  # [n, D] chain drafts
+                parts += [drafts, self._acceptance(logits, [slot for slot, _ in where[lane]], drafts)]  # [n, 3, D]
             elif k is None:  # [n, D] chain drafts (a dspark drafter's slot after slot, from each anchor)
                 parts.append(m.chain_drafts(h[rows], ids.view(K * W, B)[rows, 0]))
             else:
@@ -271,32 +264,28 @@ class BatchReplay:
         return self._unpack(flat, where)
 
     def _acceptance(self, logits: torch.Tensor, slots: list[int], drafts: torch.Tensor) -> torch.Tensor:
-        """logits: [n, D, V], the chain blocks of these slots; drafts: [n, D] their greedy drafts -> [n, 3, D]:
-        each slot's acceptance under speculative sampling at the temperature (alpha), its acceptance of the
-        reference token (m), and its greedy draft's acceptance (sampled_acceptance.draft_acceptance),
-        the target's distribution for slot i (token start + i) from the final state at position
-        start + i - 1 along the stored reference (clamped to the sample's last but one position: slots past
-        its end are cut by the round's count)."""
+        """logits: [n, D, V], the chain blocks of these slots (the backbone's); drafts: [n, D] their greedy
+        drafts -> [n, 3, D]: each slot's acceptance under speculative sampling at the temperature (alpha),
+        its acceptance of the reference token (m), and its greedy draft's acceptance
+        (sampled_acceptance.draft_acceptance). The target's distribution for slot i (token start + i) is
+        from the final state at position start + i - 1 along the stored reference, and a dspark drafter's
+        slot i has the bias of the reference's token there (positions clamped to the sample's last but one:
+        slots past its end are cut by the round's count)."""
         D, dev = self.B - 1, logits.device
-        states, reference = [], []
+        states, before, reference = [], [], []
         for slot in slots:
             s, start = self.samples[slot], int(self.start[slot, 0])
             at = torch.arange(start, start + D).clamp(max=len(s.tokens) - 2)
             states.append(s.final_state[at])  # [D, H] bf16
+            before.append(s.tokens[at])  # [D]: the token before each slot (slot 1: the anchor)
             reference.append(s.tokens[at + 1])  # [D]
+        if self.m.config.head == "dspark":
+            head = self.m.markov_head
+            logits = logits + head.bias(head.embed(torch.stack(before).to(dev)), logits.dtype)
         target = self.m.logits(torch.stack(states).to(dev))  # [n, D, V]: lm_head(final state)
         on_reference = reference_acceptance(target, logits, torch.stack(reference).to(dev), self.temperature)
         greedy = draft_acceptance(target, drafts, self.temperature)
         return torch.stack([slot_acceptance(target, logits, self.temperature), on_reference, greedy], dim=1)
-
-    def _previous(self, slots: list[int]) -> torch.Tensor:
-        """[n, D] long: the reference's token before each chain slot of these slots' blocks (slot 1: the
-        anchor), clamped to the sample's last token as `_acceptance` clamps its positions."""
-        out = []
-        for slot in slots:
-            s, start = self.samples[slot], int(self.start[slot, 0])
-            out.append(s.tokens[torch.arange(start, start + self.B - 1).clamp(max=len(s.tokens) - 1)])
-        return torch.stack(out)
 
     def _unpack(self, flat: np.ndarray, where: dict) -> dict:
         D, at, out = self.B - 1, 0, {}

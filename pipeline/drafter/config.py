@@ -28,12 +28,7 @@ GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SPEC §2: loss decay per block size
 # imports them without torch
 ANCHOR_RULES = ("pair", "single")  # pair: loss_mask[a] and loss_mask[a+1] (SPEC); single: loss_mask[a]
 NORMS = ("weights", "labels")  # what the weighted CE of a micro-batch is divided by
-SOFT_TARGETS = (
-    "none",
-    "kl",
-    "tv",
-    "accept",
-)  # --soft-targets: the terms toward the target's distribution (soft_targets.py)
+SOFT_TARGETS = ("none", "kl", "tv", "accept")  # --soft-targets: terms toward the target's p (soft_targets.py)
 BLOCK_SIZE = 16  # released drafters' block size: the default for training and for configs without one
 ROPE_THETA = 1e6  # Qwen3's RoPE base: the default when neither flags nor a config give one
 NUM_LAYERS = 5  # drafter layers of the released drafters, and of a new one unless told otherwise

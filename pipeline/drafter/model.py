@@ -224,7 +224,12 @@ class Drafter(nn.Module):
 
     def chain_drafts(self, h: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """Greedy chain drafts: h [n, D, H] slots 1..B-1 of n blocks, first [n] long their anchors ->
-        [n, D] long. DFlash: each slot's argmax; dspark: sequential with the transition bias."""
+        [n, D] long (drafts_of their logits)."""
+        return self.drafts_of(self.logits(h), first)
+
+    def drafts_of(self, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Greedy chain drafts from the backbone's logits [n, D, V] and the anchors [n] -> [n, D] long.
+        DFlash: each slot's argmax; dspark: sequential with the transition bias."""
         if self.config.head == "dspark":
-            return sequential_drafts(self.logits(h), first, self.markov_head)
-        return self.logits(h).argmax(-1)
+            return sequential_drafts(logits, first, self.markov_head)
+        return logits.argmax(-1)

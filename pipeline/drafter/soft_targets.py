@@ -76,14 +76,11 @@ def slot_terms(
     if target is not None:
         rows = max(1, rows // SOFT_CHUNK)
     parts = []
-    for lo in range(0, len(y), rows):
+    for lo in range(0, max(len(y), 1), rows):  # one empty chunk for no slot: its terms keep the graph
         sl = slice(lo, lo + rows)
         embed, w2 = (bias[0][sl], bias[1]) if bias is not None else (None, None)
         t = None if target is None else target[sl]
         parts.append(checkpoint(_chunk, h[sl], lm_head, y[sl], t, embed, w2, use_reentrant=False))
-    if not parts:
-        empty = h.new_zeros(0, dtype=torch.float32) + h.sum() * 0  # keeps the graph for an empty batch
-        return SlotTerms(empty, y.new_zeros(0), *((empty, empty) if target is not None else ()))
     return SlotTerms(*(torch.cat(column) for column in zip(*parts)))
 
 

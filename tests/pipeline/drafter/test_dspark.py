@@ -121,15 +121,20 @@ def _direct(m, h, labels, prev, gamma, target=None):
     return (w * mix).sum() / w.sum() + CONFIDENCE_WEIGHT * F.binary_cross_entropy_with_logits(conf, hit)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4096])
-def test_the_loss_is_the_tv_ce_mix_and_the_confidence_bce(rows):
-    m = dspark().float()
-    g = torch.Generator().manual_seed(2)
+def inputs(seed: int):
+    """(its generator, drafter states [2, 3B, H], labels [2, 3, B] without slot 0's, prev [2, 3, B])."""
+    g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, 3 * B, H, generator=g, requires_grad=True)
     labels = torch.randint(0, V, (2, 3, B), generator=g)
     labels[..., 0] = IGNORE
+    return g, h, labels, torch.randint(0, V, (2, 3, B), generator=g)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4096])
+def test_the_loss_is_the_tv_ce_mix_and_the_confidence_bce(rows):
+    m = dspark().float()
+    _, h, labels, prev = inputs(2)
     labels[1, 2, 2:] = IGNORE
-    prev = torch.randint(0, V, (2, 3, B), generator=g)
     out = dspark_loss(h, labels, prev, m.lm_head, m.markov_head, m.confidence_head, 2.0, chunk_rows=rows)
     torch.testing.assert_close(out.loss, _direct(m, h, labels, prev, 2.0), rtol=1e-5, atol=1e-6)
     out.loss.backward()
@@ -142,11 +147,7 @@ def test_the_loss_is_the_tv_ce_mix_and_the_confidence_bce(rows):
 @pytest.mark.parametrize("rows", [1, 4096])
 def test_soft_targets_put_the_tv_toward_the_targets_distribution(rows):
     m = dspark().float()
-    g = torch.Generator().manual_seed(3)
-    h = torch.randn(2, 3 * B, H, generator=g, requires_grad=True)
-    labels = torch.randint(0, V, (2, 3, B), generator=g)
-    labels[..., 0] = IGNORE
-    prev = torch.randint(0, V, (2, 3, B), generator=g)
+    g, h, labels, prev = inputs(3)
     target = torch.randn(2, 3, B, H, generator=g)
     heads = (m.lm_head, m.markov_head, m.confidence_head)
     out = dspark_loss(h, labels, prev, *heads, 2.0, chunk_rows=rows, target=target)
