@@ -24,7 +24,7 @@ from zarr.core.sync import sync
 from zarr.storage import StorePath
 from zarr.storage._common import make_store_path
 
-from store.errors import ROOT_FIX, NotAStore, NotCommitted, StoreCorrupt, redo_hint
+from store.errors import ROOT_FIX, ConfigError, NotAStore, NotCommitted, StoreCorrupt, redo_hint
 from store.format import layout
 from store.format.ranges import format_ranges
 from store.format.read_checks import Layout, ReadChecks, layout_of, read_checks
@@ -101,6 +101,17 @@ class HiddenStore:
     def layout(self) -> Layout:
         """The store's layout (store/format/read_checks.py), read from its root."""
         return layout_of(self.attrs, self.root_commit)
+
+    def require_final_state(self, flag: str, value, needs: str) -> None:
+        """ConfigError naming flag=value unless the store keeps the target's final states; needs: what the
+        flag takes from them."""
+        if not self.layout.final_state:
+            raise ConfigError(
+                flag,
+                value,
+                f"{self.location} holds no final states ({needs} comes from them); "
+                "extract the store with `pipeline extract --final-state`",
+            )
 
     def shard_damage(self, e: StoreCorrupt, shard: int, sample: int | None = None) -> StoreCorrupt:
         """e, told which shard (and sample) it lies in and what to run about it."""

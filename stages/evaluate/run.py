@@ -30,7 +30,7 @@ from stages.evaluate.engine_device import choose as choose_engine
 from stages.evaluate.prompts import Prompts
 from stages.evaluate.shards import choose_shards
 from store import index_file
-from store.errors import ConfigError, StoreCorrupt, StoreError
+from store.errors import StoreCorrupt, StoreError
 from store.hidden_store import HiddenStore
 from store.index_file import StoreIndex
 
@@ -108,13 +108,8 @@ def _run(config: EvalConfig, proc, device: str, log) -> dict | None:
     store = HiddenStore(config.store, node_cache=cache_flags.make(config, lambda m: log(f"warning: {m}")))
     warnings: list[str] = list(filter(None, [store.read_checks().warning(), cache_flags.warning(config, store)]))
     checked = [check_checkpoint(p, store, config.allow_mismatch, warnings) for p in config.checkpoints]
-    if config.temperature is not None and not store.layout.final_state:
-        raise ConfigError(
-            "--temperature",
-            config.temperature,
-            f"{config.store} holds no final states (the target's p at T comes from them); "
-            "extract the store with `pipeline extract --final-state`",
-        )
+    if config.temperature is not None:
+        store.require_final_state("--temperature", config.temperature, "the target's p at T")
     index = _index(store)
     shards = choose_shards(config, store, checked, warnings, index.records if index.records else None)
     if proc.rank == 0:

@@ -254,13 +254,8 @@ def _prepare(config: TrainConfig, log) -> Setup:
     cache = cache_flags.make(data)
     store = HiddenStore(data.store, node_cache=cache)  # once per process (loader workers open their own)
     attrs = store.attrs
-    if config.loss.soft_targets != "none" and not store.layout.final_state:
-        raise ConfigError(
-            "--soft-targets",
-            config.loss.soft_targets,
-            f"{data.store} holds no final states (the target's distribution comes from them); "
-            "extract the store with `pipeline extract --final-state`",
-        )
+    if config.loss.soft_targets != "none":
+        store.require_final_state("--soft-targets", config.loss.soft_targets, "the target's distribution")
     acc = make_accelerator(config.run, optim.grad_accum)
     shared_out(acc, out)
     rdir, previous = on_main(acc, lambda: resume_point(config, attrs.fingerprint))  # one decides, all follow

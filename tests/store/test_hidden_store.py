@@ -7,7 +7,7 @@ import pytest
 
 from stages.extract.config import ExtractConfig
 from stages.extract.run import run
-from store.errors import NotAStore, NotCommitted, StoreMismatch
+from store.errors import ConfigError, NotAStore, NotCommitted, StoreMismatch
 from store.hidden_store import HiddenStore
 from store.shard_reader import ShardReader
 from store.store_writer import StoreWriter
@@ -29,6 +29,12 @@ def test_store_refuses_shards_from_another_config(store_copy, small_dataset):
     msg = str(e.value)
     assert "different target/taps/config" in msg and "taps: store has [1, 2, 3, 4, 5], this run has [1, 3]" in msg
     assert "max_new_tokens" in msg and "fingerprint" not in msg.split("(")[1].split(":")[0]
+
+
+def test_only_a_store_with_final_states_serves_what_needs_them(small_store, final_store):
+    HiddenStore(str(final_store)).require_final_state("--soft-targets", "kl", "p")
+    with pytest.raises(ConfigError, match=rf"--soft-targets kl: {small_store} holds no final states \(p comes"):
+        HiddenStore(str(small_store)).require_final_state("--soft-targets", "kl", "p")
 
 
 def test_reader_rejects_uncommitted_shard(store_copy):
