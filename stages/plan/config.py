@@ -35,6 +35,11 @@ class PlanConfig:
     prompt_tokens: int = setting(1_000, "Mean prompt tokens a row.")
     completion_tokens: int = setting(1_000, "Mean completion tokens a row (the references).")
     taps: int = setting(5, "Tap layers stored a token (the drafter's fc input is taps x hidden).")
+    final_state: bool = setting(
+        False,
+        "Plan a store that keeps the target's final state a token too (pipeline extract --final-state; train.py "
+        "--soft-targets reads it): one more state of H values a token, stored, read and held a training sample.",
+    )
     hidden_format: str = setting(
         "fp8", "How the states are stored (pipeline extract --hidden-format).", choices=hidden_formats.NAMES
     )
@@ -64,6 +69,11 @@ class PlanConfig:
     anchors: int = setting(512, "Anchors a sample (train.py --anchors).")
     block_size: int = setting(16, "Drafter block size.")
     epochs: int = setting(6, "Training epochs over the training shards.")
+
+    @property
+    def states(self) -> int:
+        """States stored a token: the taps, and the final state with --final-state."""
+        return self.taps + self.final_state
 
     def __post_init__(self) -> None:
         require(self, "target", self.target.strip() != "", "give a directory or an architecture's name")

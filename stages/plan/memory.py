@@ -82,14 +82,25 @@ def step_temporaries(optimizer: str, *, cpu: bool) -> int:
 
 
 def training(
-    shape: Shape, optimizer: str, context: int, anchors: int, block: int, *, cpu: bool, processes: int = 1
+    shape: Shape,
+    optimizer: str,
+    context: int,
+    anchors: int,
+    block: int,
+    *,
+    cpu: bool,
+    processes: int = 1,
+    final_state: bool = False,
 ) -> dict[str, int]:
     """A training step on one sample of `context` tokens: the trainable states; the frozen embedding and
     lm_head (bf16 on a GPU, fp32 on CPU); the sample's states [context, taps, H] bf16 and fc's output
     [context, H] fp32; the block stream kept for the backward (anchors x block rows a layer: six of
     width H (input, norms, attention output, residuals), q, k, v, the MLP's gate, up and product; bf16
     under autocast on a GPU, fp32 on CPU) and the context K/V a layer; one loss chunk; the optimizer
-    step's temporaries; Muon's momentum split over `processes`."""
+    step's temporaries; Muon's momentum split over `processes`. final_state: the sample's final states
+    [context, H] bf16 too (--soft-targets); their loss chunks (a quarter of the CE chunk's rows, about four
+    [rows, V] fp32: pipeline/drafter/soft_targets.py) run one at a time, never beside the CE chunk, so the
+    loss chunk's peak stays the CE's."""
     rows = anchors * block
     frozen = act = FP32 if cpu else BF16  # a GPU trains under bf16 autocast; CPU in fp32
     per_row = 6 * shape.hidden + shape.drafter_q + 2 * shape.drafter_kv + 3 * shape.drafter_intermediate
@@ -98,7 +109,7 @@ def training(
         "trainable states": int(shape.drafter_parameters * optimizer_bytes(optimizer, processes)),
         "optimizer step": shape.drafter_parameters * step_temporaries(optimizer, cpu=cpu),
         "frozen embed + lm_head": 2 * shape.vocab * shape.hidden * frozen,
-        "sample states + fc": context * (shape.taps * BF16 + FP32) * shape.hidden,
+        "sample states + fc": context * ((shape.taps + final_state) * BF16 + FP32) * shape.hidden,
         "activations": shape.drafter_layers * layer,
         "loss chunk": int(LOSS_PEAK * (LOGITS_BYTES if cpu else GPU_LOGITS_BYTES)),  # stages/train/step.loss_chunk_rows
     }

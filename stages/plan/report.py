@@ -24,7 +24,8 @@ def render(plan: Plan) -> str:
     ratios = tuple(s / plan.raw for s in plan.stored)
     lines = [
         f"target {plan.name}: {plan.parameters / 1e9:.2f}B parameters, {plan.weights / GB:.1f} GB in bf16 "
-        f"(hidden {plan.shape.hidden:,}, vocabulary {plan.shape.vocab:,}, {c.taps} taps)",
+        f"(hidden {plan.shape.hidden:,}, vocabulary {plan.shape.vocab:,}, {c.taps} taps"
+        f"{' + the final state' if c.final_state else ''})",
         f"data: {c.rows:,} rows x ({c.prompt_tokens:,} + {c.completion_tokens:,}) tokens = {tokens / 1e9:.2f}B tokens",
         f"  in {plan.shards:,} shards of {c.shard_rows:,} rows "
         f"({plan.training_shards:,} training, {c.eval_shards} held out)",
@@ -32,8 +33,8 @@ def render(plan: Plan) -> str:
         f"{c.local_disk_tb:g} TB local disk, {c.network_gbps:g} Gb/s a node",
         "",
         "store",
-        f"  raw            {plan.raw / TB:,.1f} TB ({c.taps} x {plan.shape.hidden:,} x 2 B = "
-        f"{c.taps * plan.shape.hidden * 2:,} B a token)",
+        f"  raw            {plan.raw / TB:,.1f} TB ({c.states} x {plan.shape.hidden:,} x 2 B = "
+        f"{c.states * plan.shape.hidden * 2:,} B a token)",
         f"  {c.hidden_format:<14} {_span(plan.stored, TB)} TB ({_span(ratios, 1, 3)}x raw,",
         f"                 {rates.CODED_SOURCE})",
         f"  a node's share {_span(plan.share, TB)} TB of the training shards, cache {plan.cache / TB:.1f} TB "
@@ -58,7 +59,7 @@ def render(plan: Plan) -> str:
     for stage, hours in plan.hours.items():
         wall = tuple(h / gpus for h in hours)
         lines.append(f"  {stage:<14} {_span(hours, 1, 0)} GPU-h, {_span(wall, 1)} h")
-    need = plan.rates["training"].low * c.sample_tokens * c.taps * plan.shape.hidden * 2 / 1e6
+    need = plan.rates["training"].low * c.sample_tokens * c.states * plan.shape.hidden * 2 / 1e6
     workers = need / plan.rates["loader"].low
     lines.append(f"  reads          {need:,.0f} MB/s raw a training GPU: {workers:.2f} of a loader worker")
     return "\n".join(lines)

@@ -76,14 +76,20 @@ def drafter_parameters(config: DrafterConfig) -> int:
 def training_flops(config: PlanConfig, shape: memory.Shape) -> float:
     """FLOPs to train on one sample (forward x 3: the backward twice the forward, the loss's chunks
     recomputed): the layers over anchors x block rows, lm_head over the labels, fc and the context K/V
-    over the sample's tokens, attention of each block row over half the context on average."""
+    over the sample's tokens, attention of each block row over half the context on average; with
+    --final-state the soft targets' logits too."""
     rows, context = config.anchors * config.block_size, config.sample_tokens
     layers = shape.drafter_parameters - config.taps * shape.hidden**2
     forward = 2 * layers * rows + 2 * shape.hidden * shape.vocab * config.anchors * (config.block_size - 1)
     forward += 2 * config.taps * shape.hidden**2 * context
     forward += shape.drafter_layers * context * 2 * (2 * shape.hidden * shape.drafter_kv)
     forward += shape.drafter_layers * 4 * rows * (context // 2) * shape.drafter_q
-    return 3 * forward
+    if not config.final_state:
+        return 3 * forward
+    # --soft-targets: the drafter's logits come from the same chunks as its CE; the target's, lm_head over
+    # the final states before the labels, are made twice (forward, recomputed; no gradient): soft_targets.py
+    head = 2 * shape.hidden * shape.vocab * config.anchors * (config.block_size - 1)
+    return 3 * forward + 2 * head
 
 
 def stage_rates(config: PlanConfig, params: int, shape: memory.Shape) -> dict[str, Rate]:
@@ -165,10 +171,11 @@ def shard_split(config: PlanConfig) -> tuple[int, int]:
 def check_share(config: PlanConfig, share: tuple[float, float], cache: float) -> None:
     """PlanError when a node's share of the training shards, at its largest, exceeds its cache."""
     if share[1] > cache:
+        options = "more nodes or a larger disk" if config.hidden_format == "fp8" else "fp8, more nodes or a larger disk"
         raise PlanError(
             f"--hidden-format {config.hidden_format}: a node's share of the store, up to {share[1] / TB:.1f} TB, "
             f"is larger than its cache, {cache / TB:.1f} TB ({config.cache_share:.0%} of --local-disk-tb "
-            f"{config.local_disk_tb:g}); use fp8, more nodes or a larger disk"
+            f"{config.local_disk_tb:g}); use {options}"
         )
 
 
@@ -195,6 +202,7 @@ def stage_memory(config: PlanConfig, name: str, shape: memory.Shape, weights: in
             block,
             cpu=False,
             processes=config.nodes * config.gpus_per_node,
+            final_state=config.final_state,
         ),
         "replay": memory.replay(shape, EVAL_PROMPTS, context, block, cpu=False),
     }
@@ -226,7 +234,7 @@ def run(config: PlanConfig) -> Plan:
     weights, shape = params * memory.BF16, drafter_shape(config, target)
     batch, peaks = stage_memory(config, name, shape, weights)
     shards, training_shards = shard_split(config)
-    raw = config.rows * config.sample_tokens * config.taps * shape.hidden * memory.BF16
+    raw = config.rows * config.sample_tokens * config.states * shape.hidden * memory.BF16
     stored = tuple(raw * r for r in rates.CODED[config.hidden_format])
     share = tuple(s * training_shards / shards / config.nodes for s in stored)
     cache = config.local_disk_tb * TB * config.cache_share

@@ -16,7 +16,7 @@ from pipeline.errors import PlanError
 from stages.plan import memory
 from stages.plan.config import PlanConfig, low_high
 from stages.plan.report import render
-from stages.plan.run import GB, TB, drafter_config, drafter_parameters, run
+from stages.plan.run import GB, TB, drafter_config, drafter_parameters, run, training_flops
 from store.errors import ConfigError
 from tests.conftest import REPO
 
@@ -42,6 +42,21 @@ def test_the_27b_run_as_documented():
 def test_bf16_doubles_the_store():
     plan = run(PlanConfig(hidden_format="bf16", nodes=8))
     assert round(plan.stored[0] / TB, 1) == 166.6 and plan.stored[0] == plan.stored[1]
+
+
+def test_the_final_state_is_one_more_state_stored_read_and_held():
+    """--final-state: 6 states a token at 5 taps; the sample's final states in training memory; the target's
+    logits over the labels twice (forward, recomputed); the documented 4 nodes' cache no longer holds a share."""
+    with pytest.raises(PlanError, match=r"share of the store, up to 30.9 TB, is larger than its cache, 27.0 TB"):
+        run(PlanConfig(final_state=True))
+    plain, final = run(PlanConfig(nodes=5)), run(PlanConfig(nodes=5, final_state=True))
+    assert final.raw * 5 == plain.raw * 6 and final.stored[1] * 5 == plain.stored[1] * 6
+    s, tokens = plain.shape, 2_000
+    grown = final.memory["training"]["sample states + fc"] - plain.memory["training"]["sample states + fc"]
+    assert grown == tokens * s.hidden * 2
+    head = 2 * s.hidden * s.vocab * 512 * 15
+    assert training_flops(final.config, s) - training_flops(plain.config, s) == 2 * head
+    assert "6 x 5,120 x 2 B = 61,440 B a token" in render(final) and "5 taps + the final state" in render(final)
 
 
 def test_the_capture_batch_fills_the_gpu_beside_the_weights():
