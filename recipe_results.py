@@ -92,6 +92,9 @@ ON_DEFAULTS: dict[str, dict] = {
     "grad-bf16": {"grad_comm": "bf16"},
     # the DSpark head (docs/training.md, The DSpark head): chain only, DDTree does not apply to it
     "dspark": {"head": "dspark"},
+    # the same head with its Markov matrices ([V, r]: an embedding and a vocabulary projection) on AdamW
+    # instead of Muon, against dspark (default+dspark-markov-adamw+soft-tv against default+dspark+soft-tv)
+    "dspark-markov-adamw": {"head": "dspark", "markov_optimizer": "adamw"},
     # soft targets (docs/training.md, Soft targets): on a store with final states, each mixed half and half
     # with the CE; default+dspark+soft-tv: the DSpark head's TV toward the target's distribution
     "soft-kl": {"soft_targets": "kl"},

@@ -198,6 +198,14 @@ class OptimConfig:
         resume="fixed",
     )
     muon_weight_decay: float = setting(0.1, "Muon weight decay (--optimizer muon).", resume="fixed")
+    markov_optimizer: str = setting(
+        "muon",
+        "What steps a dspark drafter's Markov matrices (markov_w1, the previous token's embedding, and "
+        "markov_w2, its projection to the vocabulary; both [vocab, r]) under --optimizer muon: muon, as "
+        "every other matrix, or adamw at --lr, as embeddings and output heads are commonly kept.",
+        choices=("muon", "adamw"),
+        resume="fixed",
+    )
     grad_clip: float = setting(1.0, "Gradient norm clip (0: off).", resume="fixed")
     weight_decay: float = setting(0.0, "AdamW weight decay.", resume="fixed")
     grad_accum: int = setting(1, "Micro-batches per optimizer step.", resume="fixed")
@@ -218,6 +226,12 @@ class OptimConfig:
         require(self, "lr", self.lr > 0, "must be positive")
         require(self, "muon_lr", self.muon_lr is None or self.muon_lr > 0, "must be positive")
         require(self, "muon_lr", self.muon_lr is None or self.optimizer == "muon", "is only used by --optimizer muon")
+        require(
+            self,
+            "markov_optimizer",
+            self.markov_optimizer == "muon" or self.optimizer == "muon",
+            "is only used by --optimizer muon (adamw steps every parameter)",
+        )
         require(self, "warmup_ratio", 0 <= self.warmup_ratio < 1, "expected 0 <= ratio < 1")
 
 

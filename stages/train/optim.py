@@ -33,16 +33,25 @@ import math
 
 import torch
 
+from pipeline.drafter.model import HEAD_MODULES
 from stages.train.config import OptimConfig
+from store.errors import ConfigError
+
+MARKOV = HEAD_MODULES[0]  # "markov_head.": the dspark Markov matrices' names (pipeline/drafter/dspark.py)
 
 
-def muon_split(model: torch.nn.Module) -> tuple[list, list]:
+def muon_split(model: torch.nn.Module, markov: str = "muon") -> tuple[list, list]:
     """(the 2-D matrices with both sides > 1, everything else) among the trainable parameters,
-    in named_parameters order."""
-    matrices, rest = [], []
-    for _, p in model.named_parameters():
+    in named_parameters order; markov "adamw": a dspark drafter's Markov matrices among the rest
+    (ConfigError when the drafter has none)."""
+    matrices, rest, found = [], [], False
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (matrices if p.ndim == 2 and min(p.shape) > 1 else rest).append(p)
+            aside = markov == "adamw" and name.startswith(MARKOV)
+            found |= aside
+            (matrices if p.ndim == 2 and min(p.shape) > 1 and not aside else rest).append(p)
+    if markov == "adamw" and not found:
+        raise ConfigError("--markov-optimizer", markov, "the drafter has no Markov head (train.py --head dspark)")
     return matrices, rest
 
 
@@ -216,7 +225,7 @@ def build_optimizers(config: OptimConfig, model: torch.nn.Module) -> list[torch.
     """The run's optimizers, in the order their states are saved."""
     if config.optimizer == "adamw":
         return [torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)]
-    matrices, rest = muon_split(model)
+    matrices, rest = muon_split(model, config.markov_optimizer)
     ns_dtype = torch.bfloat16 if matrices and matrices[0].device.type == "cuda" else torch.float32
     muon = Muon(
         matrices,

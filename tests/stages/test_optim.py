@@ -21,6 +21,26 @@ def test_muon_takes_every_matrix_and_adamw_the_norms():
     assert len(matrices) + len(rest) == len(list(m.parameters()))
 
 
+def test_the_markov_matrices_go_to_adamw_only_when_asked():
+    """--markov-optimizer adamw: a dspark drafter's two [V, r] Markov matrices leave Muon for AdamW (its
+    confidence head's [1, H + r] row was AdamW's already); refused on a drafter without them and with
+    --optimizer adamw."""
+    m = drafter(config(head="dspark"))
+    names = {id(p): n for n, p in m.named_parameters()}
+    markov = {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    matrices, rest = muon_split(m)
+    assert markov <= {names[id(p)] for p in matrices}
+    aside, kept = muon_split(m, "adamw")
+    assert {names[id(p)] for p in kept} == {names[id(p)] for p in rest} | markov
+    assert {names[id(p)] for p in aside} == {names[id(p)] for p in matrices} - markov
+    muon, adamw = build_optimizers(OptimConfig(markov_optimizer="adamw"), m)
+    assert {names[id(p)] for p in adamw.param_groups[0]["params"]} >= markov
+    with pytest.raises(ConfigError, match=r"--markov-optimizer adamw: the drafter has no Markov head"):
+        muon_split(drafter(config()), "adamw")
+    with pytest.raises(ConfigError, match=r"--markov-optimizer adamw: is only used by --optimizer muon"):
+        OptimConfig(optimizer="adamw", markov_optimizer="adamw")
+
+
 def test_optimizers_and_their_rates():
     m = drafter(config())
     (adamw,) = build_optimizers(OptimConfig(lr=3e-4, optimizer="adamw"), m)
