@@ -70,7 +70,16 @@ class Target:
 
     @property
     def layers(self) -> torch.nn.ModuleList:
-        return self.model.get_decoder().layers
+        """The decoder's layer list, the one every tap is taken from (`model.layers` of a Llama- or
+        Qwen-style decoder); TargetError for a decoder without one (GPT-2's `h`, say)."""
+        decoder = self.model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise TargetError(
+                f"{self.path}: its decoder ({type(decoder).__name__}) has no layer list `layers` to tap "
+                "(a Llama- or Qwen-style decoder has one)"
+            )
+        return layers
 
     @property
     def hidden_size(self) -> int:

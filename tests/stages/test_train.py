@@ -177,6 +177,28 @@ def test_two_process_ddp_on_cpu(small_store, tmp_path):
     assert hashes["fp32"] != hashes["bf16"]  # the bf16 sum rounded: it really ran
 
 
+def test_a_dspark_drafter_with_soft_targets_on_two_processes(final_store, tmp_path):
+    """The dspark head with soft TV (each batch carrying final states) under real DDP on 2 processes: both
+    ranks end with the same parameters, the Markov and confidence heads' gradients among those all-reduced;
+    with --markov-optimizer adamw Muon broadcasts every matrix but the two Markov ones."""
+    out = tmp_path / "run"
+    flags = ["--head", "dspark", "--markov-rank", "8", "--soft-targets", "tv", "--markov-optimizer", "adamw"]
+    args = ["--store", final_store, "--out", out, "--max-steps", 2, "--audit", *flags, *TINY, "--batch-size", 1]
+    r = train(args, launcher=cpu_ddp(2, 29576))
+    assert r.returncode == 0, r.stderr
+    ranks = [json.loads((out / "audit" / f"rank-{i}.json").read_text()) for i in (0, 1)]
+    assert [x["world_size"] for x in ranks] == [2, 2]
+    assert ranks[0]["param_sha256"] == ranks[1]["param_sha256"]
+    tensors = checkpoint.load(out / "final")[1]
+    markov = {k for k in tensors if k.startswith("markov_head.")}
+    assert len(markov) == 2 and any(k.startswith("confidence_head.") for k in tensors)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in records if m["split"] == "train"]
+    muon = sum(v.numel() for k, v in tensors.items() if v.dim() == 2 and min(v.shape) > 1 and k not in markov)
+    assert [m["grad_comm_bytes_per_step"] for m in steps] == [sum(v.numel() for v in tensors.values()) * 2] * 2
+    assert [m["muon_broadcast_bytes_per_step"] for m in steps] == [muon * 4] * 2
+
+
 def test_a_run_resumes_on_another_number_of_processes(small_store, tmp_path):
     """Interrupted after step-4 on 2 processes, resumed on 1 and interrupted after step-6, resumed on
     2 to the end: each part goes on from the saved step with the schedule (every later step's

@@ -82,6 +82,25 @@ def test_unreadable_target(bad):
         load(bad, "cpu", "fp32", "auto")
 
 
+def test_a_decoder_without_a_layer_list_is_refused_naming_it(tmp_path):
+    """GPT-2's decoder keeps its blocks in `h`: one TargetError naming the target and its decoder, not an
+    AttributeError from inside a forward."""
+    import shutil
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pipeline import TINY_TARGET
+    from pipeline.errors import TargetError
+    from pipeline.target.loading import load
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=1000)).save_pretrained(tmp_path)
+    for f in TINY_TARGET.glob("tokenizer*"):
+        shutil.copy(f, tmp_path)
+    target = load(str(tmp_path), "cpu", "fp32", "auto")
+    with pytest.raises(TargetError, match=rf"^{tmp_path}: its decoder \(GPT2Model\) has no layer list `layers`"):
+        target.layers
+
+
 def test_capture_with_agreement_keeps_the_states_and_counts_like_hugging_face(target):
     seqs = [p + [17, 300, 42, 9] for p in prompt_ids(target, 3)]
     plens = [len(p) for p in prompt_ids(target, 3)]
