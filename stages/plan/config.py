@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.drafter.config import HEADS, MARKOV_RANK
 from stages.settings import require, setting
 from store.format import hidden_formats
 
@@ -66,6 +67,13 @@ class PlanConfig:
     )
     optimizer: str = setting("muon", "The drafter's optimizer (train.py --optimizer).", choices=OPTIMIZERS)
     drafter_layers: int = setting(5, "Drafter decoder layers (the released 27B drafter: 5).")
+    head: str = setting(
+        "dflash",
+        "The drafter's head (train.py --head): dspark adds two [vocab, r] Markov matrices and the bias they "
+        "put on every slot's logits.",
+        choices=HEADS,
+    )
+    markov_rank: int = setting(MARKOV_RANK, "Rank r of the dspark Markov head (train.py --markov-rank).")
     anchors: int = setting(512, "Anchors a sample (train.py --anchors).")
     block_size: int = setting(16, "Drafter block size.")
     epochs: int = setting(6, "Training epochs over the training shards.")
@@ -79,7 +87,7 @@ class PlanConfig:
         require(self, "target", self.target.strip() != "", "give a directory or an architecture's name")
         for name in ("rows", "prompt_tokens", "completion_tokens", "taps", "shard_rows", "gpus_per_node", "nodes"):
             require(self, name, getattr(self, name) >= 1, "must be at least 1")
-        for name in ("drafter_layers", "anchors", "block_size", "epochs"):
+        for name in ("drafter_layers", "anchors", "block_size", "epochs", "markov_rank"):
             require(self, name, getattr(self, name) >= 1, "must be at least 1")
         require(self, "eval_shards", self.eval_shards >= 0, "must be 0 or more")
         for name in ("gpu_memory_gb", "local_disk_tb", "network_gbps", "tflops", "peak_tflops"):

@@ -36,7 +36,8 @@ class Shape:
     drafter_q: int  # query width of a drafter layer: heads x head dim
     drafter_kv: int  # key/value width of a drafter layer: kv heads x head dim
     drafter_intermediate: int
-    drafter_parameters: int  # trainable: fc, the layers, the norms
+    drafter_parameters: int  # trainable: fc, the layers, the norms (and a dspark head's)
+    markov_rank: int = 0  # a dspark head's r (its two [vocab, r] matrices); 0: none
 
 
 def total(parts: dict[str, int]) -> int:

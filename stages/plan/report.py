@@ -26,6 +26,8 @@ def render(plan: Plan) -> str:
         f"target {plan.name}: {plan.parameters / 1e9:.2f}B parameters, {plan.weights / GB:.1f} GB in bf16 "
         f"(hidden {plan.shape.hidden:,}, vocabulary {plan.shape.vocab:,}, {c.taps} taps"
         f"{' + the final state' if c.final_state else ''})",
+        f"drafter: {plan.shape.drafter_parameters / 1e9:.2f}B trainable parameters, {c.drafter_layers} layers, "
+        f"head {c.head}{f' (Markov rank {c.markov_rank})' if c.head == 'dspark' else ''}",
         f"data: {c.rows:,} rows x ({c.prompt_tokens:,} + {c.completion_tokens:,}) tokens = {tokens / 1e9:.2f}B tokens",
         f"  in {plan.shards:,} shards of {c.shard_rows:,} rows "
         f"({plan.training_shards:,} training, {c.eval_shards} held out)",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.drafter.checkpoint import expected_shapes
-from pipeline.drafter.config import DrafterConfig, default_sizes
+from pipeline.drafter.config import MARKOV_RANK, DrafterConfig, default_sizes
 from pipeline.errors import PlanError
 from pipeline.target.architectures import ARCHS
 from pipeline.target.parameter_count import parameters, read_config
@@ -52,10 +52,12 @@ def target_config(target: str) -> tuple[str, dict]:
     return Path(target).name, read_config(target)
 
 
-def drafter_config(hidden: int, vocab: int, taps: int, layers: int, block: int) -> DrafterConfig:
+def drafter_config(
+    hidden: int, vocab: int, taps: int, layers: int, block: int, head: str = "dflash", rank: int = MARKOV_RANK
+) -> DrafterConfig:
     """The drafter train.py makes for a store of this width without --drafter-config
-    (stages/train/setup.fresh_config: default_sizes), at `layers` layers."""
-    sizes = {**default_sizes(hidden), "num_hidden_layers": layers}
+    (stages/train/setup.fresh_config: default_sizes), at `layers` layers, with `head` (rank: dspark's r)."""
+    sizes = {**default_sizes(hidden), "num_hidden_layers": layers, "head": head, "markov_rank": rank}
     return DrafterConfig(
         hidden_size=hidden,
         vocab_size=vocab,
@@ -77,10 +79,12 @@ def training_flops(config: PlanConfig, shape: memory.Shape) -> float:
     """FLOPs to train on one sample (forward x 3: the backward twice the forward, the loss's chunks
     recomputed): the layers over anchors x block rows, lm_head over the labels, fc and the context K/V
     over the sample's tokens, attention of each block row over half the context on average; with
-    --final-state the soft targets' logits too."""
+    --final-state the soft targets' logits too; a dspark head's bias over the labels (r values a row)."""
     rows, context = config.anchors * config.block_size, config.sample_tokens
-    layers = shape.drafter_parameters - config.taps * shape.hidden**2
-    forward = 2 * layers * rows + 2 * shape.hidden * shape.vocab * config.anchors * (config.block_size - 1)
+    r = shape.markov_rank  # a dspark head: its table is looked up, its bias [rows, V] made from r values a row
+    markov = 2 * shape.vocab * r + (shape.hidden + r + 1 if r else 0)  # Markov matrices, confidence head
+    layers = shape.drafter_parameters - config.taps * shape.hidden**2 - markov
+    forward = 2 * layers * rows + 2 * (shape.hidden + r) * shape.vocab * config.anchors * (config.block_size - 1)
     forward += 2 * config.taps * shape.hidden**2 * context
     forward += shape.drafter_layers * context * 2 * (2 * shape.hidden * shape.drafter_kv)
     forward += shape.drafter_layers * 4 * rows * (context // 2) * shape.drafter_q
@@ -143,7 +147,15 @@ def stage_rates(config: PlanConfig, params: int, shape: memory.Shape) -> dict[st
 def drafter_shape(config: PlanConfig, target: dict) -> memory.Shape:
     """The target's widths and those of the drafter train.py makes at the target's width."""
     hidden = target["hidden_size"]
-    dc = drafter_config(hidden, target["vocab_size"], config.taps, config.drafter_layers, config.block_size)
+    dc = drafter_config(
+        hidden,
+        target["vocab_size"],
+        config.taps,
+        config.drafter_layers,
+        config.block_size,
+        config.head,
+        config.markov_rank,
+    )
     return memory.Shape(
         hidden=hidden,
         intermediate=target.get("intermediate_size") or target["moe_intermediate_size"],
@@ -154,6 +166,7 @@ def drafter_shape(config: PlanConfig, target: dict) -> memory.Shape:
         drafter_kv=dc.num_key_value_heads * dc.head_dim,
         drafter_intermediate=dc.intermediate_size,
         drafter_parameters=drafter_parameters(dc),
+        markov_rank=config.markov_rank if config.head == "dspark" else 0,
     )
 
 

@@ -59,6 +59,17 @@ def test_the_final_state_is_one_more_state_stored_read_and_held():
     assert "6 x 5,120 x 2 B = 61,440 B a token" in render(final) and "5 taps + the final state" in render(final)
 
 
+def test_a_dspark_head_adds_its_markov_matrices_and_their_bias():
+    """--head dspark: two [V, r] matrices and the confidence head's row among the trainable parameters; a
+    bias of r values a label row in training's FLOPs (the lookup costs none)."""
+    plain, dspark = run(PlanConfig()), run(PlanConfig(head="dspark", markov_rank=256))
+    V, H = plain.shape.vocab, plain.shape.hidden
+    assert dspark.shape.drafter_parameters - plain.shape.drafter_parameters == 2 * V * 256 + H + 256 + 1
+    bias = 2 * 256 * V * 512 * 15
+    assert training_flops(dspark.config, dspark.shape) - training_flops(plain.config, plain.shape) == 3 * bias
+    assert "head dspark (Markov rank 256)" in render(dspark) and "1.73B trainable parameters" in render(plain)
+
+
 def test_the_capture_batch_fills_the_gpu_beside_the_weights():
     """The batch is the most tokens whose capture forward fits: one more does not."""
     plan = run(PlanConfig())
