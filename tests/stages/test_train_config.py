@@ -81,6 +81,7 @@ LATER = {
     "acceptance_weight": 0.0,
     "head": None,
     "markov_rank": None,
+    "markov_optimizer": "muon",
     "soft_targets": "none",
     "soft_weight": 0.5,
 }  # settings added since, each at a default that trains as before it existed
