@@ -1,5 +1,6 @@
-"""A dspark drafter's export loads in vLLM 0.32's own Qwen3DSparkModel, and vLLM's Markov bias and
-confidence equal ours. Opt-in: `pytest -m engine` (the vLLM CPU venv; about a minute).
+"""A dspark drafter's export loads in vLLM 0.32's own Qwen3DSparkModel, vLLM's Markov bias and
+confidence equal ours, and vLLM's own sequential drafting loop drafts what replay drafts. Opt-in:
+`pytest -m engine` (the vLLM CPU venv; about a minute).
 
 vLLM drafts with DSpark only in its V2 model runner, which needs Triton's GPU backends: no CPU engine
 serves it, so the served-equals-replay check (`evaluate.py --served vllm`, method dspark) needs a GPU.
@@ -10,6 +11,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline import TINY_TARGET
 from pipeline.drafter import checkpoint
@@ -42,7 +44,8 @@ def tiny_dspark(directory) -> Drafter:
         markov_rank=R,
     )
     g = torch.Generator().manual_seed(0)
-    m = Drafter(c, torch.randn(c.vocab_size, c.hidden_size, generator=g), torch.randn(c.vocab_size, c.hidden_size))
+    weights = load_file(TINY_TARGET / "model.safetensors")
+    m = Drafter(c, weights["model.embed_tokens.weight"], weights["lm_head.weight"])
     m.init_weights(torch.Generator().manual_seed(1))
     with torch.no_grad():  # markov_w2 and the confidence bias start at zero: give them values to compare
         m.markov_head.markov_w2.weight.normal_(generator=g)
@@ -51,7 +54,10 @@ def tiny_dspark(directory) -> Drafter:
     return m
 
 
-def test_vllm_loads_the_dspark_export_and_computes_our_bias_and_confidence(tmp_path):
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """Our random dspark drafter and what vLLM's own model and drafting loop made of its export."""
+    tmp_path = tmp_path_factory.mktemp("vllm_dspark")
     m = tiny_dspark(tmp_path / "drafter")
     out = tmp_path / "result.json"
     subprocess.run(
@@ -65,7 +71,11 @@ def test_vllm_loads_the_dspark_export_and_computes_our_bias_and_confidence(tmp_p
         check=True,
         env={**__import__("os").environ, "PORT": str(free_port())},
     )
-    r = json.loads(out.read_text())
+    return m, json.loads(out.read_text())
+
+
+def test_vllm_loads_the_dspark_export_and_computes_our_bias_and_confidence(vllm_run):
+    m, r = vllm_run
     assert r["method"] == "dspark" and r["architectures"] == ["Qwen3DSparkModel"]
     assert r["head_parameters"] == [
         "model.confidence_head.proj.bias",
@@ -82,3 +92,21 @@ def test_vllm_loads_the_dspark_export_and_computes_our_bias_and_confidence(tmp_p
         conf = torch.sigmoid(bf.confidence_head(torch.zeros(len(prev), bf.config.hidden_size), embed))
     torch.testing.assert_close(torch.tensor(r["bias"]), ours, rtol=0, atol=0)
     torch.testing.assert_close(torch.tensor(r["confidence"]), conf, rtol=1e-6, atol=1e-6)
+
+
+def test_vllm_drafts_a_dspark_block_as_replay_does(vllm_run):
+    """vLLM's own sequential DSpark drafting (greedy, slot after slot, each slot biased by the token
+    drafted before it, the anchor before slot 1) over normed backbone outputs drafts exactly what
+    replay's chain_drafts drafts from the same outputs, and its confidence per slot is ours."""
+    m, r = vllm_run
+    bf = m.to(torch.bfloat16)
+    h = torch.tensor(r["hidden"]).to(torch.bfloat16)[:, 1:]  # [n, B-1, H]: the masks' outputs
+    first = torch.tensor(r["anchors"])
+    with torch.no_grad():
+        ours = bf.chain_drafts(h, first)  # [n, B-1]
+        prev = torch.cat([first[:, None], ours[:, :-1]], dim=1)
+        conf = torch.sigmoid(bf.confidence_head(h, bf.markov_head.embed(prev)))
+        unbiased = bf.logits(h).argmax(-1)
+    assert ours.tolist() == r["drafts"]
+    assert (unbiased != ours).any()  # the Markov bias changes drafts here: the loop is the one tested
+    torch.testing.assert_close(torch.tensor(r["draft_confidence"]), conf, rtol=1e-6, atol=1e-6)

@@ -7,8 +7,11 @@ vLLM's load_weights, and what it computes with the DSpark heads.
 vLLM 0.32 drafts with DSpark only in its V2 model runner, which needs Triton (no CPU backend), so on
 a CPU no engine serves it: the model is built here as its loader builds it, outside an engine.
 RESULT: {"method", "architectures", "head_parameters", "equal": {tensor: bool}, "prev", "bias",
-"confidence"} (bias: vLLM's Markov bias of the tokens `prev`, [n, V]; confidence: its sigmoid of the
-confidence head on zeros hidden and those tokens' embeddings).
+"confidence", "hidden", "anchors", "drafts", "draft_confidence"} (bias: vLLM's Markov bias of the tokens
+`prev`, [n, V]; confidence: its sigmoid of the confidence head on zeros hidden and those tokens'
+embeddings; drafts, draft_confidence: what vLLM's own DSpark drafting loop, DSparkSpeculator's
+_sample_sequential, drafts greedily from the normed backbone outputs `hidden` [n, B, H] of n blocks
+whose first tokens are `anchors`, with the target's lm_head shared as vLLM's loader shares it).
 """
 
 import json
@@ -38,10 +41,14 @@ def main(target: str, drafter: str, out: str) -> None:
         initialize_model_parallel(1, 1)
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+        from vllm.utils.torch_utils import set_default_torch_dtype
 
-        model = Qwen3DSparkForCausalLM(vllm_config=config)
+        with set_default_torch_dtype(model_config.dtype):  # as vLLM's loader builds it: bf16 parameters
+            model = Qwen3DSparkForCausalLM(vllm_config=config)
         tensors = load_file(os.path.join(drafter, "model.safetensors"))
         model.load_weights(tensors.items())
+        # the export has no lm_head: vLLM's DSpark loader shares the target's (load_dspark_model)
+        model.lm_head.weight.data.copy_(load_file(os.path.join(target, "model.safetensors"))["lm_head.weight"])
         params = dict(model.named_parameters())
         heads = [n for n in params if "markov_head" in n or "confidence_head" in n]
         equal = {n: torch.equal(params["model." + n].float(), tensors[n].float()) for n in tensors if "head." in n}
@@ -52,6 +59,7 @@ def main(target: str, drafter: str, out: str) -> None:
             embed = model.markov_embed(prev)
             bias = model.markov_bias(embed)
             confidence = model.compute_confidence(torch.zeros(len(prev), model.config.hidden_size), embed)
+        drafted = vllm_drafts(model, config.speculative_config.num_speculative_tokens)
     result = {
         "method": config.speculative_config.method,
         "architectures": config.speculative_config.draft_model_config.architectures,
@@ -60,9 +68,55 @@ def main(target: str, drafter: str, out: str) -> None:
         "prev": prev.tolist(),
         "bias": bias.float().tolist(),
         "confidence": confidence.float().tolist(),
+        **drafted,
     }
     with open(out, "w") as fh:
         json.dump(result, fh)
+
+
+def vllm_drafts(model, steps: int, blocks: int = 4) -> dict:
+    """vLLM's DSparkSpeculator._sample_sequential run as the V2 runner runs it, on a stand-in for the
+    runner's buffers laid out as its prepare-inputs kernel lays out a DFlash block (sample_from_anchor
+    false): block r's queries sit at r*(1+steps) .. r*(1+steps)+steps, the anchor first, and slot i is
+    sampled from query r*(1+steps)+1+i, at its own position. Greedy: no draft logits kept."""
+    from types import MethodType, SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    per = 1 + steps
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(blocks * per, model.config.hidden_size, generator=g).to(torch.bfloat16)
+    anchors = torch.randint(0, model.config.vocab_size, (blocks,), generator=g)
+    input_ids = torch.zeros(blocks * per, dtype=torch.int64)
+    input_ids[torch.arange(blocks) * per] = anchors
+    slots = torch.arange(steps)
+    runner = SimpleNamespace(
+        _draft_topk=None,
+        num_speculative_steps=steps,
+        model=model,
+        sample_indices=(torch.arange(blocks)[:, None] * per + 1 + slots).flatten(),
+        sample_idx_mapping=torch.arange(blocks).repeat_interleave(steps),
+        sample_pos=slots.repeat(blocks),
+        input_buffers=SimpleNamespace(input_ids=input_ids),
+        _anchor_idx=torch.arange(blocks) * per,
+        _step_cols=slots.to(torch.int32),
+        use_confidence_head=True,
+        draft_logits=None,
+        draft_watermarker=None,
+        acceptance_estimator=None,
+        draft_tokens=torch.zeros(blocks, steps, dtype=torch.int64),
+        draft_token_confidence_probs=torch.zeros(blocks, steps),
+    )
+    runner._sample_logits = MethodType(DSparkSpeculator._sample_logits, runner)
+    runner._maybe_predict_acceptance = MethodType(DSparkSpeculator._maybe_predict_acceptance, runner)
+    with torch.no_grad():
+        DSparkSpeculator._sample_sequential(runner, blocks, hidden)
+    return {
+        "hidden": hidden.view(blocks, per, -1).float().tolist(),
+        "anchors": anchors.tolist(),
+        "drafts": runner.draft_tokens.tolist(),
+        "draft_confidence": runner.draft_token_confidence_probs.tolist(),
+    }
 
 
 if __name__ == "__main__":
