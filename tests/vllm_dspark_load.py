@@ -87,18 +87,19 @@ def vllm_drafts(model, steps: int, blocks: int = 4) -> dict:
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(blocks * per, model.config.hidden_size, generator=g).to(torch.bfloat16)
     anchors = torch.randint(0, model.config.vocab_size, (blocks,), generator=g)
+    at = torch.arange(blocks) * per  # each block's anchor query
     input_ids = torch.zeros(blocks * per, dtype=torch.int64)
-    input_ids[torch.arange(blocks) * per] = anchors
+    input_ids[at] = anchors
     slots = torch.arange(steps)
     runner = SimpleNamespace(
         _draft_topk=None,
         num_speculative_steps=steps,
         model=model,
-        sample_indices=(torch.arange(blocks)[:, None] * per + 1 + slots).flatten(),
+        sample_indices=(at[:, None] + 1 + slots).flatten(),
         sample_idx_mapping=torch.arange(blocks).repeat_interleave(steps),
         sample_pos=slots.repeat(blocks),
         input_buffers=SimpleNamespace(input_ids=input_ids),
-        _anchor_idx=torch.arange(blocks) * per,
+        _anchor_idx=at,
         _step_cols=slots.to(torch.int32),
         use_confidence_head=True,
         draft_logits=None,
