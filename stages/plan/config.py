@@ -74,6 +74,12 @@ class PlanConfig:
         choices=HEADS,
     )
     markov_rank: int = setting(MARKOV_RANK, "Rank r of the dspark Markov head (train.py --markov-rank).")
+    markov_optimizer: str = setting(
+        "muon",
+        "What steps the dspark Markov matrices under --optimizer muon (train.py --markov-optimizer): adamw keeps "
+        "two fp32 moments of each on every GPU, where Muon's momentum is split over the GPUs.",
+        choices=OPTIMIZERS,
+    )
     anchors: int = setting(512, "Anchors a sample (train.py --anchors).")
     block_size: int = setting(16, "Drafter block size.")
     epochs: int = setting(6, "Training epochs over the training shards.")
@@ -90,6 +96,12 @@ class PlanConfig:
         for name in ("drafter_layers", "anchors", "block_size", "epochs", "markov_rank"):
             require(self, name, getattr(self, name) >= 1, "must be at least 1")
         require(self, "eval_shards", self.eval_shards >= 0, "must be 0 or more")
+        require(
+            self,
+            "markov_optimizer",
+            self.markov_optimizer == "muon" or self.optimizer == "muon",
+            "is only used by --optimizer muon (adamw steps every parameter)",
+        )
         for name in ("gpu_memory_gb", "local_disk_tb", "network_gbps", "tflops", "peak_tflops"):
             require(self, name, getattr(self, name) > 0, "must be above 0")
         require(self, "cache_share", 0 < self.cache_share <= 1, "a share in (0, 1]")

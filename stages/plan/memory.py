@@ -92,13 +92,15 @@ def training(
     cpu: bool,
     processes: int = 1,
     final_state: bool = False,
+    markov_optimizer: str = "muon",
 ) -> dict[str, int]:
     """A training step on one sample of `context` tokens: the trainable states; the frozen embedding and
     lm_head (bf16 on a GPU, fp32 on CPU); the sample's states [context, taps, H] bf16 and fc's output
     [context, H] fp32; the block stream kept for the backward (anchors x block rows a layer: six of
     width H (input, norms, attention output, residuals), q, k, v, the MLP's gate, up and product; bf16
     under autocast on a GPU, fp32 on CPU) and the context K/V a layer; one loss chunk; the optimizer
-    step's temporaries; Muon's momentum split over `processes`. final_state: the sample's final states
+    step's temporaries; Muon's momentum split over `processes`; a dspark head's two [V, r] Markov matrices under
+    `markov_optimizer` when `optimizer` is muon (train.py --markov-optimizer). final_state: the sample's final states
     [context, H] bf16 too (--soft-targets); their loss chunks (a quarter of the CE chunk's rows, about four
     [rows, V] fp32: pipeline/drafter/soft_targets.py) run one at a time, never beside the CE chunk, so the
     loss chunk's peak stays the CE's."""
@@ -106,9 +108,12 @@ def training(
     frozen = act = FP32 if cpu else BF16  # a GPU trains under bf16 autocast; CPU in fp32
     per_row = 6 * shape.hidden + shape.drafter_q + 2 * shape.drafter_kv + 3 * shape.drafter_intermediate
     layer = (rows * per_row + context * 2 * shape.drafter_kv) * act
+    markov = 2 * shape.vocab * shape.markov_rank if optimizer == "muon" else 0  # the matrices markov_optimizer steps
+    owners = {optimizer: shape.drafter_parameters - markov}
+    owners[markov_optimizer] = owners.get(markov_optimizer, 0) + markov
     parts = {
-        "trainable states": int(shape.drafter_parameters * optimizer_bytes(optimizer, processes)),
-        "optimizer step": shape.drafter_parameters * step_temporaries(optimizer, cpu=cpu),
+        "trainable states": int(sum(n * optimizer_bytes(o, processes) for o, n in owners.items())),
+        "optimizer step": sum(n * step_temporaries(o, cpu=cpu) for o, n in owners.items()),
         "frozen embed + lm_head": 2 * shape.vocab * shape.hidden * frozen,
         "sample states + fc": context * ((shape.taps + final_state) * BF16 + FP32) * shape.hidden,
         "activations": shape.drafter_layers * layer,

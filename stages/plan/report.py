@@ -27,7 +27,7 @@ def render(plan: Plan) -> str:
         f"(hidden {plan.shape.hidden:,}, vocabulary {plan.shape.vocab:,}, {c.taps} taps"
         f"{' + the final state' if c.final_state else ''})",
         f"drafter: {plan.shape.drafter_parameters / 1e9:.2f}B trainable parameters, {c.drafter_layers} layers, "
-        f"head {c.head}{f' (Markov rank {c.markov_rank})' if c.head == 'dspark' else ''}",
+        f"head {c.head}{f' (Markov rank {c.markov_rank}, {c.markov_optimizer})' if c.head == 'dspark' else ''}",
         f"data: {c.rows:,} rows x ({c.prompt_tokens:,} + {c.completion_tokens:,}) tokens = {tokens / 1e9:.2f}B tokens",
         f"  in {plan.shards:,} shards of {c.shard_rows:,} rows "
         f"({plan.training_shards:,} training, {c.eval_shards} held out)",

@@ -216,6 +216,7 @@ def stage_memory(config: PlanConfig, name: str, shape: memory.Shape, weights: in
             cpu=False,
             processes=config.nodes * config.gpus_per_node,
             final_state=config.final_state,
+            markov_optimizer=config.markov_optimizer,
         ),
         "replay": memory.replay(shape, EVAL_PROMPTS, context, block, cpu=False),
     }

@@ -67,7 +67,22 @@ def test_a_dspark_head_adds_its_markov_matrices_and_their_bias():
     assert dspark.shape.drafter_parameters - plain.shape.drafter_parameters == 2 * V * 256 + H + 256 + 1
     bias = 2 * 256 * V * 512 * 15
     assert training_flops(dspark.config, dspark.shape) - training_flops(plain.config, plain.shape) == 3 * bias
-    assert "head dspark (Markov rank 256)" in render(dspark) and "1.73B trainable parameters" in render(plain)
+    assert "head dspark (Markov rank 256, muon)" in render(dspark) and "1.73B trainable parameters" in render(plain)
+
+
+def test_markov_matrices_on_adamw_keep_two_moments_on_every_gpu():
+    """--markov-optimizer adamw: the 2 x [V, r] Markov matrices hold AdamW's two fp32 moments on every GPU
+    (and its step's two temporaries) where Muon keeps 1/processes of a momentum (and one bf16 update)."""
+    muon = run(PlanConfig(head="dspark", markov_rank=256))
+    adamw = run(PlanConfig(head="dspark", markov_rank=256, markov_optimizer="adamw"))
+    n, gpus = 2 * muon.shape.vocab * 256, 32
+    grown = {k: adamw.memory["training"][k] - muon.memory["training"][k] for k in muon.memory["training"]}
+    assert abs(grown["trainable states"] - n * 4 * (2 - 1 / gpus)) <= 2  # two moments against 1/32 of a momentum
+    assert grown["optimizer step"] == n * (2 * 4 - 2)
+    assert {k for k, v in grown.items() if v} == {"trainable states", "optimizer step"}
+    assert "(Markov rank 256, adamw)" in render(adamw)
+    with pytest.raises(ConfigError, match="--markov-optimizer.*only used by --optimizer muon"):
+        PlanConfig(optimizer="adamw", markov_optimizer="adamw")
 
 
 def test_the_capture_batch_fills_the_gpu_beside_the_weights():
