@@ -7,11 +7,12 @@ vLLM's load_weights, and what it computes with the DSpark heads.
 vLLM 0.32 drafts with DSpark only in its V2 model runner, which needs Triton (no CPU backend), so on
 a CPU no engine serves it: the model is built here as its loader builds it, outside an engine.
 RESULT: {"method", "architectures", "head_parameters", "equal": {tensor: bool}, "prev", "bias",
-"confidence", "hidden", "anchors", "drafts", "draft_confidence"} (bias: vLLM's Markov bias of the tokens
-`prev`, [n, V]; confidence: its sigmoid of the confidence head on zeros hidden and those tokens'
-embeddings; drafts, draft_confidence: what vLLM's own DSpark drafting loop, DSparkSpeculator's
-_sample_sequential, drafts greedily from the normed backbone outputs `hidden` [n, B, H] of n blocks
-whose first tokens are `anchors`, with the target's lm_head shared as vLLM's loader shares it).
+"confidence", "hidden", "anchors", "drafts", "draft_confidence", "draft_logits"} (bias: vLLM's Markov
+bias of the tokens `prev`, [n, V]; confidence: its sigmoid of the confidence head on zeros hidden and
+those tokens' embeddings; drafts, draft_confidence, draft_logits [n, B-1, V]: what vLLM's own DSpark
+drafting loop, DSparkSpeculator's _sample_sequential, drafts greedily, and each slot's biased logits it
+drafted from, from the normed backbone outputs `hidden` [n, B, H] of n blocks whose first tokens are
+`anchors`, with the target's lm_head shared as vLLM's loader shares it).
 """
 
 import json
@@ -108,7 +109,13 @@ def vllm_drafts(model, steps: int, blocks: int = 4) -> dict:
         draft_tokens=torch.zeros(blocks, steps, dtype=torch.int64),
         draft_token_confidence_probs=torch.zeros(blocks, steps),
     )
-    runner._sample_logits = MethodType(DSparkSpeculator._sample_logits, runner)
+    sample, seen = MethodType(DSparkSpeculator._sample_logits, runner), []
+
+    def recording(logits, *rest):  # each slot's biased logits [n, V], as the loop hands them to its sampler
+        seen.append(logits.float().clone())
+        return sample(logits, *rest)
+
+    runner._sample_logits = recording
     runner._maybe_predict_acceptance = MethodType(DSparkSpeculator._maybe_predict_acceptance, runner)
     with torch.no_grad():
         DSparkSpeculator._sample_sequential(runner, blocks, hidden)
@@ -117,6 +124,7 @@ def vllm_drafts(model, steps: int, blocks: int = 4) -> dict:
         "anchors": anchors.tolist(),
         "drafts": runner.draft_tokens.tolist(),
         "draft_confidence": runner.draft_token_confidence_probs.tolist(),
+        "draft_logits": torch.stack(seen, dim=1).tolist(),
     }
 
 
