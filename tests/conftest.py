@@ -132,7 +132,8 @@ def assert_stores_equal(a: Path, b: Path) -> None:
         assert np.array_equal(ga[name][:], gb[name][:]), name
     for shard in ca:
         assert ca[shard].checksums == cb[shard].checksums, shard
-        for name in ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids"):
+        final = ("final_state",) if sa.attrs.compat.final_state else ()
+        for name in ("hidden", "tokens", "loss_mask", "offsets", "prompt_lens", "row_ids", *final):
             x, y = ga[f"shards/{shard:05d}/{name}"][:], gb[f"shards/{shard:05d}/{name}"][:]
             assert x.shape == y.shape and np.array_equal(x, y), (shard, name)
 

@@ -179,3 +179,52 @@ def test_a_sample_costs_at_most_two_requests_once_its_shard_is_open(s3, small_da
     per_sample = (s3.requests() - before) / (2 * len(order))
     print(f"\n{per_sample:.2f} requests a sample ({2 * len(order)} samples read from {len(readers)} shards)")
     assert per_sample <= 2
+
+
+def evaluate_at_t1(store: str, checkpoint, out) -> dict:
+    """evaluate.py --temperature 1 on shard 1 of `store` -> its report's tau_at_temperature."""
+    args = ["evaluate.py", "--store", store, "--checkpoint", str(checkpoint), "--shards", "1", "--dtype", "fp32"]
+    e = subprocess.run(
+        [sys.executable, *args, "--temperature", "1", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert e.returncode == 0, e.stderr[-3000:]
+    no_stray_lines(e.stderr)
+    return json.loads((out / "report.json").read_text())["checkpoints"][0]["tau_at_temperature"]
+
+
+def test_a_final_state_store_on_s3_is_the_local_one_and_trains_and_replays_at_t1_as_it(s3, small_dataset, tmp_path):
+    """pipeline extract --final-state onto S3 makes the local store bit for bit (final states included);
+    train.py --soft-targets reads its final states from S3; evaluate.py --temperature 1 replays the same
+    tau@1 from S3 as from the local copy."""
+    store, local = "s3://bucket/final.zarr", tmp_path / "final.zarr"
+    for where in (store, str(local)):
+        p = run_pipeline(extract_args(where, small_dataset, "0-1", "--final-state"))
+        assert p.returncode == 0, p.stderr[-2000:]
+        no_stray_lines(p.stderr)
+    assert_stores_equal(store, local)
+    flags = ["--shards", "0", "--eval-shards", "1", "--max-steps", "10", "--workers", "1", "--anchors", "16"]
+    t = train(
+        [
+            "--store",
+            store,
+            *flags,
+            "--num-layers",
+            "1",
+            "--batch-size",
+            "2",
+            "--soft-targets",
+            "tv",
+            "--out",
+            tmp_path / "run",
+        ]
+    )
+    assert t.returncode == 0, t.stderr[-3000:]
+    no_stray_lines(t.stderr)
+    remote = evaluate_at_t1(store, tmp_path / "run" / "final", tmp_path / "from_s3")
+    assert remote == evaluate_at_t1(str(local), tmp_path / "run" / "final", tmp_path / "from_disk")
+    assert 1 <= remote["tau"] and s3.requests() > 0
