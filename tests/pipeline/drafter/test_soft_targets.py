@@ -79,7 +79,8 @@ def test_the_mix_is_the_soft_weight_of_the_weighted_term_and_the_rest_of_the_wei
     got = dflash_loss(h, labels, lm_head, None, dpace=0.5, soft=soft, soft_weight=0.3, target=target)
     torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
     plain = dflash_loss(h, labels, lm_head, None, dpace=0.5)
-    assert torch.equal(got.sums, plain.sums)  # the metrics stay the hard-label ones
+    # the metrics stay the hard-label ones: their CE by another path (slot_terms), equal to fp32 rounding
+    torch.testing.assert_close(got.sums, plain.sums, rtol=1e-6, atol=0)
 
 
 def test_accept_is_the_expected_acceptance_with_each_slots_chance_one_minus_tv():
