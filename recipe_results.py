@@ -105,6 +105,8 @@ METRICS = (
     "tau",
     "tau_pooled",
     "tau_t1",  # tau at T=1 along the reference (runs replayed on a store with final states; None before)
+    "tau_t1_low",  # its lower bound, and greedy drafts verified at T=1 (kept since 2026-12-07; None before)
+    "tau_t1_greedy",
     "ddtree16",
     "ddtree64",
     "tau_eos",

@@ -150,7 +150,8 @@ TOY_FIXED = {"shards": "0-2", "eval_shards": "3", "log_every": 1}
 # two gave chain tau 1.140 and 1.137, DDTree-64 1.981 and 1.982 on the same drafter.
 REPLAY = ["--max-prompts", "all", "--ddtree", "16,64", "--threads", "1", "--dtype", "fp32"]
 # On a replay store with final states every run also reports tau at this temperature (evaluate.py
-# --temperature: along the stored reference), kept as tau_t1.
+# --temperature: along the stored reference), kept as tau_t1, with its lower bound (tau_t1_low) and
+# greedy drafts verified at that temperature (tau_t1_greedy).
 REPLAY_TEMPERATURE = 1.0
 
 
@@ -390,7 +391,7 @@ def collect(
         "tau": rep["tau"],
         "tau_ci95": rep["tau_ci95"],
         "tau_pooled": rep["tau_pooled"],
-        "tau_t1": rep["tau_at_temperature"]["tau"] if "tau_at_temperature" in rep else None,
+        **at_temperature(rep),
         "ddtree16": rep["ddtree"].get("16"),  # None: chain only (a dspark drafter)
         "ddtree64": rep["ddtree"].get("64"),
         "check": rep["check"],
@@ -398,11 +399,20 @@ def collect(
     }
 
 
+def at_temperature(rep: dict) -> dict:
+    """tau@1 (tau_t1), its lower bound (tau_t1_low) and greedy drafts verified at T=1 (tau_t1_greedy) from
+    evaluate.py's report (its tau_at_temperature); None each when the replay had no temperature."""
+    t = rep.get("tau_at_temperature") or {}
+    return {"tau_t1": t.get("tau"), "tau_t1_low": t.get("tau_low"), "tau_t1_greedy": t.get("tau_greedy_drafts")}
+
+
 def markdown(t: dict) -> str:
     cols = [
         ("tau", "chain tau"),
         ("tau_pooled", "pooled"),
         ("tau_t1", "tau@1"),
+        ("tau_t1_low", "tau@1 lower bound"),
+        ("tau_t1_greedy", "tau@1, greedy drafts"),
         ("ddtree16", "DDTree-16"),
         ("ddtree64", "DDTree-64"),
         ("tau_eos", "tau, EOS-ended"),
