@@ -100,6 +100,24 @@ def train(args, launcher=(), stop_after=None, timeout=300) -> subprocess.Complet
     )
 
 
+def evaluate(store, checkpoint, shards: str, out, *extra: str) -> subprocess.CompletedProcess:
+    """evaluate.py in a subprocess, fp32, on `shards` of `store`, its report written to `out`."""
+    args = ["--store", store, "--checkpoint", checkpoint, "--shards", shards, "--dtype", "fp32", "--out", out]
+    return subprocess.run(
+        [sys.executable, "evaluate.py", *map(str, args), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
+def report(out) -> dict:
+    """The first checkpoint's entry of evaluate.py's report in `out`."""
+    return json.loads((Path(out) / "report.json").read_text())["checkpoints"][0]
+
+
 def losses(out) -> list[float]:
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in recs if r["split"] == "train"]

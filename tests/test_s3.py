@@ -2,17 +2,13 @@
 Opt-in: `pytest -m s3` (needs s3fs in the project's venv: `pip install -e '.[s3]'`; builds the
 server's own venv once). Every process gets the server as its S3 endpoint from the environment."""
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import SMALL, assert_stores_equal
-from tests.processes import REPO, pipeline_proc, run_pipeline, train
+from tests.processes import evaluate, pipeline_proc, report, run_pipeline, train
 from tests.s3 import extract_args
 
 pytestmark = pytest.mark.s3
@@ -62,30 +58,10 @@ def test_extract_check_train_and_evaluate_from_s3(s3, small_dataset, tmp_path):
     no_stray_lines(t.stderr)
     done = next(line for line in t.stdout.splitlines() if line.startswith("done: "))
     assert "sample index of 2 shards built" in t.stderr and f"saved to {store}/_index/samples-" in t.stderr, t.stderr
-    e = subprocess.run(
-        [
-            sys.executable,
-            "evaluate.py",
-            "--store",
-            store,
-            "--checkpoint",
-            str(out / "final"),
-            "--shards",
-            "1",
-            "--dtype",
-            "fp32",
-            "--out",
-            str(tmp_path / "report"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
+    e = evaluate(store, out / "final", "1", tmp_path / "report")
     assert e.returncode == 0, e.stderr[-3000:]
     no_stray_lines(e.stderr)
-    tau = json.loads((tmp_path / "report" / "report.json").read_text())["checkpoints"][0]["tau"]
+    tau = report(tmp_path / "report")["tau"]
     print(f"\nthrough S3 ({s3.requests()} requests so far): {done}; evaluate.py tau {tau:.3f}")
     assert f"replay tau {tau:.3f}" in done  # the replay from S3 equals training's own
 
@@ -183,18 +159,10 @@ def test_a_sample_costs_at_most_two_requests_once_its_shard_is_open(s3, small_da
 
 def evaluate_at_t1(store: str, checkpoint, out) -> dict:
     """evaluate.py --temperature 1 on shard 1 of `store` -> its report's tau_at_temperature."""
-    args = ["evaluate.py", "--store", store, "--checkpoint", str(checkpoint), "--shards", "1", "--dtype", "fp32"]
-    e = subprocess.run(
-        [sys.executable, *args, "--temperature", "1", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
+    e = evaluate(store, checkpoint, "1", out, "--temperature", "1")
     assert e.returncode == 0, e.stderr[-3000:]
     no_stray_lines(e.stderr)
-    return json.loads((out / "report.json").read_text())["checkpoints"][0]["tau_at_temperature"]
+    return report(out)["tau_at_temperature"]
 
 
 def test_a_final_state_store_on_s3_is_the_local_one_and_trains_and_replays_at_t1_as_it(s3, small_dataset, tmp_path):

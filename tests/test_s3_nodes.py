@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.processes import REPO, TINY, losses, run_pipeline
+from tests.processes import REPO, TINY, evaluate, losses, report, run_pipeline
 from tests.s3 import extract_args
 
 pytestmark = pytest.mark.s3
@@ -148,27 +148,7 @@ def test_two_nodes_train_resume_after_a_kill_and_evaluate(s3, small_dataset, tmp
     read = [{s for a in audits[2 * k : 2 * k + 2] for s, _ in a["samples"]} for k in (0, 1)]
     assert not read[0] & read[1] and read[0] <= held[0] and read[1] <= held[1], (read, held)
 
-    e = subprocess.run(
-        [
-            sys.executable,
-            "evaluate.py",
-            "--store",
-            store,
-            "--checkpoint",
-            str(out / "final"),
-            "--shards",
-            "3",
-            "--dtype",
-            "fp32",
-            "--out",
-            str(tmp_path / "report"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
+    e = evaluate(store, out / "final", "3", tmp_path / "report")
     assert e.returncode == 0, e.stderr[-3000:]
-    tau = json.loads((tmp_path / "report" / "report.json").read_text())["checkpoints"][0]["tau"]
+    tau = report(tmp_path / "report")["tau"]
     assert tau >= 1.0
