@@ -175,20 +175,28 @@ def test_a_final_state_store_on_s3_is_the_local_one_and_trains_and_replays_at_t1
         assert p.returncode == 0, p.stderr[-2000:]
         no_stray_lines(p.stderr)
     assert_stores_equal(store, local)
-    flags = ["--shards", "0", "--eval-shards", "1", "--max-steps", "10", "--workers", "1", "--anchors", "16"]
     t = train(
         [
             "--store",
             store,
-            *flags,
+            "--shards",
+            "0",
+            "--eval-shards",
+            "1",
+            "--out",
+            tmp_path / "run",
+            "--max-steps",
+            "10",
+            "--workers",
+            "1",
+            "--anchors",
+            "16",
             "--num-layers",
             "1",
             "--batch-size",
             "2",
             "--soft-targets",
             "tv",
-            "--out",
-            tmp_path / "run",
         ]
     )
     assert t.returncode == 0, t.stderr[-3000:]
