@@ -16,9 +16,12 @@ wrapper's shape silently flipped; a record read from the frames that ran does no
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
+import threading
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 
@@ -114,40 +117,71 @@ def family(module_name: str) -> str | None:
 
 class _FirstImplementation:
     """A profile function for one call: the family of the first code the call reaches past its
-    routing, read from the frames that actually ran. Profiling stops once it is known."""
+    routing, read from the frames that actually ran. Profiling stops once it is known.
 
-    def __init__(self, previous) -> None:
+    Code that runs inside the call without being called by it is set aside: a logging call's
+    handlers, and finalizers (`__del__`, `weakref.finalize`, anything a garbage collection runs),
+    which run wherever an allocation or a last reference happens to fall: a collection inside a
+    5.25-shaped wrapper would otherwise name a call it routed to fla after the package owning the
+    collected object. (A weakref's bare callback run by a last reference is not told apart.)"""
+
+    def __init__(self, previous, origin: int) -> None:
         self.previous = previous
+        # id() of the frame that made the call, where the walk for finalizers stops (the frame itself
+        # would make a cycle through its locals that keeps the call's arguments alive until a collection)
+        self.origin = origin
         self.found: str | None = None
+        self.collecting = False
+        self.thread = threading.get_ident()
 
     def __call__(self, frame, event, arg) -> None:
-        if event != "call" or self.found is not None or _logging(frame.f_back):
+        if event != "call" or self.found is not None or self.collecting or frame.f_code is _GC_PHASE:
+            return
+        if _aside(frame, self.origin):
             return
         self.found = family(frame.f_globals.get("__name__") or "")
         if self.found is not None:
             sys.setprofile(self.previous)
 
+    def gc_phase(self, phase: str, info: dict) -> None:
+        """A `gc.callbacks` entry: what runs between a collection's start and stop (on the call's
+        thread) is a finalizer."""
+        if threading.get_ident() == self.thread:
+            self.collecting = phase == "start"
 
-def _logging(frame) -> bool:
-    """Whether frame runs inside a logging call: what a message's handlers run (anyone's: a test
-    runner's, a launcher's) is never the implementation."""
-    while frame is not None:
+
+_GC_PHASE = _FirstImplementation.gc_phase.__code__
+
+
+def _aside(frame, origin: int) -> bool:
+    """Whether frame runs inside a logging call or a finalizer, below origin: what a message's
+    handlers run (anyone's: a test runner's, a launcher's) or an object's clean-up is never the
+    implementation."""
+    while frame is not None and id(frame) != origin:
+        code = frame.f_code
+        if code.co_name == "__del__" or code is _FINALIZE_CALL:
+            return True
         if (frame.f_globals.get("__name__") or "").split(".")[0] == "logging":
             return True
         frame = frame.f_back
     return False
 
 
+_FINALIZE_CALL = weakref.finalize.__call__.__code__
+
+
 def served_by(fn, *args, **kwargs) -> tuple[object, str]:
     """Call fn; return its result and the family of the implementation that served the call
     (UNDECIDED when the call reached no code outside the routing)."""
     previous = sys.getprofile()
-    probe = _FirstImplementation(previous)
+    probe = _FirstImplementation(previous, id(sys._getframe()))
+    gc.callbacks.append(probe.gc_phase)
     sys.setprofile(probe)
     try:
         out = fn(*args, **kwargs)
     finally:
         sys.setprofile(previous)
+        gc.callbacks.remove(probe.gc_phase)
     return out, probe.found or UNDECIDED
 
 

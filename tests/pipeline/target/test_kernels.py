@@ -1,9 +1,11 @@
 """The linear-attention path is read from the calls, not assumed."""
 
+import gc
 import json
 import logging
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -104,6 +106,36 @@ def test_a_call_that_reaches_no_known_code_is_undecided_and_profiling_is_restore
     finally:
         sys.setprofile(None)
     assert served_by(FLA, 1) == (2, "fla") and sys.getprofile() is None
+
+
+def _finalizing_routing():
+    """Routing code that, before it reaches fla, has an object of another package finalized: by a
+    collection, by its last reference, or through weakref.finalize."""
+    owner = _module("finalizing_owner_fake")
+    exec("class Held:\n    def __del__(self):\n        clean_up()\ndef clean_up():\n    return 0\n", owner.__dict__)
+    routing = _module("transformers.integrations.fake_finalizing")
+    routing.__dict__.update(gc=gc, weakref=weakref, owner=owner, fla=FLA)
+    code = (
+        "def collected(x):\n    held = owner.Held()\n    held.cycle = held\n    del held\n    gc.collect()\n"
+        "    return fla(x)\n"
+        "def dropped(x):\n    owner.Held()\n    return fla(x)\n"
+        "class Plain:\n    pass\n"
+        "def finalized(x):\n    plain = Plain()\n    weakref.finalize(plain, owner.clean_up)\n    del plain\n"
+        "    return fla(x)\n"
+    )
+    exec(code, routing.__dict__)
+    return routing
+
+
+@pytest.mark.parametrize("path", ["collected", "dropped", "finalized"])
+def test_a_finalizer_run_on_the_way_is_not_the_implementation(path):
+    """Finalizers run wherever a collection or a last reference falls, inside a 5.25 wrapper too:
+    the package that owns the finalized object did not serve the call."""
+    routing = getattr(_finalizing_routing(), path)
+    gc_callbacks = list(gc.callbacks)
+    for dispatch in (_closure_dispatch(routing), _module_dispatch({"cuda": routing, "cpu": routing})):
+        assert served_by(dispatch, 3) == (4, "fla")
+    assert gc.callbacks == gc_callbacks
 
 
 @pytest.mark.parametrize(
