@@ -141,7 +141,7 @@ def plan(config: PlanConfig) -> None:
     From a target (a directory's config.json or a published architecture), the dataset's size, the
     store format and the cluster; every rate says whether it is measured (its result file) or
     arithmetic. A plan that would not fit (weights or a stage larger than a GPU, a node's share
-    larger than its cache) is refused in one line. The defaults are docs/usage.md's 27B run.
+    larger than its cache) is refused in one line. The defaults are docs/scale.md's 27B run.
     """
     from stages.plan import report, run
 

@@ -11,7 +11,7 @@ step and its own logits only. Where batching changes those logits (kernels, padd
 the token changes only when the two best of the race are within that difference: as rare as a
 greedy near-tie, where an inverse-CDF draw moves with the error summed over the vocabulary (on the
 tiny target in bf16, 1 row of 32 changed between batch sizes 16 and 1 at T = 0.7, as greedy's 2,
-against 15 with an inverse CDF: docs/usage.md).
+against 15 with an inverse CDF: docs/extraction.md).
 
 `RowSampler` is that step as a transformers logits processor: it draws each row's token and leaves
 it the only finite score, so `generate`'s greedy argmax (do_sample=False) takes it. transformers'

@@ -24,7 +24,7 @@ field's default_text, else its value) and the field's help text, from the stage'
     <!-- /options -->                      (names as kept: default@p2 grad-bf16@p2, runs on 2 processes)
 
     <!-- plan: --nodes 4 -->               `pipeline plan --nodes 4`: the command and what it prints,
-    ...                                    as an indented block (docs/usage.md's 27B run)
+    ...                                    as an indented block (docs/scale.md's 27B run)
     <!-- /plan -->
 
 tests/test_docs.py fails when a table differs from what this would write.

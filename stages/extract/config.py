@@ -78,7 +78,7 @@ class ExtractConfig:
         "Sample the references (--responses regenerate or server) at this temperature; 0: greedy. Reproducible "
         "row by row: a row's completion depends on --seed, its dataset row and its own logits only, never on "
         "the rows beside it or the shards' order (the batch size only through the target's numerics, as "
-        "greedy's near-ties; a server's rows only where its seeded sampling is batch-invariant: docs/usage.md). "
+        "greedy's near-ties; a server's rows only where its seeded sampling is batch-invariant: docs/extraction.md). "
         "Recorded in the store.",
     )
     top_p: float | None = setting(
@@ -144,7 +144,7 @@ class ExtractConfig:
         "longest first, right-padded, as many to a forward as fit (no attention mask is built); a row "
         "longer than this is captured in chunks (of this, rounded down to a multiple of 64) through the "
         "target's cache. Sizes the device memory besides the weights; does not change the states beyond "
-        "one bf16 rounding step in a few values (docs/usage.md).",
+        "one bf16 rounding step in a few values (docs/extraction.md).",
     )
     device: str | None = setting(None, "torch device.", default_text=devices.AUTO)
     dtype: str = setting(
@@ -164,7 +164,7 @@ class ExtractConfig:
         "--capture-tokens); vllm, the target served by vLLM in its own Python (--capture-python), "
         "prefill only, its states written by vLLM's KV connector and read back here. The engine "
         "and its version are recorded in the store's conditioning: drafters trained on one are "
-        "refused on the other's states unless allowed (docs/usage.md, 'Capture inside vLLM').",
+        "refused on the other's states unless allowed (docs/extraction.md, 'Capture inside vLLM').",
         choices=("transformers", "vllm"),
     )
     capture_python: str | None = setting(

@@ -61,5 +61,5 @@ def notice(config: ExtractConfig) -> str | None:
         f"27B, ~2.5M prompts: ~2,000-4,000 GPU-h of references against ~210-350). To use one, serve the target "
         f"(`vllm serve {config.target} --port 8000`, or SGLang) and add `--responses server --server-url "
         f"http://127.0.0.1:8000` to this command, or have vLLM make and capture them (`--capture vllm`; "
-        f'docs/usage.md, "Where the greedy references come from" and "Capture inside vLLM").'
+        f'docs/extraction.md, "Where the greedy references come from" and "Capture inside vLLM").'
     )

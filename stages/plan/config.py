@@ -1,5 +1,5 @@
 """Plan's settings: every `pipeline plan` flag, its default and its help. The defaults are the 27B job of
-docs/usage.md ("A 27B run on an object store"): Qwen3.6-27B, 2.5M rows of ~2k tokens, 4 nodes of 8 H100s."""
+docs/scale.md ("A 27B run on an object store"): Qwen3.6-27B, 2.5M rows of ~2k tokens, 4 nodes of 8 H100s."""
 
 from __future__ import annotations
 

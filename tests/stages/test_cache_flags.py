@@ -146,7 +146,7 @@ def test_the_caches_sizes_read_as_the_flags_do(size):
 
 
 def test_an_evaluation_with_a_smaller_size_on_a_trainings_cache_evicts_none_of_it(small_store, tmp_path):
-    """docs/usage.md's case as a user runs it: train.py fills a node cache with --cache-size 1G (the
+    """docs/scale.md's case as a user runs it: train.py fills a node cache with --cache-size 1G (the
     directory records it); evaluate.py on the same directory with --cache-size 1K says in one line that
     its size is not applied and evicts nothing of the training's (the old code evicted them down to its
     1K); evaluate.py without --cache-size uses the directory's bound; a new directory needs one."""

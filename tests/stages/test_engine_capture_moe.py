@@ -29,7 +29,7 @@ from tests.moe_target import EXPERTS, ROUTED, build_tiny_moe
 from tests.stages.test_engine_capture import COS_MIN, MAX_ABS, STORE_SETTINGS, stats
 
 TAPS = list(range(8))  # every layer
-# Measured on shards 0-1 of 64 of the shipped prompts, 1,742 tokens (CPU, vLLM 0.32.0; docs/usage.md):
+# Measured on shards 0-1 of 64 of the shipped prompts, 1,742 tokens (CPU, vLLM 0.32.0; docs/extraction.md):
 # median cosine 0.99989-1.0, max abs 0.0005-0.027, 11.8-62% bit-identical, 0-8.4% of tokens diverged.
 # One layer off: median cosine 0.91-0.985 and at most 1.1% bit-identical; after the final norm: max abs 4.2.
 COS_MEDIAN_MOE = 0.9995  # the dense 0.9999 less what up to DIVERGED flipped tokens move the median

@@ -1,6 +1,6 @@
 """stages/plan: `pipeline plan`'s figures for the documented 27B run from the named architecture, each
 refusal in one line, a target directory read for its config alone, the memory model's parts, and the
-block docs/usage.md shows is what the command prints."""
+block docs/scale.md shows is what the command prints."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.conftest import REPO
 
 
 def test_the_27b_run_as_documented():
-    """The defaults are docs/usage.md's run: 2.5M rows of 1,000 + 1,000 tokens, fp8, 4 nodes of 8 GPUs."""
+    """The defaults are docs/scale.md's run: 2.5M rows of 1,000 + 1,000 tokens, fp8, 4 nodes of 8 GPUs."""
     plan = run(PlanConfig())
     assert plan.parameters == 26_895_998_464 and plan.shape.drafter_parameters == 1_730_213_120
     assert (plan.shards, plan.training_shards) == (2_442, 2_400)
@@ -178,11 +178,11 @@ def test_the_command_line(tmp_path):
 
 
 def test_the_documented_27b_plan_is_the_commands_output():
-    """docs/usage.md's 27B section holds `pipeline plan`'s output as tools/doc_tables.py writes it."""
+    """docs/scale.md's 27B section holds `pipeline plan`'s output as tools/doc_tables.py writes it."""
     spec = importlib.util.spec_from_file_location("doc_tables", REPO / "tools" / "doc_tables.py")
     doc_tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(doc_tables)
-    text = (REPO / "docs" / "usage.md").read_text()
+    text = (REPO / "docs" / "scale.md").read_text()
     found = [(m, body) for m, body in doc_tables.tables(text) if m.group(1) == "plan"]
     assert len(found) == 1 and found[0][0].group(3) == found[0][1]
     section = text.split("## A 27B run on an object store", 1)[1]
