@@ -772,7 +772,7 @@ def test_sampled_references_are_not_made_by_the_capturing_engine():
     ExtractConfig(capture="vllm", responses="dataset", device="cpu")  # greedy or dataset answers: fine
 
 
-FP8 = "fp8_per_block"  # the one online FP8 scheme vLLM 0.32's CPU build runs (docs/extraction.md, 'Capture inside vLLM')
+FP8 = "fp8_per_block"  # the one online FP8 scheme vLLM 0.32's CPU build runs (docs/extraction.md, vLLM capture)
 
 
 @pytest.fixture(scope="module")
