@@ -108,22 +108,53 @@ def test_a_call_that_reaches_no_known_code_is_undecided_and_profiling_is_restore
     assert served_by(FLA, 1) == (2, "fla") and sys.getprofile() is None
 
 
+# A fake package whose object runs code of its own when finalized (a class with __del__ needs the
+# module's globals, so the source runs in them).
+_OWNER_SOURCE = """
+class Held:
+    def __del__(self):
+        clean_up()
+
+
+def clean_up():
+    return 0
+"""
+
+# Routing that has an owner's object finalized before it reaches fla: by a collection (a cycle), by
+# its last reference, or through weakref.finalize.
+_FINALIZING_ROUTING_SOURCE = """
+def collected(x):
+    held = owner.Held()
+    held.cycle = held
+    del held
+    gc.collect()
+    return fla(x)
+
+
+def dropped(x):
+    owner.Held()
+    return fla(x)
+
+
+class Plain:
+    pass
+
+
+def finalized(x):
+    plain = Plain()
+    weakref.finalize(plain, owner.clean_up)
+    del plain
+    return fla(x)
+"""
+
+
 def _finalizing_routing():
-    """Routing code that, before it reaches fla, has an object of another package finalized: by a
-    collection, by its last reference, or through weakref.finalize."""
+    """Routing code that, before it reaches fla, has an object of another package finalized."""
     owner = _module("finalizing_owner_fake")
-    exec("class Held:\n    def __del__(self):\n        clean_up()\ndef clean_up():\n    return 0\n", owner.__dict__)
+    exec(_OWNER_SOURCE, owner.__dict__)
     routing = _module("transformers.integrations.fake_finalizing")
     routing.__dict__.update(gc=gc, weakref=weakref, owner=owner, fla=FLA)
-    code = (
-        "def collected(x):\n    held = owner.Held()\n    held.cycle = held\n    del held\n    gc.collect()\n"
-        "    return fla(x)\n"
-        "def dropped(x):\n    owner.Held()\n    return fla(x)\n"
-        "class Plain:\n    pass\n"
-        "def finalized(x):\n    plain = Plain()\n    weakref.finalize(plain, owner.clean_up)\n    del plain\n"
-        "    return fla(x)\n"
-    )
-    exec(code, routing.__dict__)
+    exec(_FINALIZING_ROUTING_SOURCE, routing.__dict__)
     return routing
 
 
