@@ -195,10 +195,21 @@ def test_chunks_through_the_cache_build_no_mask_and_keep_sdpas_states_bit_for_bi
 
 
 def test_a_budget_at_least_the_padded_batch_is_todays_capture(target):
+    """No budget, or one the padded batch fits, is one masked forward of every row, longest first
+    (the order capture_batches sends them in), bit for bit. In the prompts' own order the states
+    agree within a bf16 step, not bit for bit on every CPU: on an AVX-512 bf16 AMD EPYC the first
+    linear-attention layer's core (the PyTorch chunked delta rule, batched over rows and heads)
+    gives the long row other low bits in another batch position, and 1 state of 187,776 ends one
+    bf16 step off (which kernel, not traced)."""
     seqs, taps = budget_seqs(target), [1, 3, 5]
-    want = masked_capture(target, seqs, taps)
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    by_row = dict(
+        zip(order, masked_capture(target, [seqs[i] for i in order], taps).split([len(seqs[i]) for i in order]))
+    )
+    want = torch.cat([by_row[i] for i in range(len(seqs))])  # [T, taps, H] bf16, in the prompts' order
     assert torch.equal(target.capture(seqs, taps), want)
     assert torch.equal(target.capture(seqs, taps, budget=len(seqs) * 300), want)
+    assert bf16_close(want.float(), masked_capture(target, seqs, taps))
 
 
 @pytest.mark.parametrize("budget", [None, 100, 64])
