@@ -201,11 +201,12 @@ def test_a_budget_at_least_the_padded_batch_is_todays_capture(target):
     linear-attention layer's core (the PyTorch chunked delta rule, batched over rows and heads)
     gives the long row other low bits in another batch position, and 1 state of 187,776 ends one
     bf16 step off (which kernel, not traced)."""
+    from pipeline.target.capture_batches import capture_batches
+
     seqs, taps = budget_seqs(target), [1, 3, 5]
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    by_row = dict(
-        zip(order, masked_capture(target, [seqs[i] for i in order], taps).split([len(seqs[i]) for i in order]))
-    )
+    (batch,) = capture_batches([len(s) for s in seqs], None)
+    rows = [seqs[i] for i in batch.rows]
+    by_row = dict(zip(batch.rows, masked_capture(target, rows, taps).split(list(map(len, rows)))))
     want = torch.cat([by_row[i] for i in range(len(seqs))])  # [T, taps, H] bf16, in the prompts' order
     assert torch.equal(target.capture(seqs, taps), want)
     assert torch.equal(target.capture(seqs, taps, budget=len(seqs) * 300), want)
