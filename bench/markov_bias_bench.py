@@ -18,8 +18,8 @@ another question, the recipe bench's (`dspark` paired against `default`).
         --json bench/results/markov_bias_cpu.json
 
 Per seed: chain tau, tau@1 and its lower bound of each variant; then the paired differences from
-`with` over the seeds, with their 95% t-intervals. --toy trains a 2-step dspark
-drafter on shards 0-2 of --store and replays its shard 3.
+`with` over the seeds, with their 95% t-intervals. --toy trains a 2-step dspark drafter on shards 0-2
+of --store and replays its shard 3.
 """
 
 from __future__ import annotations
@@ -113,6 +113,8 @@ def main() -> None:
     p.add_argument("--checkpoints", help="a drafter checkpoint; '{seed}' in it is filled in per seed")
     p.add_argument("--seeds", default="0")
     args = harness.parse(p)
+    if not args.toy and not args.checkpoints:
+        p.error("--checkpoints is required (a dspark drafter checkpoint; '{seed}' in it is filled in per seed)")
     fixed = TOY_FIXED if args.toy else FIXED
     shards, rows, counts = fixed["eval_shards"], [], None
     with tempfile.TemporaryDirectory() as tmp:
