@@ -156,6 +156,12 @@ def interval(diffs: list[float]) -> list[float] | None:
     return [m - half, m + half]
 
 
+def paired(diffs: list[float], base: float) -> dict:
+    """Paired differences summed up: their mean, its 95% t-interval, and the mean relative to base."""
+    m = statistics.mean(diffs)
+    return {"diff": m, "ci95": interval(diffs), "relative": m / base}
+
+
 def load(results: Path, steps: int) -> dict[str, dict[int, dict]]:
     runs: dict[str, dict[int, dict]] = {}
     for f in sorted((results / str(steps)).glob("*/s*.json")):
@@ -195,12 +201,7 @@ def table(results: Path, steps: int, against: str, only: list[str] | None = None
             if name != against and both and k in METRICS:
                 diffs = [seeds[s][k] - ref[s][k] for s in both]
                 base = statistics.mean(ref[s][k] for s in both)
-                row[k]["paired"] = {
-                    "seeds": both,
-                    "diff": statistics.mean(diffs),
-                    "ci95": interval(diffs),
-                    "relative": statistics.mean(diffs) / base,
-                }
+                row[k]["paired"] = {"seeds": both, **paired(diffs, base)}
         out["recipes"][name] = row
     return out
 

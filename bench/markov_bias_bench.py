@@ -33,8 +33,8 @@ import tempfile
 from pathlib import Path
 
 from bench import harness
-from bench.recipe_bench import REPLAY, TOY_FIXED, replay_flags, temperature_flags
-from recipe_results import FIXED, interval
+from bench.recipe_bench import REPLAY, TOY_FIXED, at_temperature, replay_flags, temperature_flags
+from recipe_results import FIXED, paired
 
 TOY = [["--store", "{store}"]]
 FIGURES = ("tau", "tau_t1", "tau_t1_low")
@@ -85,8 +85,8 @@ def replay(store: str, checkpoint: Path, shards: str, report: Path) -> dict:
     if r.returncode:
         raise RuntimeError(f"evaluate.py failed on {checkpoint}: {r.stderr[-2000:]}")
     rep = json.loads((report / "report.json").read_text())["checkpoints"][0]
-    t = rep.get("tau_at_temperature") or {}
-    return {"tau": rep["tau"], "tau_t1": t.get("tau"), "tau_t1_low": t.get("tau_low")}
+    t = at_temperature(rep)  # the recipe bench's names for evaluate.py's tau_at_temperature
+    return {"tau": rep["tau"], "tau_t1": t["tau_t1"], "tau_t1_low": t["tau_t1_low"]}
 
 
 def toy_checkpoint(store: str, tmp: Path) -> Path:
@@ -98,13 +98,13 @@ def toy_checkpoint(store: str, tmp: Path) -> Path:
     return tmp / "run" / "final"
 
 
-def paired(rows: list[dict], variant: str, figure: str) -> dict:
-    """with - variant over the seeds: mean, 95% t-interval, relative to the variant's mean."""
-    diffs = [r["with"][figure] - r[variant][figure] for r in rows if r["with"][figure] is not None]
-    if not diffs:
+def with_minus(rows: list[dict], variant: str, figure: str) -> dict:
+    """with - variant over the seeds that have the figure (recipe_results.paired: relative to the variant's mean)."""
+    rows = [r for r in rows if r["with"][figure] is not None]
+    if not rows:
         return {"diff": None, "ci95": None, "relative": None}
-    base = statistics.mean(r[variant][figure] for r in rows)
-    return {"diff": statistics.mean(diffs), "ci95": interval(diffs), "relative": statistics.mean(diffs) / base}
+    diffs = [r["with"][figure] - r[variant][figure] for r in rows]
+    return paired(diffs, statistics.mean(r[variant][figure] for r in rows))
 
 
 def main() -> None:
@@ -134,7 +134,7 @@ def main() -> None:
                 row[v] = replay(args.store, drafter, shards, tmp / f"s{seed}-{v}")
             rows.append(row)
     result = {"store": args.store, "shards": shards, "weights_from": fixed["shards"], "replay": REPLAY, "runs": rows}
-    harness.emit(result | {f"with_minus_{v}": {f: paired(rows, v, f) for f in FIGURES} for v in VARIANTS}, args)
+    harness.emit(result | {f"with_minus_{v}": {f: with_minus(rows, v, f) for f in FIGURES} for v in VARIANTS}, args)
 
 
 if __name__ == "__main__":
